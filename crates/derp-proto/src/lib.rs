@@ -1,0 +1,2 @@
+//! placeholder: being written (see /tmp/derpd/proto-api.md)
+pub mod stun;

@@ -1,0 +1,1 @@
+//! STUN codec: being written.

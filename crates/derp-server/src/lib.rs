@@ -1,0 +1,3 @@
+//! placeholder
+mod stun;
+mod ws;

@@ -1,0 +1,1 @@
+//! STUN server: being written.

@@ -1,0 +1,116 @@
+//! Test fixtures shared by derpd's test suites.
+//!
+//! What it provides: the reference vectors (bytes recorded from Tailscale's Go implementation,
+//! vendored under `crates/derp-proto/testdata/`), the three fixed node keys they use, and a
+//! once-per-binary tracing setup. What it does not provide: servers, clients or sockets; those
+//! live in the crates under test so this crate can depend on `derp-proto` alone and be a
+//! dev-dependency of everything else without cycles.
+
+use std::sync::Once;
+
+use derp_proto::{PublicKey, SecretKey};
+use serde_json::Value;
+
+/// Parsed reference vector files, by file stem.
+pub mod vectors {
+    use super::Value;
+
+    macro_rules! vector_file {
+        ($(#[$doc:meta])* $name:ident, $file:literal) => {
+            $(#[$doc])*
+            pub fn $name() -> Value {
+                let text = include_str!(concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/../derp-proto/testdata/",
+                    $file
+                ));
+                serde_json::from_str(text).expect(concat!($file, " is valid JSON"))
+            }
+        };
+    }
+
+    vector_file!(
+        /// `keys.json`: the three node keys and their text forms.
+        keys,
+        "keys.json"
+    );
+    vector_file!(
+        /// `handshake.json`: ServerKey, ClientInfo and ServerInfo frames.
+        handshake,
+        "handshake.json"
+    );
+    vector_file!(
+        /// `frames.json`: one vector per frame type.
+        frames,
+        "frames.json"
+    );
+    vector_file!(
+        /// `http.json`: recorded upgrade exchanges (plain, fast start, WebSocket).
+        http,
+        "http.json"
+    );
+    vector_file!(
+        /// `session.json`: a recorded relay session between two clients.
+        session,
+        "session.json"
+    );
+    vector_file!(
+        /// `stun.json`: recorded STUN exchanges.
+        stun,
+        "stun.json"
+    );
+}
+
+/// Decodes a lowercase hex string from a vector, panicking with the offending text if it is bad.
+pub fn unhex(s: &str) -> Vec<u8> {
+    hex::decode(s).unwrap_or_else(|e| panic!("bad hex in vector ({e}): {s}"))
+}
+
+/// Returns the `private_hex` of the named key (`server`, `client_a` or `client_b`).
+fn private_bytes(name: &str) -> [u8; 32] {
+    let keys = vectors::keys();
+    let entry = keys["keys"]
+        .as_array()
+        .expect("keys array")
+        .iter()
+        .find(|k| k["name"] == name)
+        .unwrap_or_else(|| panic!("no key named {name}"));
+    unhex(entry["private_hex"].as_str().expect("private_hex"))
+        .try_into()
+        .expect("32-byte key")
+}
+
+/// The secret key the reference server used for every vector.
+pub fn server_secret() -> SecretKey {
+    SecretKey::from_bytes(private_bytes("server"))
+}
+
+/// The first client's secret key (`client_a`).
+pub fn client_a_secret() -> SecretKey {
+    SecretKey::from_bytes(private_bytes("client_a"))
+}
+
+/// The second client's secret key (`client_b`).
+pub fn client_b_secret() -> SecretKey {
+    SecretKey::from_bytes(private_bytes("client_b"))
+}
+
+/// Returns the public key of a named vector key.
+pub fn public_key(name: &str) -> PublicKey {
+    SecretKey::from_bytes(private_bytes(name)).public_key()
+}
+
+/// Installs a tracing subscriber that writes through the test harness, once per binary.
+///
+/// The level comes from `RUST_LOG` and defaults to `warn`, so passing tests stay quiet.
+pub fn init_tracing() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .init();
+    });
+}

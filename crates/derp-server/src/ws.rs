@@ -1,1 +1,1076 @@
-//! WebSocket transport: being written.
+//! Server side of DERP over WebSocket (RFC 6455, subprotocol `derp`).
+//!
+//! DERP is a byte stream; over WebSocket it travels in binary messages whose boundaries carry no
+//! meaning (spec §1.1, §3.4). So this module is not a message API. It offers:
+//!
+//! - handshake helpers: [`accept_key`], [`wants_derp_subprotocol`], [`response_head`];
+//! - framing for the write side: [`binary_header`] gives the few header bytes that go in front of
+//!   each outgoing DERP frame, so the relay writer can batch frames into one vectored write
+//!   without copying them; [`control_frame`] and [`close_frame`] build pong and close frames;
+//! - [`WsDecoder`], a sans-IO decoder that turns raw client bytes into the DERP byte stream,
+//!   unmasking payload bytes as soon as they arrive, and reports pings and the close.
+//!
+//! It does not do IO, compression (derper disables it), text messages, or client-side framing.
+
+use std::fmt;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::{Buf as _, Bytes, BytesMut};
+use sha1::{Digest as _, Sha1};
+
+/// The GUID that RFC 6455 §1.3 appends to the client's key before hashing.
+const ACCEPT_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
+
+/// Largest payload accepted in one client frame.
+///
+/// The Go client writes each DERP frame (at most a little over 1 MiB, see `MaxInfoLen`) as its
+/// own message, so anything much larger is not a DERP peer. The payload is streamed, so the cap
+/// bounds nothing in memory; it only rejects nonsense lengths early.
+pub(crate) const MAX_FRAME_PAYLOAD: u64 = (1 << 20) + (64 << 10);
+
+/// RFC 6455 §5.5: control frame payloads are at most 125 bytes.
+const MAX_CONTROL_PAYLOAD: usize = 125;
+
+const OP_CONTINUATION: u8 = 0x0;
+const OP_TEXT: u8 = 0x1;
+const OP_BINARY: u8 = 0x2;
+const OP_CLOSE: u8 = 0x8;
+const OP_PING: u8 = 0x9;
+const OP_PONG: u8 = 0xA;
+
+const FIN: u8 = 0x80;
+const RSV_BITS: u8 = 0x70;
+const OPCODE_BITS: u8 = 0x0F;
+const MASK_BIT: u8 = 0x80;
+const LEN7_BITS: u8 = 0x7F;
+
+/// Close status codes used by the server (RFC 6455 §7.4.1).
+pub(crate) mod close_code {
+    /// Normal closure; also the code the server echoes when the client closes normally.
+    pub(crate) const NORMAL: u16 = 1000;
+    /// The peer broke the framing rules.
+    pub(crate) const PROTOCOL_ERROR: u16 = 1002;
+    /// The peer sent a message type we do not take (text).
+    pub(crate) const UNSUPPORTED_DATA: u16 = 1003;
+    /// A close reason that is not UTF-8.
+    pub(crate) const INVALID_PAYLOAD: u16 = 1007;
+    /// derper closes with this when the client did not negotiate the `derp` subprotocol.
+    pub(crate) const POLICY_VIOLATION: u16 = 1008;
+    /// A frame longer than [`super::MAX_FRAME_PAYLOAD`].
+    pub(crate) const MESSAGE_TOO_BIG: u16 = 1009;
+    /// derper closes with this when the DERP connection ends.
+    pub(crate) const INTERNAL_ERROR: u16 = 1011;
+}
+
+/// The `Sec-WebSocket-Accept` value for a client's `Sec-WebSocket-Key` (RFC 6455 §4.2.2).
+///
+/// Surrounding whitespace in the header value is ignored, as Go's header parser does.
+pub(crate) fn accept_key(sec_websocket_key: &str) -> String {
+    let mut hasher = Sha1::new();
+    hasher.update(sec_websocket_key.trim().as_bytes());
+    hasher.update(ACCEPT_GUID.as_bytes());
+    BASE64.encode(hasher.finalize())
+}
+
+/// Whether a `Sec-WebSocket-Protocol` header value asks for DERP.
+///
+/// derper routes a request to the WebSocket path when the header merely contains `derp`
+/// (case-sensitive substring, not a token match), so this does the same to route identically.
+pub(crate) fn wants_derp_subprotocol(header_value: &str) -> bool {
+    header_value.contains("derp")
+}
+
+/// The 101 response head that completes the WebSocket handshake, ending with the blank line.
+///
+/// Header order and spelling follow what derper sends (Go canonicalises names to
+/// `Sec-Websocket-*`); its `Date` header is left out because clients ignore it.
+pub(crate) fn response_head(accept: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 101 Switching Protocols\r\n\
+         Connection: Upgrade\r\n\
+         Sec-Websocket-Accept: {accept}\r\n\
+         Sec-Websocket-Protocol: derp\r\n\
+         Upgrade: websocket\r\n\
+         \r\n"
+    )
+    .into_bytes()
+}
+
+/// The header of one unmasked, final binary frame carrying `payload_len` bytes.
+///
+/// Returns the header buffer and how many of its leading bytes are used (2, 4 or 10), so a
+/// writer can put `&buf[..n]` in front of the payload in a single vectored write.
+pub(crate) fn binary_header(payload_len: usize) -> ([u8; 10], usize) {
+    let mut header = [0u8; 10];
+    header[0] = FIN | OP_BINARY;
+    if payload_len <= 125 {
+        // Fits in the 7-bit length field: checked just above.
+        header[1] = payload_len as u8;
+        (header, 2)
+    } else if let Ok(len16) = u16::try_from(payload_len) {
+        header[1] = 126;
+        header[2..4].copy_from_slice(&len16.to_be_bytes());
+        (header, 4)
+    } else {
+        header[1] = 127;
+        // usize is at most 64 bits on every target Rust supports.
+        header[2..10].copy_from_slice(&(payload_len as u64).to_be_bytes());
+        (header, 10)
+    }
+}
+
+/// The control frames a server sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ControlOpcode {
+    /// Close (0x8).
+    Close,
+    /// Ping (0x9).
+    Ping,
+    /// Pong (0xA), the answer to a ping, echoing its payload.
+    Pong,
+}
+
+impl ControlOpcode {
+    fn wire(self) -> u8 {
+        match self {
+            Self::Close => OP_CLOSE,
+            Self::Ping => OP_PING,
+            Self::Pong => OP_PONG,
+        }
+    }
+}
+
+/// An unmasked server-to-client control frame.
+///
+/// Control payloads are limited to 125 bytes by RFC 6455 §5.5; a longer `payload` is cut to
+/// 125 bytes rather than producing a frame the client must reject. Pong payloads echo a ping
+/// that [`WsDecoder`] already limited to 125 bytes, so nothing is cut in practice.
+pub(crate) fn control_frame(opcode: ControlOpcode, payload: &[u8]) -> Vec<u8> {
+    let payload = &payload[..payload.len().min(MAX_CONTROL_PAYLOAD)];
+    let mut frame = Vec::with_capacity(2 + payload.len());
+    frame.push(FIN | opcode.wire());
+    // At most 125 after the cut above.
+    frame.push(payload.len() as u8);
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// A close frame carrying `code` and no reason.
+pub(crate) fn close_frame(code: u16) -> Vec<u8> {
+    control_frame(ControlOpcode::Close, &code.to_be_bytes())
+}
+
+/// A close frame carrying `code` and a UTF-8 `reason` (cut to fit the 125-byte limit, on a
+/// character boundary).
+pub(crate) fn close_frame_with_reason(code: u16, reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(MAX_CONTROL_PAYLOAD - 2);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut payload = Vec::with_capacity(2 + end);
+    payload.extend_from_slice(&code.to_be_bytes());
+    payload.extend_from_slice(&reason.as_bytes()[..end]);
+    control_frame(ControlOpcode::Close, &payload)
+}
+
+/// Why the client's WebSocket stream was rejected.
+///
+/// Every variant is the peer's fault; answer with [`close_frame`]`(err.close_code())` and drop
+/// the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum WsError {
+    /// RFC 6455 §5.1: every client frame must be masked.
+    #[error("client frame is not masked")]
+    Unmasked,
+    /// RSV1-3 set without a negotiated extension.
+    #[error("reserved bits set in frame header")]
+    ReservedBits,
+    /// An opcode RFC 6455 does not define.
+    #[error("unknown opcode {0:#x}")]
+    UnknownOpcode(u8),
+    /// DERP only travels in binary messages.
+    #[error("text messages are not supported")]
+    TextMessage,
+    /// A control frame without FIN (RFC 6455 §5.5).
+    #[error("fragmented control frame")]
+    FragmentedControl,
+    /// A control frame longer than 125 bytes (RFC 6455 §5.5).
+    #[error("control frame payload of {0} bytes exceeds 125")]
+    ControlTooLong(u8),
+    /// A continuation frame with no message in progress.
+    #[error("continuation frame without a message to continue")]
+    UnexpectedContinuation,
+    /// A new binary message before the previous fragmented one finished.
+    #[error("new message started before the previous one finished")]
+    UnfinishedMessage,
+    /// A 64-bit length with the most significant bit set (RFC 6455 §5.2).
+    #[error("frame length has its most significant bit set")]
+    InvalidLength,
+    /// A frame payload above [`MAX_FRAME_PAYLOAD`].
+    #[error("frame payload of {len} bytes exceeds the {max}-byte limit")]
+    FrameTooLarge {
+        /// The declared payload length.
+        len: u64,
+        /// The limit it exceeded.
+        max: u64,
+    },
+    /// A close frame with a one-byte payload, which cannot hold a status code.
+    #[error("close frame payload of one byte")]
+    TruncatedClose,
+    /// A close status code that may not be sent on the wire (RFC 6455 §7.4).
+    #[error("invalid close code {0}")]
+    InvalidCloseCode(u16),
+    /// A close reason that is not UTF-8 (RFC 6455 §5.5.1).
+    #[error("close reason is not valid UTF-8")]
+    InvalidCloseReason,
+}
+
+impl WsError {
+    /// The close status code to send back for this error.
+    pub(crate) fn close_code(&self) -> u16 {
+        match self {
+            Self::TextMessage => close_code::UNSUPPORTED_DATA,
+            Self::FrameTooLarge { .. } => close_code::MESSAGE_TOO_BIG,
+            Self::InvalidCloseReason => close_code::INVALID_PAYLOAD,
+            Self::Unmasked
+            | Self::ReservedBits
+            | Self::UnknownOpcode(_)
+            | Self::FragmentedControl
+            | Self::ControlTooLong(_)
+            | Self::UnexpectedContinuation
+            | Self::UnfinishedMessage
+            | Self::InvalidLength
+            | Self::TruncatedClose
+            | Self::InvalidCloseCode(_) => close_code::PROTOCOL_ERROR,
+        }
+    }
+}
+
+/// What [`WsDecoder::decode`] stopped for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WsEvent {
+    /// All complete input was consumed (payload bytes are in `out`); read more from the socket.
+    /// Any bytes left in `input` are the start of a frame header or control frame.
+    NeedMore,
+    /// The client pinged; send [`control_frame`]`(ControlOpcode::Pong, &payload)` and call
+    /// `decode` again, since more input may be waiting.
+    Ping(Bytes),
+    /// The client started the close handshake. Echo [`close_frame`]`(code)` (or an empty close
+    /// frame if `code` is `None`) and stop reading. Later calls report the same event.
+    Close {
+        /// The client's status code, if its close frame carried one.
+        code: Option<u16>,
+    },
+}
+
+#[derive(Clone, Copy)]
+enum State {
+    /// Between frames: the next input byte starts a header.
+    Header,
+    /// Inside a binary or continuation frame's payload.
+    Payload {
+        remaining: u64,
+        /// Rotated as bytes are consumed, so `mask[0]` applies to the next byte.
+        mask: [u8; 4],
+    },
+    Closed {
+        code: Option<u16>,
+    },
+    Failed(WsError),
+}
+
+/// Incremental decoder for client-to-server WebSocket frames.
+///
+/// Feed it whatever the socket produced; it consumes what it can from `input`, appends
+/// unmasked payload bytes of binary messages to `out` as soon as they arrive (without waiting
+/// for a frame to complete), and stops at each control event. After an error it keeps
+/// returning that error.
+pub(crate) struct WsDecoder {
+    state: State,
+    /// A binary message with FIN unset is open, so continuation frames are expected.
+    in_message: bool,
+    max_payload: u64,
+}
+
+impl fmt::Debug for WsDecoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The mask key is not secret but is noise in logs; show the phase of decoding only.
+        let state = match self.state {
+            State::Header => "header",
+            State::Payload { .. } => "payload",
+            State::Closed { .. } => "closed",
+            State::Failed(_) => "failed",
+        };
+        f.debug_struct("WsDecoder")
+            .field("state", &state)
+            .field("in_message", &self.in_message)
+            .field("max_payload", &self.max_payload)
+            .finish()
+    }
+}
+
+impl Default for WsDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A parsed frame header.
+struct FrameHeader {
+    fin: bool,
+    opcode: u8,
+    mask: [u8; 4],
+    payload_len: u64,
+    header_len: usize,
+}
+
+impl WsDecoder {
+    /// A decoder at the start of the stream, with the [`MAX_FRAME_PAYLOAD`] limit.
+    pub(crate) fn new() -> Self {
+        Self {
+            state: State::Header,
+            in_message: false,
+            max_payload: MAX_FRAME_PAYLOAD,
+        }
+    }
+
+    /// Consumes client bytes from `input`, appending DERP stream bytes to `out`.
+    ///
+    /// Returns at the first control event, or with [`WsEvent::NeedMore`] once nothing more can
+    /// be decoded from `input`.
+    pub(crate) fn decode(
+        &mut self,
+        input: &mut BytesMut,
+        out: &mut BytesMut,
+    ) -> Result<WsEvent, WsError> {
+        let result = self.decode_inner(input, out);
+        if let Err(err) = result {
+            self.state = State::Failed(err);
+        }
+        result
+    }
+
+    fn decode_inner(
+        &mut self,
+        input: &mut BytesMut,
+        out: &mut BytesMut,
+    ) -> Result<WsEvent, WsError> {
+        loop {
+            match self.state {
+                State::Failed(err) => return Err(err),
+                State::Closed { code } => return Ok(WsEvent::Close { code }),
+                State::Payload {
+                    remaining,
+                    mut mask,
+                } => {
+                    if input.is_empty() {
+                        return Ok(WsEvent::NeedMore);
+                    }
+                    // Bounded by input.len(), so it fits in usize.
+                    let n = remaining.min(input.len() as u64) as usize;
+                    let start = out.len();
+                    out.extend_from_slice(&input[..n]);
+                    unmask(&mut out[start..], mask);
+                    input.advance(n);
+                    mask.rotate_left(n % 4);
+                    let remaining = remaining - n as u64;
+                    self.state = if remaining == 0 {
+                        State::Header
+                    } else {
+                        State::Payload { remaining, mask }
+                    };
+                }
+                State::Header => {
+                    let Some(header) = self.parse_header(input)? else {
+                        return Ok(WsEvent::NeedMore);
+                    };
+                    if header.opcode & 0x8 == 0 {
+                        // Binary or continuation: validated by parse_header.
+                        input.advance(header.header_len);
+                        self.in_message = !header.fin;
+                        if header.payload_len > 0 {
+                            self.state = State::Payload {
+                                remaining: header.payload_len,
+                                mask: header.mask,
+                            };
+                        }
+                        continue;
+                    }
+                    // Control frames are short, so wait until one is whole rather than keep
+                    // a partial control payload around.
+                    // parse_header capped payload_len at 125.
+                    let payload_len = header.payload_len as usize;
+                    let total = header.header_len + payload_len;
+                    if input.len() < total {
+                        return Ok(WsEvent::NeedMore);
+                    }
+                    let mut payload = [0u8; MAX_CONTROL_PAYLOAD];
+                    let payload = &mut payload[..payload_len];
+                    payload.copy_from_slice(&input[header.header_len..total]);
+                    unmask(payload, header.mask);
+                    input.advance(total);
+                    match header.opcode {
+                        OP_PING => return Ok(WsEvent::Ping(Bytes::copy_from_slice(payload))),
+                        OP_CLOSE => {
+                            let code = parse_close(payload)?;
+                            self.state = State::Closed { code };
+                            return Ok(WsEvent::Close { code });
+                        }
+                        // Pong: the server sends no pings, so an unsolicited pong is ignored
+                        // as RFC 6455 §5.5.3 allows.
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Parses and validates the header at the start of `input` without consuming it.
+    ///
+    /// Each check runs as soon as the bytes it needs are present, so a hostile length or
+    /// opcode is rejected before anything else about the frame arrives.
+    fn parse_header(&self, input: &[u8]) -> Result<Option<FrameHeader>, WsError> {
+        let [b0, b1, ..] = *input else {
+            return Ok(None);
+        };
+        if b0 & RSV_BITS != 0 {
+            return Err(WsError::ReservedBits);
+        }
+        let fin = b0 & FIN != 0;
+        let opcode = b0 & OPCODE_BITS;
+        match opcode {
+            OP_CONTINUATION if !self.in_message => return Err(WsError::UnexpectedContinuation),
+            OP_CONTINUATION => {}
+            OP_TEXT => return Err(WsError::TextMessage),
+            OP_BINARY if self.in_message => return Err(WsError::UnfinishedMessage),
+            OP_BINARY => {}
+            OP_CLOSE | OP_PING | OP_PONG => {
+                if !fin {
+                    return Err(WsError::FragmentedControl);
+                }
+                if usize::from(b1 & LEN7_BITS) > MAX_CONTROL_PAYLOAD {
+                    return Err(WsError::ControlTooLong(b1 & LEN7_BITS));
+                }
+            }
+            other => return Err(WsError::UnknownOpcode(other)),
+        }
+        if b1 & MASK_BIT == 0 {
+            return Err(WsError::Unmasked);
+        }
+        let (payload_len, len_end) = match b1 & LEN7_BITS {
+            126 => {
+                let Some(&[hi, lo]) = input.get(2..4) else {
+                    return Ok(None);
+                };
+                (u64::from(u16::from_be_bytes([hi, lo])), 4)
+            }
+            127 => {
+                let Some(ext) = input.get(2..10) else {
+                    return Ok(None);
+                };
+                let mut bytes = [0u8; 8];
+                bytes.copy_from_slice(ext);
+                let len = u64::from_be_bytes(bytes);
+                if len >> 63 != 0 {
+                    return Err(WsError::InvalidLength);
+                }
+                (len, 10)
+            }
+            len7 => (u64::from(len7), 2),
+        };
+        if payload_len > self.max_payload {
+            return Err(WsError::FrameTooLarge {
+                len: payload_len,
+                max: self.max_payload,
+            });
+        }
+        let Some(&[m0, m1, m2, m3]) = input.get(len_end..len_end + 4) else {
+            return Ok(None);
+        };
+        Ok(Some(FrameHeader {
+            fin,
+            opcode,
+            mask: [m0, m1, m2, m3],
+            payload_len,
+            header_len: len_end + 4,
+        }))
+    }
+}
+
+/// Validates an unmasked close payload and extracts its status code (RFC 6455 §5.5.1, §7.4).
+fn parse_close(payload: &[u8]) -> Result<Option<u16>, WsError> {
+    let [hi, lo, reason @ ..] = payload else {
+        return if payload.is_empty() {
+            Ok(None)
+        } else {
+            Err(WsError::TruncatedClose)
+        };
+    };
+    let code = u16::from_be_bytes([*hi, *lo]);
+    // 1004-1006 and 1015 are reserved for local use and must never appear on the wire; the
+    // rest of 1000-2999 is unassigned; 3000-4999 belong to registries and applications.
+    let valid = matches!(code, 1000..=1003 | 1007..=1014 | 3000..=4999);
+    if !valid {
+        return Err(WsError::InvalidCloseCode(code));
+    }
+    if std::str::from_utf8(reason).is_err() {
+        return Err(WsError::InvalidCloseReason);
+    }
+    Ok(Some(code))
+}
+
+/// XORs `buf` with the repeating 4-byte `mask`, starting at `mask[0]`.
+///
+/// Works eight bytes at a time; since 8 is a multiple of 4, every chunk starts at mask
+/// phase 0, and the loop is simple enough for the compiler to vectorise further.
+fn unmask(buf: &mut [u8], mask: [u8; 4]) {
+    let [m0, m1, m2, m3] = mask;
+    // Native byte order on both sides of the XOR keeps byte i paired with mask[i % 4].
+    let wide = u64::from_ne_bytes([m0, m1, m2, m3, m0, m1, m2, m3]);
+    let (chunks, tail) = buf.as_chunks_mut::<8>();
+    for chunk in chunks {
+        *chunk = (u64::from_ne_bytes(*chunk) ^ wide).to_ne_bytes();
+    }
+    for (byte, m) in tail.iter_mut().zip(mask.iter().cycle()) {
+        *byte ^= *m;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use derp_testkit::{unhex, vectors};
+    use serde_json::Value;
+
+    use super::*;
+
+    fn websocket_exchange() -> Value {
+        vectors::http()["websocket"].clone()
+    }
+
+    /// Concatenation of one direction's transcript chunks.
+    fn stream(exchange: &Value, dir: &str) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for chunk in exchange["transcript"].as_array().expect("transcript") {
+            if chunk["dir"] == dir {
+                bytes.extend(unhex(chunk["hex"].as_str().expect("hex")));
+            }
+        }
+        bytes
+    }
+
+    /// The c2s bytes after the HTTP request head: the client's WebSocket frames.
+    fn recorded_c2s_frames() -> Vec<u8> {
+        let exchange = websocket_exchange();
+        let all = stream(&exchange, "c2s");
+        let request = unhex(exchange["request_hex"].as_str().expect("request_hex"));
+        assert!(all.starts_with(&request));
+        all[request.len()..].to_vec()
+    }
+
+    fn recorded_c2s_derp() -> Vec<u8> {
+        let exchange = websocket_exchange();
+        let mut bytes = Vec::new();
+        for frame in exchange["derp_frames_inside_websocket"]
+            .as_array()
+            .expect("frames")
+        {
+            if frame["dir"] == "c2s" {
+                bytes.extend(unhex(frame["hex"].as_str().expect("hex")));
+            }
+        }
+        assert!(!bytes.is_empty());
+        bytes
+    }
+
+    /// Builds a masked client frame, choosing the shortest length encoding.
+    fn client_frame(b0: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
+        let mut frame = vec![b0];
+        let len = payload.len();
+        if len <= 125 {
+            frame.push(MASK_BIT | len as u8);
+        } else if len <= 0xFFFF {
+            frame.push(MASK_BIT | 126);
+            frame.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            frame.push(MASK_BIT | 127);
+            frame.extend_from_slice(&(len as u64).to_be_bytes());
+        }
+        frame.extend_from_slice(&mask);
+        frame.extend(payload.iter().zip(mask.iter().cycle()).map(|(b, m)| b ^ m));
+        frame
+    }
+
+    /// Runs the decoder over `chunks` in order, answering until it needs more each time.
+    /// Returns the DERP bytes and the events (without `NeedMore`), stopping at an error.
+    fn run(chunks: &[&[u8]]) -> (Vec<u8>, Vec<WsEvent>, Option<WsError>) {
+        let mut decoder = WsDecoder::new();
+        let mut input = BytesMut::new();
+        let mut out = BytesMut::new();
+        let mut events = Vec::new();
+        for chunk in chunks {
+            input.extend_from_slice(chunk);
+            loop {
+                match decoder.decode(&mut input, &mut out) {
+                    Ok(WsEvent::NeedMore) => break,
+                    Ok(event @ WsEvent::Close { .. }) => {
+                        events.push(event);
+                        return (out.to_vec(), events, None);
+                    }
+                    Ok(event) => events.push(event),
+                    Err(err) => return (out.to_vec(), events, Some(err)),
+                }
+            }
+        }
+        (out.to_vec(), events, None)
+    }
+
+    fn first_error(bytes: &[u8]) -> Option<WsError> {
+        run(&[bytes]).2
+    }
+
+    #[test]
+    fn accept_key_matches_rfc_example() {
+        assert_eq!(
+            accept_key("dGhlIHNhbXBsZSBub25jZQ=="),
+            "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        );
+        assert_eq!(
+            accept_key(" dGhlIHNhbXBsZSBub25jZQ== "),
+            "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        );
+    }
+
+    /// Pulls one header's value out of a recorded head.
+    fn header_value(head: &str, name: &str) -> String {
+        head.split("\r\n")
+            .find_map(|line| {
+                let (n, v) = line.split_once(':')?;
+                n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+            })
+            .unwrap_or_else(|| panic!("no {name} header"))
+    }
+
+    #[test]
+    fn accept_key_matches_recorded_exchange() {
+        let exchange = websocket_exchange();
+        let request = exchange["request_text"].as_str().expect("request_text");
+        let response = exchange["response_text"].as_str().expect("response_text");
+        let key = header_value(request, "Sec-WebSocket-Key");
+        let accept = header_value(response, "Sec-WebSocket-Accept");
+        assert_eq!(accept_key(&key), accept);
+    }
+
+    #[test]
+    fn response_head_matches_recorded_response_without_date() {
+        let exchange = websocket_exchange();
+        let response = exchange["response_text"].as_str().expect("response_text");
+        let expected: String = response
+            .split_inclusive("\r\n")
+            .filter(|line| !line.starts_with("Date:"))
+            .collect();
+        let accept = header_value(response, "Sec-WebSocket-Accept");
+        assert_eq!(String::from_utf8(response_head(&accept)).unwrap(), expected);
+    }
+
+    #[test]
+    fn subprotocol_detection_is_a_substring_match() {
+        assert!(wants_derp_subprotocol("derp"));
+        assert!(wants_derp_subprotocol("chat, derp"));
+        assert!(wants_derp_subprotocol("derpy"));
+        assert!(!wants_derp_subprotocol(""));
+        assert!(!wants_derp_subprotocol("chat"));
+        assert!(!wants_derp_subprotocol("DERP"));
+    }
+
+    #[test]
+    fn binary_header_uses_shortest_length_form() {
+        let cases: [(usize, &[u8]); 6] = [
+            (0, &[0x82, 0]),
+            (125, &[0x82, 125]),
+            (126, &[0x82, 126, 0, 126]),
+            (65535, &[0x82, 126, 0xFF, 0xFF]),
+            (65536, &[0x82, 127, 0, 0, 0, 0, 0, 1, 0, 0]),
+            (
+                MAX_FRAME_PAYLOAD as usize,
+                &[0x82, 127, 0, 0, 0, 0, 0, 0x11, 0, 0],
+            ),
+        ];
+        for (len, expected) in cases {
+            let (buf, n) = binary_header(len);
+            assert_eq!(&buf[..n], expected, "length {len}");
+        }
+    }
+
+    #[test]
+    fn recorded_server_frames_are_reproduced() {
+        let exchange = websocket_exchange();
+        let mut binary = 0;
+        for frame in exchange["parsed"].as_array().expect("parsed") {
+            if frame["dir"] != "s2c" || frame["kind"] != "ws_frame" {
+                continue;
+            }
+            let recorded = unhex(frame["hex"].as_str().expect("hex"));
+            let payload = unhex(frame["unmasked_payload_hex"].as_str().expect("payload"));
+            let built = match frame["opcode"].as_u64() {
+                Some(2) => {
+                    binary += 1;
+                    let (header, n) = binary_header(payload.len());
+                    [&header[..n], &payload[..]].concat()
+                }
+                Some(8) => {
+                    let code = frame["close_code"].as_u64().expect("close_code");
+                    close_frame(u16::try_from(code).unwrap())
+                }
+                other => panic!("unexpected opcode {other:?}"),
+            };
+            assert_eq!(built, recorded);
+        }
+        assert_eq!(binary, 2);
+        assert_eq!(close_frame(close_code::NORMAL), [0x88, 0x02, 0x03, 0xE8]);
+        // derper's close when the DERP connection ends.
+        assert_eq!(
+            close_frame(close_code::INTERNAL_ERROR),
+            [0x88, 0x02, 0x03, 0xF3]
+        );
+    }
+
+    #[test]
+    fn recorded_client_frames_decode_to_derp_stream_then_close() {
+        let (derp, events, err) = run(&[&recorded_c2s_frames()]);
+        assert_eq!(err, None);
+        assert_eq!(derp, recorded_c2s_derp());
+        assert_eq!(events, [WsEvent::Close { code: Some(1000) }]);
+    }
+
+    #[test]
+    fn recorded_client_frames_decode_the_same_at_every_split() {
+        let frames = recorded_c2s_frames();
+        let derp = recorded_c2s_derp();
+        for split in 0..=frames.len() {
+            let (head, tail) = frames.split_at(split);
+            let (out, events, err) = run(&[head, tail]);
+            assert_eq!(err, None, "split at {split}");
+            assert_eq!(out, derp, "split at {split}");
+            assert_eq!(
+                events,
+                [WsEvent::Close { code: Some(1000) }],
+                "split {split}"
+            );
+        }
+        let bytes: Vec<&[u8]> = frames.chunks(1).collect();
+        let (out, events, err) = run(&bytes);
+        assert_eq!((out, err), (derp, None));
+        assert_eq!(events, [WsEvent::Close { code: Some(1000) }]);
+    }
+
+    #[test]
+    fn payload_bytes_are_appended_before_the_frame_completes() {
+        let payload: Vec<u8> = (0..=255u8).cycle().take(300).collect();
+        let frame = client_frame(0x82, &payload, [1, 2, 3, 4]);
+        let mut decoder = WsDecoder::new();
+        let mut input = BytesMut::from(&frame[..4 + 4 + 7]);
+        let mut out = BytesMut::new();
+        assert_eq!(decoder.decode(&mut input, &mut out), Ok(WsEvent::NeedMore));
+        assert_eq!(&out[..], &payload[..7]);
+        assert!(input.is_empty());
+        input.extend_from_slice(&frame[4 + 4 + 7..]);
+        assert_eq!(decoder.decode(&mut input, &mut out), Ok(WsEvent::NeedMore));
+        assert_eq!(&out[..], &payload[..]);
+    }
+
+    #[test]
+    fn all_length_forms_round_trip() {
+        for len in [0usize, 1, 7, 8, 9, 125, 126, 127, 65535, 65536, 200_000] {
+            let payload: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            let frame = client_frame(0x82, &payload, [0xDE, 0xAD, 0xBE, 0xEF]);
+            let (out, events, err) = run(&[&frame]);
+            assert_eq!((err, events.len()), (None, 0), "length {len}");
+            assert!(out == payload, "length {len}");
+        }
+    }
+
+    #[test]
+    fn fragmented_message_with_interleaved_ping_and_pong() {
+        let mask = [9, 8, 7, 6];
+        let stream = [
+            client_frame(0x02, b"hello ", mask),
+            client_frame(0x89, b"are you there", mask),
+            client_frame(0x00, b"", mask),
+            client_frame(0x8A, b"unsolicited", mask),
+            client_frame(0x80, b"world", mask),
+            client_frame(0x82, b"!", mask),
+            client_frame(0x88, &[], mask),
+        ]
+        .concat();
+        let (out, events, err) = run(&[&stream]);
+        assert_eq!(err, None);
+        assert_eq!(out, b"hello world!");
+        assert_eq!(
+            events,
+            [
+                WsEvent::Ping(Bytes::from_static(b"are you there")),
+                WsEvent::Close { code: None },
+            ]
+        );
+    }
+
+    #[test]
+    fn close_is_sticky_and_stops_consuming() {
+        let mut input = BytesMut::from(
+            &[
+                client_frame(0x88, &[0x03, 0xE8, b'b', b'y', b'e'], [1, 1, 1, 1]),
+                client_frame(0x82, b"late", [1, 1, 1, 1]),
+            ]
+            .concat()[..],
+        );
+        let mut decoder = WsDecoder::new();
+        let mut out = BytesMut::new();
+        for _ in 0..2 {
+            assert_eq!(
+                decoder.decode(&mut input, &mut out),
+                Ok(WsEvent::Close { code: Some(1000) })
+            );
+        }
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn control_frames_are_built_unmasked() {
+        assert_eq!(
+            control_frame(ControlOpcode::Pong, b"abc"),
+            [0x8A, 3, b'a', b'b', b'c']
+        );
+        assert_eq!(control_frame(ControlOpcode::Ping, b""), [0x89, 0]);
+        let long = control_frame(ControlOpcode::Pong, &[7; 200]);
+        assert_eq!(long.len(), 2 + 125);
+        assert_eq!(long[1], 125);
+        let with_reason = close_frame_with_reason(
+            close_code::POLICY_VIOLATION,
+            "client must speak the derp subprotocol",
+        );
+        assert_eq!(&with_reason[..4], [0x88, 40, 0x03, 0xF0]);
+        assert_eq!(&with_reason[4..], b"client must speak the derp subprotocol");
+        // 'é' is two bytes; a cut must not split it.
+        let cut = close_frame_with_reason(1000, &"é".repeat(100));
+        assert_eq!(cut[1], 2 + 122);
+        assert!(std::str::from_utf8(&cut[4..]).is_ok());
+    }
+
+    #[test]
+    fn hostile_headers_are_rejected_with_the_right_code() {
+        let mask = [1, 2, 3, 4];
+        let cases: Vec<(Vec<u8>, WsError, u16)> = vec![
+            (
+                vec![0x82, 0x05, b'h', b'e', b'l', b'l', b'o'],
+                WsError::Unmasked,
+                1002,
+            ),
+            (
+                client_frame(0x81, b"text", mask),
+                WsError::TextMessage,
+                1003,
+            ),
+            (client_frame(0xC2, b"x", mask), WsError::ReservedBits, 1002),
+            (
+                client_frame(0x83, b"x", mask),
+                WsError::UnknownOpcode(3),
+                1002,
+            ),
+            (
+                client_frame(0x8B, b"x", mask),
+                WsError::UnknownOpcode(0xB),
+                1002,
+            ),
+            (
+                client_frame(0x09, b"x", mask),
+                WsError::FragmentedControl,
+                1002,
+            ),
+            (
+                client_frame(0x08, b"", mask),
+                WsError::FragmentedControl,
+                1002,
+            ),
+            (
+                client_frame(0x89, &[0; 126], mask),
+                WsError::ControlTooLong(126),
+                1002,
+            ),
+            (
+                client_frame(0x80, b"x", mask),
+                WsError::UnexpectedContinuation,
+                1002,
+            ),
+            (
+                [
+                    client_frame(0x02, b"a", mask),
+                    client_frame(0x82, b"b", mask),
+                ]
+                .concat(),
+                WsError::UnfinishedMessage,
+                1002,
+            ),
+            (
+                client_frame(0x88, &[3], mask),
+                WsError::TruncatedClose,
+                1002,
+            ),
+            (
+                client_frame(0x88, &[0x03, 0xED], mask),
+                WsError::InvalidCloseCode(1005),
+                1002,
+            ),
+            (
+                client_frame(0x88, &[0, 1], mask),
+                WsError::InvalidCloseCode(1),
+                1002,
+            ),
+            (
+                client_frame(0x88, &[0x03, 0xE8, 0xFF], mask),
+                WsError::InvalidCloseReason,
+                1007,
+            ),
+        ];
+        for (bytes, expected, code) in cases {
+            assert_eq!(first_error(&bytes), Some(expected), "{bytes:02x?}");
+            assert_eq!(expected.close_code(), code);
+        }
+    }
+
+    #[test]
+    fn oversize_lengths_are_rejected_before_any_payload_or_mask_arrives() {
+        let too_big = MAX_FRAME_PAYLOAD + 1;
+        let mut header = vec![0x82, MASK_BIT | 127];
+        header.extend_from_slice(&too_big.to_be_bytes());
+        let err = WsError::FrameTooLarge {
+            len: too_big,
+            max: MAX_FRAME_PAYLOAD,
+        };
+        assert_eq!(first_error(&header), Some(err));
+        assert_eq!(err.close_code(), 1009);
+
+        let mut huge = vec![0x82, MASK_BIT | 127];
+        huge.extend_from_slice(&u64::MAX.to_be_bytes());
+        assert_eq!(first_error(&huge), Some(WsError::InvalidLength));
+        huge[2] = 0x7F;
+        assert!(matches!(
+            first_error(&huge),
+            Some(WsError::FrameTooLarge { .. })
+        ));
+
+        // Exactly at the limit is fine and is streamed, not buffered.
+        let mut at_limit = vec![0x82, MASK_BIT | 127];
+        at_limit.extend_from_slice(&MAX_FRAME_PAYLOAD.to_be_bytes());
+        at_limit.extend_from_slice(&[0, 0, 0, 0, 42]);
+        let (out, _, err) = run(&[&at_limit]);
+        assert_eq!((out, err), (vec![42], None));
+    }
+
+    #[test]
+    fn errors_are_sticky() {
+        let mut decoder = WsDecoder::new();
+        let mut input = BytesMut::from(&[0x82, 0x00][..]);
+        let mut out = BytesMut::new();
+        assert_eq!(decoder.decode(&mut input, &mut out), Err(WsError::Unmasked));
+        input.extend_from_slice(&client_frame(0x82, b"ok", [0; 4]));
+        assert_eq!(decoder.decode(&mut input, &mut out), Err(WsError::Unmasked));
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn unmask_matches_bytewise_xor_for_all_lengths_and_phases() {
+        let mask = [0x12, 0x34, 0x56, 0x78];
+        for len in 0..40 {
+            for phase in 0..4 {
+                let data: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+                let mut rotated = mask;
+                rotated.rotate_left(phase);
+                let mut fast = data.clone();
+                unmask(&mut fast, rotated);
+                let slow: Vec<u8> = data
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| b ^ mask[(i + phase) % 4])
+                    .collect();
+                assert_eq!(fast, slow, "len {len} phase {phase}");
+            }
+        }
+    }
+
+    /// xorshift64*: deterministic, dependency-free noise for the robustness tests.
+    struct Prng(u64);
+
+    impl Prng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+
+        fn below(&mut self, n: u64) -> usize {
+            (self.next() % n) as usize
+        }
+    }
+
+    #[test]
+    fn random_input_never_panics_and_output_never_exceeds_input() {
+        let mut rng = Prng(0x9E37_79B9_7F4A_7C15);
+        let mut errors = 0;
+        for _ in 0..5000 {
+            let len = rng.below(300);
+            let mut bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            // Bias half the cases towards plausible headers so decoding gets past byte 0.
+            if len >= 2 && rng.below(2) == 0 {
+                bytes[0] = [0x82, 0x02, 0x80, 0x89, 0x8A, 0x88][rng.below(6)];
+                bytes[1] |= MASK_BIT;
+            }
+            let mut chunks = Vec::new();
+            let mut rest = &bytes[..];
+            while !rest.is_empty() {
+                let (chunk, tail) = rest.split_at(1 + rng.below(rest.len() as u64));
+                chunks.push(chunk);
+                rest = tail;
+            }
+            let (out, _, err) = run(&chunks);
+            assert!(out.len() <= bytes.len());
+            errors += usize::from(err.is_some());
+        }
+        assert!(errors > 0);
+    }
+
+    #[test]
+    fn random_valid_streams_decode_at_random_splits() {
+        let mut rng = Prng(42);
+        for _ in 0..200 {
+            let mut stream = Vec::new();
+            let mut expected = Vec::new();
+            let mut pings = Vec::new();
+            for _ in 0..rng.below(8) {
+                let mask = (rng.next() as u32).to_ne_bytes();
+                if rng.below(4) == 0 {
+                    let ping: Vec<u8> = (0..rng.below(126)).map(|_| rng.next() as u8).collect();
+                    stream.extend(client_frame(0x89, &ping, mask));
+                    pings.push(WsEvent::Ping(Bytes::from(ping)));
+                } else {
+                    let len = [rng.below(126), rng.below(70_000)][rng.below(2)];
+                    let payload: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+                    stream.extend(client_frame(0x82, &payload, mask));
+                    expected.extend(payload);
+                }
+            }
+            let mut chunks = Vec::new();
+            let mut rest = &stream[..];
+            while !rest.is_empty() {
+                let (chunk, tail) = rest.split_at(1 + rng.below(rest.len().min(5000) as u64));
+                chunks.push(chunk);
+                rest = tail;
+            }
+            let (out, events, err) = run(&chunks);
+            assert_eq!(err, None);
+            assert!(out == expected);
+            assert_eq!(events, pings);
+        }
+    }
+}

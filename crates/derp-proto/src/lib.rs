@@ -1,2 +1,37 @@
-//! placeholder: being written (see /tmp/derpd/proto-api.md)
+//! Sans-IO implementation of Tailscale's DERP relay wire protocol.
+//!
+//! What this crate does: node and mesh keys with their text forms; the NaCl box used in the
+//! handshake; the ClientInfo/ServerInfo JSON bodies with Go-compatible encoding and decoding;
+//! every frame type (0x01–0x15) as typed messages with encoders; incremental decoders for each
+//! direction that apply the reference implementation's size rules; handshake state machines
+//! for both sides; and a STUN codec ([`stun`]).
+//!
+//! What it does not do: no sockets or other IO, no clock or timers, and no randomness of its
+//! own. Callers read bytes into a [`bytes::BytesMut`], feed it to a decoder, write encoded
+//! frames out themselves, and pass in nonces and RNGs.
+//!
+//! Protocol flow, once the HTTP upgrade (or WebSocket) is done:
+//!
+//! 1. Server → client: ServerKey (magic + server public key).
+//! 2. Client → server: ClientInfo (client public key + box of the ClientInfo JSON, sealed to
+//!    the server key).
+//! 3. Server → client: ServerInfo (box of `{"version":2}`, sealed to the client key).
+//! 4. Then frames in both directions: SendPacket / RecvPacket carry packets; NotePreferred,
+//!    Ping/Pong, KeepAlive, PeerGone; mesh peers use WatchConns, PeerPresent, ForwardPacket and
+//!    ClosePeer. Unknown frame types are skipped.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+pub mod codec;
+pub mod crypto;
+pub mod frame;
+pub mod handshake;
+pub mod info;
+pub mod keys;
 pub mod stun;
+
+pub use codec::{ClientDecoder, DecodeError, ServerDecoder};
+pub use crypto::BoxError;
+pub use frame::{ClientToRelay, FrameType, PeerGoneReason, RelayToClient};
+pub use handshake::{ClientHandshake, HandshakeError, ServerHandshake};
+pub use info::{ClientInfo, InfoError, ServerInfo};
+pub use keys::{KeyError, MeshKey, PublicKey, SecretKey};

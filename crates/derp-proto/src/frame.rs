@@ -1,0 +1,461 @@
+//! Frame types, the 5-byte frame header, and the two message enums with their encoders.
+//!
+//! A frame is one type byte, a big-endian `u32` payload length (header excluded), then the
+//! payload. [`ClientToRelay`] covers what clients send; [`RelayToClient`] what servers send.
+//! Decoding, with each side's size rules, lives in [`crate::codec`].
+
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+use bytes::{BufMut, Bytes};
+
+use crate::keys::PublicKey;
+
+/// The one-byte frame type.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FrameType {
+    /// S→C: magic + server public key.
+    ServerKey = 0x01,
+    /// C→S: client public key + sealed ClientInfo JSON.
+    ClientInfo = 0x02,
+    /// S→C: sealed ServerInfo JSON.
+    ServerInfo = 0x03,
+    /// C→S: destination key + packet.
+    SendPacket = 0x04,
+    /// S→C: source key + packet.
+    RecvPacket = 0x05,
+    /// S→C: empty keepalive.
+    KeepAlive = 0x06,
+    /// C→S: one byte, whether this is the client's home relay.
+    NotePreferred = 0x07,
+    /// S→C: peer key + reason.
+    PeerGone = 0x08,
+    /// S→C (mesh watchers): peer key + address + flags.
+    PeerPresent = 0x09,
+    /// Mesh C→S: source key + destination key + packet.
+    ForwardPacket = 0x0a,
+    /// Mesh C→S: subscribe to presence changes.
+    WatchConns = 0x10,
+    /// Mesh C→S: disconnect a client.
+    ClosePeer = 0x11,
+    /// Eight opaque bytes to be echoed.
+    Ping = 0x12,
+    /// The echo of a Ping.
+    Pong = 0x13,
+    /// S→C: health problem text; empty means healthy.
+    Health = 0x14,
+    /// S→C: the server is restarting; reconnect timing hints.
+    Restarting = 0x15,
+}
+
+impl FrameType {
+    /// Maps a wire byte to a known frame type.
+    pub const fn from_u8(value: u8) -> Option<Self> {
+        Some(match value {
+            0x01 => Self::ServerKey,
+            0x02 => Self::ClientInfo,
+            0x03 => Self::ServerInfo,
+            0x04 => Self::SendPacket,
+            0x05 => Self::RecvPacket,
+            0x06 => Self::KeepAlive,
+            0x07 => Self::NotePreferred,
+            0x08 => Self::PeerGone,
+            0x09 => Self::PeerPresent,
+            0x0a => Self::ForwardPacket,
+            0x10 => Self::WatchConns,
+            0x11 => Self::ClosePeer,
+            0x12 => Self::Ping,
+            0x13 => Self::Pong,
+            0x14 => Self::Health,
+            0x15 => Self::Restarting,
+            _ => return None,
+        })
+    }
+
+    /// The wire byte.
+    pub const fn as_u8(self) -> u8 {
+        self as u8
+    }
+}
+
+/// Writes a frame header: type byte, then the payload length as big-endian `u32`.
+pub fn write_header(buf: &mut impl BufMut, ty: FrameType, len: u32) {
+    buf.put_u8(ty as u8);
+    buf.put_u32(len);
+}
+
+/// Splits a frame header into its raw type byte and payload length.
+pub const fn parse_header(header: &[u8; FRAME_HEADER_LEN]) -> (u8, u32) {
+    (
+        header[0],
+        u32::from_be_bytes([header[1], header[2], header[3], header[4]]),
+    )
+}
+
+/// The header and source key of a RecvPacket frame carrying `packet_len` bytes, so a writer can
+/// send it and the packet bytes as two slices without copying the packet.
+///
+/// `packet_len` is at most [`MAX_PACKET_SIZE`] for frames the server relays.
+pub fn recv_packet_header(src: &PublicKey, packet_len: usize) -> [u8; FRAME_HEADER_LEN + KEY_LEN] {
+    let mut out = [0u8; FRAME_HEADER_LEN + KEY_LEN];
+    out[0] = FrameType::RecvPacket as u8;
+    out[1..5].copy_from_slice(&payload_len_u32(KEY_LEN + packet_len).to_be_bytes());
+    out[5..].copy_from_slice(src.as_bytes());
+    out
+}
+
+/// Converts a payload length to the header field. Payloads are bounded far below 4 GiB by
+/// every caller (packets ≤ 64 KiB, info boxes ≤ 1 MiB); saturate rather than wrap if not.
+fn payload_len_u32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// Whether a packet looks like a Tailscale disco message: it starts with [`DISCO_MAGIC`] and is
+/// long enough to hold the magic, a sender key and a nonce.
+pub fn looks_like_disco(packet: &[u8]) -> bool {
+    packet.len() >= DISCO_MAGIC.len() + KEY_LEN + NONCE_LEN && packet.starts_with(&DISCO_MAGIC)
+}
+
+/// Why a PeerGone frame was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PeerGoneReason {
+    /// 0x00: the peer left this server or region.
+    Disconnected,
+    /// 0x01: the server has no record of the destination.
+    NotHere,
+    /// Any other byte, kept as-is.
+    Other(u8),
+}
+
+impl PeerGoneReason {
+    /// Maps a wire byte to a reason.
+    pub const fn from_u8(value: u8) -> Self {
+        match value {
+            0x00 => Self::Disconnected,
+            0x01 => Self::NotHere,
+            other => Self::Other(other),
+        }
+    }
+
+    /// The wire byte.
+    pub const fn to_u8(self) -> u8 {
+        match self {
+            Self::Disconnected => 0x00,
+            Self::NotHere => 0x01,
+            Self::Other(other) => other,
+        }
+    }
+}
+
+impl From<u8> for PeerGoneReason {
+    fn from(value: u8) -> Self {
+        Self::from_u8(value)
+    }
+}
+
+impl From<PeerGoneReason> for u8 {
+    fn from(value: PeerGoneReason) -> Self {
+        value.to_u8()
+    }
+}
+
+/// A frame sent by a client (or mesh peer) to a relay server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientToRelay {
+    /// The client's key and its sealed ClientInfo (nonce || tag || ciphertext).
+    ClientInfo {
+        /// The client's public key.
+        key: PublicKey,
+        /// The sealed ClientInfo JSON.
+        sealed: Bytes,
+    },
+    /// A packet for `dst`.
+    SendPacket {
+        /// Destination key.
+        dst: PublicKey,
+        /// Packet bytes (at most [`MAX_PACKET_SIZE`]).
+        packet: Bytes,
+    },
+    /// A packet a mesh peer relays on behalf of `src`.
+    ForwardPacket {
+        /// Original sender.
+        src: PublicKey,
+        /// Destination key.
+        dst: PublicKey,
+        /// Packet bytes (at most [`MAX_PACKET_SIZE`]).
+        packet: Bytes,
+    },
+    /// Whether this server is the client's home relay.
+    NotePreferred(bool),
+    /// Mesh peer subscribes to PeerPresent/PeerGone updates.
+    WatchConns,
+    /// Mesh peer asks the server to disconnect a key.
+    ClosePeer(PublicKey),
+    /// Ping with eight opaque bytes.
+    Ping([u8; 8]),
+    /// Reply to a server ping.
+    Pong([u8; 8]),
+    /// A frame the decoder skipped; decode-only, encodes to nothing.
+    Unknown {
+        /// The raw frame type byte.
+        frame_type: u8,
+        /// The payload length from the header.
+        len: u32,
+    },
+}
+
+impl ClientToRelay {
+    /// The frame type, or `None` for [`ClientToRelay::Unknown`].
+    pub fn frame_type(&self) -> Option<FrameType> {
+        Some(match self {
+            Self::ClientInfo { .. } => FrameType::ClientInfo,
+            Self::SendPacket { .. } => FrameType::SendPacket,
+            Self::ForwardPacket { .. } => FrameType::ForwardPacket,
+            Self::NotePreferred(_) => FrameType::NotePreferred,
+            Self::WatchConns => FrameType::WatchConns,
+            Self::ClosePeer(_) => FrameType::ClosePeer,
+            Self::Ping(_) => FrameType::Ping,
+            Self::Pong(_) => FrameType::Pong,
+            Self::Unknown { .. } => return None,
+        })
+    }
+
+    fn payload_len(&self) -> usize {
+        match self {
+            Self::ClientInfo { sealed, .. } => KEY_LEN + sealed.len(),
+            Self::SendPacket { packet, .. } => KEY_LEN + packet.len(),
+            Self::ForwardPacket { packet, .. } => 2 * KEY_LEN + packet.len(),
+            Self::NotePreferred(_) => 1,
+            Self::WatchConns | Self::Unknown { .. } => 0,
+            Self::ClosePeer(_) => KEY_LEN,
+            Self::Ping(_) | Self::Pong(_) => 8,
+        }
+    }
+
+    /// The number of bytes [`ClientToRelay::encode`] writes (0 for `Unknown`).
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            Self::Unknown { .. } => 0,
+            _ => FRAME_HEADER_LEN + self.payload_len(),
+        }
+    }
+
+    /// Writes the whole frame. `Unknown` writes nothing. Size limits are the caller's job:
+    /// the encoder writes whatever it is given.
+    pub fn encode(&self, buf: &mut impl BufMut) {
+        let Some(ty) = self.frame_type() else {
+            return;
+        };
+        write_header(buf, ty, payload_len_u32(self.payload_len()));
+        match self {
+            Self::ClientInfo { key, sealed } => {
+                buf.put_slice(key.as_bytes());
+                buf.put_slice(sealed);
+            }
+            Self::SendPacket { dst, packet } => {
+                buf.put_slice(dst.as_bytes());
+                buf.put_slice(packet);
+            }
+            Self::ForwardPacket { src, dst, packet } => {
+                buf.put_slice(src.as_bytes());
+                buf.put_slice(dst.as_bytes());
+                buf.put_slice(packet);
+            }
+            Self::NotePreferred(preferred) => buf.put_u8(u8::from(*preferred)),
+            Self::ClosePeer(key) => buf.put_slice(key.as_bytes()),
+            Self::Ping(data) | Self::Pong(data) => buf.put_slice(data),
+            Self::WatchConns | Self::Unknown { .. } => {}
+        }
+    }
+}
+
+/// A frame sent by a relay server to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RelayToClient {
+    /// The server's public key, preceded on the wire by [`MAGIC`].
+    ServerKey(PublicKey),
+    /// The sealed ServerInfo JSON (nonce || tag || ciphertext).
+    ServerInfo {
+        /// The sealed box.
+        sealed: Bytes,
+    },
+    /// A packet from `src`.
+    RecvPacket {
+        /// Source key.
+        src: PublicKey,
+        /// Packet bytes.
+        packet: Bytes,
+    },
+    /// Keepalive; no payload.
+    KeepAlive,
+    /// A peer this client talked to (or watched) is gone.
+    PeerGone {
+        /// The peer's key.
+        peer: PublicKey,
+        /// Why it is gone.
+        reason: PeerGoneReason,
+    },
+    /// A peer connected (sent to mesh watchers).
+    PeerPresent {
+        /// The peer's key.
+        peer: PublicKey,
+        /// The peer's remote address as the server saw it (`[::]:0` if unknown).
+        addr: SocketAddr,
+        /// `PEER_PRESENT_*` bits.
+        flags: u8,
+    },
+    /// Ping with eight opaque bytes.
+    Ping([u8; 8]),
+    /// Echo of a client's ping.
+    Pong([u8; 8]),
+    /// Health problem text; empty means healthy again.
+    Health(String),
+    /// The server is restarting.
+    Restarting {
+        /// Milliseconds to wait before reconnecting.
+        reconnect_in_ms: u32,
+        /// Milliseconds to keep trying.
+        try_for_ms: u32,
+    },
+    /// A frame the decoder skipped; decode-only, encodes to nothing.
+    Unknown {
+        /// The raw frame type byte.
+        frame_type: u8,
+        /// The payload length from the header.
+        len: u32,
+    },
+}
+
+/// Payload length of a PeerPresent frame as the server always writes it.
+pub const PEER_PRESENT_LEN: usize = KEY_LEN + 16 + 2 + 1;
+
+impl RelayToClient {
+    /// The frame type, or `None` for [`RelayToClient::Unknown`].
+    pub fn frame_type(&self) -> Option<FrameType> {
+        Some(match self {
+            Self::ServerKey(_) => FrameType::ServerKey,
+            Self::ServerInfo { .. } => FrameType::ServerInfo,
+            Self::RecvPacket { .. } => FrameType::RecvPacket,
+            Self::KeepAlive => FrameType::KeepAlive,
+            Self::PeerGone { .. } => FrameType::PeerGone,
+            Self::PeerPresent { .. } => FrameType::PeerPresent,
+            Self::Ping(_) => FrameType::Ping,
+            Self::Pong(_) => FrameType::Pong,
+            Self::Health(_) => FrameType::Health,
+            Self::Restarting { .. } => FrameType::Restarting,
+            Self::Unknown { .. } => return None,
+        })
+    }
+
+    fn payload_len(&self) -> usize {
+        match self {
+            Self::ServerKey(_) => MAGIC.len() + KEY_LEN,
+            Self::ServerInfo { sealed } => sealed.len(),
+            Self::RecvPacket { packet, .. } => KEY_LEN + packet.len(),
+            Self::KeepAlive | Self::Unknown { .. } => 0,
+            Self::PeerGone { .. } => KEY_LEN + 1,
+            Self::PeerPresent { .. } => PEER_PRESENT_LEN,
+            Self::Ping(_) | Self::Pong(_) | Self::Restarting { .. } => 8,
+            Self::Health(text) => text.len(),
+        }
+    }
+
+    /// The number of bytes [`RelayToClient::encode`] writes (0 for `Unknown`).
+    pub fn encoded_len(&self) -> usize {
+        match self {
+            Self::Unknown { .. } => 0,
+            _ => FRAME_HEADER_LEN + self.payload_len(),
+        }
+    }
+
+    /// Writes the whole frame. `Unknown` writes nothing.
+    pub fn encode(&self, buf: &mut impl BufMut) {
+        let Some(ty) = self.frame_type() else {
+            return;
+        };
+        write_header(buf, ty, payload_len_u32(self.payload_len()));
+        match self {
+            Self::ServerKey(key) => {
+                buf.put_slice(&MAGIC);
+                buf.put_slice(key.as_bytes());
+            }
+            Self::ServerInfo { sealed } => buf.put_slice(sealed),
+            Self::RecvPacket { src, packet } => {
+                buf.put_slice(src.as_bytes());
+                buf.put_slice(packet);
+            }
+            Self::PeerGone { peer, reason } => {
+                buf.put_slice(peer.as_bytes());
+                buf.put_u8(reason.to_u8());
+            }
+            Self::PeerPresent { peer, addr, flags } => {
+                buf.put_slice(peer.as_bytes());
+                let ip = match addr.ip() {
+                    IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                    IpAddr::V6(v6) => v6,
+                };
+                buf.put_slice(&ip.octets());
+                buf.put_u16(addr.port());
+                buf.put_u8(*flags);
+            }
+            Self::Ping(data) | Self::Pong(data) => buf.put_slice(data),
+            Self::Health(text) => buf.put_slice(text.as_bytes()),
+            Self::Restarting {
+                reconnect_in_ms,
+                try_for_ms,
+            } => {
+                buf.put_u32(*reconnect_in_ms);
+                buf.put_u32(*try_for_ms);
+            }
+            Self::KeepAlive | Self::Unknown { .. } => {}
+        }
+    }
+}
+
+/// Decodes the 18 address bytes of a PeerPresent frame, unmapping IPv4-mapped addresses as
+/// the Go client does.
+pub(crate) fn peer_present_addr(bytes: &[u8; 18]) -> SocketAddr {
+    let mut octets = [0u8; 16];
+    octets.copy_from_slice(&bytes[..16]);
+    let ip = Ipv6Addr::from(octets);
+    let port = u16::from_be_bytes([bytes[16], bytes[17]]);
+    let ip = match ip.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(ip),
+    };
+    SocketAddr::new(ip, port)
+}
+
+/// The 8-byte magic at the start of a ServerKey payload: `"DERP🔑"`.
+pub const MAGIC: [u8; 8] = *b"DERP\xF0\x9F\x94\x91";
+/// Length of the frame header: type byte plus big-endian `u32` length.
+pub const FRAME_HEADER_LEN: usize = 5;
+/// Length of a public key on the wire.
+pub const KEY_LEN: usize = 32;
+/// Length of a NaCl box nonce.
+pub const NONCE_LEN: usize = 24;
+/// Largest packet (excluding DERP framing) a SendPacket or ForwardPacket may carry.
+pub const MAX_PACKET_SIZE: usize = 64 << 10;
+/// The protocol version this crate speaks (RecvPacket carries the source key).
+pub const PROTOCOL_VERSION: u8 = 2;
+/// Largest ServerInfo box a client accepts (beyond the nonce).
+pub const MAX_INFO_LEN: usize = 1 << 20;
+/// Largest ClientInfo payload the server accepts.
+pub const MAX_CLIENT_INFO_LEN: usize = 256 * 1024;
+/// Largest Ping payload the server accepts.
+pub const MAX_PING_LEN: usize = 1000;
+/// Largest frame payload the client accepts.
+pub const CLIENT_MAX_FRAME_LEN: usize = 1 << 20;
+/// Largest ServerKey payload the client accepts.
+pub const MAX_SERVER_KEY_LEN: usize = 1024;
+/// The 6-byte prefix of Tailscale disco packets: `"TS💬"`.
+pub const DISCO_MAGIC: [u8; 6] = *b"TS\xF0\x9F\x92\xAC";
+
+/// PeerPresent flag: none of the other flags apply.
+pub const PEER_PRESENT_IS_REGULAR: u8 = 1;
+/// PeerPresent flag: the peer presented a valid mesh key.
+pub const PEER_PRESENT_IS_MESH_PEER: u8 = 2;
+/// PeerPresent flag: the peer is a prober.
+pub const PEER_PRESENT_IS_PROBER: u8 = 4;
+/// PeerPresent flag: the peer is not on its ideal node.
+pub const PEER_PRESENT_NOT_IDEAL: u8 = 8;

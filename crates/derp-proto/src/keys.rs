@@ -1,0 +1,260 @@
+//! Node keys (Curve25519) and the mesh pre-shared key, with the text forms Tailscale uses.
+//!
+//! Text forms: a public key prints as `nodekey:<64 lowercase hex>` and also has an untyped
+//! 64-hex form (HTTP headers, certificate CN) and a short `[xxxxx]` log form. A secret key
+//! prints as `privkey:<64 hex>`. Parsing accepts upper- and lower-case hex.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rand_core::CryptoRngCore;
+
+use crate::crypto::{self, BoxError};
+
+/// Length in bytes of every key type in this module.
+const KEY_BYTES: usize = 32;
+
+/// Prefix of the typed public key text form.
+const NODEKEY_PREFIX: &str = "nodekey:";
+/// Prefix of the typed private key text form.
+const PRIVKEY_PREFIX: &str = "privkey:";
+
+/// Errors from parsing key text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The text did not carry the prefix this key type requires.
+    #[error("missing key prefix {expected:?}")]
+    MissingPrefix {
+        /// The prefix that was expected.
+        expected: &'static str,
+    },
+    /// The hex part had the wrong number of digits.
+    #[error("key must be 64 hex digits, got {len}")]
+    WrongLength {
+        /// The number of characters found.
+        len: usize,
+    },
+    /// The hex part contained a non-hex character.
+    #[error("key contains a non-hex character")]
+    InvalidHex,
+}
+
+/// Decodes exactly 64 hex digits (either case) into 32 bytes.
+fn decode_key_hex(text: &str) -> Result<[u8; KEY_BYTES], KeyError> {
+    if text.len() != KEY_BYTES * 2 {
+        return Err(KeyError::WrongLength { len: text.len() });
+    }
+    let mut out = [0u8; KEY_BYTES];
+    hex::decode_to_slice(text, &mut out).map_err(|_| KeyError::InvalidHex)?;
+    Ok(out)
+}
+
+/// A node's public key: 32 raw bytes, exactly as they travel on the wire.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PublicKey(pub [u8; 32]);
+
+impl PublicKey {
+    /// Wraps 32 raw key bytes.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The raw key bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Reads a key from a slice that must be exactly 32 bytes long.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        <[u8; 32]>::try_from(bytes).ok().map(Self)
+    }
+
+    /// The untyped form: 64 lowercase hex digits, no prefix (used in `Derp-Public-Key`).
+    pub fn to_untyped_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// The log short form: `[` + the first 5 characters of the standard base64 encoding + `]`.
+    pub fn short(&self) -> String {
+        const ALPHABET: &[u8; 64] =
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        // Five base64 characters need 30 bits, so the first 4 bytes are enough.
+        let bits = u32::from_be_bytes([self.0[0], self.0[1], self.0[2], self.0[3]]);
+        let mut out = String::with_capacity(7);
+        out.push('[');
+        for i in 0..5 {
+            let index = (bits >> (26 - 6 * i)) & 0x3f;
+            out.push(char::from(ALPHABET[index as usize]));
+        }
+        out.push(']');
+        out
+    }
+}
+
+impl fmt::Display for PublicKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(NODEKEY_PREFIX)?;
+        let mut buf = [0u8; KEY_BYTES * 2];
+        // Cannot fail: the buffer is exactly twice the key length.
+        if hex::encode_to_slice(self.0, &mut buf).is_err() {
+            return Err(fmt::Error);
+        }
+        f.write_str(std::str::from_utf8(&buf).map_err(|_| fmt::Error)?)
+    }
+}
+
+impl fmt::Debug for PublicKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PublicKey({})", self.short())
+    }
+}
+
+impl FromStr for PublicKey {
+    type Err = KeyError;
+
+    /// Accepts `nodekey:<64 hex>` or the untyped 64-hex form, in either case.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let hex_part = s.strip_prefix(NODEKEY_PREFIX).unwrap_or(s);
+        decode_key_hex(hex_part).map(Self)
+    }
+}
+
+/// Applies Curve25519 clamping, as Tailscale does when it creates node keys.
+const fn clamp(mut bytes: [u8; 32]) -> [u8; 32] {
+    bytes[0] &= 248;
+    bytes[31] = (bytes[31] & 127) | 64;
+    bytes
+}
+
+/// A node's private key: 32 clamped bytes.
+///
+/// `Debug` never shows the key material.
+#[derive(Clone)]
+pub struct SecretKey(x25519_dalek::StaticSecret);
+
+impl SecretKey {
+    /// Creates a fresh random key from the caller's RNG.
+    pub fn generate(rng: &mut impl CryptoRngCore) -> Self {
+        let mut bytes = [0u8; 32];
+        rng.fill_bytes(&mut bytes);
+        Self::from_bytes(bytes)
+    }
+
+    /// Builds a key from 32 bytes, clamping them.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(x25519_dalek::StaticSecret::from(clamp(bytes)))
+    }
+
+    /// The clamped key bytes.
+    pub fn to_bytes(&self) -> [u8; 32] {
+        self.0.to_bytes()
+    }
+
+    /// The matching public key: X25519(self, basepoint).
+    pub fn public_key(&self) -> PublicKey {
+        PublicKey(x25519_dalek::PublicKey::from(&self.0).to_bytes())
+    }
+
+    /// The typed text form `privkey:<64 lowercase hex>` (the derper config file form).
+    pub fn to_text(&self) -> String {
+        format!("{PRIVKEY_PREFIX}{}", hex::encode(self.0.as_bytes()))
+    }
+
+    /// The raw X25519 shared secret with `peer` (before the NaCl HSalsa20 step).
+    pub fn shared_secret(&self, peer: &PublicKey) -> [u8; 32] {
+        self.0
+            .diffie_hellman(&x25519_dalek::PublicKey::from(peer.0))
+            .to_bytes()
+    }
+
+    /// Seals `plaintext` to `peer` with NaCl box; returns nonce(24) || tag(16) || ciphertext.
+    pub fn seal_to(&self, peer: &PublicKey, nonce: &[u8; 24], plaintext: &[u8]) -> Vec<u8> {
+        crypto::seal(self, peer, nonce, plaintext)
+    }
+
+    /// Opens a NaCl box (nonce || tag || ciphertext) that `peer` sealed to this key.
+    pub fn open_from(&self, peer: &PublicKey, sealed: &[u8]) -> Result<Vec<u8>, BoxError> {
+        crypto::open(self, peer, sealed)
+    }
+}
+
+impl fmt::Debug for SecretKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SecretKey(<redacted>)")
+    }
+}
+
+impl FromStr for SecretKey {
+    type Err = KeyError;
+
+    /// Accepts `privkey:<64 hex>` in either case.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let hex_part = s
+            .strip_prefix(PRIVKEY_PREFIX)
+            .ok_or(KeyError::MissingPrefix {
+                expected: PRIVKEY_PREFIX,
+            })?;
+        decode_key_hex(hex_part).map(Self::from_bytes)
+    }
+}
+
+/// The 32-byte pre-shared key that grants mesh privileges.
+///
+/// Equality is constant-time; `Debug` never shows the key.
+#[derive(Clone, Copy)]
+pub struct MeshKey(pub [u8; 32]);
+
+impl MeshKey {
+    /// Wraps 32 raw key bytes.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The raw key bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Constant-time comparison, so a prober cannot learn the key byte by byte from timing.
+    pub fn ct_eq(&self, other: &Self) -> bool {
+        let diff = self
+            .0
+            .iter()
+            .zip(other.0.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        std::hint::black_box(diff) == 0
+    }
+
+    /// Whether every byte is zero. The zero key is "no key" and never authorizes.
+    pub fn is_zero(&self) -> bool {
+        self.ct_eq(&Self([0; 32]))
+    }
+
+    /// The 64 lowercase hex digit text form.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl PartialEq for MeshKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.ct_eq(other)
+    }
+}
+
+impl Eq for MeshKey {}
+
+impl fmt::Debug for MeshKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MeshKey(<redacted>)")
+    }
+}
+
+impl FromStr for MeshKey {
+    type Err = KeyError;
+
+    /// Exactly 64 hex digits (either case) after trimming surrounding whitespace.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        decode_key_hex(s.trim()).map(Self)
+    }
+}

@@ -401,3 +401,290 @@ fn hex4(s: &str) -> Option<u32> {
     }
     u32::from_str_radix(digits, 16).ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MESH_HEX: &str = "e0e1e2e3e4e5e6e7e8e9eaebecedeeeff0f1f2f3f4f5f6f7f8f9fafbfcfdfeff";
+
+    fn mesh() -> MeshKey {
+        MESH_HEX.parse().unwrap()
+    }
+
+    fn client(json: &str) -> Result<ClientInfo, InfoError> {
+        ClientInfo::from_json(json.as_bytes())
+    }
+
+    /// Go's TestClientInfoUnmarshal.
+    #[test]
+    fn go_client_info_unmarshal_cases() {
+        assert_eq!(client("{}"), Ok(ClientInfo::default()));
+        let want = ClientInfo {
+            mesh_key: Some(mesh()),
+            version: 5,
+            ..ClientInfo::default()
+        };
+        assert_eq!(
+            client(&format!(r#"{{"Version":5,"MeshKey":"{MESH_HEX}"}}"#)),
+            Ok(want.clone())
+        );
+        assert_eq!(
+            client(&format!(r#"{{"version":5,"meshKey":"{MESH_HEX}"}}"#)),
+            Ok(want)
+        );
+        assert_eq!(
+            client(&format!(r#"{{"meshKey":"{}"}}"#, &MESH_HEX[..62])),
+            Err(InfoError::InvalidMeshKey)
+        );
+        assert_eq!(
+            client(&format!(r#"{{"meshKey":"{MESH_HEX}00"}}"#)),
+            Err(InfoError::InvalidMeshKey)
+        );
+    }
+
+    #[test]
+    fn client_info_encodes_like_go() {
+        assert_eq!(ClientInfo::default().to_json(), br#"{"CanAckPings":false}"#);
+        let normal = ClientInfo {
+            version: 2,
+            can_ack_pings: true,
+            ..ClientInfo::default()
+        };
+        assert_eq!(normal.to_json(), br#"{"version":2,"CanAckPings":true}"#);
+        let full = ClientInfo {
+            mesh_key: Some(mesh()),
+            version: -7,
+            can_ack_pings: false,
+            is_prober: true,
+            app_name: "app".to_owned(),
+        };
+        assert_eq!(
+            String::from_utf8(full.to_json()).unwrap(),
+            format!(
+                r#"{{"meshKey":"{MESH_HEX}","version":-7,"CanAckPings":false,"IsProber":true,"AppName":"app"}}"#
+            )
+        );
+        // A zero mesh key is omitted (Go's omitzero).
+        let zero = ClientInfo {
+            mesh_key: Some(MeshKey([0; 32])),
+            ..ClientInfo::default()
+        };
+        assert_eq!(zero.to_json(), br#"{"CanAckPings":false}"#);
+    }
+
+    #[test]
+    fn strings_are_escaped_like_go() {
+        let mut out = Vec::new();
+        write_go_string(
+            &mut out,
+            "a\"b\\c\n\r\t\u{8}\u{c}\u{1}\u{1f}<>&\u{2028}\u{2029}\u{7f}é😀",
+        );
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#""a\"b\\c\n\r\t\b\f\u0001\u001f\u003c\u003e\u0026\u2028\u2029"#.to_owned()
+                + "\u{7f}é😀\""
+        );
+    }
+
+    #[test]
+    fn key_matching_is_case_insensitive_with_go_folding() {
+        let info = client(r#"{"VERSION":3,"canackpings":true,"isPROBER":true,"appname":"x"}"#);
+        assert_eq!(
+            info,
+            Ok(ClientInfo {
+                version: 3,
+                can_ack_pings: true,
+                is_prober: true,
+                app_name: "x".to_owned(),
+                ..ClientInfo::default()
+            })
+        );
+        // KELVIN SIGN folds to K and LONG S to S under Go's rules.
+        let info = client(&format!(
+            "{{\"mesh\u{212a}ey\":\"{MESH_HEX}\",\"I\u{17f}Prober\":true}}"
+        ))
+        .unwrap();
+        assert_eq!(info.mesh_key, Some(mesh()));
+        assert!(info.is_prober);
+        // Escaped key names are compared after unescaping.
+        assert_eq!(client(r#"{"\u0076ersion":4}"#).unwrap().version, 4);
+        // Near misses are unknown keys and ignored.
+        assert_eq!(
+            client(r#"{"versio":4,"versionn":5}"#),
+            Ok(ClientInfo::default())
+        );
+        assert!(fold_eq("ıSPROBER", "IsProber"));
+        assert!(!fold_eq("IsProbe", "IsProber"));
+        assert!(!fold_eq("IsProberr", "IsProber"));
+        assert_eq!(match_field("version", &SERVER_FIELDS), Some(0));
+        assert_eq!(
+            match_field("tokenbucketbytesburst", &SERVER_FIELDS),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn later_duplicates_win_and_null_leaves_fields_alone() {
+        assert_eq!(client(r#"{"version":1,"Version":2}"#).unwrap().version, 2);
+        assert_eq!(client(r#"{"Version":2,"version":1}"#).unwrap().version, 1);
+        let info = client(r#"{"version":7,"version":null,"CanAckPings":null,"AppName":null}"#);
+        assert_eq!(
+            info,
+            Ok(ClientInfo {
+                version: 7,
+                ..ClientInfo::default()
+            })
+        );
+        // A top-level null is a successful no-op in Go.
+        assert_eq!(client("null"), Ok(ClientInfo::default()));
+        assert_eq!(client(" \t\r\n{} \n"), Ok(ClientInfo::default()));
+    }
+
+    #[test]
+    fn unknown_fields_of_any_shape_are_ignored() {
+        let json = r#"{"x":{"a":[1,{"b":null}],"c":"\u00e9"},"y":-1.5e3,"z":[],"version":2}"#;
+        assert_eq!(client(json).unwrap().version, 2);
+    }
+
+    #[test]
+    fn wrong_types_and_bad_json_are_refused() {
+        let wrong = |field| Err(InfoError::WrongType { field });
+        assert_eq!(client(r#"{"version":"2"}"#), wrong("version"));
+        assert_eq!(client(r#"{"version":2.0}"#), wrong("version"));
+        assert_eq!(client(r#"{"version":1e2}"#), wrong("version"));
+        assert_eq!(client(r#"{"version":true}"#), wrong("version"));
+        assert_eq!(
+            client(r#"{"version":9223372036854775808}"#),
+            wrong("version")
+        );
+        assert_eq!(client(r#"{"version":[]}"#), wrong("version"));
+        assert_eq!(client(r#"{"CanAckPings":"yes"}"#), wrong("CanAckPings"));
+        assert_eq!(client(r#"{"CanAckPings":1}"#), wrong("CanAckPings"));
+        assert_eq!(client(r#"{"IsProber":{}}"#), wrong("IsProber"));
+        assert_eq!(client(r#"{"AppName":5}"#), wrong("AppName"));
+        assert_eq!(
+            client(r#"{"meshKey":null}"#),
+            Err(InfoError::InvalidMeshKey)
+        );
+        assert_eq!(client(r#"{"meshKey":""}"#), Err(InfoError::InvalidMeshKey));
+        assert_eq!(
+            client(r#"{"meshKey":"badf00d"}"#),
+            Err(InfoError::InvalidMeshKey)
+        );
+        assert_eq!(client(r#"{"meshKey":12}"#), Err(InfoError::InvalidMeshKey));
+        let not_hex = format!(r#"{{"meshKey":"{}zz"}}"#, &MESH_HEX[..62]);
+        assert_eq!(client(&not_hex), Err(InfoError::InvalidMeshKey));
+
+        for bad in [
+            "",
+            "hello",
+            "{",
+            r#"{"version":2}{}"#,
+            r#"{"version":2} x"#,
+            "{,}",
+            "{'a':1}",
+        ] {
+            assert_eq!(client(bad), Err(InfoError::Syntax), "{bad:?}");
+        }
+        for not_object in ["[]", "2", "\"s\"", "true"] {
+            assert_eq!(
+                client(not_object),
+                Err(InfoError::NotObject),
+                "{not_object:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn integers_follow_go_parsing() {
+        assert_eq!(client(r#"{"version":-0}"#).unwrap().version, 0);
+        assert_eq!(client(r#"{"version":-12}"#).unwrap().version, -12);
+        assert_eq!(
+            client(r#"{"version":-9223372036854775808}"#)
+                .unwrap()
+                .version,
+            i64::MIN
+        );
+    }
+
+    #[test]
+    fn strings_decode_like_go() {
+        let name = |json: &[u8]| ClientInfo::from_json(json).unwrap().app_name;
+        assert_eq!(
+            name(br#"{"AppName":"a\"\\\/\b\f\n\r\t\u00e9"}"#),
+            "a\"\\/\u{8}\u{c}\n\r\té"
+        );
+        assert_eq!(name(br#"{"AppName":"\ud83d\ude00"}"#), "😀");
+        // Lone surrogates and invalid UTF-8 become U+FFFD rather than errors.
+        assert_eq!(name(br#"{"AppName":"a\ud800b"}"#), "a\u{fffd}b");
+        assert_eq!(
+            name(br#"{"AppName":"\udc00\ud800\u0041"}"#),
+            "\u{fffd}\u{fffd}A"
+        );
+        assert_eq!(name(b"{\"AppName\":\"a\xffb\"}"), "a\u{fffd}b");
+        // Invalid bytes outside strings are still syntax errors.
+        assert_eq!(ClientInfo::from_json(b"{\xff}"), Err(InfoError::Syntax));
+    }
+
+    #[test]
+    fn client_info_round_trips_through_json() {
+        let info = ClientInfo {
+            mesh_key: Some(mesh()),
+            version: 2,
+            can_ack_pings: true,
+            is_prober: true,
+            app_name: "a <b> & \"c\"\n\u{0}é".to_owned(),
+        };
+        assert_eq!(ClientInfo::from_json(&info.to_json()), Ok(info));
+        let zero = ClientInfo {
+            mesh_key: Some(MeshKey([0; 32])),
+            ..ClientInfo::default()
+        };
+        assert_eq!(
+            client(&format!(
+                r#"{{"meshKey":"{}"}}"#,
+                zero.mesh_key.unwrap().to_hex()
+            )),
+            Ok(ClientInfo::default())
+        );
+    }
+
+    #[test]
+    fn server_info_encoding() {
+        assert_eq!(ServerInfo::default_server().to_json(), br#"{"version":2}"#);
+        assert_eq!(ServerInfo::default().to_json(), b"{}");
+        let limited = ServerInfo {
+            version: 2,
+            token_bucket_bytes_per_second: 1,
+            token_bucket_bytes_burst: 2048,
+        };
+        assert_eq!(
+            limited.to_json(),
+            br#"{"version":2,"TokenBucketBytesPerSecond":1,"TokenBucketBytesBurst":2048}"#
+        );
+        assert_eq!(ServerInfo::from_json(&limited.to_json()), Ok(limited));
+    }
+
+    #[test]
+    fn server_info_decoding() {
+        let server = |json: &str| ServerInfo::from_json(json.as_bytes());
+        assert_eq!(server(r#"{"version":2}"#), Ok(ServerInfo::default_server()));
+        assert_eq!(server("{}"), Ok(ServerInfo::default()));
+        assert_eq!(
+            server(r#"{"tokenbucketbytespersecond":10,"other":"x"}"#),
+            Ok(ServerInfo {
+                token_bucket_bytes_per_second: 10,
+                ..ServerInfo::default()
+            })
+        );
+        assert_eq!(
+            server(r#"{"TokenBucketBytesBurst":"10"}"#),
+            Err(InfoError::WrongType {
+                field: "TokenBucketBytesBurst"
+            })
+        );
+        assert_eq!(server(r#"{"version":2}x"#), Err(InfoError::Syntax));
+        assert_eq!(server("[1]"), Err(InfoError::NotObject));
+    }
+}

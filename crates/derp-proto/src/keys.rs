@@ -258,3 +258,180 @@ impl FromStr for MeshKey {
         decode_key_hex(s.trim()).map(Self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEX: &str = "a5cc7c231e1ccce44f37e2fafeff3f1520fdf68d7eccd28d45e78f668ee93e29";
+
+    #[test]
+    fn public_key_parsing_accepts_typed_untyped_and_upper_case() {
+        let typed: PublicKey = format!("nodekey:{HEX}").parse().unwrap();
+        let untyped: PublicKey = HEX.parse().unwrap();
+        let upper: PublicKey = HEX.to_uppercase().parse().unwrap();
+        assert_eq!(typed, untyped);
+        assert_eq!(typed, upper);
+        assert_eq!(typed.to_string(), format!("nodekey:{HEX}"));
+        assert_eq!(typed.to_untyped_hex(), HEX);
+        assert_eq!(typed.short(), "[pcx8I]");
+        assert_eq!(format!("{typed:?}"), "PublicKey([pcx8I])");
+    }
+
+    #[test]
+    fn public_key_parsing_refuses_bad_text() {
+        assert_eq!(
+            HEX[..63].parse::<PublicKey>(),
+            Err(KeyError::WrongLength { len: 63 })
+        );
+        assert_eq!(
+            format!("{HEX}00").parse::<PublicKey>(),
+            Err(KeyError::WrongLength { len: 66 })
+        );
+        let bad = format!("{}g", &HEX[..63]);
+        assert_eq!(bad.parse::<PublicKey>(), Err(KeyError::InvalidHex));
+        // A private key's prefix is not a public key's.
+        assert!(format!("privkey:{HEX}").parse::<PublicKey>().is_err());
+        assert!("".parse::<PublicKey>().is_err());
+        // Multi-byte characters must not confuse the length check.
+        assert!("é".repeat(32).parse::<PublicKey>().is_err());
+    }
+
+    #[test]
+    fn public_key_from_slice_needs_exactly_32_bytes() {
+        assert_eq!(PublicKey::from_slice(&[7; 32]), Some(PublicKey([7; 32])));
+        assert_eq!(PublicKey::from_slice(&[7; 31]), None);
+        assert_eq!(PublicKey::from_slice(&[7; 33]), None);
+        assert_eq!(PublicKey::from_bytes([9; 32]).as_bytes(), &[9; 32]);
+    }
+
+    #[test]
+    fn short_form_uses_standard_base64() {
+        // 0xfb 0xff 0xbf... encodes as "+/+/" in standard base64 (not URL-safe "-_").
+        let key = PublicKey([
+            0xfb, 0xff, 0xbf, 0xfb, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            0, 0, 0, 0, 0, 0, 0,
+        ]);
+        assert_eq!(key.short(), "[+/+/+]");
+        assert_eq!(PublicKey([0; 32]).short(), "[AAAAA]");
+    }
+
+    #[test]
+    fn secret_keys_are_clamped() {
+        let secret = SecretKey::from_bytes([0xff; 32]);
+        let bytes = secret.to_bytes();
+        assert_eq!(bytes[0], 0xf8);
+        assert_eq!(bytes[31], 0x7f);
+        assert!(bytes[1..31].iter().all(|&b| b == 0xff));
+        let secret = SecretKey::from_bytes([0; 32]);
+        assert_eq!(secret.to_bytes()[31], 0x40);
+
+        let mut rng = rand::thread_rng();
+        for _ in 0..16 {
+            let bytes = SecretKey::generate(&mut rng).to_bytes();
+            assert_eq!(bytes[0] & 7, 0);
+            assert_eq!(bytes[31] & 0xc0, 0x40);
+        }
+    }
+
+    #[test]
+    fn secret_key_text_round_trips_and_needs_prefix() {
+        let secret = SecretKey::generate(&mut rand::thread_rng());
+        let text = secret.to_text();
+        assert!(text.starts_with("privkey:"));
+        let parsed: SecretKey = text.parse().unwrap();
+        assert_eq!(parsed.to_bytes(), secret.to_bytes());
+        assert_eq!(parsed.public_key(), secret.public_key());
+        let upper = format!("privkey:{}", text["privkey:".len()..].to_uppercase());
+        assert_eq!(
+            upper.parse::<SecretKey>().unwrap().to_bytes(),
+            secret.to_bytes()
+        );
+        assert_eq!(
+            text["privkey:".len()..].parse::<SecretKey>().err(),
+            Some(KeyError::MissingPrefix {
+                expected: "privkey:"
+            })
+        );
+        assert!(format!("nodekey:{HEX}").parse::<SecretKey>().is_err());
+    }
+
+    #[test]
+    fn secret_key_debug_hides_the_key() {
+        let secret = SecretKey::from_bytes([0x5a; 32]);
+        let debug = format!("{secret:?}");
+        assert!(!debug.contains("5a"), "{debug}");
+        assert!(!debug.contains(&hex::encode(secret.to_bytes())));
+        assert_eq!(debug, "SecretKey(<redacted>)");
+    }
+
+    #[test]
+    fn seal_and_open_between_two_keys() {
+        let mut rng = rand::thread_rng();
+        let alice = SecretKey::generate(&mut rng);
+        let bob = SecretKey::generate(&mut rng);
+        let nonce = [3u8; 24];
+        let sealed = alice.seal_to(&bob.public_key(), &nonce, b"hello");
+        assert_eq!(sealed.len(), 24 + 16 + 5);
+        assert_eq!(sealed[..24], nonce);
+        assert_eq!(
+            bob.open_from(&alice.public_key(), &sealed).unwrap(),
+            b"hello"
+        );
+        // Both ends derive the same shared secret.
+        assert_eq!(
+            alice.shared_secret(&bob.public_key()),
+            bob.shared_secret(&alice.public_key())
+        );
+
+        // Wrong peer, tampering anywhere, and truncation all fail.
+        let eve = SecretKey::generate(&mut rng);
+        assert_eq!(
+            eve.open_from(&alice.public_key(), &sealed),
+            Err(BoxError::Open)
+        );
+        for i in 0..sealed.len() {
+            let mut bad = sealed.clone();
+            bad[i] ^= 0x80;
+            assert_eq!(
+                bob.open_from(&alice.public_key(), &bad),
+                Err(BoxError::Open),
+                "flip at {i}"
+            );
+        }
+        assert_eq!(
+            bob.open_from(&alice.public_key(), &sealed[..39]),
+            Err(BoxError::TooShort)
+        );
+        // An empty plaintext still carries nonce and tag.
+        let empty = alice.seal_to(&bob.public_key(), &nonce, b"");
+        assert_eq!(empty.len(), 40);
+        assert_eq!(bob.open_from(&alice.public_key(), &empty).unwrap(), b"");
+    }
+
+    #[test]
+    fn mesh_key_parsing_trims_whitespace_and_needs_64_hex() {
+        let text = "e0e1e2e3e4e5e6e7e8e9eaebecedeeeff0f1f2f3f4f5f6f7f8f9fafbfcfdfeff";
+        let key: MeshKey = format!("  {text}\n").parse().unwrap();
+        assert_eq!(key.to_hex(), text);
+        assert_eq!(text.to_uppercase().parse::<MeshKey>().unwrap(), key);
+        assert!(text[..62].parse::<MeshKey>().is_err());
+        assert!(format!("{text}00").parse::<MeshKey>().is_err());
+        assert!(format!("{}zz", &text[..62]).parse::<MeshKey>().is_err());
+        assert!(format!("nodekey:{text}").parse::<MeshKey>().is_err());
+    }
+
+    #[test]
+    fn mesh_key_comparison_and_zero() {
+        let a = MeshKey::from_bytes([1; 32]);
+        let mut b_bytes = [1; 32];
+        assert!(a.ct_eq(&MeshKey(b_bytes)));
+        b_bytes[31] = 2;
+        assert!(!a.ct_eq(&MeshKey(b_bytes)));
+        assert_ne!(a, MeshKey(b_bytes));
+        assert!(MeshKey([0; 32]).is_zero());
+        assert!(!a.is_zero());
+        assert_eq!(a.as_bytes(), &[1; 32]);
+        assert_eq!(format!("{a:?}"), "MeshKey(<redacted>)");
+    }
+}

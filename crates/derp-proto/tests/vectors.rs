@@ -586,7 +586,7 @@ fn disco_like_packet() {
     assert!(looks_like_disco(&disco));
     assert!(!looks_like_disco(&disco[..61]));
     assert!(!looks_like_disco(&hex_field(&frames["packet_used"], "hex")));
-    let mut not_disco = disco.clone();
+    let mut not_disco = disco;
     not_disco[0] ^= 1;
     assert!(!looks_like_disco(&not_disco));
 }

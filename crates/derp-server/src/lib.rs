@@ -1,3 +1,36 @@
-//! placeholder
+//! The derpd relay: a DERP server that Tailscale clients can use in place of `derper`.
+//!
+//! What it does:
+//! - serves HTTP/1.1 on a listener it is given: `/derp` upgrades (plain `Upgrade: DERP`,
+//!   fast start, and WebSocket with subprotocol `derp`), the probe endpoints, `/generate_204`,
+//!   `/robots.txt` and a home page;
+//! - runs the relay: an authoritative client map under a lock, a lock-free papaya mirror for
+//!   the packet path, bounded per-destination queues with the reference's drop policy, batched
+//!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
+//!   handling and the receiving side of mesh frames;
+//! - counts everything into Prometheus metrics registered on a registry the caller passes in;
+//! - answers STUN binding requests on a UDP socket it is given.
+//!
+//! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
+//! or a global metrics registry. `derpd` does those. The wire protocol itself lives in
+//! `derp-proto`.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+mod config;
+mod conn;
+mod http;
+mod io;
+mod metrics;
+mod queue;
+mod registry;
+mod server;
 mod stun;
 mod ws;
+
+pub use config::{
+    DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage,
+    KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
+};
+pub use io::{BoxedIo, Transport};
+pub use metrics::{DropReason, Metrics, PacketKind};
+pub use server::{ServeError, Server};

@@ -1,0 +1,159 @@
+//! Command-line flags. Long names follow Tailscale derper's where the feature is the same, so
+//! an operator's unit file carries over.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Parser, ValueEnum};
+
+/// DERP relay server, wire-compatible with Tailscale's derper.
+#[derive(Debug, Parser)]
+#[command(name = "derpd", version, about, long_about = None)]
+pub(crate) struct Cli {
+    /// Development mode: plain HTTP on 127.0.0.1:3340 (unless --addr is given) with a fresh
+    /// key and no config file.
+    #[arg(long)]
+    pub(crate) dev: bool,
+
+    /// Listen address for HTTP: ":port", "ip:port" or "[ip]:port". Port 443 means TLS, which
+    /// this build does not serve yet; use another port for plain HTTP.
+    #[arg(short = 'a', long = "addr", default_value = ":443")]
+    pub(crate) addr: String,
+
+    /// Config file holding the server's private key, in derper's JSON format. Created with
+    /// mode 0600 when missing. Defaults to /var/lib/derper/derper.key when running as root.
+    #[arg(short = 'c', long = "config")]
+    pub(crate) config: Option<PathBuf>,
+
+    /// The server's hostname, used for TLS.
+    #[arg(long, default_value = "derp.tailscale.com")]
+    pub(crate) hostname: String,
+
+    /// Home page: "" for the default page, "blank" for an empty page, or an http(s):// URL to
+    /// redirect to.
+    #[arg(long, default_value = "")]
+    pub(crate) home: String,
+
+    /// Serve DERP on /derp. With --derp=false, /derp answers 404; STUN and the probe
+    /// endpoints keep working.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true")]
+    pub(crate) derp: bool,
+
+    /// Run the STUN server.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true")]
+    pub(crate) stun: bool,
+
+    /// UDP port for STUN, on the same IP as --addr.
+    #[arg(long, default_value_t = 3478)]
+    pub(crate) stun_port: u16,
+
+    /// Also answer generic RFC 5389/8489 binding requests, not only Tailscale's.
+    #[arg(long)]
+    pub(crate) stun_answer_generic: bool,
+
+    /// Deadline for each write to a client (e.g. "2s", "500ms"); 0 disables it.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub(crate) tcp_write_timeout: Duration,
+
+    /// Depth of each per-client send queue (disco and other).
+    #[arg(long, default_value_t = derp_server::DEFAULT_SEND_QUEUE_DEPTH as u32,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub(crate) send_queue_depth: u32,
+
+    /// File holding the 64-hex-digit mesh pre-shared key.
+    #[arg(long)]
+    pub(crate) mesh_psk_file: Option<PathBuf>,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub(crate) log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Parses a Go-style duration ("2s", "1m30s", "250ms", "0"), since operators copy values
+/// from derper command lines.
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if s.is_empty() {
+        return Err("empty duration".into());
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| format!("missing unit in duration {s:?}"))?;
+        if num_len == 0 {
+            return Err(format!("invalid duration {s:?}"));
+        }
+        let value: f64 = rest[..num_len]
+            .parse()
+            .map_err(|_| format!("invalid number in duration {s:?}"))?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            unit => return Err(format!("unknown unit {unit:?} in duration {s:?}")),
+        };
+        rest = &rest[unit_len..];
+        total += value * scale;
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| format!("duration {s:?} out of range"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations_parse() {
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("2").is_err());
+        assert!(parse_duration("2x").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn derper_style_flags_parse() {
+        let cli = Cli::try_parse_from([
+            "derpd",
+            "-a",
+            ":8443",
+            "-c",
+            "/tmp/k",
+            "--derp=false",
+            "--tcp-write-timeout",
+            "0",
+            "--home",
+            "blank",
+        ])
+        .expect("parses");
+        assert_eq!(cli.addr, ":8443");
+        assert!(!cli.derp);
+        assert_eq!(cli.tcp_write_timeout, Duration::ZERO);
+        assert!(Cli::try_parse_from(["derpd", "--send-queue-depth", "0"]).is_err());
+        assert!(Cli::try_parse_from(["derpd", "--log-format", "xml"]).is_err());
+    }
+}

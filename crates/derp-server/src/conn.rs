@@ -1,0 +1,860 @@
+//! One client connection: the handshake, the read loop and the writer.
+//!
+//! The read loop runs on the connection's own task. It reads as much as the socket holds,
+//! parses every complete frame in the buffer, and hands each packet to its destination's
+//! queue as a `Bytes` slice of the read buffer (no copy between sockets). The writer is a
+//! second task that drains the connection's queues in batches and writes each batch with one
+//! vectored write; it flushes only when nothing else is ready.
+
+use std::collections::HashSet;
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use derp_proto::frame::{self, FrameType, PEER_PRESENT_IS_MESH_PEER, PEER_PRESENT_IS_PROBER};
+use derp_proto::frame::{PEER_PRESENT_IS_REGULAR, PEER_PRESENT_NOT_IDEAL};
+use derp_proto::{
+    ClientInfo, ClientToRelay, DecodeError, PeerGoneReason, PublicKey, RelayToClient,
+    ServerDecoder, ServerHandshake,
+};
+use rand::{Rng, RngCore};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
+use tracing::{debug, trace};
+
+use crate::io::{ReadHalf, Transport, WriteHalf};
+use crate::metrics::{DropReason, PacketKind, ReaderCounts};
+use crate::queue::{Batch, ConnHandle, Control};
+use crate::registry::Lookup;
+use crate::server::Shared;
+use crate::ws;
+
+/// How a connection arrived, as decided by the HTTP layer.
+#[derive(Debug)]
+pub(crate) struct Accepted {
+    pub(crate) transport: Transport,
+    /// Bytes that arrived after the HTTP request head; they belong to the DERP stream.
+    pub(crate) initial: BytesMut,
+    pub(crate) remote: SocketAddr,
+    /// Bytes to send before the ServerKey frame (the 101 response), if any. Sent in the same
+    /// write as ServerKey, as the reference does.
+    pub(crate) preamble: Vec<u8>,
+    /// DERP frames travel inside WebSocket binary messages.
+    pub(crate) websocket: bool,
+    /// The request carried a non-empty `Ideal-Node` header.
+    pub(crate) not_ideal: bool,
+}
+
+/// Why a connection ended; logged at debug level, since peers control how often it happens.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConnError {
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("handshake timed out")]
+    HandshakeTimeout,
+    #[error("handshake: {0}")]
+    Handshake(#[from] derp_proto::HandshakeError),
+    #[error("malformed frame: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("websocket: {0}")]
+    WebSocket(#[from] ws::WsError),
+    #[error("frame type {0:#04x} requires mesh privileges")]
+    NotMeshPeer(u8),
+    #[error("connection closed during handshake")]
+    ClosedDuringHandshake,
+}
+
+/// Runs a DERP connection to completion. Never panics on peer input; every error closes only
+/// this connection.
+pub(crate) async fn serve(shared: Arc<Shared>, accepted: Accepted) {
+    shared.metrics.accepts.inc();
+    if accepted.websocket {
+        shared.metrics.websocket_accepts.inc();
+    }
+    let remote = accepted.remote;
+    if let Err(e) = run(shared, accepted).await {
+        debug!(%remote, error = %e, "derp connection ended");
+    }
+}
+
+async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
+    let Accepted {
+        transport,
+        initial,
+        remote,
+        preamble,
+        websocket,
+        not_ideal,
+    } = accepted;
+    let (read_half, mut write_half) = transport.split();
+    let mut reader = FrameReader::new(read_half, websocket, initial);
+    let framing = Framing { websocket };
+    let config = &shared.config;
+    let mut hs = ServerHandshake::new(config.secret_key.clone());
+
+    let mut out = BytesMut::with_capacity(preamble.len() + 64);
+    out.extend_from_slice(&preamble);
+    framing.frame(&mut out, |b| hs.server_key_frame(b));
+    let deadline = Instant::now() + config.handshake_timeout;
+    tokio::time::timeout_at(deadline, write_half.write_all(&out))
+        .await
+        .map_err(|_| ConnError::HandshakeTimeout)??;
+
+    // The ClientInfo must arrive within its own deadline, counted from after ServerKey.
+    let deadline = Instant::now() + config.handshake_timeout;
+    let mut decoder = ServerDecoder::new();
+    let (client_key, sealed) = loop {
+        match decoder.decode(&mut reader.buf)? {
+            Some(ClientToRelay::ClientInfo { key, sealed }) => break (key, sealed),
+            // The decoder refuses anything but ClientInfo as the first frame.
+            Some(_) => return Err(ConnError::ClosedDuringHandshake),
+            None => {
+                let n = tokio::time::timeout_at(deadline, reader.read_more(None))
+                    .await
+                    .map_err(|_| ConnError::HandshakeTimeout)??;
+                if n == 0 {
+                    return Err(ConnError::ClosedDuringHandshake);
+                }
+            }
+        }
+    };
+    let info = match hs.handle_client_info(client_key, &sealed) {
+        Ok(info) => info,
+        Err(e) => {
+            shared.metrics.handshake_failures.inc();
+            return Err(e.into());
+        }
+    };
+    let can_mesh = is_mesh_peer(&shared, &info);
+    let flags = presence_flags(&info, can_mesh, not_ideal);
+    let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
+    let handle = Arc::new(ConnHandle::new(
+        id,
+        client_key,
+        remote,
+        flags,
+        can_mesh,
+        config.send_queue_depth,
+        shared.shutdown.child_token(),
+    ));
+
+    shared.registry.register(&handle);
+    if not_ideal {
+        shared.metrics.current_notideal_connections.inc();
+    }
+    let write_timeout = if can_mesh {
+        config.mesh_write_timeout
+    } else {
+        config.write_timeout
+    };
+
+    // ServerInfo must be the first frame after ServerKey, so it is written before the writer
+    // task starts draining whatever other clients have queued meanwhile.
+    let mut nonce = [0u8; 24];
+    rand::thread_rng().fill_bytes(&mut nonce);
+    out.clear();
+    let mut sealed_ok = Ok(());
+    framing.frame(&mut out, |b| sealed_ok = hs.server_info_frame(nonce, b));
+    let result = match sealed_ok {
+        Ok(()) => {
+            match write_with_timeout(&mut write_half, &out, Some(config.handshake_timeout)).await {
+                Ok(()) => {
+                    debug!(%remote, key = %client_key.short(), id, "client connected");
+                    let writer = tokio::spawn(run_writer(
+                        shared.clone(),
+                        handle.clone(),
+                        write_half,
+                        framing,
+                        write_timeout,
+                    ));
+                    let mut read_loop = ReadLoop::new(&shared, &handle, reader);
+                    let result = read_loop.run().await;
+                    if let Some(code) = read_loop.reader.ws_close {
+                        handle.ws_close_code.store(code, Ordering::Relaxed);
+                    }
+                    handle.cancel.cancel();
+                    if writer.await.is_err() {
+                        debug!(id, "writer task failed");
+                    }
+                    result
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
+        Err(e) => Err(e.into()),
+    };
+
+    shared.registry.unregister(&handle);
+    shared.registry.remove_watcher(id);
+    if not_ideal {
+        shared.metrics.current_notideal_connections.dec();
+    }
+    count_gone(&shared, handle.close());
+    debug!(%remote, key = %client_key.short(), id, "client disconnected");
+    result
+}
+
+fn is_mesh_peer(shared: &Shared, info: &ClientInfo) -> bool {
+    match (&shared.config.mesh_key, &info.mesh_key) {
+        (Some(ours), Some(theirs)) => !theirs.is_zero() && ours.ct_eq(theirs),
+        _ => false,
+    }
+}
+
+fn presence_flags(info: &ClientInfo, can_mesh: bool, not_ideal: bool) -> u8 {
+    let mut flags = 0;
+    if can_mesh {
+        flags |= PEER_PRESENT_IS_MESH_PEER;
+    }
+    if info.is_prober {
+        flags |= PEER_PRESENT_IS_PROBER;
+    }
+    if not_ideal {
+        flags |= PEER_PRESENT_NOT_IDEAL;
+    }
+    if flags == 0 {
+        flags = PEER_PRESENT_IS_REGULAR;
+    }
+    flags
+}
+
+/// Counts packets left in a closed connection's queues as dropped because it went away.
+fn count_gone(shared: &Shared, rest: Batch) {
+    for (queue, kind) in [
+        (&rest.disco, PacketKind::Disco),
+        (&rest.other, PacketKind::Other),
+    ] {
+        for p in queue {
+            shared
+                .metrics
+                .drop_one(DropReason::GoneDisconnected, kind, p.data.len());
+        }
+    }
+}
+
+/// Whether frames are written bare or each inside a WebSocket binary message.
+#[derive(Clone, Copy, Debug)]
+struct Framing {
+    websocket: bool,
+}
+
+impl Framing {
+    /// Appends one frame produced by `encode`, wrapped in a WebSocket header when needed.
+    fn frame(self, out: &mut BytesMut, encode: impl FnOnce(&mut BytesMut)) {
+        if !self.websocket {
+            encode(out);
+            return;
+        }
+        let mut frame = BytesMut::new();
+        encode(&mut frame);
+        let (hdr, n) = ws::binary_header(frame.len());
+        out.extend_from_slice(&hdr[..n]);
+        out.extend_from_slice(&frame);
+    }
+}
+
+/// The read side: raw bytes from the socket, unwrapped from WebSocket messages when needed,
+/// accumulate in `buf` as a DERP byte stream.
+struct FrameReader {
+    half: ReadHalf,
+    buf: BytesMut,
+    ws: Option<WsIn>,
+    /// The close code to answer with, once the WebSocket layer has one.
+    ws_close: Option<u16>,
+}
+
+struct WsIn {
+    decoder: ws::WsDecoder,
+    raw: BytesMut,
+}
+
+impl FrameReader {
+    fn new(half: ReadHalf, websocket: bool, initial: BytesMut) -> Self {
+        if websocket {
+            Self {
+                half,
+                buf: BytesMut::new(),
+                ws: Some(WsIn {
+                    decoder: ws::WsDecoder::new(),
+                    raw: initial,
+                }),
+                ws_close: None,
+            }
+        } else {
+            Self {
+                half,
+                buf: initial,
+                ws: None,
+                ws_close: None,
+            }
+        }
+    }
+
+    /// Reads once from the socket and appends what it yields to `buf`. Returns 0 at EOF.
+    /// WebSocket pings are answered through `handle` when one is given.
+    async fn read_more(&mut self, handle: Option<&ConnHandle>) -> Result<usize, ConnError> {
+        let Some(ws_in) = &mut self.ws else {
+            self.half.ready().await?;
+            if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
+                self.buf.reserve(READ_CHUNK);
+            }
+            return Ok(self.half.read_buf(&mut self.buf).await?);
+        };
+        loop {
+            // Drain frames already buffered before reading again.
+            let before = self.buf.len();
+            let event = ws_in.decoder.decode(&mut ws_in.raw, &mut self.buf);
+            let event = match event {
+                Ok(event) => event,
+                Err(e) => {
+                    self.ws_close = Some(e.close_code());
+                    return Err(e.into());
+                }
+            };
+            match event {
+                ws::WsEvent::Ping(payload) => {
+                    if let Some(h) = handle {
+                        h.push_control(Control::WsPong(payload));
+                    }
+                    continue;
+                }
+                ws::WsEvent::Close { code } => {
+                    // Echo the client's code, as the reference does.
+                    self.ws_close = Some(code.unwrap_or(ws::close_code::NORMAL));
+                    return Ok(0);
+                }
+                ws::WsEvent::NeedMore => {}
+            }
+            let produced = self.buf.len() - before;
+            if produced > 0 {
+                return Ok(produced);
+            }
+            self.half.ready().await?;
+            if ws_in.raw.capacity() - ws_in.raw.len() < MIN_READ_SPACE {
+                ws_in.raw.reserve(READ_CHUNK);
+            }
+            if self.half.read_buf(&mut ws_in.raw).await? == 0 {
+                return Ok(0);
+            }
+        }
+    }
+
+    /// Gives back an empty buffer's memory, so an idle connection holds no read buffer.
+    /// Packets still queued elsewhere keep their slices of the old allocation alive.
+    fn release_if_empty(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 0 {
+            self.buf = BytesMut::new();
+        }
+        if let Some(ws_in) = &mut self.ws
+            && ws_in.raw.is_empty()
+            && ws_in.raw.capacity() > 0
+        {
+            ws_in.raw = BytesMut::new();
+        }
+    }
+}
+
+/// Token bucket limiting PeerGone(NotHere) replies to one per second, burst three.
+#[derive(Debug)]
+struct NotHereLimiter {
+    tokens: f64,
+    last: Instant,
+}
+
+impl NotHereLimiter {
+    fn new(now: Instant) -> Self {
+        Self {
+            tokens: NOT_HERE_BURST,
+            last: now,
+        }
+    }
+
+    fn allow(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * NOT_HERE_PER_SEC).min(NOT_HERE_BURST);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+struct ReadLoop<'a> {
+    shared: &'a Arc<Shared>,
+    handle: &'a Arc<ConnHandle>,
+    reader: FrameReader,
+    decoder: ServerDecoder,
+    counts: ReaderCounts,
+    not_here: NotHereLimiter,
+    connected_at: Instant,
+}
+
+impl<'a> ReadLoop<'a> {
+    fn new(shared: &'a Arc<Shared>, handle: &'a Arc<ConnHandle>, reader: FrameReader) -> Self {
+        let now = Instant::now();
+        Self {
+            shared,
+            handle,
+            reader,
+            decoder: ServerDecoder::after_handshake(),
+            counts: ReaderCounts::default(),
+            not_here: NotHereLimiter::new(now),
+            connected_at: now,
+        }
+    }
+
+    async fn run(&mut self) -> Result<(), ConnError> {
+        let result = self.run_inner().await;
+        self.shared.metrics.fold(&mut self.counts);
+        result
+    }
+
+    async fn run_inner(&mut self) -> Result<(), ConnError> {
+        loop {
+            self.process_buffered()?;
+            self.shared.metrics.fold(&mut self.counts);
+            self.reader.release_if_empty();
+            let cancel = self.handle.cancel.clone();
+            let n = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Ok(()),
+                n = self.reader.read_more(Some(self.handle)) => n?,
+            };
+            if n == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Handles every complete frame in the buffer. Synchronous: the lookup guard and the
+    /// batch timestamp never cross an await.
+    fn process_buffered(&mut self) -> Result<(), ConnError> {
+        let now = Instant::now();
+        let mirror = self.shared.registry.mirror();
+        let guard = mirror.guard();
+        while let Some(frame) = self.decoder.decode(&mut self.reader.buf)? {
+            self.counts.frames += 1;
+            if self.handle.is_dup.load(Ordering::Relaxed) {
+                self.shared.registry.note_activity(self.handle);
+            }
+            match frame {
+                ClientToRelay::SendPacket { dst, packet } => {
+                    let len = packet.len();
+                    let kind = PacketKind::of(&packet);
+                    self.counts.packets_received += 1;
+                    self.counts.bytes_received += len as u64;
+                    self.counts.packets_received_kind[kind as usize] += 1;
+                    let found = match mirror.get(&dst, &guard) {
+                        Some(set) => {
+                            let active = set.load_active();
+                            match active.as_ref() {
+                                Some(conn) => {
+                                    conn.push_packet(
+                                        self.handle.key,
+                                        packet,
+                                        kind,
+                                        now,
+                                        &mut self.counts,
+                                    );
+                                    continue;
+                                }
+                                None => self.shared.registry.lookup_locked(&dst),
+                            }
+                        }
+                        None => self.shared.registry.lookup_locked(&dst),
+                    };
+                    match found {
+                        Lookup::Local(conn) => {
+                            conn.push_packet(self.handle.key, packet, kind, now, &mut self.counts)
+                        }
+                        Lookup::Dup => self.counts.drop(DropReason::DupClient, kind, len),
+                        Lookup::Missing => {
+                            self.counts.drop(DropReason::UnknownDest, kind, len);
+                            if kind == PacketKind::Disco && self.not_here.allow(now) {
+                                self.handle
+                                    .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));
+                            }
+                        }
+                    }
+                }
+                ClientToRelay::ForwardPacket { src, dst, packet } => {
+                    self.require_mesh(FrameType::ForwardPacket)?;
+                    self.shared.metrics.packets_forwarded_in.inc();
+                    let len = packet.len();
+                    let kind = PacketKind::of(&packet);
+                    match self.shared.registry.lookup_locked(&dst) {
+                        Lookup::Local(conn) => {
+                            conn.push_packet(src, packet, kind, now, &mut self.counts)
+                        }
+                        Lookup::Dup => self.counts.drop(DropReason::DupClient, kind, len),
+                        Lookup::Missing => {
+                            self.counts.drop(DropReason::UnknownDestOnFwd, kind, len);
+                            if kind == PacketKind::Disco && self.not_here.allow(now) {
+                                self.handle
+                                    .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));
+                            }
+                        }
+                    }
+                }
+                ClientToRelay::NotePreferred(preferred) => self.note_preferred(preferred, now),
+                ClientToRelay::WatchConns => {
+                    self.require_mesh(FrameType::WatchConns)?;
+                    self.shared.registry.add_watcher(self.handle);
+                }
+                ClientToRelay::ClosePeer(key) => {
+                    self.require_mesh(FrameType::ClosePeer)?;
+                    if !self.shared.registry.close_peer(&key) {
+                        debug!(peer = %key.short(), "close-peer for unknown key");
+                    }
+                }
+                ClientToRelay::Ping(data) => {
+                    self.counts.got_ping += 1;
+                    self.handle.push_pong(data);
+                }
+                ClientToRelay::ClientInfo { .. }
+                | ClientToRelay::Pong(_)
+                | ClientToRelay::Unknown { .. } => {
+                    trace!("skipping unhandled frame");
+                    self.counts.unknown_frames += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn require_mesh(&self, ty: FrameType) -> Result<(), ConnError> {
+        if self.handle.can_mesh {
+            Ok(())
+        } else {
+            Err(ConnError::NotMeshPeer(ty as u8))
+        }
+    }
+
+    fn note_preferred(&mut self, preferred: bool, now: Instant) {
+        let was = self.handle.preferred.swap(preferred, Ordering::Relaxed);
+        if was == preferred {
+            return;
+        }
+        let m = &self.shared.metrics;
+        if preferred {
+            m.current_home_connections.inc();
+        } else {
+            m.current_home_connections.dec();
+        }
+        // Flips right after connecting are a client announcing its state, not a move.
+        if now.saturating_duration_since(self.connected_at) > HOME_MOVE_GRACE {
+            if preferred {
+                m.home_moves_in.inc();
+            } else {
+                m.home_moves_out.inc();
+            }
+        }
+    }
+}
+
+/// Drains the connection's queues and writes them, until the connection closes.
+async fn run_writer(
+    shared: Arc<Shared>,
+    handle: Arc<ConnHandle>,
+    mut w: WriteHalf,
+    framing: Framing,
+    write_timeout: Option<Duration>,
+) {
+    let mut writer = BatchWriter {
+        shared: &shared,
+        handle: &handle,
+        framing,
+        write_timeout,
+        batch: Batch::default(),
+        headers: Vec::new(),
+        sent_from: HashSet::default(),
+        keepalive_due: false,
+    };
+    let period = shared.config.keepalive_interval
+        + Duration::from_millis(rand::thread_rng().gen_range(0..KEEPALIVE_JITTER_MS));
+    let keepalive = tokio::time::sleep(period);
+    tokio::pin!(keepalive);
+    let result: Result<(), io::Error> = async {
+        loop {
+            tokio::select! {
+                biased;
+                _ = handle.cancel.cancelled() => return Ok(()),
+                _ = handle.wait() => {}
+                _ = &mut keepalive => {
+                    writer.keepalive_due = true;
+                    keepalive.as_mut().reset(Instant::now() + period);
+                }
+            }
+            if !writer.drain(&mut w).await? {
+                return Ok(());
+            }
+        }
+    }
+    .await;
+    if let Err(e) = result {
+        if e.kind() == io::ErrorKind::TimedOut {
+            shared.metrics.write_timeouts.inc();
+        }
+        debug!(id = handle.id, error = %e, "write failed");
+    }
+    handle.cancel.cancel();
+    shared
+        .registry
+        .unwatch_peer_gone(&writer.sent_from, handle.id);
+    count_gone(&shared, handle.close());
+    if framing.websocket {
+        let code = handle.ws_close_code.load(Ordering::Relaxed);
+        let frame = ws::close_frame(code);
+        let _ = write_with_timeout(&mut w, &frame, Some(WS_CLOSE_TIMEOUT)).await;
+    }
+    let _ = w.shutdown().await;
+}
+
+struct BatchWriter<'a> {
+    shared: &'a Shared,
+    handle: &'a Arc<ConnHandle>,
+    framing: Framing,
+    write_timeout: Option<Duration>,
+    batch: Batch,
+    /// Frame headers for the current batch; the payloads are written from their own buffers.
+    headers: Vec<u8>,
+    /// Sources this connection has received from; each is registered once for PeerGone.
+    sent_from: HashSet<PublicKey, foldhash::fast::RandomState>,
+    keepalive_due: bool,
+}
+
+/// Where one piece of a vectored write comes from.
+enum Seg {
+    Header(usize, usize),
+    Payload(bool, usize),
+}
+
+impl BatchWriter<'_> {
+    /// Writes batches until nothing is pending. Returns false once the connection is closed.
+    async fn drain(&mut self, w: &mut WriteHalf) -> io::Result<bool> {
+        loop {
+            let open = self.handle.take(&mut self.batch);
+            if self.batch.is_empty() && !self.keepalive_due {
+                return Ok(open);
+            }
+            let frames = self.write_batch(w).await;
+            self.recycle();
+            let frames = frames?;
+            self.shared
+                .metrics
+                .buffered_write_frames
+                .observe(frames as f64);
+            if !open {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Writes everything in the batch with vectored writes, then flushes once.
+    async fn write_batch(&mut self, w: &mut WriteHalf) -> io::Result<usize> {
+        self.headers.clear();
+        let mut segs: Vec<Seg> = Vec::with_capacity(
+            2 * (self.batch.disco.len() + self.batch.other.len()) + self.batch.control.len() + 2,
+        );
+        let framing = self.framing;
+        let mut frames = 0;
+        let mut pongs = 0;
+        let mut gone = [0u64; 2];
+        for control in self.batch.control.drain(..) {
+            let start = self.headers.len();
+            match control {
+                Control::PeerGone(peer, reason) => {
+                    match reason {
+                        PeerGoneReason::NotHere => gone[1] += 1,
+                        _ => gone[0] += 1,
+                    }
+                    push_frame(
+                        &mut self.headers,
+                        framing,
+                        &RelayToClient::PeerGone { peer, reason },
+                    );
+                }
+                Control::PeerPresent { peer, addr, flags } => push_frame(
+                    &mut self.headers,
+                    framing,
+                    &RelayToClient::PeerPresent { peer, addr, flags },
+                ),
+                Control::WsPong(payload) => {
+                    self.headers
+                        .extend_from_slice(&ws::control_frame(ws::ControlOpcode::Pong, &payload));
+                }
+            }
+            segs.push(Seg::Header(start, self.headers.len()));
+            frames += 1;
+        }
+        if let Some(data) = self.batch.pong.take() {
+            let start = self.headers.len();
+            push_frame(&mut self.headers, framing, &RelayToClient::Pong(data));
+            segs.push(Seg::Header(start, self.headers.len()));
+            frames += 1;
+            pongs += 1;
+        }
+        let now = Instant::now();
+        let mut sent = 0u64;
+        let mut sent_bytes = 0u64;
+        let mut avg = self.shared.metrics.average_queue_duration_ms.get();
+        for (disco, queue) in [(true, &self.batch.disco), (false, &self.batch.other)] {
+            for (i, p) in queue.iter().enumerate() {
+                let start = self.headers.len();
+                if framing.websocket {
+                    let (hdr, n) = ws::binary_header(frame::FRAME_HEADER_LEN + 32 + p.data.len());
+                    self.headers.extend_from_slice(&hdr[..n]);
+                }
+                self.headers
+                    .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
+                segs.push(Seg::Header(start, self.headers.len()));
+                segs.push(Seg::Payload(disco, i));
+                sent += 1;
+                sent_bytes += p.data.len() as u64;
+                let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
+                avg = avg * 0.9 + waited * 0.1;
+                frames += 1;
+            }
+        }
+        if self.keepalive_due {
+            let start = self.headers.len();
+            push_frame(&mut self.headers, framing, &RelayToClient::KeepAlive);
+            segs.push(Seg::Header(start, self.headers.len()));
+            frames += 1;
+        }
+
+        let mut slices: Vec<IoSlice<'_>> = segs
+            .iter()
+            .filter_map(|s| {
+                let bytes: &[u8] = match *s {
+                    Seg::Header(a, b) => &self.headers[a..b],
+                    Seg::Payload(true, i) => &self.batch.disco[i].data,
+                    Seg::Payload(false, i) => &self.batch.other[i].data,
+                };
+                (!bytes.is_empty()).then(|| IoSlice::new(bytes))
+            })
+            .collect();
+        let result = write_vectored_all(w, &mut slices, self.write_timeout).await;
+        let result = match result {
+            Ok(()) => match self.write_timeout {
+                Some(t) => tokio::time::timeout(t, w.flush())
+                    .await
+                    .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+                None => w.flush().await,
+            },
+            Err(e) => Err(e),
+        };
+        if let Err(e) = result {
+            for (queue, kind) in [
+                (&self.batch.disco, PacketKind::Disco),
+                (&self.batch.other, PacketKind::Other),
+            ] {
+                for p in queue {
+                    self.shared
+                        .metrics
+                        .drop_one(DropReason::WriteError, kind, p.data.len());
+                }
+            }
+            return Err(e);
+        }
+        self.keepalive_due = false;
+        let m = &self.shared.metrics;
+        if sent > 0 {
+            m.packets_sent.inc_by(sent);
+            m.bytes_sent.inc_by(sent_bytes);
+            m.average_queue_duration_ms.set(avg);
+            self.note_sources();
+        }
+        if pongs > 0 {
+            m.sent_pong.inc_by(pongs);
+        }
+        if gone[0] > 0 {
+            m.peer_gone_disconnected_frames.inc_by(gone[0]);
+        }
+        if gone[1] > 0 {
+            m.peer_gone_not_here_frames.inc_by(gone[1]);
+        }
+        Ok(frames)
+    }
+
+    /// Registers this connection as a PeerGone watcher of every new source in the batch.
+    fn note_sources(&mut self) {
+        for p in self.batch.disco.iter().chain(self.batch.other.iter()) {
+            if !self.sent_from.contains(&p.src) {
+                self.sent_from.insert(p.src);
+                self.shared.registry.watch_peer_gone(p.src, self.handle);
+            }
+        }
+    }
+
+    /// Empties the batch but keeps its queues' capacity for the next swap, unless a burst
+    /// grew them beyond what an idle connection should hold.
+    fn recycle(&mut self) {
+        self.batch.disco.clear();
+        self.batch.other.clear();
+        self.batch.control.clear();
+        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
+            self.headers = Vec::new();
+        }
+    }
+}
+
+fn push_frame(out: &mut Vec<u8>, framing: Framing, frame: &RelayToClient) {
+    if framing.websocket {
+        let (hdr, n) = ws::binary_header(frame.encoded_len());
+        out.extend_from_slice(&hdr[..n]);
+    }
+    frame.encode(out);
+}
+
+/// Writes all slices, applying the deadline to each write call: a peer that accepts nothing
+/// for that long is cut off, while a slow but moving one is not.
+async fn write_vectored_all<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut slices: &mut [IoSlice<'_>],
+    timeout: Option<Duration>,
+) -> io::Result<()> {
+    while !slices.is_empty() {
+        let n = match timeout {
+            Some(t) => tokio::time::timeout(t, w.write_vectored(slices))
+                .await
+                .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))?,
+            None => w.write_vectored(slices).await?,
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+async fn write_with_timeout<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    bytes: &[u8],
+    timeout: Option<Duration>,
+) -> io::Result<()> {
+    let mut slices = [IoSlice::new(bytes)];
+    write_vectored_all(w, &mut slices, timeout).await?;
+    w.flush().await
+}
+
+/// Reads are at least this large; one read can carry many frames.
+const READ_CHUNK: usize = 64 * 1024;
+/// Below this much free space the read buffer is grown before reading.
+const MIN_READ_SPACE: usize = 4 * 1024;
+/// Header scratch above this size is released after a burst.
+const MAX_IDLE_HEADER_CAPACITY: usize = 16 * 1024;
+/// How long a closing WebSocket connection may take to accept its close frame.
+const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+const KEEPALIVE_JITTER_MS: u64 = 5000;
+const NOT_HERE_PER_SEC: f64 = 1.0;
+const NOT_HERE_BURST: f64 = 3.0;
+/// NotePreferred flips within this long of connecting do not count as home moves.
+const HOME_MOVE_GRACE: Duration = Duration::from_secs(5);

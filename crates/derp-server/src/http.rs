@@ -1,0 +1,506 @@
+//! The HTTP/1.1 front: DERP upgrades, probe endpoints and the home page.
+//!
+//! The first request on a connection is read and parsed here rather than by hyper, because a
+//! fast-start client writes its request and its ClientInfo frame together and never reads an
+//! HTTP response: hyper's upgrade API always answers and may swallow the bytes after the head.
+//! A `/derp` upgrade is therefore taken over directly, with the bytes that followed the head
+//! kept; every other request, and everything after it on the same connection, goes to hyper
+//! with the already-read bytes replayed in front of the socket.
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tracing::debug;
+
+use crate::config::HomePage;
+use crate::conn::{self, Accepted};
+use crate::io::Transport;
+use crate::server::Shared;
+use crate::ws;
+
+/// Serves one accepted TCP connection.
+pub(crate) async fn serve_tcp(shared: Arc<Shared>, mut stream: TcpStream, remote: SocketAddr) {
+    let mut buf = BytesMut::with_capacity(1024);
+    let head = tokio::time::timeout(
+        shared.config.handshake_timeout,
+        read_head(&mut stream, &mut buf),
+    )
+    .await;
+    let head_len = match head {
+        Ok(Ok(Some(n))) => n,
+        Ok(Ok(None)) => {
+            // Too large or not HTTP: answer once, plainly, and close.
+            let _ = stream.write_all(BAD_REQUEST).await;
+            return;
+        }
+        Ok(Err(e)) => {
+            debug!(%remote, error = %e, "reading request head");
+            return;
+        }
+        Err(_) => {
+            debug!(%remote, "request head timed out");
+            return;
+        }
+    };
+    match classify(&shared, &buf[..head_len]) {
+        Some(Upgrade::Derp {
+            fast_start,
+            not_ideal,
+        }) => {
+            let _ = stream.set_nodelay(true);
+            buf.advance(head_len);
+            let preamble = if fast_start {
+                Vec::new()
+            } else {
+                derp_upgrade_head(&shared)
+            };
+            let accepted = Accepted {
+                transport: Transport::Tcp(stream),
+                initial: buf,
+                remote,
+                preamble,
+                websocket: false,
+                not_ideal,
+            };
+            conn::serve(shared, accepted).await;
+        }
+        Some(Upgrade::WebSocket { accept, not_ideal }) => {
+            let _ = stream.set_nodelay(true);
+            buf.advance(head_len);
+            let accepted = Accepted {
+                transport: Transport::Tcp(stream),
+                initial: buf,
+                remote,
+                preamble: ws::response_head(&accept),
+                websocket: true,
+                not_ideal,
+            };
+            conn::serve(shared, accepted).await;
+        }
+        None => serve_hyper(shared, Rewind::new(buf.freeze(), stream), remote).await,
+    }
+}
+
+/// Reads until a complete request head is buffered. Returns its length, or `None` when the
+/// bytes are not a request or the head is too large.
+async fn read_head(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<Option<usize>> {
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => return Ok(Some(n)),
+            Ok(httparse::Status::Partial) => {}
+            Err(_) => return Ok(None),
+        }
+        if buf.len() >= MAX_HEAD_LEN {
+            return Ok(None);
+        }
+        buf.reserve(1024);
+        if stream.read_buf(buf).await? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+enum Upgrade {
+    Derp { fast_start: bool, not_ideal: bool },
+    WebSocket { accept: String, not_ideal: bool },
+}
+
+/// Decides whether a request head is a DERP upgrade this module takes over.
+fn classify(shared: &Shared, head: &[u8]) -> Option<Upgrade> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    req.parse(head).ok()?;
+    let path = request_path(req.path?);
+    if !shared.config.derp_enabled || !is_derp_path(path) || is_probe_path(path) {
+        return None;
+    }
+    let header = |name: &str| {
+        req.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .and_then(|h| std::str::from_utf8(h.value).ok())
+            .map(str::trim)
+    };
+    let upgrade = header("upgrade")?.to_ascii_lowercase();
+    let not_ideal = header("ideal-node").is_some_and(|v| !v.is_empty());
+    match upgrade.as_str() {
+        "websocket" if header("sec-websocket-protocol").is_some_and(ws::wants_derp_subprotocol) => {
+            let key = header("sec-websocket-key")?;
+            Some(Upgrade::WebSocket {
+                accept: ws::accept_key(key),
+                not_ideal,
+            })
+        }
+        // Very old clients sent `Upgrade: WebSocket` but spoke plain DERP.
+        "derp" | "websocket" => Some(Upgrade::Derp {
+            fast_start: header("derp-fast-start") == Some("1"),
+            not_ideal,
+        }),
+        _ => None,
+    }
+}
+
+/// The path of a request target, for both origin form (`/derp?x`) and absolute form
+/// (`http://host/derp`), which some clients send.
+fn request_path(target: &str) -> &str {
+    let target = match target.find("://") {
+        Some(i) if !target.starts_with('/') => {
+            let rest = &target[i + 3..];
+            rest.find('/').map_or("/", |j| &rest[j..])
+        }
+        _ => target,
+    };
+    target.split(['?', '#']).next().unwrap_or("/")
+}
+
+fn is_derp_path(path: &str) -> bool {
+    path == "/derp" || path.starts_with("/derp/")
+}
+
+fn is_probe_path(path: &str) -> bool {
+    path == "/derp/probe" || path == "/derp/latency-check"
+}
+
+/// The 101 response to `Upgrade: DERP`, byte for byte as derper writes it.
+fn derp_upgrade_head(shared: &Shared) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: DERP\r\nConnection: Upgrade\r\n\
+         Derp-Version: {}\r\nDerp-Public-Key: {}\r\n\r\n",
+        derp_proto::frame::PROTOCOL_VERSION,
+        shared.public_key.to_untyped_hex()
+    )
+    .into_bytes()
+}
+
+async fn serve_hyper<S>(shared: Arc<Shared>, io: S, remote: SocketAddr)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let shared = shared.clone();
+        async move { Ok::<_, Infallible>(route(&shared, req, remote)) }
+    });
+    let result = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades()
+        .await;
+    if let Err(e) = result {
+        debug!(%remote, error = %e, "http connection ended");
+    }
+}
+
+type Body = Full<Bytes>;
+
+fn route(shared: &Arc<Shared>, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+    let path = req.uri().path();
+    if is_probe_path(path) {
+        return probe(req.method());
+    }
+    if is_derp_path(path) {
+        return derp_via_hyper(shared, req, remote);
+    }
+    match path {
+        "/generate_204" => no_content(&req),
+        "/robots.txt" => browser_headers(text(StatusCode::OK, "User-agent: *\nDisallow: /\n")),
+        _ => home(&shared.config.home),
+    }
+}
+
+fn probe(method: &Method) -> Response<Body> {
+    if method == Method::GET || method == Method::HEAD {
+        let mut resp = Response::new(Body::default());
+        resp.headers_mut().insert(
+            header::ACCESS_CONTROL_ALLOW_ORIGIN,
+            HeaderValue::from_static("*"),
+        );
+        resp
+    } else {
+        text(StatusCode::METHOD_NOT_ALLOWED, "bogus probe method\n")
+    }
+}
+
+/// A `/derp` request that reached hyper: either not an upgrade, or a later request on a
+/// keep-alive connection. The latter is upgraded through hyper (no fast start there).
+fn derp_via_hyper(
+    shared: &Arc<Shared>,
+    mut req: Request<Incoming>,
+    remote: SocketAddr,
+) -> Response<Body> {
+    if !shared.config.derp_enabled {
+        return text(StatusCode::NOT_FOUND, "derp server disabled\n");
+    }
+    let header = |name: header::HeaderName| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim().to_owned())
+    };
+    let upgrade = header(header::UPGRADE).map(|u| u.to_ascii_lowercase());
+    let not_ideal = req
+        .headers()
+        .get("ideal-node")
+        .is_some_and(|v| !v.is_empty());
+    let websocket = upgrade.as_deref() == Some("websocket")
+        && header(header::SEC_WEBSOCKET_PROTOCOL).is_some_and(|p| ws::wants_derp_subprotocol(&p));
+    let mut resp = match upgrade.as_deref() {
+        Some("websocket") if websocket => {
+            let Some(key) = header(header::SEC_WEBSOCKET_KEY) else {
+                return text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key\n");
+            };
+            let mut resp = Response::new(Body::default());
+            let h = resp.headers_mut();
+            h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+            if let Ok(v) = HeaderValue::from_str(&ws::accept_key(&key)) {
+                h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+            }
+            h.insert(
+                header::SEC_WEBSOCKET_PROTOCOL,
+                HeaderValue::from_static("derp"),
+            );
+            resp
+        }
+        Some("derp") | Some("websocket") => {
+            let mut resp = Response::new(Body::default());
+            let h = resp.headers_mut();
+            h.insert(header::UPGRADE, HeaderValue::from_static("DERP"));
+            h.insert("derp-version", HeaderValue::from_static("2"));
+            if let Ok(v) = HeaderValue::from_str(&shared.public_key.to_untyped_hex()) {
+                h.insert("derp-public-key", v);
+            }
+            resp
+        }
+        other => {
+            if let Some(u) = other.filter(|u| !u.is_empty()) {
+                debug!(%remote, upgrade = u, "weird upgrade");
+            }
+            return text(
+                StatusCode::UPGRADE_REQUIRED,
+                "DERP requires connection upgrade\n",
+            );
+        }
+    };
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        match on_upgrade.await {
+            Ok(upgraded) => {
+                let accepted = Accepted {
+                    transport: Transport::Boxed(Box::new(TokioIo::new(upgraded))),
+                    initial: BytesMut::new(),
+                    remote,
+                    preamble: Vec::new(),
+                    websocket,
+                    not_ideal,
+                };
+                conn::serve(shared, accepted).await;
+            }
+            Err(e) => debug!(%remote, error = %e, "upgrade failed"),
+        }
+    });
+    resp
+}
+
+/// `/generate_204`: captive-portal detection, with the challenge echo clients use to check
+/// that the answer came from this server.
+fn no_content(req: &Request<Incoming>) -> Response<Body> {
+    let mut resp = Response::new(Body::default());
+    *resp.status_mut() = StatusCode::NO_CONTENT;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache, no-store, must-revalidate, no-transform, max-age=0"),
+    );
+    if let Some(challenge) = req.headers().get("x-tailscale-challenge")
+        && valid_challenge(challenge.as_bytes())
+        && let Ok(v) = HeaderValue::from_bytes(
+            [b"response ".as_slice(), challenge.as_bytes()]
+                .concat()
+                .as_slice(),
+        )
+    {
+        h.insert("x-tailscale-response", v);
+    }
+    resp
+}
+
+fn valid_challenge(c: &[u8]) -> bool {
+    c.len() <= 64
+        && c.iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+fn home(home: &HomePage) -> Response<Body> {
+    match home {
+        HomePage::Default => browser_headers(html(HOME_PAGE)),
+        HomePage::Blank => browser_headers(html("")),
+        HomePage::Redirect(url) => {
+            let mut resp = Response::new(Body::default());
+            *resp.status_mut() = StatusCode::FOUND;
+            if let Ok(v) = HeaderValue::from_str(url) {
+                resp.headers_mut().insert(header::LOCATION, v);
+            }
+            resp
+        }
+    }
+}
+
+fn html(body: &'static str) -> Response<Body> {
+    let mut resp = Response::new(Body::from(body));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    resp
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Body> {
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+/// Headers derper adds to pages a browser may render.
+fn browser_headers(mut resp: Response<Body>) -> Response<Body> {
+    let h = resp.headers_mut();
+    h.insert(
+        header::STRICT_TRANSPORT_SECURITY,
+        HeaderValue::from_static("max-age=63072000; includeSubDomains"),
+    );
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'self'; \
+             block-all-mixed-content; object-src 'none'",
+        ),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    resp
+}
+
+/// A stream that yields already-read bytes before reading from the socket again.
+struct Rewind<S> {
+    prefix: Bytes,
+    inner: S,
+}
+
+impl<S> Rewind<S> {
+    fn new(prefix: Bytes, inner: S) -> Self {
+        Self { prefix, inner }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix[..n]);
+            self.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+const MAX_HEADERS: usize = 64;
+/// A request head larger than this is not a DERP client.
+const MAX_HEAD_LEN: usize = 16 * 1024;
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+const BAD_REQUEST: &[u8] =
+    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+const HOME_PAGE: &str = "<!DOCTYPE html>
+<html lang=\"en\">
+<head><meta charset=\"utf-8\"><title>DERP relay</title></head>
+<body>
+<h1>DERP</h1>
+<p>This is a DERP relay server (derpd). It relays encrypted WireGuard packets for Tailscale
+clients that cannot reach each other directly. It cannot read the traffic it carries.</p>
+<p>There is nothing to see here with a browser.</p>
+</body>
+</html>
+";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_path_handles_origin_and_absolute_form() {
+        assert_eq!(request_path("/derp"), "/derp");
+        assert_eq!(request_path("/derp?x=1"), "/derp");
+        assert_eq!(request_path("http://example.com/derp"), "/derp");
+        assert_eq!(request_path("https://example.com:8443/derp?q"), "/derp");
+        assert_eq!(request_path("http://example.com"), "/");
+    }
+
+    #[test]
+    fn challenge_rules_match_derper() {
+        assert!(valid_challenge(b"input"));
+        assert!(valid_challenge(b"host_name.example:1-2"));
+        assert!(!valid_challenge(b"has space"));
+        assert!(!valid_challenge(b"nul\0"));
+        assert!(!valid_challenge(&[b'a'; 65]));
+        assert!(valid_challenge(&[b'a'; 64]));
+    }
+}

@@ -1,0 +1,381 @@
+//! Prometheus metrics, named as Tailscale's derper exports them under `/debug/varz`.
+//!
+//! Keeping derper's names (`derp_*`) means existing dashboards and alerts keep working when an
+//! operator swaps the binary. Every labelled child is resolved once here, so the packet path
+//! never formats a label or hashes a label set.
+//!
+//! Counting must not put a shared atomic on every packet: the per-connection read loops and
+//! writers count into plain local integers ([`ReaderCounts`]) and fold them into these
+//! registry counters once per socket read or write batch.
+
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+/// Why a packet was dropped; the `reason` label of `derp_packets_dropped`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropReason {
+    /// No client with that key is connected here.
+    UnknownDest = 0,
+    /// A mesh-forwarded packet whose destination is not connected here.
+    UnknownDestOnFwd = 1,
+    /// The destination disconnected before the packet was written.
+    GoneDisconnected = 2,
+    /// An older packet pushed out of a full queue to make room for a newer one.
+    QueueHead = 3,
+    /// A new packet refused because the queue stayed full.
+    QueueTail = 4,
+    /// Writing to the destination's socket failed.
+    WriteError = 5,
+    /// The destination key has several connections and none is active.
+    DupClient = 6,
+}
+
+impl DropReason {
+    /// Every reason, in label order.
+    pub const ALL: [Self; 7] = [
+        Self::UnknownDest,
+        Self::UnknownDestOnFwd,
+        Self::GoneDisconnected,
+        Self::QueueHead,
+        Self::QueueTail,
+        Self::WriteError,
+        Self::DupClient,
+    ];
+
+    /// The Prometheus label value, as derper spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::UnknownDest => "unknown_dest",
+            Self::UnknownDestOnFwd => "unknown_dest_on_fwd",
+            Self::GoneDisconnected => "gone_disconnected",
+            Self::QueueHead => "queue_head",
+            Self::QueueTail => "queue_tail",
+            Self::WriteError => "write_error",
+            Self::DupClient => "dup_client",
+        }
+    }
+}
+
+/// Whether a packet looks like a disco message; the `kind` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PacketKind {
+    /// Tailscale's discovery messages (start with the disco magic).
+    Disco = 0,
+    /// Everything else (WireGuard data).
+    Other = 1,
+}
+
+impl PacketKind {
+    /// Classifies a packet the way the reference does.
+    pub fn of(packet: &[u8]) -> Self {
+        if derp_proto::frame::looks_like_disco(packet) {
+            Self::Disco
+        } else {
+            Self::Other
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Disco => "disco",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// The relay's metrics, registered on a registry the caller owns.
+///
+/// Fields are public so the server's modules can update them; they double as the metrics
+/// reference (see `docs/operations.md`).
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    /// `derp_accepts`: connections accepted for DERP, before the handshake.
+    pub accepts: IntCounter,
+    /// `derp_current_connections`: registered connections, duplicates included.
+    pub current_connections: IntGauge,
+    /// `derp_current_home_connections`: connections whose client said this is its home node.
+    pub current_home_connections: IntGauge,
+    /// `derp_current_notideal_connections`: connections that sent an `Ideal-Node` header.
+    pub current_notideal_connections: IntGauge,
+    /// `derp_clients_local`: distinct keys connected here.
+    pub clients_local: IntGauge,
+    /// `derp_clients_total`: distinct keys in the region (local and via mesh).
+    pub clients_total: IntGauge,
+    /// `derp_clients_remote`: keys reachable only via a mesh peer.
+    pub clients_remote: IntGauge,
+    /// `derp_current_dup_client_keys`: keys with two or more connections.
+    pub current_dup_client_keys: IntGauge,
+    /// `derp_current_dup_client_conns`: connections in duplicate sets.
+    pub current_dup_client_conns: IntGauge,
+    /// `derp_total_dup_client_conns`: connections accepted while their key was already present.
+    pub total_dup_client_conns: IntCounter,
+    /// `derp_watchers`: mesh peers subscribed to presence changes.
+    pub watchers: IntGauge,
+    /// `derp_packets_received`: SendPacket frames parsed (forwarded-in packets excluded).
+    pub packets_received: IntCounter,
+    /// `derp_bytes_received`: packet bytes of those frames (keys excluded).
+    pub bytes_received: IntCounter,
+    /// `derp_packets_received_kind{kind}`.
+    pub packets_received_kind: [IntCounter; 2],
+    /// `derp_packets_sent`: RecvPacket frames written.
+    pub packets_sent: IntCounter,
+    /// `derp_bytes_sent`: packet bytes of those frames (keys excluded).
+    pub bytes_sent: IntCounter,
+    /// `derp_packets_dropped{reason,kind}`, indexed `[reason][kind]`.
+    pub packets_dropped: [[IntCounter; 2]; 7],
+    /// `derp_bytes_dropped{reason,kind}`, indexed `[reason][kind]`.
+    pub bytes_dropped: [[IntCounter; 2]; 7],
+    /// `derp_unknown_frames`: frames of types the server does not handle (derper never counts
+    /// these; we do).
+    pub unknown_frames: IntCounter,
+    /// `derp_home_moves_in`.
+    pub home_moves_in: IntCounter,
+    /// `derp_home_moves_out`.
+    pub home_moves_out: IntCounter,
+    /// `derp_got_ping`.
+    pub got_ping: IntCounter,
+    /// `derp_sent_pong`.
+    pub sent_pong: IntCounter,
+    /// `derp_peer_gone_disconnected_frames`.
+    pub peer_gone_disconnected_frames: IntCounter,
+    /// `derp_peer_gone_not_here_frames`.
+    pub peer_gone_not_here_frames: IntCounter,
+    /// `derp_packets_forwarded_out`.
+    pub packets_forwarded_out: IntCounter,
+    /// `derp_packets_forwarded_in`.
+    pub packets_forwarded_in: IntCounter,
+    /// `derp_sclient_write_timeouts`: connections closed because a write missed its deadline.
+    pub write_timeouts: IntCounter,
+    /// `derp_average_queue_duration_ms`: moving average of the time packets wait in queues.
+    pub average_queue_duration_ms: Gauge,
+    /// `derp_buffered_write_frames`: frames written per flush.
+    pub buffered_write_frames: Histogram,
+    /// `derp_websocket_accepts`: DERP connections carried over WebSocket.
+    pub websocket_accepts: IntCounter,
+    /// `derp_handshake_failures`: connections closed before completing the handshake.
+    pub handshake_failures: IntCounter,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them on `registry`.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let r = Reg(registry);
+        let kind_vec = r.counter_vec(
+            "derp_packets_received_kind",
+            "SendPacket frames received, by kind",
+            &["kind"],
+        )?;
+        let dropped = r.counter_vec(
+            "derp_packets_dropped",
+            "packets dropped, by reason and kind",
+            &["reason", "kind"],
+        )?;
+        let bytes_dropped = r.counter_vec(
+            "derp_bytes_dropped",
+            "packet bytes dropped, by reason and kind",
+            &["reason", "kind"],
+        )?;
+        let by_reason = |vec: &IntCounterVec| {
+            DropReason::ALL.map(|reason| {
+                [PacketKind::Disco, PacketKind::Other]
+                    .map(|kind| vec.with_label_values(&[reason.as_str(), kind.as_str()]))
+            })
+        };
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "derp_build_info",
+                "build information; the value is always 1",
+            ),
+            &["version"],
+        )?;
+        registry.register(Box::new(build_info.clone()))?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        let buffered_write_frames = Histogram::with_opts(
+            HistogramOpts::new("derp_buffered_write_frames", "frames written per flush").buckets(
+                vec![
+                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 15.0, 20.0, 25.0, 50.0,
+                    100.0,
+                ],
+            ),
+        )?;
+        registry.register(Box::new(buffered_write_frames.clone()))?;
+        let average_queue_duration_ms = Gauge::new(
+            "derp_average_queue_duration_ms",
+            "moving average of the time packets wait in send queues",
+        )?;
+        registry.register(Box::new(average_queue_duration_ms.clone()))?;
+        Ok(Self {
+            accepts: r.counter("derp_accepts", "connections accepted, before the handshake")?,
+            current_connections: r.gauge(
+                "derp_current_connections",
+                "registered connections, duplicates included",
+            )?,
+            current_home_connections: r.gauge(
+                "derp_current_home_connections",
+                "connections whose client prefers this node",
+            )?,
+            current_notideal_connections: r.gauge(
+                "derp_current_notideal_connections",
+                "connections that are not on their ideal node",
+            )?,
+            clients_local: r.gauge("derp_clients_local", "distinct keys connected here")?,
+            clients_total: r.gauge("derp_clients_total", "distinct keys in the region")?,
+            clients_remote: r.gauge("derp_clients_remote", "keys reachable via mesh peers")?,
+            current_dup_client_keys: r.gauge(
+                "derp_current_dup_client_keys",
+                "keys with two or more connections",
+            )?,
+            current_dup_client_conns: r.gauge(
+                "derp_current_dup_client_conns",
+                "connections in duplicate sets",
+            )?,
+            total_dup_client_conns: r.counter(
+                "derp_total_dup_client_conns",
+                "connections accepted while their key was already connected",
+            )?,
+            watchers: r.gauge("derp_watchers", "mesh peers watching presence changes")?,
+            packets_received: r.counter("derp_packets_received", "SendPacket frames received")?,
+            bytes_received: r.counter("derp_bytes_received", "packet bytes received")?,
+            packets_received_kind: [PacketKind::Disco, PacketKind::Other]
+                .map(|k| kind_vec.with_label_values(&[k.as_str()])),
+            packets_sent: r.counter("derp_packets_sent", "RecvPacket frames written")?,
+            bytes_sent: r.counter("derp_bytes_sent", "packet bytes written")?,
+            packets_dropped: by_reason(&dropped),
+            bytes_dropped: by_reason(&bytes_dropped),
+            unknown_frames: r.counter("derp_unknown_frames", "frames of unhandled types")?,
+            home_moves_in: r.counter("derp_home_moves_in", "clients that made this node home")?,
+            home_moves_out: r.counter("derp_home_moves_out", "clients that moved home away")?,
+            got_ping: r.counter("derp_got_ping", "Ping frames received")?,
+            sent_pong: r.counter("derp_sent_pong", "Pong frames written")?,
+            peer_gone_disconnected_frames: r.counter(
+                "derp_peer_gone_disconnected_frames",
+                "PeerGone frames written with reason Disconnected",
+            )?,
+            peer_gone_not_here_frames: r.counter(
+                "derp_peer_gone_not_here_frames",
+                "PeerGone frames written with reason NotHere",
+            )?,
+            packets_forwarded_out: r.counter(
+                "derp_packets_forwarded_out",
+                "packets forwarded to mesh peers",
+            )?,
+            packets_forwarded_in: r.counter(
+                "derp_packets_forwarded_in",
+                "packets received from mesh peers",
+            )?,
+            write_timeouts: r.counter(
+                "derp_sclient_write_timeouts",
+                "connections closed because a write missed its deadline",
+            )?,
+            average_queue_duration_ms,
+            buffered_write_frames,
+            websocket_accepts: r.counter(
+                "derp_websocket_accepts",
+                "DERP connections carried over WebSocket",
+            )?,
+            handshake_failures: r.counter(
+                "derp_handshake_failures",
+                "connections closed before completing the handshake",
+            )?,
+        })
+    }
+
+    /// Adds a reader's or writer's locally accumulated counts to the registry and resets them.
+    pub(crate) fn fold(&self, counts: &mut ReaderCounts) {
+        if counts.is_empty() {
+            return;
+        }
+        add(&self.packets_received, counts.packets_received);
+        add(&self.bytes_received, counts.bytes_received);
+        for kind in 0..2 {
+            add(
+                &self.packets_received_kind[kind],
+                counts.packets_received_kind[kind],
+            );
+        }
+        for reason in 0..DropReason::ALL.len() {
+            for kind in 0..2 {
+                add(
+                    &self.packets_dropped[reason][kind],
+                    counts.dropped[reason][kind],
+                );
+                add(
+                    &self.bytes_dropped[reason][kind],
+                    counts.dropped_bytes[reason][kind],
+                );
+            }
+        }
+        add(&self.unknown_frames, counts.unknown_frames);
+        add(&self.got_ping, counts.got_ping);
+        *counts = ReaderCounts::default();
+    }
+
+    /// Counts a single drop directly; for rare paths that have no local batch to fold into.
+    pub(crate) fn drop_one(&self, reason: DropReason, kind: PacketKind, bytes: usize) {
+        self.packets_dropped[reason as usize][kind as usize].inc();
+        self.bytes_dropped[reason as usize][kind as usize].inc_by(bytes as u64);
+    }
+}
+
+fn add(counter: &IntCounter, n: u64) {
+    if n != 0 {
+        counter.inc_by(n);
+    }
+}
+
+/// Counts kept by one connection between folds into [`Metrics`]; plain integers, no atomics.
+#[derive(Debug, Default)]
+pub(crate) struct ReaderCounts {
+    pub(crate) packets_received: u64,
+    pub(crate) bytes_received: u64,
+    pub(crate) packets_received_kind: [u64; 2],
+    pub(crate) dropped: [[u64; 2]; 7],
+    pub(crate) dropped_bytes: [[u64; 2]; 7],
+    pub(crate) unknown_frames: u64,
+    pub(crate) got_ping: u64,
+    /// Frames handled since the last fold; used to fold at least this often on long bursts.
+    pub(crate) frames: u64,
+}
+
+impl ReaderCounts {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.frames == 0
+    }
+
+    pub(crate) fn drop(&mut self, reason: DropReason, kind: PacketKind, bytes: usize) {
+        self.dropped[reason as usize][kind as usize] += 1;
+        self.dropped_bytes[reason as usize][kind as usize] += bytes as u64;
+    }
+}
+
+/// Small helper that builds and registers metrics in one step.
+struct Reg<'a>(&'a Registry);
+
+impl Reg<'_> {
+    fn counter(&self, name: &str, help: &str) -> Result<IntCounter, prometheus::Error> {
+        let c = IntCounter::new(name, help)?;
+        self.0.register(Box::new(c.clone()))?;
+        Ok(c)
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> Result<IntGauge, prometheus::Error> {
+        let g = IntGauge::new(name, help)?;
+        self.0.register(Box::new(g.clone()))?;
+        Ok(g)
+    }
+
+    fn counter_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> Result<IntCounterVec, prometheus::Error> {
+        let v = IntCounterVec::new(Opts::new(name, help), labels)?;
+        self.0.register(Box::new(v.clone()))?;
+        Ok(v)
+    }
+}

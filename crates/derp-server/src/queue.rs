@@ -1,0 +1,307 @@
+//! A connection's outbound side as other connections see it: its bounded send queues.
+//!
+//! Senders run on other connections' read loops and must never block on a slow receiver, so
+//! an enqueue is a short critical section that either appends or drops. The receiver's writer
+//! takes everything queued in one swap and writes it as one batch.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU16};
+
+use bytes::Bytes;
+use derp_proto::{PeerGoneReason, PublicKey};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{DropReason, PacketKind, ReaderCounts};
+
+/// A packet waiting to be written to its destination.
+#[derive(Debug)]
+pub(crate) struct Packet {
+    pub(crate) src: PublicKey,
+    pub(crate) data: Bytes,
+    pub(crate) enqueued: Instant,
+}
+
+/// Frames other than packets that a writer sends on another task's behalf.
+#[derive(Clone, Debug)]
+pub(crate) enum Control {
+    PeerGone(PublicKey, PeerGoneReason),
+    PeerPresent {
+        peer: PublicKey,
+        addr: SocketAddr,
+        flags: u8,
+    },
+    /// A WebSocket pong answering a client's ping.
+    WsPong(Bytes),
+}
+
+/// What the writer takes in one swap.
+#[derive(Debug, Default)]
+pub(crate) struct Batch {
+    pub(crate) disco: VecDeque<Packet>,
+    pub(crate) other: VecDeque<Packet>,
+    pub(crate) control: VecDeque<Control>,
+    pub(crate) pong: Option<[u8; 8]>,
+}
+
+impl Batch {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.disco.is_empty()
+            && self.other.is_empty()
+            && self.control.is_empty()
+            && self.pong.is_none()
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    pending: Batch,
+    closed: bool,
+    /// Set when the writer has been woken and has not yet taken the batch; senders skip the
+    /// wake-up then, so a burst costs one notification rather than one per packet.
+    woken: bool,
+}
+
+/// One registered connection, as seen by the rest of the server.
+#[derive(Debug)]
+pub(crate) struct ConnHandle {
+    pub(crate) id: u64,
+    pub(crate) key: PublicKey,
+    pub(crate) remote: SocketAddr,
+    /// PeerPresent flags describing this connection to mesh watchers.
+    pub(crate) presence_flags: u8,
+    pub(crate) can_mesh: bool,
+    /// Member of a duplicate set; read on every frame, so it is a plain flag rather than a
+    /// lookup in the registry.
+    pub(crate) is_dup: AtomicBool,
+    pub(crate) preferred: AtomicBool,
+    /// WebSocket close code the writer sends when the connection ends.
+    pub(crate) ws_close_code: AtomicU16,
+    /// Cancelled when the connection must end, from either side or on server shutdown.
+    pub(crate) cancel: CancellationToken,
+    depth: usize,
+    state: Mutex<State>,
+    notify: Notify,
+}
+
+impl ConnHandle {
+    pub(crate) fn new(
+        id: u64,
+        key: PublicKey,
+        remote: SocketAddr,
+        presence_flags: u8,
+        can_mesh: bool,
+        depth: usize,
+        cancel: CancellationToken,
+    ) -> Self {
+        Self {
+            id,
+            key,
+            remote,
+            presence_flags,
+            can_mesh,
+            is_dup: AtomicBool::new(false),
+            preferred: AtomicBool::new(false),
+            ws_close_code: AtomicU16::new(crate::ws::close_code::INTERNAL_ERROR),
+            cancel,
+            depth: depth.max(1),
+            state: Mutex::new(State::default()),
+            notify: Notify::new(),
+        }
+    }
+
+    /// Queues a packet for this connection, dropping by the reference's policy when full:
+    /// up to three times the oldest packet is dropped to make room, then the new one is.
+    /// Drops are counted into the sender's local `counts`.
+    pub(crate) fn push_packet(
+        &self,
+        src: PublicKey,
+        data: Bytes,
+        kind: PacketKind,
+        now: Instant,
+        counts: &mut ReaderCounts,
+    ) {
+        let len = data.len();
+        let mut state = self.lock();
+        if state.closed {
+            counts.drop(DropReason::GoneDisconnected, kind, len);
+            return;
+        }
+        let queue = match kind {
+            PacketKind::Disco => &mut state.pending.disco,
+            PacketKind::Other => &mut state.pending.other,
+        };
+        let mut packet = Some(Packet {
+            src,
+            data,
+            enqueued: now,
+        });
+        for _ in 0..3 {
+            if queue.len() < self.depth {
+                if let Some(p) = packet.take() {
+                    queue.push_back(p);
+                }
+                break;
+            }
+            if let Some(old) = queue.pop_front() {
+                counts.drop(DropReason::QueueHead, kind, old.data.len());
+            }
+        }
+        if packet.is_some() {
+            counts.drop(DropReason::QueueTail, kind, len);
+            return;
+        }
+        self.wake(state);
+    }
+
+    /// Queues a control frame. These are rare and bounded by their producers (rate-limited
+    /// NotHere replies, one PeerGone per departed peer), so they are never dropped.
+    pub(crate) fn push_control(&self, control: Control) {
+        let mut state = self.lock();
+        if state.closed {
+            return;
+        }
+        state.pending.control.push_back(control);
+        self.wake(state);
+    }
+
+    /// Offers a pong; ignored while one is already pending ("pinging too fast").
+    pub(crate) fn push_pong(&self, data: [u8; 8]) {
+        let mut state = self.lock();
+        if state.closed || state.pending.pong.is_some() {
+            return;
+        }
+        state.pending.pong = Some(data);
+        self.wake(state);
+    }
+
+    /// Swaps everything pending into `batch` (which must be empty). Returns false once the
+    /// connection is closed and nothing more will come.
+    pub(crate) fn take(&self, batch: &mut Batch) -> bool {
+        let mut state = self.lock();
+        state.woken = false;
+        std::mem::swap(&mut state.pending, batch);
+        !state.closed
+    }
+
+    /// Marks the connection closed: later pushes are dropped as `gone_disconnected`, and what
+    /// is still queued is returned so the caller can count it.
+    pub(crate) fn close(&self) -> Batch {
+        let mut state = self.lock();
+        state.closed = true;
+        let rest = std::mem::take(&mut state.pending);
+        drop(state);
+        self.cancel.cancel();
+        self.notify.notify_one();
+        rest
+    }
+
+    /// Waits until something is queued (or the connection closes).
+    pub(crate) async fn wait(&self) {
+        self.notify.notified().await;
+    }
+
+    fn wake(&self, mut state: std::sync::MutexGuard<'_, State>) {
+        if !state.woken {
+            state.woken = true;
+            drop(state);
+            self.notify.notify_one();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding this lock cannot leave the queues inconsistent (every critical
+        // section is a push, pop or swap), so a poisoned lock is safe to keep using.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle(depth: usize) -> ConnHandle {
+        ConnHandle::new(
+            1,
+            PublicKey::from_bytes([1; 32]),
+            "127.0.0.1:1".parse().expect("addr"),
+            0,
+            false,
+            depth,
+            CancellationToken::new(),
+        )
+    }
+
+    fn pkt(b: u8) -> Bytes {
+        Bytes::from(vec![b; 10])
+    }
+
+    #[test]
+    fn full_queue_drops_oldest_and_keeps_newest() {
+        let h = handle(2);
+        let mut counts = ReaderCounts::default();
+        let now = Instant::now();
+        let src = PublicKey::from_bytes([9; 32]);
+        for b in 0..5 {
+            h.push_packet(src, pkt(b), PacketKind::Other, now, &mut counts);
+        }
+        let mut batch = Batch::default();
+        assert!(h.take(&mut batch));
+        let kept: Vec<u8> = batch.other.iter().map(|p| p.data[0]).collect();
+        assert_eq!(kept, vec![3, 4]);
+        assert_eq!(
+            counts.dropped[DropReason::QueueHead as usize][PacketKind::Other as usize],
+            3
+        );
+        assert_eq!(
+            counts.dropped_bytes[DropReason::QueueHead as usize][PacketKind::Other as usize],
+            30
+        );
+    }
+
+    #[test]
+    fn disco_and_other_queues_do_not_crowd_each_other_out() {
+        let h = handle(1);
+        let mut counts = ReaderCounts::default();
+        let now = Instant::now();
+        let src = PublicKey::from_bytes([9; 32]);
+        h.push_packet(src, pkt(1), PacketKind::Disco, now, &mut counts);
+        h.push_packet(src, pkt(2), PacketKind::Other, now, &mut counts);
+        let mut batch = Batch::default();
+        h.take(&mut batch);
+        assert_eq!(batch.disco.len(), 1);
+        assert_eq!(batch.other.len(), 1);
+        assert_eq!(counts.dropped, [[0; 2]; 7]);
+    }
+
+    #[test]
+    fn closed_connection_drops_as_gone() {
+        let h = handle(4);
+        let mut counts = ReaderCounts::default();
+        let src = PublicKey::from_bytes([9; 32]);
+        h.push_packet(src, pkt(1), PacketKind::Other, Instant::now(), &mut counts);
+        let rest = h.close();
+        assert_eq!(rest.other.len(), 1);
+        h.push_packet(src, pkt(2), PacketKind::Other, Instant::now(), &mut counts);
+        assert_eq!(
+            counts.dropped[DropReason::GoneDisconnected as usize][PacketKind::Other as usize],
+            1
+        );
+        let mut batch = Batch::default();
+        assert!(!h.take(&mut batch));
+        assert!(batch.is_empty());
+    }
+
+    #[test]
+    fn second_pong_is_ignored_while_one_is_pending() {
+        let h = handle(4);
+        h.push_pong([1; 8]);
+        h.push_pong([2; 8]);
+        let mut batch = Batch::default();
+        h.take(&mut batch);
+        assert_eq!(batch.pong, Some([1; 8]));
+    }
+}

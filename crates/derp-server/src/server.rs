@@ -1,0 +1,134 @@
+//! The server object: shared state, the accept loop and shutdown.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use derp_proto::PublicKey;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::config::ServerConfig;
+use crate::conn::{self, Accepted};
+use crate::io::Transport;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+
+/// State every connection shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: ServerConfig,
+    pub(crate) public_key: PublicKey,
+    pub(crate) registry: Registry,
+    pub(crate) metrics: Metrics,
+    pub(crate) next_conn_id: AtomicU64,
+    pub(crate) shutdown: CancellationToken,
+    tasks: TaskTracker,
+}
+
+/// A DERP relay. Cheap to clone; clones share one relay.
+#[derive(Clone, Debug)]
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+/// Errors starting the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Registering metrics failed (for example, a name registered twice on one registry).
+    #[error("registering metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// A listener failed in a way that is not about one connection.
+    #[error("listener: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl Server {
+    /// Creates a relay and registers its metrics on `registry`.
+    pub fn new(config: ServerConfig, registry: &prometheus::Registry) -> Result<Self, ServeError> {
+        let metrics = Metrics::new(registry)?;
+        let public_key = config.secret_key.public_key();
+        Ok(Self {
+            shared: Arc::new(Shared {
+                registry: Registry::new(metrics.clone(), public_key),
+                public_key,
+                metrics,
+                config,
+                next_conn_id: AtomicU64::new(1),
+                shutdown: CancellationToken::new(),
+                tasks: TaskTracker::new(),
+            }),
+        })
+    }
+
+    /// The server's public key, as clients see it in the ServerKey frame.
+    pub fn public_key(&self) -> PublicKey {
+        self.shared.public_key
+    }
+
+    /// The relay's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Number of distinct keys connected right now.
+    pub fn local_clients(&self) -> usize {
+        self.shared.registry.local_keys()
+    }
+
+    /// Accepts HTTP connections on `listener` until [`Server::shutdown`] is called.
+    ///
+    /// Errors on individual connections (including resource exhaustion on accept) are logged
+    /// and the loop carries on: one bad connection must never stop the listener.
+    pub async fn serve(&self, listener: TcpListener) -> Result<(), ServeError> {
+        loop {
+            let accepted = tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return Ok(()),
+                a = listener.accept() => a,
+            };
+            match accepted {
+                Ok((stream, remote)) => {
+                    let shared = self.shared.clone();
+                    self.shared
+                        .tasks
+                        .spawn(crate::http::serve_tcp(shared, stream, remote));
+                }
+                Err(e) => {
+                    // EMFILE and friends: back off briefly instead of spinning.
+                    warn!(error = %e, "accept failed");
+                    tokio::select! {
+                        _ = self.shared.shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the DERP protocol directly on an already-upgraded stream (no HTTP), as the
+    /// reference's `Server.Accept` does; for embedding and tests.
+    pub async fn accept(&self, transport: Transport, remote: SocketAddr) {
+        let accepted = Accepted {
+            transport,
+            initial: bytes::BytesMut::new(),
+            remote,
+            preamble: Vec::new(),
+            websocket: false,
+            not_ideal: false,
+        };
+        conn::serve(self.shared.clone(), accepted).await;
+    }
+
+    /// Closes every connection and stops accepting. Returns once all connection tasks ended.
+    pub async fn shutdown(&self) {
+        debug!("shutting down");
+        self.shared.shutdown.cancel();
+        self.shared.tasks.close();
+        self.shared.tasks.wait().await;
+    }
+}
+
+const ACCEPT_ERROR_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);

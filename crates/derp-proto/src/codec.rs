@@ -367,3 +367,489 @@ fn client_plan(frame_type: u8, len: u32) -> Result<Plan, DecodeError> {
     }
     Ok(Plan::Read { keep })
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::{BufMut, Bytes};
+
+    use super::*;
+    use crate::frame::{FrameType, write_header};
+
+    fn frame(ty: u8, payload: &[u8]) -> Vec<u8> {
+        let mut out = vec![ty];
+        out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    fn header(ty: u8, len: u32) -> BytesMut {
+        let mut out = BytesMut::new();
+        out.put_u8(ty);
+        out.put_u32(len);
+        out
+    }
+
+    fn server_one(bytes: &[u8]) -> Result<Option<ClientToRelay>, DecodeError> {
+        ServerDecoder::after_handshake().decode(&mut BytesMut::from(bytes))
+    }
+
+    fn client_one(bytes: &[u8]) -> Result<Option<RelayToClient>, DecodeError> {
+        ClientDecoder::new().decode(&mut BytesMut::from(bytes))
+    }
+
+    fn key(byte: u8) -> PublicKey {
+        PublicKey::from_bytes([byte; 32])
+    }
+
+    /// Feeds `bytes` one at a time and collects everything decoded.
+    fn client_bytewise(bytes: &[u8]) -> Vec<RelayToClient> {
+        let mut decoder = ClientDecoder::new();
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        for &b in bytes {
+            buf.put_u8(b);
+            while let Some(msg) = decoder.decode(&mut buf).unwrap() {
+                out.push(msg);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn server_requires_client_info_first() {
+        let mut decoder = ServerDecoder::new();
+        assert!(!decoder.handshake_done());
+        let ping = frame(0x12, &[0; 8]);
+        assert_eq!(
+            decoder.decode(&mut BytesMut::from(&ping[..])),
+            Err(DecodeError::UnexpectedFrame { frame_type: 0x12 })
+        );
+        // Rejected from the header alone, before the body arrives.
+        assert_eq!(
+            ServerDecoder::new().decode(&mut header(0x02, 55)),
+            Err(DecodeError::FrameTooShort {
+                frame_type: 2,
+                len: 55
+            })
+        );
+        assert_eq!(
+            ServerDecoder::new().decode(&mut header(0x02, 256 * 1024 + 1)),
+            Err(DecodeError::FrameTooLarge {
+                frame_type: 2,
+                len: 256 * 1024 + 1
+            })
+        );
+        assert_eq!(
+            ServerDecoder::new().decode(&mut header(0x02, 256 * 1024)),
+            Ok(None)
+        );
+
+        let mut payload = vec![7u8; 32];
+        payload.extend_from_slice(&[1; 24]);
+        let mut buf = BytesMut::from(&frame(0x02, &payload)[..]);
+        buf.extend_from_slice(&frame(0x02, &payload));
+        let mut decoder = ServerDecoder::new();
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(ClientToRelay::ClientInfo {
+                key: key(7),
+                sealed: Bytes::from(vec![1; 24]),
+            }))
+        );
+        assert!(decoder.handshake_done());
+        // A second ClientInfo is skipped like any undispatched type.
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(ClientToRelay::Unknown {
+                frame_type: 2,
+                len: 56
+            }))
+        );
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn server_size_rules() {
+        let too_short = |frame_type, len| Err(DecodeError::FrameTooShort { frame_type, len });
+        let too_large = |frame_type, len| Err(DecodeError::FrameTooLarge { frame_type, len });
+        let wrong = |frame_type, len| Err(DecodeError::WrongLength { frame_type, len });
+        let cases: [(u8, u32, Result<Option<ClientToRelay>, DecodeError>); 14] = [
+            (0x04, 31, too_short(0x04, 31)),
+            (0x04, 32 + 65537, too_large(0x04, 32 + 65537)),
+            (0x0a, 63, too_short(0x0a, 63)),
+            (0x0a, 64 + 65537, too_large(0x0a, 64 + 65537)),
+            (0x07, 0, wrong(0x07, 0)),
+            (0x07, 2, wrong(0x07, 2)),
+            (0x10, 1, wrong(0x10, 1)),
+            (0x11, 31, wrong(0x11, 31)),
+            (0x11, 33, wrong(0x11, 33)),
+            (0x12, 7, too_short(0x12, 7)),
+            (0x12, 1001, too_large(0x12, 1001)),
+            (0x04, u32::MAX, too_large(0x04, u32::MAX)),
+            // In range: waiting for the body, nothing buffered beyond the header.
+            (0x04, 32 + 65536, Ok(None)),
+            (0x0a, 64 + 65536, Ok(None)),
+        ];
+        for (ty, len, want) in cases {
+            let got = ServerDecoder::after_handshake().decode(&mut header(ty, len));
+            assert_eq!(got, want, "type {ty:#04x} len {len}");
+        }
+    }
+
+    #[test]
+    fn server_decodes_dispatched_frames() {
+        let mut send = vec![2u8; 32];
+        send.extend_from_slice(b"pkt");
+        assert_eq!(
+            server_one(&frame(0x04, &send)),
+            Ok(Some(ClientToRelay::SendPacket {
+                dst: key(2),
+                packet: Bytes::from_static(b"pkt")
+            }))
+        );
+        assert_eq!(
+            server_one(&frame(0x04, &[2; 32])),
+            Ok(Some(ClientToRelay::SendPacket {
+                dst: key(2),
+                packet: Bytes::new()
+            }))
+        );
+        let mut fwd = vec![1u8; 32];
+        fwd.extend_from_slice(&[2; 32]);
+        fwd.extend_from_slice(b"x");
+        assert_eq!(
+            server_one(&frame(0x0a, &fwd)),
+            Ok(Some(ClientToRelay::ForwardPacket {
+                src: key(1),
+                dst: key(2),
+                packet: Bytes::from_static(b"x")
+            }))
+        );
+        for (byte, want) in [(0u8, false), (1, true), (2, true), (0xff, true)] {
+            assert_eq!(
+                server_one(&frame(0x07, &[byte])),
+                Ok(Some(ClientToRelay::NotePreferred(want)))
+            );
+        }
+        assert_eq!(
+            server_one(&frame(0x10, &[])),
+            Ok(Some(ClientToRelay::WatchConns))
+        );
+        assert_eq!(
+            server_one(&frame(0x11, &[5; 32])),
+            Ok(Some(ClientToRelay::ClosePeer(key(5))))
+        );
+        // Go's TestServerRepliesToPing data.
+        assert_eq!(
+            server_one(&frame(0x12, &[1, 2, 3, 4, 5, 6, 7, 0x2a])),
+            Ok(Some(ClientToRelay::Ping([1, 2, 3, 4, 5, 6, 7, 0x2a])))
+        );
+    }
+
+    #[test]
+    fn server_ping_extra_bytes_are_discarded() {
+        let mut payload = vec![9u8; 1000];
+        payload[..8].copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        let mut buf = BytesMut::from(&frame(0x12, &payload)[..]);
+        buf.extend_from_slice(&frame(0x10, &[]));
+        let mut decoder = ServerDecoder::after_handshake();
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(ClientToRelay::Ping([1, 2, 3, 4, 5, 6, 7, 8])))
+        );
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(ClientToRelay::WatchConns))
+        );
+        assert_eq!(decoder.decode(&mut buf), Ok(None));
+    }
+
+    #[test]
+    fn server_skips_undispatched_types() {
+        for ty in [
+            0x01, 0x03, 0x05, 0x06, 0x08, 0x09, 0x0b, 0x13, 0x14, 0x15, 0x00, 0xff,
+        ] {
+            let mut buf = BytesMut::from(&frame(ty, &[1, 2, 3])[..]);
+            buf.extend_from_slice(&frame(0x10, &[]));
+            let mut decoder = ServerDecoder::after_handshake();
+            assert_eq!(
+                decoder.decode(&mut buf),
+                Ok(Some(ClientToRelay::Unknown {
+                    frame_type: ty,
+                    len: 3
+                }))
+            );
+            assert_eq!(
+                decoder.decode(&mut buf),
+                Ok(Some(ClientToRelay::WatchConns))
+            );
+        }
+    }
+
+    #[test]
+    fn huge_unknown_frames_stream_without_buffering() {
+        // Announce 4 GiB - 1 bytes: reported at once, then drained chunk by chunk.
+        let mut decoder = ServerDecoder::after_handshake();
+        let mut buf = header(0x0b, u32::MAX);
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(ClientToRelay::Unknown {
+                frame_type: 0x0b,
+                len: u32::MAX
+            }))
+        );
+        let chunk = vec![0x12u8; 64 * 1024];
+        for _ in 0..64 {
+            buf.extend_from_slice(&chunk);
+            assert_eq!(decoder.decode(&mut buf), Ok(None));
+            assert!(buf.is_empty());
+        }
+
+        // A 3 MiB skip followed by a real frame, fed in odd-sized pieces.
+        let mut decoder = ServerDecoder::after_handshake();
+        let mut stream = header(0xfe, 3 << 20).to_vec();
+        stream.extend(std::iter::repeat_n(0x12u8, 3 << 20));
+        stream.extend_from_slice(&frame(0x10, &[]));
+        let mut buf = BytesMut::new();
+        let mut got = Vec::new();
+        for piece in stream.chunks(10_007) {
+            buf.extend_from_slice(piece);
+            while let Some(msg) = decoder.decode(&mut buf).unwrap() {
+                got.push(msg);
+            }
+            assert!(buf.len() < 10_007 + 5);
+        }
+        assert_eq!(
+            got,
+            [
+                ClientToRelay::Unknown {
+                    frame_type: 0xfe,
+                    len: 3 << 20
+                },
+                ClientToRelay::WatchConns
+            ]
+        );
+    }
+
+    /// Go's TestClientRecv cases.
+    #[test]
+    fn client_recv_go_cases() {
+        let cases = [
+            (
+                frame(0x12, &[1, 2, 3, 4, 5, 6, 7, 8]),
+                RelayToClient::Ping([1, 2, 3, 4, 5, 6, 7, 8]),
+            ),
+            (
+                frame(0x13, &[1, 2, 3, 4, 5, 6, 7, 8]),
+                RelayToClient::Pong([1, 2, 3, 4, 5, 6, 7, 8]),
+            ),
+            (frame(0x14, b"BAD"), RelayToClient::Health("BAD".to_owned())),
+            (frame(0x14, b""), RelayToClient::Health(String::new())),
+            (
+                frame(0x15, &[0, 0, 0, 1, 0, 0, 0, 2]),
+                RelayToClient::Restarting {
+                    reconnect_in_ms: 1,
+                    try_for_ms: 2,
+                },
+            ),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(client_one(&bytes), Ok(Some(want.clone())));
+            assert_eq!(client_bytewise(&bytes), [want]);
+        }
+    }
+
+    #[test]
+    fn client_server_key_rules() {
+        let mut payload = MAGIC.to_vec();
+        payload.extend_from_slice(&[3; 32]);
+        assert_eq!(
+            client_one(&frame(0x01, &payload)),
+            Ok(Some(RelayToClient::ServerKey(key(3))))
+        );
+        // Future bytes up to 1 KiB are discarded.
+        let mut long = payload.clone();
+        long.resize(1024, 0xee);
+        let mut buf = BytesMut::from(&frame(0x01, &long)[..]);
+        buf.extend_from_slice(&frame(0x06, &[]));
+        let mut decoder = ClientDecoder::new();
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(RelayToClient::ServerKey(key(3))))
+        );
+        assert_eq!(decoder.decode(&mut buf), Ok(Some(RelayToClient::KeepAlive)));
+        assert!(buf.is_empty());
+
+        assert_eq!(
+            client_one(&frame(0x01, &payload[..39])),
+            Err(DecodeError::FrameTooShort {
+                frame_type: 1,
+                len: 39
+            })
+        );
+        assert_eq!(
+            ClientDecoder::new().decode(&mut header(0x01, 1025)),
+            Err(DecodeError::FrameTooLarge {
+                frame_type: 1,
+                len: 1025
+            })
+        );
+        let mut bad = payload;
+        bad[7] ^= 1;
+        assert_eq!(client_one(&frame(0x01, &bad)), Err(DecodeError::BadMagic));
+    }
+
+    #[test]
+    fn client_size_rules() {
+        assert_eq!(
+            ClientDecoder::new().decode(&mut header(0x0b, (1 << 20) + 1)),
+            Err(DecodeError::FrameTooLarge {
+                frame_type: 0x0b,
+                len: (1 << 20) + 1
+            })
+        );
+        assert_eq!(
+            ClientDecoder::new().decode(&mut header(0x05, 1 << 20)),
+            Ok(None)
+        );
+        assert_eq!(
+            client_one(&frame(0x03, &[0; 23])),
+            Err(DecodeError::FrameTooShort {
+                frame_type: 3,
+                len: 23
+            })
+        );
+        assert_eq!(
+            client_one(&frame(0x03, &[0; 24])),
+            Ok(Some(RelayToClient::ServerInfo {
+                sealed: Bytes::from(vec![0; 24])
+            }))
+        );
+        // Short known frames are dropped, not fatal.
+        for (ty, len) in [
+            (0x05u8, 31usize),
+            (0x08, 31),
+            (0x09, 31),
+            (0x12, 7),
+            (0x13, 7),
+            (0x15, 7),
+        ] {
+            assert_eq!(
+                client_one(&frame(ty, &vec![0; len])),
+                Ok(Some(RelayToClient::Unknown {
+                    frame_type: ty,
+                    len: len as u32
+                })),
+                "type {ty:#04x}"
+            );
+        }
+        // Client-bound decoders skip client-to-server types.
+        for ty in [0x02u8, 0x04, 0x07, 0x0a, 0x10, 0x11, 0x0c, 0xff] {
+            assert_eq!(
+                client_one(&frame(ty, &[0; 40])),
+                Ok(Some(RelayToClient::Unknown {
+                    frame_type: ty,
+                    len: 40
+                }))
+            );
+        }
+    }
+
+    #[test]
+    fn client_peer_gone_and_present_lengths() {
+        assert_eq!(
+            client_one(&frame(0x08, &[4; 32])),
+            Ok(Some(RelayToClient::PeerGone {
+                peer: key(4),
+                reason: PeerGoneReason::Disconnected
+            }))
+        );
+        let mut gone = vec![4u8; 32];
+        gone.extend_from_slice(&[1, 0xaa, 0xbb]);
+        assert_eq!(
+            client_one(&frame(0x08, &gone)),
+            Ok(Some(RelayToClient::PeerGone {
+                peer: key(4),
+                reason: PeerGoneReason::NotHere
+            }))
+        );
+
+        let unspecified: std::net::SocketAddr = "[::]:0".parse().unwrap();
+        let mut present = vec![4u8; 32];
+        let at = |len: usize, present: &[u8]| client_one(&frame(0x09, &present[..len]));
+        present.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 1]);
+        present.extend_from_slice(&[0x1f, 0x90, 0x06, 0x77]);
+        let want = |addr, flags| {
+            Ok(Some(RelayToClient::PeerPresent {
+                peer: key(4),
+                addr,
+                flags,
+            }))
+        };
+        assert_eq!(at(32, &present), want(unspecified, 0));
+        assert_eq!(at(49, &present), want(unspecified, 0));
+        assert_eq!(at(50, &present), want("10.0.0.1:8080".parse().unwrap(), 0));
+        assert_eq!(at(51, &present), want("10.0.0.1:8080".parse().unwrap(), 6));
+        assert_eq!(at(52, &present), want("10.0.0.1:8080".parse().unwrap(), 6));
+    }
+
+    #[test]
+    fn client_health_is_lossy_utf8() {
+        assert_eq!(
+            client_one(&frame(0x14, b"a\xffb")),
+            Ok(Some(RelayToClient::Health("a\u{fffd}b".to_owned())))
+        );
+    }
+
+    #[test]
+    fn client_keepalive_body_is_skipped() {
+        let mut bytes = frame(0x06, &[1; 100]);
+        bytes.extend_from_slice(&frame(0x12, &[5; 8]));
+        assert_eq!(
+            client_bytewise(&bytes),
+            [RelayToClient::KeepAlive, RelayToClient::Ping([5; 8])]
+        );
+    }
+
+    #[test]
+    fn payloads_are_slices_of_the_input_buffer() {
+        let mut buf = BytesMut::with_capacity(4096);
+        for i in 0..4u8 {
+            let mut payload = vec![i; 32];
+            payload.extend_from_slice(&[i; 100]);
+            write_header(&mut buf, FrameType::SendPacket, payload.len() as u32);
+            buf.extend_from_slice(&payload);
+        }
+        let range = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
+        let mut decoder = ServerDecoder::after_handshake();
+        for i in 0..4u8 {
+            let Some(ClientToRelay::SendPacket { dst, packet }) = decoder.decode(&mut buf).unwrap()
+            else {
+                panic!("expected SendPacket")
+            };
+            assert_eq!(dst, key(i));
+            assert_eq!(packet[..], [i; 100]);
+            assert!(
+                range.contains(&(packet.as_ptr() as usize)),
+                "payload was copied"
+            );
+        }
+    }
+
+    #[test]
+    fn partial_frames_wait_for_more() {
+        let mut decoder = ClientDecoder::new();
+        let bytes = frame(0x13, &[1; 8]);
+        let mut buf = BytesMut::new();
+        for &b in &bytes[..bytes.len() - 1] {
+            buf.put_u8(b);
+            assert_eq!(decoder.decode(&mut buf), Ok(None));
+        }
+        buf.put_u8(1);
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(RelayToClient::Pong([1; 8])))
+        );
+        assert_eq!(decoder.decode(&mut buf), Ok(None));
+    }
+}

@@ -459,3 +459,226 @@ pub const PEER_PRESENT_IS_MESH_PEER: u8 = 2;
 pub const PEER_PRESENT_IS_PROBER: u8 = 4;
 /// PeerPresent flag: the peer is not on its ideal node.
 pub const PEER_PRESENT_NOT_IDEAL: u8 = 8;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The three headers from Go's TestReadFrameHeader / TestWriteFrameHeader.
+    const HEADERS: [(FrameType, u32, [u8; 5]); 3] = [
+        (FrameType::SendPacket, 1024, [0x04, 0x00, 0x00, 0x04, 0x00]),
+        (FrameType::KeepAlive, 0, [0x06, 0x00, 0x00, 0x00, 0x00]),
+        (
+            FrameType::RecvPacket,
+            0xffff_ffff,
+            [0x05, 0xff, 0xff, 0xff, 0xff],
+        ),
+    ];
+
+    #[test]
+    fn read_frame_header() {
+        for (ty, len, bytes) in HEADERS {
+            assert_eq!(parse_header(&bytes), (ty as u8, len));
+        }
+    }
+
+    #[test]
+    fn write_frame_header_roomy_and_exact_buffers() {
+        for (ty, len, bytes) in HEADERS {
+            let mut roomy = Vec::with_capacity(4096);
+            write_header(&mut roomy, ty, len);
+            assert_eq!(roomy, bytes);
+
+            // A buffer with exactly five bytes of room left.
+            let mut backing = [0xaau8; 8];
+            let mut slot: &mut [u8] = &mut backing[3..];
+            write_header(&mut slot, ty, len);
+            assert!(slot.is_empty());
+            assert_eq!(backing[3..], bytes);
+            assert_eq!(backing[..3], [0xaa; 3]);
+        }
+    }
+
+    #[test]
+    fn frame_type_bytes_round_trip() {
+        let mut known = 0;
+        for byte in 0..=u8::MAX {
+            match FrameType::from_u8(byte) {
+                Some(ty) => {
+                    known += 1;
+                    assert_eq!(ty.as_u8(), byte);
+                }
+                None => assert!(byte == 0 || (0x0b..=0x0f).contains(&byte) || byte > 0x15),
+            }
+        }
+        assert_eq!(known, 16);
+    }
+
+    #[test]
+    fn peer_gone_reason_bytes() {
+        for byte in 0..=u8::MAX {
+            let reason = PeerGoneReason::from(byte);
+            assert_eq!(u8::from(reason), byte);
+        }
+        assert_eq!(PeerGoneReason::from_u8(0), PeerGoneReason::Disconnected);
+        assert_eq!(PeerGoneReason::from_u8(1), PeerGoneReason::NotHere);
+        assert_eq!(PeerGoneReason::from_u8(0xf0), PeerGoneReason::Other(0xf0));
+    }
+
+    /// Go's TestClientSendPing / TestClientSendPong and TestServerRepliesToPing bytes.
+    #[test]
+    fn ping_and_pong_exact_bytes() {
+        let data = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut out = Vec::new();
+        ClientToRelay::Ping(data).encode(&mut out);
+        assert_eq!(out, [0x12, 0, 0, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8]);
+        out.clear();
+        ClientToRelay::Pong(data).encode(&mut out);
+        assert_eq!(out, [0x13, 0, 0, 0, 8, 1, 2, 3, 4, 5, 6, 7, 8]);
+        out.clear();
+        RelayToClient::Pong([1, 2, 3, 4, 5, 6, 7, 0x2a]).encode(&mut out);
+        assert_eq!(out, [0x13, 0, 0, 0, 8, 1, 2, 3, 4, 5, 6, 7, 0x2a]);
+    }
+
+    #[test]
+    fn magic_constants() {
+        assert_eq!(MAGIC, [0x44, 0x45, 0x52, 0x50, 0xf0, 0x9f, 0x94, 0x91]);
+        assert_eq!(&MAGIC, "DERP🔑".as_bytes());
+        assert_eq!(&DISCO_MAGIC, "TS💬".as_bytes());
+        assert_eq!(PEER_PRESENT_LEN, 51);
+    }
+
+    #[test]
+    fn recv_packet_header_for_largest_packet() {
+        let key = PublicKey::from_bytes([9; 32]);
+        let header = recv_packet_header(&key, MAX_PACKET_SIZE);
+        assert_eq!(header[..5], [0x05, 0x00, 0x01, 0x00, 0x20]);
+        assert_eq!(header[5..], [9; 32]);
+        let mut full = Vec::new();
+        RelayToClient::RecvPacket {
+            src: key,
+            packet: Bytes::from(vec![0; 3]),
+        }
+        .encode(&mut full);
+        assert_eq!(recv_packet_header(&key, 3)[..], full[..37]);
+    }
+
+    #[test]
+    fn disco_detection() {
+        let mut packet = DISCO_MAGIC.to_vec();
+        packet.resize(62, 0);
+        assert!(looks_like_disco(&packet));
+        assert!(!looks_like_disco(&packet[..61]));
+        packet[5] = 0;
+        assert!(!looks_like_disco(&packet));
+        assert!(!looks_like_disco(b""));
+    }
+
+    #[test]
+    fn peer_present_addresses() {
+        let peer = PublicKey::from_bytes([1; 32]);
+        let mut out = Vec::new();
+        RelayToClient::PeerPresent {
+            peer,
+            addr: "192.0.2.1:41641".parse().unwrap(),
+            flags: PEER_PRESENT_IS_MESH_PEER | PEER_PRESENT_NOT_IDEAL,
+        }
+        .encode(&mut out);
+        assert_eq!(out.len(), 5 + 51);
+        assert_eq!(
+            out[37..],
+            [
+                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 192, 0, 2, 1, 0xa2, 0xa9, 0x0a
+            ]
+        );
+        let addr: &[u8; 18] = out[37..55].try_into().unwrap();
+        assert_eq!(peer_present_addr(addr), "192.0.2.1:41641".parse().unwrap());
+        assert_eq!(peer_present_addr(&[0; 18]), "[::]:0".parse().unwrap());
+        let mut v6 = [0u8; 18];
+        v6[0] = 0x20;
+        v6[1] = 0x01;
+        v6[15] = 1;
+        v6[17] = 80;
+        assert_eq!(peer_present_addr(&v6), "[2001::1]:80".parse().unwrap());
+    }
+
+    #[test]
+    fn encoded_len_matches_encode() {
+        let key = PublicKey::from_bytes([4; 32]);
+        let packet = Bytes::from_static(b"abc");
+        let client_msgs = [
+            ClientToRelay::ClientInfo {
+                key,
+                sealed: packet.clone(),
+            },
+            ClientToRelay::SendPacket {
+                dst: key,
+                packet: packet.clone(),
+            },
+            ClientToRelay::ForwardPacket {
+                src: key,
+                dst: key,
+                packet: packet.clone(),
+            },
+            ClientToRelay::NotePreferred(true),
+            ClientToRelay::WatchConns,
+            ClientToRelay::ClosePeer(key),
+            ClientToRelay::Ping([0; 8]),
+            ClientToRelay::Pong([0; 8]),
+            ClientToRelay::Unknown {
+                frame_type: 0x0b,
+                len: 9,
+            },
+        ];
+        for msg in &client_msgs {
+            let mut out = Vec::new();
+            msg.encode(&mut out);
+            assert_eq!(out.len(), msg.encoded_len(), "{msg:?}");
+            if let Some(ty) = msg.frame_type() {
+                assert_eq!(parse_header(out[..5].try_into().unwrap()).0, ty as u8);
+                assert_eq!(out.len() - 5, msg.payload_len());
+            } else {
+                assert!(out.is_empty());
+            }
+        }
+        let relay_msgs = [
+            RelayToClient::ServerKey(key),
+            RelayToClient::ServerInfo {
+                sealed: packet.clone(),
+            },
+            RelayToClient::RecvPacket { src: key, packet },
+            RelayToClient::KeepAlive,
+            RelayToClient::PeerGone {
+                peer: key,
+                reason: PeerGoneReason::NotHere,
+            },
+            RelayToClient::PeerPresent {
+                peer: key,
+                addr: "[::1]:1".parse().unwrap(),
+                flags: PEER_PRESENT_IS_REGULAR | PEER_PRESENT_IS_PROBER,
+            },
+            RelayToClient::Ping([0; 8]),
+            RelayToClient::Pong([0; 8]),
+            RelayToClient::Health("bad".to_owned()),
+            RelayToClient::Restarting {
+                reconnect_in_ms: 1,
+                try_for_ms: 2,
+            },
+            RelayToClient::Unknown {
+                frame_type: 0xff,
+                len: 1,
+            },
+        ];
+        for msg in &relay_msgs {
+            let mut out = Vec::new();
+            msg.encode(&mut out);
+            assert_eq!(out.len(), msg.encoded_len(), "{msg:?}");
+            if let Some(ty) = msg.frame_type() {
+                assert_eq!(out[0], ty as u8);
+                assert_eq!(out.len() - 5, msg.payload_len());
+            } else {
+                assert!(out.is_empty());
+            }
+        }
+    }
+}

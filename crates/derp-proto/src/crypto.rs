@@ -72,3 +72,29 @@ pub fn open(secret: &SecretKey, peer: &PublicKey, sealed: &[u8]) -> Result<Vec<u
         .map_err(|_| BoxError::Open)?;
     Ok(plaintext)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_is_nonce_then_tag_then_ciphertext() {
+        let a = SecretKey::from_bytes([1; 32]);
+        let b = SecretKey::from_bytes([2; 32]);
+        let nonce = [9; NONCE_LEN];
+        let sealed = seal(&a, &b.public_key(), &nonce, b"payload");
+        assert_eq!(sealed.len(), BOX_OVERHEAD + 7);
+        assert_eq!(sealed[..NONCE_LEN], nonce);
+        // Same key pair and nonce give the same box from either side's view.
+        assert_eq!(sealed, seal(&a, &b.public_key(), &nonce, b"payload"));
+        assert_eq!(open(&b, &a.public_key(), &sealed).unwrap(), b"payload");
+        // The tag covers the ciphertext: truncating the ciphertext fails authentication.
+        assert_eq!(
+            open(&b, &a.public_key(), &sealed[..sealed.len() - 1]),
+            Err(BoxError::Open)
+        );
+        // A different nonce gives a different ciphertext.
+        let other = seal(&a, &b.public_key(), &[8; NONCE_LEN], b"payload");
+        assert_ne!(sealed[NONCE_LEN..], other[NONCE_LEN..]);
+    }
+}

@@ -186,3 +186,205 @@ impl ClientHandshake {
         self.state == ClientState::Done
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bytes::BytesMut;
+
+    use super::*;
+    use crate::codec::{ClientDecoder, ServerDecoder};
+    use crate::keys::MeshKey;
+
+    fn keys() -> (SecretKey, SecretKey) {
+        let mut rng = rand::thread_rng();
+        (SecretKey::generate(&mut rng), SecretKey::generate(&mut rng))
+    }
+
+    fn info() -> ClientInfo {
+        ClientInfo {
+            mesh_key: Some(MeshKey::from_bytes([0x42; 32])),
+            version: 2,
+            can_ack_pings: true,
+            is_prober: false,
+            app_name: "test".to_owned(),
+        }
+    }
+
+    /// Runs a full handshake through the frame decoders, as the two IO loops would.
+    #[test]
+    fn full_handshake_through_the_decoders() {
+        let (server_secret, client_secret) = keys();
+        let mut server = ServerHandshake::new(server_secret.clone());
+        let mut client = ClientHandshake::new(client_secret.clone(), info());
+        let mut to_client = BytesMut::new();
+        let mut to_server = BytesMut::new();
+        let mut client_decoder = ClientDecoder::new();
+        let mut server_decoder = ServerDecoder::new();
+
+        server.server_key_frame(&mut to_client);
+        assert_eq!(to_client.len(), 45);
+        let Some(RelayToClient::ServerKey(key)) = client_decoder.decode(&mut to_client).unwrap()
+        else {
+            panic!("expected ServerKey")
+        };
+        assert_eq!(key, server_secret.public_key());
+        assert_eq!(server.public_key(), key);
+        assert_eq!(client.server_key(), None);
+        client.handle_server_key(key).unwrap();
+        assert_eq!(client.server_key(), Some(key));
+
+        client.client_info_frame([1; 24], &mut to_server).unwrap();
+        let Some(ClientToRelay::ClientInfo { key, sealed }) =
+            server_decoder.decode(&mut to_server).unwrap()
+        else {
+            panic!("expected ClientInfo")
+        };
+        assert_eq!(key, client_secret.public_key());
+        assert_eq!(server.client_key(), None);
+        assert_eq!(server.handle_client_info(key, &sealed), Ok(info()));
+        assert_eq!(server.client_key(), Some(client_secret.public_key()));
+
+        server.server_info_frame([2; 24], &mut to_client).unwrap();
+        let Some(RelayToClient::ServerInfo { sealed }) =
+            client_decoder.decode(&mut to_client).unwrap()
+        else {
+            panic!("expected ServerInfo")
+        };
+        assert!(!client.is_done());
+        assert_eq!(
+            client.handle_server_info(&sealed),
+            Ok(ServerInfo::default_server())
+        );
+        assert!(client.is_done());
+        assert!(to_client.is_empty() && to_server.is_empty());
+    }
+
+    #[test]
+    fn fast_start_ignores_the_later_server_key() {
+        let (server_secret, client_secret) = keys();
+        let server_key = server_secret.public_key();
+        let mut client = ClientHandshake::fast_start(client_secret, info(), server_key);
+        assert_eq!(client.server_key(), Some(server_key));
+        let mut out = Vec::new();
+        client.client_info_frame([0; 24], &mut out).unwrap();
+        // The ServerKey the server still sends changes nothing, even a different one.
+        client
+            .handle_server_key(PublicKey::from_bytes([9; 32]))
+            .unwrap();
+        assert_eq!(client.server_key(), Some(server_key));
+
+        let mut server = ServerHandshake::new(server_secret);
+        let sealed = &out[5 + 32..];
+        let key = PublicKey::from_slice(&out[5..37]).unwrap();
+        assert_eq!(server.handle_client_info(key, sealed), Ok(info()));
+    }
+
+    #[test]
+    fn client_steps_out_of_order_are_refused() {
+        let (server_secret, client_secret) = keys();
+        let mut client = ClientHandshake::new(client_secret, ClientInfo::default());
+        let mut out = Vec::new();
+        assert_eq!(
+            client.client_info_frame([0; 24], &mut out),
+            Err(HandshakeError::OutOfOrder)
+        );
+        assert!(out.is_empty());
+        assert_eq!(
+            client.handle_server_info(&[0; 64]),
+            Err(HandshakeError::OutOfOrder)
+        );
+        client
+            .handle_server_key(server_secret.public_key())
+            .unwrap();
+        assert_eq!(
+            client.handle_server_info(&[0; 64]),
+            Err(HandshakeError::OutOfOrder)
+        );
+        client.client_info_frame([0; 24], &mut out).unwrap();
+        // ClientInfo is sent once.
+        assert_eq!(
+            client.client_info_frame([0; 24], &mut out),
+            Err(HandshakeError::OutOfOrder)
+        );
+    }
+
+    #[test]
+    fn client_refuses_bad_server_info() {
+        let (server_secret, client_secret) = keys();
+        let server_key = server_secret.public_key();
+        let client_key = client_secret.public_key();
+        let mut client = ClientHandshake::fast_start(client_secret, info(), server_key);
+        client.client_info_frame([0; 24], &mut Vec::new()).unwrap();
+
+        assert_eq!(
+            client.handle_server_info(&[0; 10]),
+            Err(HandshakeError::Box(BoxError::TooShort))
+        );
+        let forged = SecretKey::from_bytes([7; 32]).seal_to(&client_key, &[0; 24], b"{}");
+        assert_eq!(
+            client.handle_server_info(&forged),
+            Err(HandshakeError::Box(BoxError::Open))
+        );
+        let not_json = server_secret.seal_to(&client_key, &[0; 24], b"nope");
+        assert_eq!(
+            client.handle_server_info(&not_json),
+            Err(HandshakeError::Info(InfoError::Syntax))
+        );
+        assert!(!client.is_done());
+        let limited = server_secret.seal_to(
+            &client_key,
+            &[0; 24],
+            br#"{"version":2,"TokenBucketBytesPerSecond":100,"TokenBucketBytesBurst":200}"#,
+        );
+        let got = client.handle_server_info(&limited).unwrap();
+        assert_eq!(got.token_bucket_bytes_per_second, 100);
+        assert_eq!(got.token_bucket_bytes_burst, 200);
+        assert!(client.is_done());
+    }
+
+    #[test]
+    fn server_refuses_bad_client_info() {
+        let (server_secret, client_secret) = keys();
+        let server_key = server_secret.public_key();
+        let client_key = client_secret.public_key();
+        let mut server = ServerHandshake::new(server_secret);
+        assert_eq!(
+            server.server_info_frame([0; 24], &mut Vec::new()),
+            Err(HandshakeError::OutOfOrder)
+        );
+
+        let sealed = client_secret.seal_to(&server_key, &[0; 24], b"{}");
+        // The claimed key must be the one that sealed the box.
+        assert_eq!(
+            server.handle_client_info(PublicKey::from_bytes([1; 32]), &sealed),
+            Err(HandshakeError::Box(BoxError::Open))
+        );
+        assert_eq!(
+            server.handle_client_info(client_key, &sealed[..39]),
+            Err(HandshakeError::Box(BoxError::TooShort))
+        );
+        let bad_json = client_secret.seal_to(&server_key, &[0; 24], br#"{"meshKey":null}"#);
+        assert_eq!(
+            server.handle_client_info(client_key, &bad_json),
+            Err(HandshakeError::Info(InfoError::InvalidMeshKey))
+        );
+        assert_eq!(server.client_key(), None);
+
+        assert_eq!(
+            server.handle_client_info(client_key, &sealed),
+            Ok(ClientInfo::default())
+        );
+        // A second ClientInfo cannot re-authenticate the connection.
+        assert_eq!(
+            server.handle_client_info(client_key, &sealed),
+            Err(HandshakeError::OutOfOrder)
+        );
+        let mut out = Vec::new();
+        server.server_info_frame([5; 24], &mut out).unwrap();
+        assert_eq!(out[0], 0x03);
+        assert_eq!(
+            client_secret.open_from(&server_key, &out[5..]).unwrap(),
+            br#"{"version":2}"#
+        );
+    }
+}

@@ -322,9 +322,11 @@ impl FrameReader {
                     continue;
                 }
                 ws::WsEvent::Close { code } => {
-                    // Echo the client's code, as the reference does.
+                    // Echo the client's code, as the reference does. Data that came before
+                    // the close is still handed over; the decoder repeats the close event on
+                    // the next call.
                     self.ws_close = Some(code.unwrap_or(ws::close_code::NORMAL));
-                    return Ok(0);
+                    return Ok(self.buf.len() - before);
                 }
                 ws::WsEvent::NeedMore => {}
             }

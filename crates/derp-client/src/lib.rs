@@ -1,1 +1,218 @@
-//! placeholder
+//! Async tokio client for DERP, Tailscale's packet relay protocol.
+//!
+//! What it does:
+//! - **Dial**: resolves the server URL (`http://host:port/derp`, or `ws://` for WebSocket),
+//!   connects over TCP within a time budget, optionally from a chosen local address.
+//! - **Upgrade**: sends the HTTP/1.1 upgrade request the Go client sends (`Upgrade: DERP`, or
+//!   `Upgrade: websocket` with subprotocol `derp`), requires `101 Switching Protocols`, and keeps
+//!   any DERP bytes that arrived with the response. With a known server key it uses fast start
+//!   (`Derp-Fast-Start: 1`): request and ClientInfo in one write, no HTTP response.
+//! - **Handshake**: waits for ServerKey, sends ClientInfo sealed with a random nonce, and opens
+//!   the ServerInfo that follows, using `derp_proto::ClientHandshake`.
+//! - **Send and receive typed frames**: [`Client::send_packet`], [`Client::recv`] returning a
+//!   [`ReceivedFrame`], and the mesh frames (`watch_conns`, `close_peer`, `forward_packet`).
+//! - **Ping**: [`Client::ping`] measures the round trip; pongs that answer it are consumed
+//!   internally and never surfaced.
+//! - **Split**: [`Client::split`] gives a [`ClientReader`] and a [`ClientWriter`] for separate
+//!   tasks. The writer batches: `queue_*` then one `flush` writes many frames at once. The
+//!   reader reads in large chunks and hands out packets as slices of its buffer (no copy).
+//!
+//! What it does not do:
+//! - **No TLS yet**: `https` and `wss` URLs fail with [`ConnectError::TlsUnsupported`]. A TLS
+//!   stream (or any other byte stream) can be passed to [`Client::connect_stream`].
+//! - **No reconnect loop**: errors on a connection are final (receive errors are sticky, as in
+//!   the Go client). Callers reconnect with [`Client::connect`] and, if the client is preferred,
+//!   send `note_preferred(true)` again.
+//! - No client-side rate limiting from ServerInfo's token bucket fields, no HTTP proxies, and no
+//!   racing of IPv4 against IPv6 dials (addresses are tried in resolver order).
+//!
+//! The request's `User-Agent` is `derp-client/<crate version>` rather than Go's
+//! `Go-http-client/1.1`; servers do not look at it.
+//!
+//! ```no_run
+//! # async fn demo(peer: derp_proto::PublicKey) -> Result<(), Box<dyn std::error::Error>> {
+//! use derp_client::{Client, ClientConfig, ReceivedFrame};
+//!
+//! let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+//! let config = ClientConfig::new("http://127.0.0.1:3340/derp", secret)?;
+//! let mut client = Client::connect(&config).await?;
+//! client.send_packet(peer, b"hello").await?;
+//! if let ReceivedFrame::RecvPacket { src, packet } = client.recv().await? {
+//!     println!("{} bytes from {src}", packet.len());
+//! }
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod connect;
+mod error;
+mod http;
+mod ping;
+mod reader;
+#[cfg(test)]
+mod tests;
+mod transport;
+mod writer;
+mod ws;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use derp_proto::{ClientToRelay, PublicKey, ServerInfo};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind, UrlError};
+pub use crate::error::{ClientError, ConnectError};
+pub use crate::ping::PendingPing;
+pub use crate::reader::{ClientReader, ReceivedFrame};
+pub use crate::writer::ClientWriter;
+pub use crate::ws::WsError;
+
+/// A connected, handshaken DERP client.
+///
+/// Every method takes `&mut self`; to receive in one task while sending from another, use
+/// [`Client::split`].
+#[derive(Debug)]
+pub struct Client {
+    reader: ClientReader,
+    writer: ClientWriter,
+}
+
+impl Client {
+    /// Dials `config.url`, upgrades the connection and completes the DERP handshake (up to and
+    /// including ServerInfo), all within `config.connect_timeout`.
+    pub async fn connect(config: &ClientConfig) -> Result<Self, ConnectError> {
+        connect::connect(config).await
+    }
+
+    /// Like [`Client::connect`] over a stream the caller already connected, for example a TLS
+    /// stream or an in-memory pipe. `config.url` only supplies the `Host` header and path, so
+    /// https and wss URLs are fine here. [`Client::local_addr`] is `None` for such clients.
+    pub async fn connect_stream<S>(config: &ClientConfig, stream: S) -> Result<Self, ConnectError>
+    where
+        S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        connect::connect_stream(config, transport::Stream::Boxed(Box::new(stream))).await
+    }
+
+    pub(crate) fn from_parts(reader: ClientReader, writer: ClientWriter) -> Self {
+        Self { reader, writer }
+    }
+
+    /// The server's public key, learned in the handshake (or given for fast start).
+    pub fn server_key(&self) -> PublicKey {
+        self.reader.server_key()
+    }
+
+    /// The local socket address, or `None` for [`Client::connect_stream`] clients.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.reader.local_addr()
+    }
+
+    /// The ServerInfo from the handshake (or a later one the server sent).
+    pub fn server_info(&self) -> ServerInfo {
+        self.reader.server_info()
+    }
+
+    /// Receives the next frame; see [`ClientReader::recv`]. Errors are sticky.
+    pub async fn recv(&mut self) -> Result<ReceivedFrame, ClientError> {
+        self.reader.recv().await
+    }
+
+    /// Sends a packet to `dst`; packets over 64 KiB are refused with
+    /// [`ClientError::PacketTooLarge`].
+    pub async fn send_packet(
+        &mut self,
+        dst: PublicKey,
+        packet: impl AsRef<[u8]>,
+    ) -> Result<(), ClientError> {
+        self.writer.send_packet(dst, packet).await
+    }
+
+    /// Queues a packet without writing it; see [`ClientWriter::queue_packet`].
+    pub fn queue_packet(
+        &mut self,
+        dst: PublicKey,
+        packet: impl AsRef<[u8]>,
+    ) -> Result<(), ClientError> {
+        self.writer.queue_packet(dst, packet)
+    }
+
+    /// Queues any client frame without writing it; see [`ClientWriter::queue_frame`].
+    pub fn queue_frame(&mut self, frame: &ClientToRelay) -> Result<(), ClientError> {
+        self.writer.queue_frame(frame)
+    }
+
+    /// Writes everything queued; see [`ClientWriter::flush`].
+    pub async fn flush(&mut self) -> Result<(), ClientError> {
+        self.writer.flush().await
+    }
+
+    /// Bytes queued and not yet written.
+    pub fn buffered_len(&self) -> usize {
+        self.writer.buffered_len()
+    }
+
+    /// Tells the server whether it is this client's home DERP server.
+    pub async fn note_preferred(&mut self, preferred: bool) -> Result<(), ClientError> {
+        self.writer.note_preferred(preferred).await
+    }
+
+    /// Pings the server with 8 random bytes and waits up to 5 s for the pong.
+    ///
+    /// Frames that arrive meanwhile are kept and returned by later [`recv`](Self::recv) calls;
+    /// the matching pong is consumed. Fails with [`ClientError::PingTimeout`] (connection still
+    /// usable) or with the reader's error.
+    pub async fn ping(&mut self) -> Result<Duration, ClientError> {
+        let mut pending = self.writer.start_ping().await?;
+        loop {
+            tokio::select! {
+                biased;
+                result = pending.wait_ref() => return result,
+                frame = self.reader.recv_direct() => self.reader.push_pending(frame?),
+            }
+        }
+    }
+
+    /// Sends an untracked ping; its pong comes back through [`recv`](Self::recv).
+    pub async fn send_ping(&mut self, data: [u8; 8]) -> Result<(), ClientError> {
+        self.writer.send_ping(data).await
+    }
+
+    /// Answers a server ping ([`ReceivedFrame::Ping`]).
+    pub async fn send_pong(&mut self, data: [u8; 8]) -> Result<(), ClientError> {
+        self.writer.send_pong(data).await
+    }
+
+    /// Subscribes to presence of every client of the server (mesh peers only).
+    pub async fn watch_conns(&mut self) -> Result<(), ClientError> {
+        self.writer.watch_conns().await
+    }
+
+    /// Asks the server to close every connection of `peer` (mesh peers only).
+    pub async fn close_peer(&mut self, peer: PublicKey) -> Result<(), ClientError> {
+        self.writer.close_peer(peer).await
+    }
+
+    /// Forwards a packet from `src` to `dst` (mesh peers only).
+    pub async fn forward_packet(
+        &mut self,
+        src: PublicKey,
+        dst: PublicKey,
+        packet: Bytes,
+    ) -> Result<(), ClientError> {
+        self.writer.forward_packet(src, dst, packet).await
+    }
+
+    /// Flushes queued frames and closes the connection.
+    pub async fn close(self) -> Result<(), ClientError> {
+        self.writer.close().await
+    }
+
+    /// Splits into a receiving and a sending half for use from separate tasks. Frames that
+    /// [`ping`](Self::ping) set aside are kept by the reader.
+    pub fn split(self) -> (ClientReader, ClientWriter) {
+        (self.reader, self.writer)
+    }
+}

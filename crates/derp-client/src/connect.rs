@@ -1,0 +1,255 @@
+//! Dialing, the HTTP upgrade and the DERP handshake.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use derp_proto::{ClientHandshake, RelayToClient, ServerInfo};
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpSocket, TcpStream};
+
+use crate::Client;
+use crate::config::{ClientConfig, TransportKind};
+use crate::error::ConnectError;
+use crate::http::{self, RequestOptions};
+use crate::ping::PingTracker;
+use crate::reader::ClientReader;
+use crate::transport::{FrameReader, FrameWriter, ReadHalf, Stream, WsShared};
+use crate::writer::ClientWriter;
+use crate::ws::{self, WsError};
+
+/// Dials the configured URL and runs the upgrade and handshake within the connect budget.
+pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
+    validate(config)?;
+    if config.url.scheme().is_tls() {
+        return Err(ConnectError::TlsUnsupported);
+    }
+    with_budget(config, async {
+        let tcp = dial(config).await?;
+        let local = tcp.local_addr().ok();
+        establish(config, Stream::Tcp(tcp), local).await
+    })
+    .await
+}
+
+/// Runs the upgrade and handshake over a stream the caller already connected (and perhaps
+/// wrapped in TLS).
+pub(crate) async fn connect_stream(
+    config: &ClientConfig,
+    stream: Stream,
+) -> Result<Client, ConnectError> {
+    validate(config)?;
+    with_budget(config, establish(config, stream, None)).await
+}
+
+async fn with_budget(
+    config: &ClientConfig,
+    fut: impl Future<Output = Result<Client, ConnectError>>,
+) -> Result<Client, ConnectError> {
+    tokio::time::timeout(config.connect_timeout, fut)
+        .await
+        .map_err(|_| ConnectError::Timeout(config.connect_timeout))?
+}
+
+fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
+    if config.fast_start_key.is_some() && config.transport == TransportKind::WebSocket {
+        return Err(ConnectError::InvalidConfig(
+            "fast start is not available over websocket",
+        ));
+    }
+    if let Some(node) = &config.ideal_node
+        && !http::valid_header_value(node)
+    {
+        return Err(ConnectError::InvalidConfig(
+            "ideal node contains control characters",
+        ));
+    }
+    Ok(())
+}
+
+/// Resolves the host and connects to the first address that accepts, from the configured
+/// local address if there is one.
+async fn dial(config: &ClientConfig) -> Result<TcpStream, ConnectError> {
+    let host = config.url.host();
+    let addrs = tokio::net::lookup_host((host, config.url.port())).await?;
+    let mut last_err = None;
+    for addr in addrs {
+        if let Some(local) = config.local_addr
+            && local.is_ipv4() != addr.is_ipv4()
+        {
+            continue;
+        }
+        match dial_one(addr, config.local_addr).await {
+            Ok(stream) => return Ok(stream),
+            Err(e) => {
+                tracing::debug!(%addr, error = %e, "dial failed");
+                last_err = Some(e);
+            }
+        }
+    }
+    Err(last_err.map_or_else(
+        || ConnectError::NoAddress {
+            host: host.to_owned(),
+        },
+        ConnectError::Io,
+    ))
+}
+
+async fn dial_one(addr: SocketAddr, local: Option<SocketAddr>) -> io::Result<TcpStream> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if let Some(local) = local {
+        socket.bind(local)?;
+    }
+    let stream = socket.connect(addr).await?;
+    // DERP frames are small and latency matters; Go disables Nagle by default too.
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// HTTP upgrade plus DERP handshake over a connected stream.
+async fn establish(
+    config: &ClientConfig,
+    stream: Stream,
+    local_addr: Option<SocketAddr>,
+) -> Result<Client, ConnectError> {
+    let (mut read_half, write_half) = stream.split();
+    let websocket = config.transport == TransportKind::WebSocket;
+    let ws_shared = websocket.then(|| Arc::new(WsShared::default()));
+    let mut writer = FrameWriter::new(write_half, ws_shared.clone());
+
+    let ws_key = websocket.then(ws::new_key);
+    let mut head = BytesMut::new();
+    http::write_request(
+        &config.url,
+        &RequestOptions {
+            transport: config.transport,
+            fast_start: config.fast_start_key.is_some(),
+            ideal_node: config.ideal_node.as_deref(),
+            ws_key: ws_key.as_deref(),
+        },
+        &mut head,
+    );
+    writer.queue_raw(&head);
+
+    let info = config.client_info();
+    let secret = config.secret_key.clone();
+    let mut handshake = match config.fast_start_key {
+        Some(server_key) => ClientHandshake::fast_start(secret, info, server_key),
+        None => ClientHandshake::new(secret, info),
+    };
+
+    let (mut reader, server_key) = if let Some(server_key) = config.fast_start_key {
+        // Fast start: request and ClientInfo leave in one write, and no HTTP response comes
+        // back; the server's first bytes are its ServerKey frame.
+        queue_client_info(&mut handshake, &mut writer)?;
+        writer.flush().await?;
+        let reader = FrameReader::new(read_half, BytesMut::new(), None, config.read_timeout);
+        (reader, server_key)
+    } else {
+        writer.flush().await?;
+        let leftover = read_response(&mut read_half, ws_key.as_deref()).await?;
+        let mut reader = FrameReader::new(read_half, leftover, ws_shared, config.read_timeout);
+        let server_key = match reader.next_frame().await? {
+            RelayToClient::ServerKey(key) => key,
+            other => {
+                return Err(ConnectError::UnexpectedFrame {
+                    frame_type: frame_type(&other),
+                });
+            }
+        };
+        handshake.handle_server_key(server_key)?;
+        queue_client_info(&mut handshake, &mut writer)?;
+        writer.flush().await?;
+        (reader, server_key)
+    };
+
+    let server_info: ServerInfo = loop {
+        match reader.next_frame().await? {
+            RelayToClient::ServerInfo { sealed } => break handshake.handle_server_info(&sealed)?,
+            // Fast start: the ServerKey the server still sends. Unknown: skipped, as in Go.
+            RelayToClient::ServerKey(_) | RelayToClient::Unknown { .. } => {}
+            other => {
+                return Err(ConnectError::UnexpectedFrame {
+                    frame_type: frame_type(&other),
+                });
+            }
+        }
+    };
+    tracing::debug!(server = %server_key, ?server_info, "derp handshake complete");
+
+    let pings = Arc::new(PingTracker::default());
+    Ok(Client::from_parts(
+        ClientReader::new(
+            reader,
+            pings.clone(),
+            config.secret_key.clone(),
+            server_key,
+            server_info,
+            local_addr,
+        ),
+        ClientWriter::new(writer, pings, server_key, local_addr),
+    ))
+}
+
+/// Seals ClientInfo with a fresh random nonce and queues the frame.
+fn queue_client_info(
+    handshake: &mut ClientHandshake,
+    writer: &mut FrameWriter,
+) -> Result<(), ConnectError> {
+    let mut frame = BytesMut::new();
+    handshake.client_info_frame(rand::random(), &mut frame)?;
+    writer.queue_encoded(&frame)?;
+    Ok(())
+}
+
+/// Reads the response head, checks it, and returns the bytes that followed it.
+async fn read_response(io: &mut ReadHalf, ws_key: Option<&str>) -> Result<BytesMut, ConnectError> {
+    let mut buf = BytesMut::with_capacity(RESPONSE_READ);
+    let head = loop {
+        if let Some(head) = http::parse_response(&buf)? {
+            break head;
+        }
+        buf.reserve(RESPONSE_READ);
+        if io.read_buf(&mut buf).await? == 0 {
+            return Err(ConnectError::UnexpectedEof);
+        }
+    };
+    if head.status != 101 {
+        return Err(ConnectError::HttpStatus {
+            status: head.status,
+        });
+    }
+    if let Some(key) = ws_key {
+        if head.ws_accept.as_deref() != Some(ws::accept_key(key).as_str()) {
+            return Err(ConnectError::WebSocket(WsError::BadAccept));
+        }
+        // Not picking a subprotocol is allowed; picking another one is not.
+        if head
+            .ws_protocol
+            .as_deref()
+            .is_some_and(|p| !p.eq_ignore_ascii_case("derp"))
+        {
+            return Err(ConnectError::WebSocket(WsError::BadSubprotocol));
+        }
+    }
+    let _ = buf.split_to(head.len);
+    Ok(buf)
+}
+
+/// The wire type byte of a decoded frame, for error reports.
+fn frame_type(frame: &RelayToClient) -> u8 {
+    match (frame, frame.frame_type()) {
+        (_, Some(ty)) => ty.as_u8(),
+        (RelayToClient::Unknown { frame_type, .. }, None) => *frame_type,
+        // Every other variant has a frame type.
+        (_, None) => 0,
+    }
+}
+
+/// Read size while waiting for the response head.
+const RESPONSE_READ: usize = 4096;

@@ -1,0 +1,136 @@
+//! Error types: one enum for connecting, one for the established connection.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use derp_proto::{DecodeError, HandshakeError};
+
+use crate::config::UrlError;
+use crate::ws::WsError;
+
+/// Why [`Client::connect`](crate::Client::connect) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The server URL could not be parsed.
+    #[error("bad server url: {0}")]
+    BadUrl(#[source] UrlError),
+    /// The URL asks for TLS (https or wss), which this version of the client does not speak.
+    #[error("tls (https/wss) is not supported yet")]
+    TlsUnsupported,
+    /// A config value cannot be used (the reason says which).
+    #[error("invalid client config: {0}")]
+    InvalidConfig(&'static str),
+    /// Name resolution produced no address to dial (or none of the local address's family).
+    #[error("no usable address for {host}")]
+    NoAddress {
+        /// The host that was resolved.
+        host: String,
+    },
+    /// A socket operation failed.
+    #[error("io error: {0}")]
+    Io(#[from] io::Error),
+    /// The whole connect sequence took longer than the configured budget.
+    #[error("connect timed out after {0:?}")]
+    Timeout(Duration),
+    /// The server closed the connection before the handshake completed.
+    #[error("server closed the connection during the handshake")]
+    UnexpectedEof,
+    /// The server answered the upgrade request with a status other than 101.
+    #[error("server answered http status {status}, want 101")]
+    HttpStatus {
+        /// The status code received.
+        status: u16,
+    },
+    /// The bytes where an HTTP response head was expected are not one.
+    #[error("malformed http response: {0}")]
+    BadResponse(&'static str),
+    /// The WebSocket upgrade or framing was wrong (bad accept key, protocol violation).
+    #[error("websocket: {0}")]
+    WebSocket(#[source] WsError),
+    /// A handshake frame could not be decoded.
+    #[error("decoding handshake frame: {0}")]
+    Decode(#[source] DecodeError),
+    /// The server sent a frame the handshake does not allow at that point.
+    #[error("unexpected frame type {frame_type:#04x} during the handshake")]
+    UnexpectedFrame {
+        /// The frame type byte.
+        frame_type: u8,
+    },
+    /// Sealing or opening a handshake box, or parsing its JSON, failed.
+    #[error("handshake: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// Any other error of the connection while the handshake was running.
+    #[error("connection error during the handshake: {0}")]
+    Connection(#[source] ClientError),
+}
+
+impl From<ClientError> for ConnectError {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Io(e) => Self::Io(
+                Arc::try_unwrap(e).unwrap_or_else(|e| io::Error::new(e.kind(), e.to_string())),
+            ),
+            ClientError::Decode(e) => Self::Decode(e),
+            ClientError::WebSocket(e) => Self::WebSocket(e),
+            ClientError::Closed => Self::UnexpectedEof,
+            // The connect budget applies on top of the read timeout; report the one that fired.
+            ClientError::ReadTimeout(d) => Self::Timeout(d),
+            other => Self::Connection(other),
+        }
+    }
+}
+
+/// Errors on an established connection.
+///
+/// Receive errors are sticky: after one, every later receive returns a clone of it, because the
+/// byte stream can no longer be trusted (the Go client does the same). Callers reconnect.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClientError {
+    /// A socket read or write failed.
+    #[error("io error: {0}")]
+    Io(#[source] Arc<io::Error>),
+    /// The server sent a frame that breaks the protocol's size rules.
+    #[error("decoding frame: {0}")]
+    Decode(#[source] DecodeError),
+    /// The WebSocket framing was broken.
+    #[error("websocket: {0}")]
+    WebSocket(#[source] WsError),
+    /// The connection is closed: the server hung up, sent a WebSocket close, or this side
+    /// already closed it or died after an earlier error.
+    #[error("connection closed")]
+    Closed,
+    /// No bytes arrived within the configured read timeout.
+    #[error("no data from server for {0:?}")]
+    ReadTimeout(Duration),
+    /// A packet exceeded the 64 KiB limit and was not sent (the connection stays usable).
+    #[error("packet of {len} bytes exceeds the 65536-byte limit")]
+    PacketTooLarge {
+        /// The packet's length.
+        len: usize,
+    },
+    /// No matching pong arrived within 5 s (the connection stays usable).
+    #[error("ping timed out")]
+    PingTimeout,
+    /// A ServerInfo frame after the handshake did not open or parse.
+    #[error("server info frame does not open or parse")]
+    BadServerInfo,
+}
+
+impl From<io::Error> for ClientError {
+    fn from(e: io::Error) -> Self {
+        Self::Io(Arc::new(e))
+    }
+}
+
+impl From<DecodeError> for ClientError {
+    fn from(e: DecodeError) -> Self {
+        Self::Decode(e)
+    }
+}
+
+impl From<WsError> for ClientError {
+    fn from(e: WsError) -> Self {
+        Self::WebSocket(e)
+    }
+}

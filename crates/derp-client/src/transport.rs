@@ -1,0 +1,430 @@
+//! The byte stream under the DERP framing, and the frame-level reader and writer halves.
+//!
+//! The stream is either a plain TCP socket (split without locking) or any boxed
+//! `AsyncRead + AsyncWrite`, which is where a TLS stream slots in. On top of it, frames travel
+//! either raw (`Upgrade: DERP`) or one per WebSocket binary message.
+
+use std::fmt;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use derp_proto::{ClientDecoder, ClientToRelay, RelayToClient};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+use crate::error::ClientError;
+use crate::ws::{self, Control, WsDecoder};
+
+/// A byte stream the client can run DERP over.
+pub(crate) trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+
+/// The connection before it is split into halves.
+pub(crate) enum Stream {
+    Tcp(TcpStream),
+    Boxed(Box<dyn Io>),
+}
+
+impl Stream {
+    pub(crate) fn split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Self::Tcp(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
+            }
+            Self::Boxed(s) => {
+                let (r, w) = tokio::io::split(s);
+                (ReadHalf::Boxed(r), WriteHalf::Boxed(w))
+            }
+        }
+    }
+}
+
+/// Read half of a [`Stream`].
+pub(crate) enum ReadHalf {
+    Tcp(OwnedReadHalf),
+    Boxed(tokio::io::ReadHalf<Box<dyn Io>>),
+}
+
+impl fmt::Debug for ReadHalf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Tcp(_) => "Tcp",
+            Self::Boxed(_) => "Boxed",
+        })
+    }
+}
+
+impl AsyncRead for ReadHalf {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Boxed(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+/// Write half of a [`Stream`].
+pub(crate) enum WriteHalf {
+    Tcp(OwnedWriteHalf),
+    Boxed(tokio::io::WriteHalf<Box<dyn Io>>),
+}
+
+impl fmt::Debug for WriteHalf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Tcp(_) => "Tcp",
+            Self::Boxed(_) => "Boxed",
+        })
+    }
+}
+
+impl AsyncWrite for WriteHalf {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Boxed(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Self::Boxed(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Boxed(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// WebSocket control work the reader hands to the writer (only the writer may write).
+#[derive(Debug, Default)]
+pub(crate) struct WsShared {
+    pending: Mutex<WsPending>,
+}
+
+#[derive(Debug, Default)]
+struct WsPending {
+    /// Payload of the latest unanswered ping; RFC 6455 allows answering only the latest.
+    pong: Option<Bytes>,
+    /// The server closed; echo this code and stop writing.
+    close: Option<u16>,
+}
+
+impl WsShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WsPending> {
+        // The critical sections only move plain values, so a poisoned lock holds valid data.
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Reads DERP frames: raw bytes or WebSocket payloads go into one buffer that
+/// [`ClientDecoder`] slices frames out of without copying.
+#[derive(Debug)]
+pub(crate) struct FrameReader {
+    io: ReadHalf,
+    /// DERP stream bytes not yet decoded.
+    buf: BytesMut,
+    decoder: ClientDecoder,
+    ws: Option<WsRead>,
+    read_timeout: Option<Duration>,
+}
+
+#[derive(Debug)]
+struct WsRead {
+    decoder: WsDecoder,
+    /// Socket bytes not yet unframed.
+    raw: BytesMut,
+    shared: Arc<WsShared>,
+}
+
+impl FrameReader {
+    /// A reader whose first bytes (read along with the HTTP response) are `leftover`.
+    pub(crate) fn new(
+        io: ReadHalf,
+        leftover: BytesMut,
+        ws: Option<Arc<WsShared>>,
+        read_timeout: Option<Duration>,
+    ) -> Self {
+        let (buf, ws) = match ws {
+            None => (leftover, None),
+            Some(shared) => (
+                BytesMut::new(),
+                Some(WsRead {
+                    decoder: WsDecoder::default(),
+                    raw: leftover,
+                    shared,
+                }),
+            ),
+        };
+        Self {
+            io,
+            buf,
+            decoder: ClientDecoder::new(),
+            ws,
+            read_timeout,
+        }
+    }
+
+    /// The next frame, including ones the caller may skip (ServerKey, Unknown).
+    ///
+    /// Cancel safe: bytes read before a cancellation stay buffered.
+    pub(crate) async fn next_frame(&mut self) -> Result<RelayToClient, ClientError> {
+        loop {
+            if let Some(frame) = self.decoder.decode(&mut self.buf)? {
+                return Ok(frame);
+            }
+            self.fill().await?;
+        }
+    }
+
+    /// Reads at least one more byte of DERP stream into `buf`.
+    async fn fill(&mut self) -> Result<(), ClientError> {
+        let Some(ws) = &mut self.ws else {
+            read_some(&mut self.io, &mut self.buf, self.read_timeout).await?;
+            return Ok(());
+        };
+        loop {
+            let before = self.buf.len();
+            while let Some(control) = ws.decoder.decode(&mut ws.raw, &mut self.buf)? {
+                match control {
+                    Control::Ping(payload) => ws.shared.lock().pong = Some(payload),
+                    Control::Close(code) => {
+                        tracing::debug!(?code, "server sent websocket close");
+                        ws.shared.lock().close = Some(code.unwrap_or(ws::CLOSE_NORMAL));
+                        return Err(ClientError::Closed);
+                    }
+                }
+            }
+            if self.buf.len() > before {
+                return Ok(());
+            }
+            read_some(&mut self.io, &mut ws.raw, self.read_timeout).await?;
+        }
+    }
+}
+
+/// One read into `dst`'s spare capacity; EOF is [`ClientError::Closed`].
+async fn read_some(
+    io: &mut ReadHalf,
+    dst: &mut BytesMut,
+    timeout: Option<Duration>,
+) -> Result<usize, ClientError> {
+    if dst.capacity() - dst.len() < MIN_READ_SPACE {
+        dst.reserve(READ_CHUNK);
+    }
+    let n = match timeout {
+        None => io.read_buf(dst).await?,
+        Some(limit) => tokio::time::timeout(limit, io.read_buf(dst))
+            .await
+            .map_err(|_| ClientError::ReadTimeout(limit))??,
+    };
+    if n == 0 {
+        return Err(ClientError::Closed);
+    }
+    Ok(n)
+}
+
+/// Buffers encoded frames and writes them with one `write` per flush.
+#[derive(Debug)]
+pub(crate) struct FrameWriter {
+    io: WriteHalf,
+    /// Encoded bytes not yet written; reused across flushes.
+    buf: BytesMut,
+    ws: Option<Arc<WsShared>>,
+    /// First write error; the stream position is unknown after it.
+    sticky: Option<ClientError>,
+    /// A close frame went out (or the server's close was echoed): no more data frames.
+    closed: bool,
+}
+
+impl FrameWriter {
+    pub(crate) fn new(io: WriteHalf, ws: Option<Arc<WsShared>>) -> Self {
+        Self {
+            io,
+            buf: BytesMut::with_capacity(WRITE_BUF_INITIAL),
+            ws,
+            sticky: None,
+            closed: false,
+        }
+    }
+
+    /// Queues bytes outside any DERP or WebSocket framing (the HTTP request head).
+    pub(crate) fn queue_raw(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Queues one frame. `ClientToRelay::Unknown` encodes to nothing and is ignored.
+    pub(crate) fn queue_frame(&mut self, frame: &ClientToRelay) -> Result<(), ClientError> {
+        self.check_open()?;
+        let len = frame.encoded_len();
+        if len == 0 {
+            return Ok(());
+        }
+        let (start, mask) = self.begin(len);
+        frame.encode(&mut self.buf);
+        self.end(start, mask);
+        Ok(())
+    }
+
+    /// Queues already-encoded DERP frame bytes (one frame).
+    pub(crate) fn queue_encoded(&mut self, frame: &[u8]) -> Result<(), ClientError> {
+        self.check_open()?;
+        let (start, mask) = self.begin(frame.len());
+        self.buf.extend_from_slice(frame);
+        self.end(start, mask);
+        Ok(())
+    }
+
+    /// Queues a SendPacket frame straight from a slice, without building a `ClientToRelay`.
+    pub(crate) fn queue_send_packet(
+        &mut self,
+        dst: &derp_proto::PublicKey,
+        packet: &[u8],
+    ) -> Result<(), ClientError> {
+        self.check_open()?;
+        let body = derp_proto::frame::KEY_LEN + packet.len();
+        let (start, mask) = self.begin(derp_proto::frame::FRAME_HEADER_LEN + body);
+        // `body` is at most 32 + 64 KiB: callers check the packet size first.
+        derp_proto::frame::write_header(
+            &mut self.buf,
+            derp_proto::FrameType::SendPacket,
+            body as u32,
+        );
+        self.buf.extend_from_slice(dst.as_bytes());
+        self.buf.extend_from_slice(packet);
+        self.end(start, mask);
+        Ok(())
+    }
+
+    /// Bytes queued and not yet written.
+    pub(crate) fn buffered_len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Writes everything queued (plus any WebSocket pong or close echo the reader asked for).
+    ///
+    /// Cancel safe: bytes already written are dropped from the buffer as they go out.
+    pub(crate) async fn flush(&mut self) -> Result<(), ClientError> {
+        if let Some(e) = &self.sticky {
+            return Err(e.clone());
+        }
+        self.queue_ws_control();
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let result = self.write_out().await;
+        if let Err(e) = &result {
+            self.sticky = Some(e.clone());
+        }
+        result
+    }
+
+    /// Flushes, sends a WebSocket close if applicable, and shuts the write side down.
+    pub(crate) async fn close(&mut self) -> Result<(), ClientError> {
+        if !self.closed {
+            if self.ws.is_some() {
+                let mask = rand::random();
+                ws::write_masked_frame(
+                    &mut self.buf,
+                    ws::OP_CLOSE,
+                    &ws::CLOSE_NORMAL.to_be_bytes(),
+                    mask,
+                );
+            }
+            self.closed = true;
+        }
+        self.flush().await?;
+        self.io.shutdown().await.map_err(ClientError::from)
+    }
+
+    async fn write_out(&mut self) -> Result<(), ClientError> {
+        while !self.buf.is_empty() {
+            let n = self.io.write(&self.buf).await?;
+            if n == 0 {
+                return Err(io::Error::from(io::ErrorKind::WriteZero).into());
+            }
+            self.buf.advance(n);
+        }
+        self.io.flush().await?;
+        // Empty now; clearing lets the next `reserve` reuse the allocation from the front.
+        self.buf.clear();
+        Ok(())
+    }
+
+    fn check_open(&self) -> Result<(), ClientError> {
+        match &self.sticky {
+            Some(e) => Err(e.clone()),
+            None if self.closed => Err(ClientError::Closed),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts a frame of `len` DERP bytes: writes the WebSocket header if needed and returns
+    /// where the payload starts and its mask.
+    fn begin(&mut self, len: usize) -> (usize, Option<[u8; 4]>) {
+        let mask = self.ws.as_ref().map(|_| rand::random::<[u8; 4]>());
+        if mask.is_some() {
+            self.buf.reserve(ws::header_len(len, true) + len);
+            ws::write_header(&mut self.buf, ws::OP_BINARY, len, mask);
+        }
+        (self.buf.len(), mask)
+    }
+
+    fn end(&mut self, start: usize, mask: Option<[u8; 4]>) {
+        if let Some(mask) = mask {
+            ws::apply_mask(&mut self.buf[start..], mask, 0);
+        }
+    }
+
+    fn queue_ws_control(&mut self) {
+        let Some(shared) = &self.ws else {
+            return;
+        };
+        let (pong, close) = {
+            let mut pending = shared.lock();
+            (pending.pong.take(), pending.close.take())
+        };
+        if self.closed {
+            return;
+        }
+        if let Some(payload) = pong {
+            ws::write_masked_frame(&mut self.buf, ws::OP_PONG, &payload, rand::random());
+        }
+        if let Some(code) = close {
+            ws::write_masked_frame(
+                &mut self.buf,
+                ws::OP_CLOSE,
+                &code.to_be_bytes(),
+                rand::random(),
+            );
+            self.closed = true;
+        }
+    }
+}
+
+/// Read size: big enough for a max-size packet frame in one read.
+const READ_CHUNK: usize = 64 * 1024;
+/// Below this much spare capacity, the read buffer grows by [`READ_CHUNK`] before reading.
+const MIN_READ_SPACE: usize = 4 * 1024;
+/// Initial write buffer; it grows to the largest batch and is then reused.
+const WRITE_BUF_INITIAL: usize = 16 * 1024;

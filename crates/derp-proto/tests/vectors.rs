@@ -138,16 +138,59 @@ fn derper_config_holds_the_server_key() {
     }
 }
 
+/// HSalsa20 with a zero nonce: NaCl's `crypto_box_beforenm` step from the X25519 output.
+/// Written out here so the vectors' precomputed keys can be checked independently.
+fn hsalsa20_zero_nonce(key: &[u8; 32]) -> [u8; 32] {
+    let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut x = [0u32; 16];
+    x[0] = 0x6170_7865;
+    x[5] = 0x3320_646e;
+    x[10] = 0x7962_2d32;
+    x[15] = 0x6b20_6574;
+    for i in 0..4 {
+        x[1 + i] = word(&key[4 * i..]);
+        x[11 + i] = word(&key[16 + 4 * i..]);
+    }
+    let quarter = |x: &mut [u32; 16], a: usize, b: usize, c: usize, d: usize| {
+        x[b] ^= x[a].wrapping_add(x[d]).rotate_left(7);
+        x[c] ^= x[b].wrapping_add(x[a]).rotate_left(9);
+        x[d] ^= x[c].wrapping_add(x[b]).rotate_left(13);
+        x[a] ^= x[d].wrapping_add(x[c]).rotate_left(18);
+    };
+    for _ in 0..10 {
+        quarter(&mut x, 0, 4, 8, 12);
+        quarter(&mut x, 5, 9, 13, 1);
+        quarter(&mut x, 10, 14, 2, 6);
+        quarter(&mut x, 15, 3, 7, 11);
+        quarter(&mut x, 0, 1, 2, 3);
+        quarter(&mut x, 5, 6, 7, 4);
+        quarter(&mut x, 10, 11, 8, 9);
+        quarter(&mut x, 15, 12, 13, 14);
+    }
+    let mut out = [0u8; 32];
+    for (i, index) in [0, 5, 10, 15, 6, 7, 8, 9].into_iter().enumerate() {
+        out[4 * i..4 * i + 4].copy_from_slice(&x[index].to_le_bytes());
+    }
+    out
+}
+
 #[test]
-fn pairwise_shared_secrets() {
+fn pairwise_shared_secrets_and_box_keys() {
     let keys = vectors::keys();
-    for pair in keys["pairwise_box_keys"].as_array().expect("pairs") {
+    let pairs = keys["pairwise_box_keys"].as_array().expect("pairs");
+    assert_eq!(pairs.len(), 3);
+    for pair in pairs {
         let names = pair["between"].as_array().expect("between");
         let a = secret_named(names[0].as_str().expect("name"));
         let b = secret_named(names[1].as_str().expect("name"));
         let expected = hex_field(pair, "x25519_shared_secret_hex");
-        assert_eq!(a.shared_secret(&b.public_key()).to_vec(), expected);
-        assert_eq!(b.shared_secret(&a.public_key()).to_vec(), expected);
+        let shared = a.shared_secret(&b.public_key());
+        assert_eq!(shared.to_vec(), expected);
+        assert_eq!(b.shared_secret(&a.public_key()), shared);
+        assert_eq!(
+            hsalsa20_zero_nonce(&shared).to_vec(),
+            hex_field(pair, "nacl_box_precomputed_key_hex")
+        );
     }
 }
 

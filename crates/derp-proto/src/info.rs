@@ -358,7 +358,7 @@ fn unquote(raw: &str) -> Option<String> {
         out.push_str(&rest[..pos]);
         let escape = &rest[pos + 1..];
         let kind = escape.chars().next()?;
-        rest = &escape[1..];
+        rest = &escape[kind.len_utf8()..];
         let c = match kind {
             '"' => '"',
             '\\' => '\\',
@@ -625,6 +625,15 @@ mod tests {
         assert_eq!(name(b"{\"AppName\":\"a\xffb\"}"), "a\u{fffd}b");
         // Invalid bytes outside strings are still syntax errors.
         assert_eq!(ClientInfo::from_json(b"{\xff}"), Err(InfoError::Syntax));
+    }
+
+    #[test]
+    fn unquote_refuses_bad_escapes_without_panicking() {
+        assert_eq!(unquote(r#""a\é""#), None);
+        assert_eq!(unquote(r#""\u12""#), None);
+        assert_eq!(unquote(r#""\""#), None);
+        assert_eq!(unquote("\"not closed"), None);
+        assert_eq!(unquote(r#""ok\u00e9""#).as_deref(), Some("oké"));
     }
 
     #[test]

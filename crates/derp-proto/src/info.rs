@@ -250,11 +250,40 @@ impl<'de> Visitor<'de> for MembersVisitor {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut members = Vec::new();
-        while let Some(key) = map.next_key::<String>()? {
+        while let Some(MemberName(key)) = map.next_key()? {
             let value: &'de RawValue = map.next_value()?;
             members.push((key, value));
         }
         Ok(Members(members))
+    }
+}
+
+/// A member name. Read as raw bytes because Go accepts lone surrogate escapes (`"\ud800"`)
+/// in names, which serde_json refuses when it decodes to `str`; such a name can never match a
+/// field, so a lossy conversion is enough.
+struct MemberName(String);
+
+impl<'de> Deserialize<'de> for MemberName {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_bytes(MemberNameVisitor)
+    }
+}
+
+struct MemberNameVisitor;
+
+impl Visitor<'_> for MemberNameVisitor {
+    type Value = MemberName;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an object member name")
+    }
+
+    fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
+        Ok(MemberName(String::from_utf8_lossy(v).into_owned()))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(MemberName(v.to_owned()))
     }
 }
 
@@ -539,6 +568,12 @@ mod tests {
         // A top-level null is a successful no-op in Go.
         assert_eq!(client("null"), Ok(ClientInfo::default()));
         assert_eq!(client(" \t\r\n{} \n"), Ok(ClientInfo::default()));
+    }
+
+    #[test]
+    fn lone_surrogates_in_member_names_are_unknown_keys() {
+        assert_eq!(client(r#"{"\ud800":1,"version":3}"#).unwrap().version, 3);
+        assert_eq!(client(r#"{"\u0041ppName":"x"}"#).unwrap().app_name, "x");
     }
 
     #[test]

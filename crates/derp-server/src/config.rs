@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use derp_proto::{MeshKey, SecretKey};
 
+use crate::lookup::LookupConfig;
+
 /// Everything the relay needs to run, independent of how it was configured.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -30,6 +32,8 @@ pub struct ServerConfig {
     pub home: HomePage,
     /// Pre-shared key that grants mesh privileges (WatchConns, ClosePeer, ForwardPacket).
     pub mesh_key: Option<MeshKey>,
+    /// Which destination lookup layers run.
+    pub lookup: LookupConfig,
 }
 
 impl ServerConfig {
@@ -45,6 +49,7 @@ impl ServerConfig {
             derp_enabled: true,
             home: HomePage::Default,
             mesh_key: None,
+            lookup: LookupConfig::default(),
         }
     }
 }

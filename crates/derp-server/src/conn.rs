@@ -26,9 +26,9 @@ use tokio::time::Instant;
 use tracing::{debug, trace};
 
 use crate::io::{ReadHalf, Transport, WriteHalf};
+use crate::lookup::{Route, Router};
 use crate::metrics::{DropReason, PacketKind, ReaderCounts};
 use crate::queue::{Batch, ConnHandle, Control};
-use crate::registry::Lookup;
 use crate::server::Shared;
 use crate::ws;
 
@@ -394,6 +394,7 @@ struct ReadLoop<'a> {
     decoder: ServerDecoder,
     counts: ReaderCounts,
     not_here: NotHereLimiter,
+    router: Router,
     connected_at: Instant,
 }
 
@@ -407,6 +408,7 @@ impl<'a> ReadLoop<'a> {
             decoder: ServerDecoder::after_handshake(),
             counts: ReaderCounts::default(),
             not_here: NotHereLimiter::new(now),
+            router: Router::new(&shared.config.lookup),
             connected_at: now,
         }
     }
@@ -438,8 +440,8 @@ impl<'a> ReadLoop<'a> {
     /// batch timestamp never cross an await.
     fn process_buffered(&mut self) -> Result<(), ConnError> {
         let now = Instant::now();
-        let mirror = self.shared.registry.mirror();
-        let guard = mirror.guard();
+        let registry = &self.shared.registry;
+        let guard = registry.mirror().guard();
         while let Some(frame) = self.decoder.decode(&mut self.reader.buf)? {
             self.counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
@@ -452,55 +454,36 @@ impl<'a> ReadLoop<'a> {
                     self.counts.packets_received += 1;
                     self.counts.bytes_received += len as u64;
                     self.counts.packets_received_kind[kind as usize] += 1;
-                    let found = match mirror.get(&dst, &guard) {
-                        Some(set) => {
-                            let active = set.load_active();
-                            match active.as_ref() {
-                                Some(conn) => {
-                                    conn.push_packet(
-                                        self.handle.key,
-                                        packet,
-                                        kind,
-                                        now,
-                                        &mut self.counts,
-                                    );
-                                    continue;
-                                }
-                                None => self.shared.registry.lookup_locked(&dst),
-                            }
+                    let src = self.handle.key;
+                    match self.router.route(registry, &guard, &dst, now) {
+                        Route::Local(conn) => {
+                            conn.push_packet(src, packet, kind, now, &mut self.counts)
                         }
-                        None => self.shared.registry.lookup_locked(&dst),
-                    };
-                    match found {
-                        Lookup::Local(conn) => {
-                            conn.push_packet(self.handle.key, packet, kind, now, &mut self.counts)
+                        Route::Forward(route) => {
+                            self.counts.forwarded_out += 1;
+                            route.forwarder.forward_packet(src, dst, packet);
                         }
-                        Lookup::Dup => self.counts.drop(DropReason::DupClient, kind, len),
-                        Lookup::Missing => {
+                        Route::Dup => self.counts.drop(DropReason::DupClient, kind, len),
+                        Route::Missing => {
                             self.counts.drop(DropReason::UnknownDest, kind, len);
-                            if kind == PacketKind::Disco && self.not_here.allow(now) {
-                                self.handle
-                                    .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));
-                            }
+                            self.maybe_not_here(dst, kind, now);
                         }
                     }
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
                     self.require_mesh(FrameType::ForwardPacket)?;
-                    self.shared.metrics.packets_forwarded_in.inc();
+                    self.counts.forwarded_in += 1;
                     let len = packet.len();
                     let kind = PacketKind::of(&packet);
-                    match self.shared.registry.lookup_locked(&dst) {
-                        Lookup::Local(conn) => {
+                    // Forwarded packets are delivered locally or dropped: exactly one hop.
+                    match self.router.route(registry, &guard, &dst, now) {
+                        Route::Local(conn) => {
                             conn.push_packet(src, packet, kind, now, &mut self.counts)
                         }
-                        Lookup::Dup => self.counts.drop(DropReason::DupClient, kind, len),
-                        Lookup::Missing => {
+                        Route::Dup => self.counts.drop(DropReason::DupClient, kind, len),
+                        Route::Forward(_) | Route::Missing => {
                             self.counts.drop(DropReason::UnknownDestOnFwd, kind, len);
-                            if kind == PacketKind::Disco && self.not_here.allow(now) {
-                                self.handle
-                                    .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));
-                            }
+                            self.maybe_not_here(dst, kind, now);
                         }
                     }
                 }
@@ -517,6 +500,7 @@ impl<'a> ReadLoop<'a> {
                 }
                 ClientToRelay::Ping(data) => {
                     self.counts.got_ping += 1;
+                    self.router.trim(now);
                     self.handle.push_pong(data);
                 }
                 ClientToRelay::ClientInfo { .. }
@@ -527,7 +511,18 @@ impl<'a> ReadLoop<'a> {
                 }
             }
         }
+        let misses = std::mem::take(&mut self.router.misses);
+        self.counts.mirror_misses += misses.mirror;
+        self.counts.cache_misses += misses.cache;
         Ok(())
+    }
+
+    /// Answers a disco packet to an unknown key with PeerGone(NotHere), rate-limited.
+    fn maybe_not_here(&mut self, dst: PublicKey, kind: PacketKind, now: Instant) {
+        if kind == PacketKind::Disco && self.not_here.allow(now) {
+            self.handle
+                .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));
+        }
     }
 
     fn require_mesh(&self, ty: FrameType) -> Result<(), ConnError> {

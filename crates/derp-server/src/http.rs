@@ -21,7 +21,6 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
 use tracing::debug;
 
 use crate::config::HomePage;
@@ -30,8 +29,8 @@ use crate::io::Transport;
 use crate::server::Shared;
 use crate::ws;
 
-/// Serves one accepted TCP connection.
-pub(crate) async fn serve_tcp(shared: Arc<Shared>, mut stream: TcpStream, remote: SocketAddr) {
+/// Serves one accepted connection (plain TCP, or TLS after its handshake).
+pub(crate) async fn serve_conn(shared: Arc<Shared>, mut stream: Transport, remote: SocketAddr) {
     let mut buf = BytesMut::with_capacity(1024);
     let head = tokio::time::timeout(
         shared.config.handshake_timeout,
@@ -59,7 +58,7 @@ pub(crate) async fn serve_tcp(shared: Arc<Shared>, mut stream: TcpStream, remote
             fast_start,
             not_ideal,
         }) => {
-            let _ = stream.set_nodelay(true);
+            stream.set_nodelay();
             buf.advance(head_len);
             let preamble = if fast_start {
                 Vec::new()
@@ -67,7 +66,7 @@ pub(crate) async fn serve_tcp(shared: Arc<Shared>, mut stream: TcpStream, remote
                 derp_upgrade_head(&shared)
             };
             let accepted = Accepted {
-                transport: Transport::Tcp(stream),
+                transport: stream,
                 initial: buf,
                 remote,
                 preamble,
@@ -77,10 +76,10 @@ pub(crate) async fn serve_tcp(shared: Arc<Shared>, mut stream: TcpStream, remote
             conn::serve(shared, accepted).await;
         }
         Some(Upgrade::WebSocket { accept, not_ideal }) => {
-            let _ = stream.set_nodelay(true);
+            stream.set_nodelay();
             buf.advance(head_len);
             let accepted = Accepted {
-                transport: Transport::Tcp(stream),
+                transport: stream,
                 initial: buf,
                 remote,
                 preamble: ws::response_head(&accept),
@@ -89,13 +88,22 @@ pub(crate) async fn serve_tcp(shared: Arc<Shared>, mut stream: TcpStream, remote
             };
             conn::serve(shared, accepted).await;
         }
+        Some(Upgrade::WebSocketWithoutDerp { accept }) => {
+            let mut out = ws::response_head_without_protocol(&accept);
+            out.extend_from_slice(&ws::close_frame_with_reason(
+                ws::close_code::POLICY_VIOLATION,
+                "client must speak the derp subprotocol",
+            ));
+            let _ =
+                tokio::time::timeout(shared.config.handshake_timeout, stream.write_all(&out)).await;
+        }
         None => serve_hyper(shared, Rewind::new(buf.freeze(), stream), remote).await,
     }
 }
 
 /// Reads until a complete request head is buffered. Returns its length, or `None` when the
 /// bytes are not a request or the head is too large.
-async fn read_head(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<Option<usize>> {
+async fn read_head(stream: &mut Transport, buf: &mut BytesMut) -> io::Result<Option<usize>> {
     loop {
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut headers);
@@ -115,8 +123,18 @@ async fn read_head(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<Opt
 }
 
 enum Upgrade {
-    Derp { fast_start: bool, not_ideal: bool },
-    WebSocket { accept: String, not_ideal: bool },
+    Derp {
+        fast_start: bool,
+        not_ideal: bool,
+    },
+    WebSocket {
+        accept: String,
+        not_ideal: bool,
+    },
+    /// A WebSocket whose subprotocol list mentions `derp` without offering it as a token.
+    WebSocketWithoutDerp {
+        accept: String,
+    },
 }
 
 /// Decides whether a request head is a DERP upgrade this module takes over.
@@ -139,11 +157,12 @@ fn classify(shared: &Shared, head: &[u8]) -> Option<Upgrade> {
     let not_ideal = header("ideal-node").is_some_and(|v| !v.is_empty());
     match upgrade.as_str() {
         "websocket" if header("sec-websocket-protocol").is_some_and(ws::wants_derp_subprotocol) => {
-            let key = header("sec-websocket-key")?;
-            Some(Upgrade::WebSocket {
-                accept: ws::accept_key(key),
-                not_ideal,
-            })
+            let accept = ws::accept_key(header("sec-websocket-key")?);
+            if header("sec-websocket-protocol").is_some_and(ws::offers_derp_token) {
+                Some(Upgrade::WebSocket { accept, not_ideal })
+            } else {
+                Some(Upgrade::WebSocketWithoutDerp { accept })
+            }
         }
         // Very old clients sent `Upgrade: WebSocket` but spoke plain DERP.
         "derp" | "websocket" => Some(Upgrade::Derp {

@@ -20,6 +20,7 @@ mod config;
 mod conn;
 mod http;
 mod io;
+mod lookup;
 mod metrics;
 mod queue;
 mod registry;
@@ -32,5 +33,12 @@ pub use config::{
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
 };
 pub use io::{BoxedIo, Transport};
+#[doc(hidden)]
+pub use lookup::bench as lookup_bench;
+pub use lookup::{
+    DEFAULT_PEER_CACHE_MAX_ENTRIES, DEFAULT_PEER_CACHE_MAX_IDLE, LookupConfig, PeerCacheConfig,
+};
 pub use metrics::{DropReason, Metrics, PacketKind};
+pub use registry::PacketForwarder;
 pub use server::{ServeError, Server};
+pub use stun::{StunConfig, StunMetrics, bind_stun, serve_stun};

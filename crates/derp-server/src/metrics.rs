@@ -146,6 +146,21 @@ pub struct Metrics {
     pub packets_forwarded_out: IntCounter,
     /// `derp_packets_forwarded_in`.
     pub packets_forwarded_in: IntCounter,
+    /// `derp_multiforwarder_created`: keys that gained a second mesh forwarder.
+    pub multiforwarder_created: IntCounter,
+    /// `derp_multiforwarder_deleted`: keys back to a single mesh forwarder.
+    pub multiforwarder_deleted: IntCounter,
+    /// `derp_packet_forwarder_delete_other_value`: removals of a forwarder that was not
+    /// registered for the key.
+    pub packet_forwarder_delete_other_value: IntCounter,
+    /// `derp_peer_lookup_cache_misses`: lookups the per-connection LRU could not answer and
+    /// that fell back to the authoritative map. Counted only while the LRU is enabled; hits
+    /// are `derp_packets_received` minus misses (no counter on the hit path).
+    pub peer_lookup_cache_misses: IntCounter,
+    /// `derp_peer_lookup_mirror_misses`: lookups the lock-free mirror could not answer (the
+    /// destination is not connected here, or has no active connection). Counted only while
+    /// the mirror is enabled.
+    pub peer_lookup_mirror_misses: IntCounter,
     /// `derp_sclient_write_timeouts`: connections closed because a write missed its deadline.
     pub write_timeouts: IntCounter,
     /// `derp_average_queue_duration_ms`: moving average of the time packets wait in queues.
@@ -267,6 +282,26 @@ impl Metrics {
                 "derp_packets_forwarded_in",
                 "packets received from mesh peers",
             )?,
+            multiforwarder_created: r.counter(
+                "derp_multiforwarder_created",
+                "keys that gained a second mesh forwarder",
+            )?,
+            multiforwarder_deleted: r.counter(
+                "derp_multiforwarder_deleted",
+                "keys back to a single mesh forwarder",
+            )?,
+            packet_forwarder_delete_other_value: r.counter(
+                "derp_packet_forwarder_delete_other_value",
+                "removals of a forwarder that was not registered for the key",
+            )?,
+            peer_lookup_cache_misses: r.counter(
+                "derp_peer_lookup_cache_misses",
+                "lookups the per-connection peer cache missed (hits = packets_received - misses)",
+            )?,
+            peer_lookup_mirror_misses: r.counter(
+                "derp_peer_lookup_mirror_misses",
+                "lookups the lock-free peer mirror missed",
+            )?,
             write_timeouts: r.counter(
                 "derp_sclient_write_timeouts",
                 "connections closed because a write missed its deadline",
@@ -311,6 +346,10 @@ impl Metrics {
         }
         add(&self.unknown_frames, counts.unknown_frames);
         add(&self.got_ping, counts.got_ping);
+        add(&self.packets_forwarded_out, counts.forwarded_out);
+        add(&self.packets_forwarded_in, counts.forwarded_in);
+        add(&self.peer_lookup_mirror_misses, counts.mirror_misses);
+        add(&self.peer_lookup_cache_misses, counts.cache_misses);
         *counts = ReaderCounts::default();
     }
 
@@ -337,6 +376,10 @@ pub(crate) struct ReaderCounts {
     pub(crate) dropped_bytes: [[u64; 2]; 7],
     pub(crate) unknown_frames: u64,
     pub(crate) got_ping: u64,
+    pub(crate) forwarded_out: u64,
+    pub(crate) forwarded_in: u64,
+    pub(crate) mirror_misses: u64,
+    pub(crate) cache_misses: u64,
     /// Frames handled since the last fold; used to fold at least this often on long bursts.
     pub(crate) frames: u64,
 }

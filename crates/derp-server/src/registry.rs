@@ -9,10 +9,12 @@
 //! Design follows tailscale/derp derpserver.go (registerClient, unregisterClient, clientSet).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::Ordering;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwapOption;
+use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
 
 use crate::metrics::Metrics;
@@ -36,15 +38,60 @@ impl ClientSet {
     }
 }
 
+/// Something that can carry packets to a sibling node of the region (a mesh peer).
+///
+/// `forward_packet` is called on the sending client's read loop and must not block; an
+/// implementation queues the packet and drops by its own policy when it cannot keep up.
+pub trait PacketForwarder: Send + Sync + fmt::Debug + 'static {
+    /// Sends `packet` from `src` to `dst` through the sibling.
+    fn forward_packet(&self, src: PublicKey, dst: PublicKey, packet: Bytes);
+}
+
+/// The forwarder currently used for one key. When the key's route changes (another
+/// forwarder becomes preferred, the key connects locally, or the forwarder goes away) the
+/// route is marked stale and replaced, so a cached route is revalidated with one load.
+#[derive(Debug)]
+pub(crate) struct ForwardRoute {
+    pub(crate) forwarder: Arc<dyn PacketForwarder>,
+    current: AtomicBool,
+}
+
+impl ForwardRoute {
+    fn new(forwarder: Arc<dyn PacketForwarder>) -> Arc<Self> {
+        Arc::new(Self {
+            forwarder,
+            current: AtomicBool::new(true),
+        })
+    }
+
+    /// Whether this is still the key's route.
+    pub(crate) fn is_current(&self) -> bool {
+        self.current.load(Ordering::Acquire)
+    }
+
+    fn retire(&self) {
+        self.current.store(false, Ordering::Release);
+    }
+}
+
 /// What a lookup found for a destination key.
 #[derive(Debug)]
 pub(crate) enum Lookup {
-    /// A connected client.
-    Local(Arc<ConnHandle>),
+    /// A connected client, and the set it is active in (for caching).
+    Local(Arc<ConnHandle>, Arc<ClientSet>),
+    /// No local client, but a mesh peer has the key.
+    Forward(Arc<ForwardRoute>),
     /// The key has several connections and none is active.
     Dup,
     /// Nobody with that key is here.
     Missing,
+}
+
+/// All forwarders known for one key; the earliest added is preferred.
+#[derive(Debug)]
+struct Forwarders {
+    list: Vec<Arc<dyn PacketForwarder>>,
+    route: Arc<ForwardRoute>,
 }
 
 #[derive(Debug)]
@@ -65,6 +112,10 @@ struct State {
     peer_gone_watchers: HashMap<PublicKey, HashMap<u64, Arc<ConnHandle>>>,
     /// Mesh peers that asked for presence updates.
     watchers: HashMap<u64, Arc<ConnHandle>>,
+    /// Keys present on sibling nodes, with the forwarders that reach them.
+    forwarders: HashMap<PublicKey, Forwarders>,
+    /// Keys reachable only through forwarders (not also local).
+    remote_only: i64,
 }
 
 /// The server's client registry.
@@ -95,12 +146,18 @@ impl Registry {
     /// Looks a destination up under the lock; the fallback when the mirror has no active set.
     pub(crate) fn lookup_locked(&self, dst: &PublicKey) -> Lookup {
         let state = self.lock();
-        match state.clients.get(dst) {
-            Some(entry) => match entry.set.active.load_full() {
-                Some(conn) => Lookup::Local(conn),
-                None if entry.members.len() > 1 => Lookup::Dup,
-                None => Lookup::Missing,
-            },
+        if let Some(entry) = state.clients.get(dst) {
+            if let Some(conn) = entry.set.active.load_full() {
+                return Lookup::Local(conn, entry.set.clone());
+            }
+            // Local wins: a key with local connections is never forwarded, even while none
+            // of them is active.
+            if entry.members.len() > 1 {
+                return Lookup::Dup;
+            }
+        }
+        match state.forwarders.get(dst) {
+            Some(f) => Lookup::Forward(f.route.clone()),
             None => Lookup::Missing,
         }
     }
@@ -145,8 +202,12 @@ impl Registry {
                 // Published only once the set has its active connection, so a reader of the
                 // mirror never sees a half-built set.
                 self.mirror.pin().insert(conn.key, set);
-                m.clients_local.inc();
-                m.clients_total.inc();
+                if let Some(f) = state.forwarders.get(&conn.key) {
+                    // Local now wins over the forwarder; cached routes must notice.
+                    f.route.retire();
+                    state.remote_only -= 1;
+                }
+                self.update_region_gauges(&state);
             }
         }
         m.current_connections.inc();
@@ -182,13 +243,14 @@ impl Registry {
                 .mirror
                 .pin()
                 .remove_if(&conn.key, |_, v| Arc::ptr_eq(v, &set));
-            m.clients_local.dec();
-            m.clients_total.dec();
-            if let Some(watchers) = state.peer_gone_watchers.remove(&conn.key) {
-                for w in watchers.values() {
-                    w.push_control(Control::PeerGone(conn.key, PeerGoneReason::Disconnected));
-                }
+            if let Some(f) = state.forwarders.get_mut(&conn.key) {
+                // Still reachable through a sibling: not gone from the region.
+                f.route = ForwardRoute::new(f.list[0].clone());
+                state.remote_only += 1;
+            } else {
+                notify_peer_gone(&mut state, &conn.key);
             }
+            self.update_region_gauges(&state);
             let key = conn.key;
             broadcast(&state.watchers, || {
                 Control::PeerGone(key, PeerGoneReason::Disconnected)
@@ -244,8 +306,9 @@ impl Registry {
     /// Records that `receiver` got a packet from `src`, so it hears when `src` leaves.
     pub(crate) fn watch_peer_gone(&self, src: PublicKey, receiver: &Arc<ConnHandle>) {
         let mut state = self.lock();
-        // A source that already left gets no registration: nothing would ever remove it.
-        if !state.clients.contains_key(&src) {
+        // A source that already left the region gets no registration: nothing would ever
+        // remove it.
+        if !state.clients.contains_key(&src) && !state.forwarders.contains_key(&src) {
             return;
         }
         state
@@ -314,15 +377,109 @@ impl Registry {
         }
     }
 
+    /// Adds a forwarder for a key present on a sibling node. Adding the same forwarder twice
+    /// changes nothing; a second, different one is kept as a fallback while the first stays
+    /// preferred.
+    pub(crate) fn add_forwarder(&self, key: PublicKey, fwd: Arc<dyn PacketForwarder>) {
+        let mut state = self.lock();
+        let local = state.clients.contains_key(&key);
+        match state.forwarders.get_mut(&key) {
+            Some(f) => {
+                if f.list.iter().any(|x| Arc::ptr_eq(x, &fwd)) {
+                    return;
+                }
+                if f.list.len() == 1 {
+                    self.metrics.multiforwarder_created.inc();
+                }
+                f.list.push(fwd);
+            }
+            None => {
+                state.forwarders.insert(
+                    key,
+                    Forwarders {
+                        list: vec![fwd.clone()],
+                        route: ForwardRoute::new(fwd),
+                    },
+                );
+                if !local {
+                    state.remote_only += 1;
+                }
+            }
+        }
+        self.update_region_gauges(&state);
+    }
+
+    /// Removes a forwarder. When it was the key's last route anywhere in the region, local
+    /// clients that received from the key are told it is gone.
+    pub(crate) fn remove_forwarder(&self, key: &PublicKey, fwd: &Arc<dyn PacketForwarder>) {
+        let mut state = self.lock();
+        let local = state.clients.contains_key(key);
+        let Some(f) = state.forwarders.get_mut(key) else {
+            self.metrics.packet_forwarder_delete_other_value.inc();
+            return;
+        };
+        let Some(pos) = f.list.iter().position(|x| Arc::ptr_eq(x, fwd)) else {
+            self.metrics.packet_forwarder_delete_other_value.inc();
+            return;
+        };
+        f.list.remove(pos);
+        if f.list.len() == 1 {
+            self.metrics.multiforwarder_deleted.inc();
+        }
+        if pos == 0 {
+            f.route.retire();
+            if let Some(next) = f.list.first() {
+                f.route = ForwardRoute::new(next.clone());
+            }
+        }
+        if f.list.is_empty() {
+            state.forwarders.remove(key);
+            if !local {
+                state.remote_only -= 1;
+                notify_peer_gone(&mut state, key);
+            }
+        }
+        self.update_region_gauges(&state);
+    }
+
+    fn update_region_gauges(&self, state: &State) {
+        let local = state.clients.len() as i64;
+        self.metrics.clients_local.set(local);
+        self.metrics.clients_remote.set(state.remote_only);
+        self.metrics.clients_total.set(local + state.remote_only);
+    }
+
     /// Number of distinct local keys; for tests and consistency checks.
     pub(crate) fn local_keys(&self) -> usize {
         self.lock().clients.len()
+    }
+
+    /// Holds the registry lock, so tests can prove a path does not take it.
+    #[cfg(test)]
+    pub(crate) fn lock_for_test(&self) -> MutexGuard<'_, impl Sized> {
+        self.lock()
+    }
+
+    /// Makes the mirror disagree with the authoritative map, so tests can tell which one a
+    /// lookup read.
+    #[cfg(test)]
+    pub(crate) fn remove_from_mirror_for_test(&self, key: &PublicKey) {
+        self.mirror.pin().remove(key);
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every critical section leaves the state consistent before any call that could
         // panic, so a poisoned lock is still safe to use.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Tells every connection that received from `key` that it left the region.
+fn notify_peer_gone(state: &mut State, key: &PublicKey) {
+    if let Some(watchers) = state.peer_gone_watchers.remove(key) {
+        for w in watchers.values() {
+            w.push_control(Control::PeerGone(*key, PeerGoneReason::Disconnected));
+        }
     }
 }
 

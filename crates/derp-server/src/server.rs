@@ -15,7 +15,7 @@ use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
 use crate::io::Transport;
 use crate::metrics::Metrics;
-use crate::registry::Registry;
+use crate::registry::{PacketForwarder, Registry};
 
 /// State every connection shares.
 #[derive(Debug)]
@@ -74,6 +74,17 @@ impl Server {
         &self.shared.metrics
     }
 
+    /// Registers a forwarder for `key`, which is connected to a sibling node of the region.
+    /// Local connections of the key always win over forwarders.
+    pub fn add_packet_forwarder(&self, key: PublicKey, forwarder: Arc<dyn PacketForwarder>) {
+        self.shared.registry.add_forwarder(key, forwarder);
+    }
+
+    /// Removes a forwarder added with [`Server::add_packet_forwarder`].
+    pub fn remove_packet_forwarder(&self, key: &PublicKey, forwarder: &Arc<dyn PacketForwarder>) {
+        self.shared.registry.remove_forwarder(key, forwarder);
+    }
+
     /// Number of distinct keys connected right now.
     pub fn local_clients(&self) -> usize {
         self.shared.registry.local_keys()
@@ -90,12 +101,7 @@ impl Server {
                 a = listener.accept() => a,
             };
             match accepted {
-                Ok((stream, remote)) => {
-                    let shared = self.shared.clone();
-                    self.shared
-                        .tasks
-                        .spawn(crate::http::serve_tcp(shared, stream, remote));
-                }
+                Ok((stream, remote)) => self.spawn_connection(Transport::Tcp(stream), remote),
                 Err(e) => {
                     // EMFILE and friends: back off briefly instead of spinning.
                     warn!(error = %e, "accept failed");
@@ -106,6 +112,22 @@ impl Server {
                 }
             }
         }
+    }
+
+    /// Serves one already-accepted connection through the HTTP front, as [`Server::serve`]
+    /// does for each connection it accepts. For listeners the server does not own (TLS is
+    /// terminated by the caller, then the stream is handed over). The task is tracked, so
+    /// [`Server::shutdown`] waits for it.
+    pub fn spawn_connection(&self, transport: Transport, remote: SocketAddr) {
+        let shared = self.shared.clone();
+        self.shared
+            .tasks
+            .spawn(crate::http::serve_conn(shared, transport, remote));
+    }
+
+    /// A token cancelled when the server shuts down; for accept loops run by callers.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shared.shutdown.clone()
     }
 
     /// Runs the DERP protocol directly on an already-upgraded stream (no HTTP), as the

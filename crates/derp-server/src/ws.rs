@@ -81,6 +81,26 @@ pub(crate) fn wants_derp_subprotocol(header_value: &str) -> bool {
     header_value.contains("derp")
 }
 
+/// Whether `derp` is one of the offered subprotocols (a token of the comma-separated list),
+/// which is what negotiation needs; a value that only contains `derp` inside another token
+/// is routed here but refused with a 1008 close, as derper does.
+pub(crate) fn offers_derp_token(header_value: &str) -> bool {
+    header_value.split(',').any(|t| t.trim() == "derp")
+}
+
+/// The 101 response head for a client whose subprotocol list has no exact `derp` token: the
+/// handshake completes without a subprotocol, and [`close_frame_with_reason`] follows.
+pub(crate) fn response_head_without_protocol(accept: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 101 Switching Protocols\r\n\
+         Connection: Upgrade\r\n\
+         Sec-Websocket-Accept: {accept}\r\n\
+         Upgrade: websocket\r\n\
+         \r\n"
+    )
+    .into_bytes()
+}
+
 /// The 101 response head that completes the WebSocket handshake, ending with the blank line.
 ///
 /// Header order and spelling follow what derper sends (Go canonicalises names to
@@ -125,7 +145,8 @@ pub(crate) fn binary_header(payload_len: usize) -> ([u8; 10], usize) {
 pub(crate) enum ControlOpcode {
     /// Close (0x8).
     Close,
-    /// Ping (0x9).
+    /// Ping (0x9). The server never pings (keepalives are DERP frames), so only tests use it.
+    #[cfg(test)]
     Ping,
     /// Pong (0xA), the answer to a ping, echoing its payload.
     Pong,
@@ -135,6 +156,7 @@ impl ControlOpcode {
     fn wire(self) -> u8 {
         match self {
             Self::Close => OP_CLOSE,
+            #[cfg(test)]
             Self::Ping => OP_PING,
             Self::Pong => OP_PONG,
         }

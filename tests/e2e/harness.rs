@@ -254,3 +254,156 @@ pub fn disco_packet() -> Vec<u8> {
     p.resize(62, 7);
     p
 }
+
+impl RawClient {
+    /// Like [`RawClient::connect_with`], on a stream the caller opened (for example one with
+    /// a small receive buffer).
+    pub(crate) async fn connect_on(stream: TcpStream, secret: SecretKey) -> Self {
+        let mut c = Self::upgrade_on(stream, secret, "").await;
+        c.handshake(ClientInfo {
+            version: 2,
+            can_ack_pings: true,
+            ..ClientInfo::default()
+        })
+        .await;
+        c
+    }
+
+    /// Like [`RawClient::upgrade`], on a stream the caller opened.
+    pub(crate) async fn upgrade_on(
+        mut stream: TcpStream,
+        secret: SecretKey,
+        extra_headers: &str,
+    ) -> Self {
+        stream.set_nodelay(true).expect("nodelay");
+        let addr = stream.peer_addr().expect("peer addr");
+        let req = format!(
+            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n{extra_headers}\r\n"
+        );
+        stream.write_all(req.as_bytes()).await.expect("write");
+        let mut c = Self {
+            stream,
+            buf: BytesMut::new(),
+            decoder: ClientDecoder::new(),
+            key: secret.public_key(),
+            secret,
+            server_info: None,
+        };
+        let head = c.read_http_head().await;
+        assert!(
+            head.starts_with("HTTP/1.1 101 "),
+            "expected 101, got {head:?}"
+        );
+        c
+    }
+
+    /// The next frame from the server, keepalives included.
+    pub(crate) async fn recv_any(&mut self) -> RelayToClient {
+        loop {
+            match self.decoder.decode(&mut self.buf).expect("decode") {
+                Some(frame) => return frame,
+                None => self.read_some().await,
+            }
+        }
+    }
+
+    /// Writes bytes as they are, for malformed frames.
+    pub(crate) async fn send_raw(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.expect("send raw");
+    }
+
+    /// Returns every frame (keepalives excepted) that the server had queued for this client
+    /// before the call: pings twice and collects what arrives before each pong.
+    ///
+    /// Two round trips because the server may write a pong ahead of packets taken in the same
+    /// batch; everything queued before the first ping was handled is written before the
+    /// second pong. Also proves the connection is alive and the server has handled every
+    /// frame this client sent before.
+    pub(crate) async fn barrier(&mut self) -> Vec<RelayToClient> {
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let mut tag = [0u8; 8];
+            rand::rngs::OsRng.fill_bytes(&mut tag);
+            self.send(ClientToRelay::Ping(tag)).await;
+            loop {
+                match self.recv().await {
+                    RelayToClient::Pong(p) if p == tag => break,
+                    other => seen.push(other),
+                }
+            }
+        }
+        seen
+    }
+
+    /// Fails unless the server queued nothing for this client (see [`RawClient::barrier`]).
+    pub(crate) async fn expect_quiet(&mut self) {
+        let seen = self.barrier().await;
+        assert!(seen.is_empty(), "expected no frames, got {seen:?}");
+    }
+}
+
+/// A complete frame: 5-byte header for type `ty` and `body`.
+pub(crate) fn raw_frame(ty: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(5 + body.len());
+    out.push(ty);
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// A parsed HTTP response.
+#[derive(Debug)]
+pub(crate) struct HttpResponse {
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) body: Vec<u8>,
+}
+
+impl HttpResponse {
+    /// The first value of header `name` (case-insensitive).
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Sends `request` verbatim on a new connection and reads the response until the server
+/// closes (requests should carry `Connection: close`). Bodies are read by Content-Length
+/// when given, so HEAD and 204 responses work too.
+pub(crate) async fn http_exchange(addr: SocketAddr, request: &str) -> HttpResponse {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    tokio::time::timeout(STEP, stream.read_to_end(&mut raw))
+        .await
+        .expect("timed out reading response")
+        .expect("read response");
+    parse_http_response(&raw)
+}
+
+/// Parses one HTTP/1.1 response from `raw` (head and the rest as body).
+pub(crate) fn parse_http_response(raw: &[u8]) -> HttpResponse {
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response head in {:?}", String::from_utf8_lossy(raw)));
+    let head = String::from_utf8_lossy(&raw[..end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().expect("status line");
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    HttpResponse {
+        status,
+        headers,
+        body: raw[end + 4..].to_vec(),
+    }
+}

@@ -1,4 +1,5 @@
 //! End-to-end tests: a real derpd relay on 127.0.0.1 with real sockets.
 
 mod harness;
+mod relay;
 mod vectors;

@@ -62,6 +62,38 @@ pub(crate) struct Cli {
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub(crate) send_queue_depth: u32,
 
+    /// Most destinations each client's lookup cache (LRU) holds; 0 uses the default (100),
+    /// -1 disables the cache.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-1..))]
+    pub(crate) peer_cache_max_entries: i64,
+
+    /// How long an unused lookup-cache entry is kept (trimmed when the client pings);
+    /// 0 uses the default (10m).
+    #[arg(long, default_value = "0", value_parser = parse_duration)]
+    pub(crate) peer_cache_max_idle: Duration,
+
+    /// Look destinations up in the lock-free mirror of the client map first. With
+    /// --peer-mirror=false every lookup goes to the per-client cache, then the locked map.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true")]
+    pub(crate) peer_mirror: bool,
+
+    /// Networks (CIDR) besides loopback allowed to read /debug/varz on the main listener.
+    /// Repeat or comma-separate.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) debug_allow_cidr: Vec<derp_server::IpCidr>,
+
+    /// Also serve Prometheus metrics at /metrics on this address (e.g. 127.0.0.1:9090),
+    /// without access control.
+    #[arg(long)]
+    pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+
+    /// Fold per-packet counters into the metrics. Off only to measure what counting costs.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true", hide = true)]
+    pub(crate) packet_metrics: bool,
+
     /// File holding the 64-hex-digit mesh pre-shared key.
     #[arg(long)]
     pub(crate) mesh_psk_file: Option<PathBuf>,
@@ -155,5 +187,19 @@ mod tests {
         assert_eq!(cli.tcp_write_timeout, Duration::ZERO);
         assert!(Cli::try_parse_from(["derpd", "--send-queue-depth", "0"]).is_err());
         assert!(Cli::try_parse_from(["derpd", "--log-format", "xml"]).is_err());
+        let cli = Cli::try_parse_from([
+            "derpd",
+            "--peer-cache-max-entries",
+            "-1",
+            "--peer-mirror=false",
+            "--debug-allow-cidr",
+            "100.64.0.0/10,fd7a:115c:a1e0::/48",
+        ])
+        .expect("parses");
+        assert_eq!(cli.peer_cache_max_entries, -1);
+        assert!(!cli.peer_mirror);
+        assert_eq!(cli.debug_allow_cidr.len(), 2);
+        assert!(Cli::try_parse_from(["derpd", "--peer-cache-max-entries", "-2"]).is_err());
+        assert!(Cli::try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
     }
 }

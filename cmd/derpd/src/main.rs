@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use clap::Parser;
 use derp_proto::{MeshKey, SecretKey};
-use derp_server::{HomePage, Server, ServerConfig};
+use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig};
 use tokio::net::TcpListener;
 use tracing::info;
 
@@ -77,12 +77,46 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     config.send_queue_depth = cli.send_queue_depth as usize;
     config.write_timeout = (!cli.tcp_write_timeout.is_zero()).then_some(cli.tcp_write_timeout);
     config.mesh_key = mesh_key;
+    config.lookup = LookupConfig {
+        mirror: cli.peer_mirror,
+        peer_cache: PeerCacheConfig::from_flags(
+            cli.peer_cache_max_entries,
+            cli.peer_cache_max_idle,
+        ),
+    };
+    config.debug_allow = cli.debug_allow_cidr.clone();
+    config.packet_metrics = cli.packet_metrics;
 
     let registry = prometheus::Registry::new();
     let server = Server::new(config, &registry).context("creating server")?;
     let listener = bind_tcp(&addrs).await?;
     let local = listener.local_addr()?;
     info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
+
+    let mut background = tokio::task::JoinSet::new();
+    if cli.stun {
+        let stun_addr = SocketAddr::new(local.ip(), cli.stun_port);
+        let socket = derp_server::bind_stun(stun_addr)
+            .with_context(|| format!("binding STUN on {stun_addr}"))?;
+        info!(addr = %socket.local_addr()?, "STUN listening");
+        let metrics = derp_server::StunMetrics::new(&registry).context("STUN metrics")?;
+        let stun_config = derp_server::StunConfig {
+            answer_generic: cli.stun_answer_generic,
+        };
+        let token = server.shutdown_token();
+        background.spawn(async move {
+            derp_server::serve_stun(socket, stun_config, metrics, token.cancelled_owned()).await;
+            Ok(())
+        });
+    }
+    if let Some(addr) = cli.metrics_addr {
+        let metrics_listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listening for metrics on {addr}"))?;
+        info!(addr = %metrics_listener.local_addr()?, "metrics listening at /metrics");
+        let server = server.clone();
+        background.spawn(async move { server.serve_metrics(metrics_listener).await });
+    }
 
     let serve = server.serve(listener);
     tokio::pin!(serve);

@@ -3,6 +3,8 @@
 //! The library takes a plain struct; `derpd` owns flag parsing and files and converts them into
 //! this type, so nothing here knows about clap or JSON.
 
+use std::net::IpAddr;
+use std::str::FromStr;
 use std::time::Duration;
 
 use derp_proto::{MeshKey, SecretKey};
@@ -34,6 +36,11 @@ pub struct ServerConfig {
     pub mesh_key: Option<MeshKey>,
     /// Which destination lookup layers run.
     pub lookup: LookupConfig,
+    /// Networks besides loopback allowed to read `/debug/varz` on the main listener.
+    pub debug_allow: Vec<IpCidr>,
+    /// Fold per-connection packet counters into the registry. Turning this off leaves the
+    /// packet and drop counters at zero; it exists to measure what counting costs.
+    pub packet_metrics: bool,
 }
 
 impl ServerConfig {
@@ -50,7 +57,65 @@ impl ServerConfig {
             home: HomePage::Default,
             mesh_key: None,
             lookup: LookupConfig::default(),
+            debug_allow: Vec::new(),
+            packet_metrics: true,
         }
+    }
+}
+
+/// An IP network in CIDR notation, such as `100.64.0.0/10` or `fd7a:115c:a1e0::/48`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpCidr {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl IpCidr {
+    /// Whether `ip` is inside the network. IPv4-mapped IPv6 addresses match IPv4 networks.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u32::from(net) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u128::from(net) & mask == u128::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl FromStr for IpCidr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("invalid CIDR {s:?}: bad address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| format!("invalid CIDR {s:?}: prefix must be 0-{max}"))?,
+            None => max,
+        };
+        Ok(Self { addr, prefix })
     }
 }
 
@@ -75,3 +140,26 @@ pub const MESH_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
 /// Handshake step deadline.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs_parse_and_match() {
+        let net: IpCidr = "100.64.0.0/10".parse().expect("parses");
+        assert!(net.contains("100.100.1.2".parse().expect("ip")));
+        assert!(!net.contains("100.128.0.1".parse().expect("ip")));
+        assert!(net.contains("::ffff:100.64.0.1".parse().expect("ip")));
+        let v6: IpCidr = "fd7a:115c:a1e0::/48".parse().expect("parses");
+        assert!(v6.contains("fd7a:115c:a1e0:ab12::1".parse().expect("ip")));
+        assert!(!v6.contains("fd7a:115c:a1e1::1".parse().expect("ip")));
+        let all: IpCidr = "0.0.0.0/0".parse().expect("parses");
+        assert!(all.contains("8.8.8.8".parse().expect("ip")));
+        let host: IpCidr = "10.1.2.3".parse().expect("parses");
+        assert!(host.contains("10.1.2.3".parse().expect("ip")));
+        assert!(!host.contains("10.1.2.4".parse().expect("ip")));
+        assert!("10.0.0.0/33".parse::<IpCidr>().is_err());
+        assert!("nonsense/8".parse::<IpCidr>().is_err());
+    }
+}

@@ -415,14 +415,14 @@ impl<'a> ReadLoop<'a> {
 
     async fn run(&mut self) -> Result<(), ConnError> {
         let result = self.run_inner().await;
-        self.shared.metrics.fold(&mut self.counts);
+        self.shared.fold(&mut self.counts);
         result
     }
 
     async fn run_inner(&mut self) -> Result<(), ConnError> {
         loop {
             self.process_buffered()?;
-            self.shared.metrics.fold(&mut self.counts);
+            self.shared.fold(&mut self.counts);
             self.reader.release_if_empty();
             let cancel = self.handle.cancel.clone();
             let n = tokio::select! {
@@ -762,7 +762,7 @@ impl BatchWriter<'_> {
         }
         self.keepalive_due = false;
         let m = &self.shared.metrics;
-        if sent > 0 {
+        if sent > 0 && self.shared.config.packet_metrics {
             m.packets_sent.inc_by(sent);
             m.bytes_sent.inc_by(sent_bytes);
             m.average_queue_duration_ms.set(avg);

@@ -235,9 +235,70 @@ fn route(shared: &Arc<Shared>, req: Request<Incoming>, remote: SocketAddr) -> Re
         return derp_via_hyper(shared, req, remote);
     }
     match path {
+        "/debug/varz" => debug_varz(shared, &req, remote),
         "/generate_204" => no_content(&req),
         "/robots.txt" => browser_headers(text(StatusCode::OK, "User-agent: *\nDisallow: /\n")),
         _ => home(&shared.config.home),
+    }
+}
+
+/// Prometheus text on the main listener, for loopback and the configured networks only.
+/// A request that came through a proxy (`X-Forwarded-For`) is refused whatever its source,
+/// since the proxy's address says nothing about the client's.
+fn debug_varz(shared: &Shared, req: &Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+    let ip = remote.ip();
+    let ip = match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
+    };
+    let allowed = !req.headers().contains_key("x-forwarded-for")
+        && (ip.is_loopback() || shared.config.debug_allow.iter().any(|n| n.contains(ip)));
+    if !allowed {
+        return text(StatusCode::FORBIDDEN, "debug access denied\n");
+    }
+    prometheus_text(shared)
+}
+
+fn prometheus_text(shared: &Shared) -> Response<Body> {
+    let families = shared.prometheus.gather();
+    let mut out = String::new();
+    if let Err(e) = prometheus::TextEncoder::new().encode_utf8(&families, &mut out) {
+        debug!(error = %e, "encoding metrics");
+        return text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "encoding metrics failed\n",
+        );
+    }
+    let mut resp = Response::new(Body::from(out));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}
+
+/// One connection to the `--metrics-addr` listener: `/metrics` and nothing else.
+pub(crate) async fn serve_metrics_conn(
+    shared: Arc<Shared>,
+    stream: tokio::net::TcpStream,
+    remote: SocketAddr,
+) {
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let shared = shared.clone();
+        async move {
+            Ok::<_, Infallible>(match req.uri().path() {
+                "/metrics" => prometheus_text(&shared),
+                _ => text(StatusCode::NOT_FOUND, "not found\n"),
+            })
+        }
+    });
+    let result = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+    if let Err(e) = result {
+        debug!(%remote, error = %e, "metrics connection ended");
     }
 }
 

@@ -29,7 +29,7 @@ mod stun;
 mod ws;
 
 pub use config::{
-    DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage,
+    DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
 };
 pub use io::{BoxedIo, Transport};

@@ -223,6 +223,11 @@ impl Metrics {
             "moving average of the time packets wait in send queues",
         )?;
         registry.register(Box::new(average_queue_duration_ms.clone()))?;
+        #[cfg(target_os = "linux")]
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
+        registry.register(Box::new(FdCollector::new()?))?;
         Ok(Self {
             accepts: r.counter("derp_accepts", "connections accepted, before the handshake")?,
             current_connections: r.gauge(
@@ -392,6 +397,37 @@ impl ReaderCounts {
     pub(crate) fn drop(&mut self, reason: DropReason, kind: PacketKind, bytes: usize) {
         self.dropped[reason as usize][kind as usize] += 1;
         self.dropped_bytes[reason as usize][kind as usize] += bytes as u64;
+    }
+}
+
+/// `derp_current_file_descriptors`, read from `/proc/self/fd` at scrape time (derper's
+/// `gauge_current_file_descriptors`).
+#[derive(Debug)]
+struct FdCollector {
+    gauge: IntGauge,
+}
+
+impl FdCollector {
+    fn new() -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            gauge: IntGauge::new(
+                "derp_current_file_descriptors",
+                "open file descriptors of the process",
+            )?,
+        })
+    }
+}
+
+impl prometheus::core::Collector for FdCollector {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.gauge.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+            self.gauge.set(dir.count() as i64);
+        }
+        self.gauge.collect()
     }
 }
 

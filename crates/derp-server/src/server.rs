@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
 use crate::io::Transport;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ReaderCounts};
 use crate::registry::{PacketForwarder, Registry};
 
 /// State every connection shares.
@@ -26,7 +26,21 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     pub(crate) next_conn_id: AtomicU64,
     pub(crate) shutdown: CancellationToken,
+    /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
+    pub(crate) prometheus: prometheus::Registry,
     tasks: TaskTracker,
+}
+
+impl Shared {
+    /// Folds a connection's local counts into the registry (or discards them when packet
+    /// metrics are off).
+    pub(crate) fn fold(&self, counts: &mut ReaderCounts) {
+        if self.config.packet_metrics {
+            self.metrics.fold(counts);
+        } else {
+            *counts = ReaderCounts::default();
+        }
+    }
 }
 
 /// A DERP relay. Cheap to clone; clones share one relay.
@@ -59,6 +73,7 @@ impl Server {
                 config,
                 next_conn_id: AtomicU64::new(1),
                 shutdown: CancellationToken::new(),
+                prometheus: registry.clone(),
                 tasks: TaskTracker::new(),
             }),
         })
@@ -128,6 +143,28 @@ impl Server {
     /// A token cancelled when the server shuts down; for accept loops run by callers.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shared.shutdown.clone()
+    }
+
+    /// Serves Prometheus text at `/metrics` on `listener` until shutdown. Unlike
+    /// `/debug/varz` on the main listener, this has no access control: it is meant for a
+    /// listener the operator binds to a private address.
+    pub async fn serve_metrics(&self, listener: TcpListener) -> Result<(), ServeError> {
+        loop {
+            let (stream, remote) = tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return Ok(()),
+                a = listener.accept() => match a {
+                    Ok(a) => a,
+                    Err(e) => {
+                        warn!(error = %e, "metrics accept failed");
+                        continue;
+                    }
+                },
+            };
+            let shared = self.shared.clone();
+            self.shared
+                .tasks
+                .spawn(crate::http::serve_metrics_conn(shared, stream, remote));
+        }
     }
 
     /// Runs the DERP protocol directly on an already-upgraded stream (no HTTP), as the

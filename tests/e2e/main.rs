@@ -1,6 +1,6 @@
 //! End-to-end tests: a real derpd relay on 127.0.0.1 with real sockets.
 
 mod harness;
-mod metrics;
+mod hostile;
 mod relay;
 mod vectors;

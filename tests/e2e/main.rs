@@ -2,5 +2,6 @@
 
 mod harness;
 mod hostile;
+mod load;
 mod relay;
 mod vectors;

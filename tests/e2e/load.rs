@@ -1,0 +1,142 @@
+//! Many clients at once on loopback: every packet is delivered and nothing is dropped while
+//! each destination's queue stays within its bounds.
+
+use bytes::BytesMut;
+use derp_proto::{ClientToRelay, PublicKey};
+use tokio::task::JoinSet;
+
+use crate::harness::{RawClient, TestServer};
+
+/// Clients wanted in the ring.
+const CLIENTS: usize = 1000;
+/// Packets each client sends to its successor; well under the queue depth of 32, so a
+/// correct relay has no reason to drop any.
+const PER_CLIENT: usize = 5;
+/// Handshakes in flight at once.
+const CONNECT_BATCH: usize = 100;
+/// File descriptors kept free for the runtime, the listener and tests running alongside.
+const FD_RESERVE: usize = 256;
+
+/// The soft limit on open files, from `/proc/self/limits` (Linux); `None` when unknown.
+fn open_file_limit() -> Option<usize> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line.split_whitespace().nth(3)?;
+    if soft == "unlimited" {
+        return Some(usize::MAX);
+    }
+    soft.parse().ok()
+}
+
+/// As many clients as the fd limit allows, up to [`CLIENTS`]. Each client costs two
+/// descriptors in this process: its own socket and the server's end.
+fn client_count() -> usize {
+    match open_file_limit() {
+        Some(limit) => {
+            let fit = limit.saturating_sub(FD_RESERVE) / 2;
+            if fit < CLIENTS {
+                eprintln!("open file limit {limit}: running {fit} clients instead of {CLIENTS}");
+            }
+            fit.min(CLIENTS)
+        }
+        None => CLIENTS,
+    }
+}
+
+fn payload(sender: usize, seq: usize) -> Vec<u8> {
+    let mut p = format!("from {sender} #{seq} ").into_bytes();
+    // Varying sizes, so frames of many lengths share the writers' batches.
+    p.resize(
+        p.len() + (sender * 7 + seq * 13) % 1200,
+        (sender % 251) as u8,
+    );
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_clients_in_a_ring_get_every_packet() {
+    let n = client_count();
+    assert!(
+        n >= 100,
+        "too few file descriptors for a meaningful load test"
+    );
+    let srv = TestServer::start_default().await;
+
+    let mut clients: Vec<Option<RawClient>> = (0..n).map(|_| None).collect();
+    for start in (0..n).step_by(CONNECT_BATCH) {
+        let mut batch = JoinSet::new();
+        for i in start..(start + CONNECT_BATCH).min(n) {
+            let addr = srv.addr;
+            batch.spawn(async move { (i, RawClient::connect(addr).await) });
+        }
+        while let Some(done) = batch.join_next().await {
+            let (i, c) = done.expect("connect");
+            clients[i] = Some(c);
+        }
+    }
+    let clients: Vec<RawClient> = clients.into_iter().map(|c| c.expect("client")).collect();
+    assert_eq!(srv.metric("derp_current_connections", &[]), n as f64);
+    assert_eq!(srv.server.local_clients(), n);
+
+    let keys: Vec<PublicKey> = clients.iter().map(|c| c.key).collect();
+    let mut ring = JoinSet::new();
+    for (i, mut c) in clients.into_iter().enumerate() {
+        let next = keys[(i + 1) % n];
+        let prev_index = (i + n - 1) % n;
+        let prev = keys[prev_index];
+        ring.spawn(async move {
+            let mut out = BytesMut::new();
+            for seq in 0..PER_CLIENT {
+                ClientToRelay::SendPacket {
+                    dst: next,
+                    packet: payload(i, seq).into(),
+                }
+                .encode(&mut out);
+            }
+            c.send_raw(&out).await;
+            // One sender, one queue: its packets arrive in the order sent.
+            for seq in 0..PER_CLIENT {
+                let (src, got) = c.recv_packet().await;
+                assert_eq!(src, prev, "client {i} packet {seq}");
+                assert_eq!(got, payload(prev_index, seq), "client {i} packet {seq}");
+            }
+            c
+        });
+    }
+    let mut survivors = Vec::with_capacity(n);
+    while let Some(done) = ring.join_next().await {
+        survivors.push(done.expect("ring member"));
+    }
+
+    let total = (n * PER_CLIENT) as f64;
+    srv.eventually("every packet counted as written", |s| {
+        s.metric("derp_packets_sent", &[]) == total
+    })
+    .await;
+    assert_eq!(srv.metric("derp_packets_received", &[]), total);
+    for reason in derp_server::DropReason::ALL {
+        for kind in ["disco", "other"] {
+            assert_eq!(
+                srv.metric(
+                    "derp_packets_dropped",
+                    &[("reason", reason.as_str()), ("kind", kind)]
+                ),
+                0.0,
+                "{} {kind}",
+                reason.as_str()
+            );
+        }
+    }
+    // Each client is still alone on its key and still served.
+    assert_eq!(srv.metric("derp_current_dup_client_keys", &[]), 0.0);
+    for c in survivors.iter_mut().take(10) {
+        c.expect_quiet().await;
+    }
+
+    drop(survivors);
+    srv.eventually("everyone disconnected", |s| {
+        s.metric("derp_current_connections", &[]) == 0.0
+    })
+    .await;
+    srv.stop().await;
+}

@@ -14,6 +14,7 @@
 use std::num::NonZeroUsize;
 use std::ops::Deref;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use derp_proto::PublicKey;
@@ -21,7 +22,7 @@ use lru::LruCache;
 use tokio::time::Instant;
 
 use crate::queue::ConnHandle;
-use crate::registry::{ClientSet, ForwardRoute, Lookup, Registry};
+use crate::registry::{ForwardRoute, Lookup, Registry};
 
 /// Which lookup layers run, and how the LRU is bounded.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,36 +88,34 @@ impl Default for PeerCacheConfig {
     }
 }
 
-/// Where a packet goes.
+/// Where a packet goes. Borrows from the caller's epoch guard or from the router's cache
+/// where it can, so a hit changes no reference count.
 #[derive(Debug)]
-pub(crate) enum Route {
+pub(crate) enum Route<'a> {
     /// A local connection.
-    Local(ConnRef),
+    Local(Shared<'a, ConnHandle>),
     /// A mesh peer that has the destination.
-    Forward(Arc<ForwardRoute>),
+    Forward(Shared<'a, ForwardRoute>),
     /// The key has several connections and none is active.
     Dup,
     /// Nobody has the key.
     Missing,
 }
 
-/// A destination connection, borrowed from an atomic slot (fast paths) or owned (fallback).
+/// An `Arc` borrowed (from the mirror or the cache) or owned (from the locked fallback).
 #[derive(Debug)]
-pub(crate) enum ConnRef {
-    Loaded(arc_swap::Guard<Option<Arc<ConnHandle>>>),
-    Owned(Arc<ConnHandle>),
+pub(crate) enum Shared<'a, T> {
+    Borrowed(&'a Arc<T>),
+    Owned(Arc<T>),
 }
 
-impl Deref for ConnRef {
-    type Target = ConnHandle;
+impl<T> Deref for Shared<'_, T> {
+    type Target = T;
 
-    fn deref(&self) -> &ConnHandle {
+    fn deref(&self) -> &T {
         match self {
-            // Only constructed after checking the slot holds a connection.
-            Self::Loaded(g) => g
-                .as_deref()
-                .unwrap_or_else(|| unreachable!("checked non-empty")),
-            Self::Owned(c) => c,
+            Self::Borrowed(a) => a,
+            Self::Owned(a) => a,
         }
     }
 }
@@ -130,7 +129,7 @@ pub(crate) struct Misses {
 
 #[derive(Debug)]
 enum Cached {
-    Local(Arc<ClientSet>),
+    Local(Arc<ConnHandle>),
     Forward(Arc<ForwardRoute>),
 }
 
@@ -170,44 +169,42 @@ impl Router {
     }
 
     /// Finds where a packet for `dst` goes.
-    pub(crate) fn route(
-        &mut self,
+    pub(crate) fn route<'a>(
+        &'a mut self,
         registry: &Registry,
-        guard: &impl papaya::Guard,
+        guard: &'a impl papaya::Guard,
         dst: &PublicKey,
         now: Instant,
-    ) -> Route {
+    ) -> Route<'a> {
         if self.mirror {
-            if let Some(set) = registry.mirror().get(dst, guard) {
-                let active = set.load_active();
-                if active.is_some() {
-                    return Route::Local(ConnRef::Loaded(active));
-                }
+            // Entries are published only after their connection is marked active, and a
+            // connection that stops being active is replaced or removed under the registry
+            // lock; a reader racing with that delivers to a connection that just lost the
+            // role, which then drops or writes it, as the reference's lock-free read does.
+            if let Some(conn) = registry.mirror().get(dst, guard) {
+                return Route::Local(Shared::Borrowed(conn));
             }
             self.misses.mirror += 1;
         }
-        if let Some(cache) = &mut self.cache {
-            if let Some(route) = cache.get(dst, now) {
-                return route;
-            }
-            self.misses.cache += 1;
+        let Some(cache) = &mut self.cache else {
+            return fallback(registry, dst, None, now);
+        };
+        if cache.hit(dst, now) {
+            // `hit` revalidated the entry; borrow it for the caller.
+            return match cache.entries.as_ref().and_then(|e| e.peek(dst)) {
+                Some(CachedPeer {
+                    target: Cached::Local(conn),
+                    ..
+                }) => Route::Local(Shared::Borrowed(conn)),
+                Some(CachedPeer {
+                    target: Cached::Forward(route),
+                    ..
+                }) => Route::Forward(Shared::Borrowed(route)),
+                None => unreachable!("a hit is an entry"),
+            };
         }
-        match registry.lookup_locked(dst) {
-            Lookup::Local(conn, set) => {
-                if let Some(cache) = &mut self.cache {
-                    cache.insert(*dst, Cached::Local(set), now);
-                }
-                Route::Local(ConnRef::Owned(conn))
-            }
-            Lookup::Forward(route) => {
-                if let Some(cache) = &mut self.cache {
-                    cache.insert(*dst, Cached::Forward(route.clone()), now);
-                }
-                Route::Forward(route)
-            }
-            Lookup::Dup => Route::Dup,
-            Lookup::Missing => Route::Missing,
-        }
+        self.misses.cache += 1;
+        fallback(registry, dst, Some(cache), now)
     }
 
     /// Removes cache entries idle past the limit; called when the client pings, so trimming
@@ -238,33 +235,55 @@ impl Router {
     }
 }
 
+/// The authoritative lookup under the registry lock, caching what it finds.
+fn fallback<'a>(
+    registry: &Registry,
+    dst: &PublicKey,
+    cache: Option<&mut PeerCache>,
+    now: Instant,
+) -> Route<'a> {
+    match registry.lookup_locked(dst) {
+        Lookup::Local(conn) => {
+            if let Some(cache) = cache {
+                cache.insert(*dst, Cached::Local(conn.clone()), now);
+            }
+            Route::Local(Shared::Owned(conn))
+        }
+        Lookup::Forward(route) => {
+            if let Some(cache) = cache {
+                cache.insert(*dst, Cached::Forward(route.clone()), now);
+            }
+            Route::Forward(Shared::Owned(route))
+        }
+        Lookup::Dup => Route::Dup,
+        Lookup::Missing => Route::Missing,
+    }
+}
+
 impl PeerCache {
-    /// A revalidated hit, or `None` (and a stale entry is left for `insert` to replace).
-    fn get(&mut self, dst: &PublicKey, now: Instant) -> Option<Route> {
-        let entries = self.entries.as_mut()?;
+    /// Whether `dst` is cached and still valid: the connection is still its key's active
+    /// one, or the forwarder route has not been retired. Refreshes recency coarsely.
+    fn hit(&mut self, dst: &PublicKey, now: Instant) -> bool {
+        let Some(entries) = self.entries.as_mut() else {
+            return false;
+        };
         // `peek_mut` does not reorder: recency is refreshed coarsely below, which keeps the
         // list ordered by last-used time for `trim` and keeps the hit path to a hash probe.
-        let peer = entries.peek_mut(dst)?;
-        let route = match &peer.target {
-            Cached::Local(set) => {
-                let active = set.load_active();
-                if active.is_none() {
-                    return None;
-                }
-                Route::Local(ConnRef::Loaded(active))
-            }
-            Cached::Forward(route) => {
-                if !route.is_current() {
-                    return None;
-                }
-                Route::Forward(route.clone())
-            }
+        let Some(peer) = entries.peek_mut(dst) else {
+            return false;
         };
+        let valid = match &peer.target {
+            Cached::Local(conn) => conn.active.load(Ordering::Acquire),
+            Cached::Forward(route) => route.is_current(),
+        };
+        if !valid {
+            return false;
+        }
         if now.saturating_duration_since(peer.last_used) >= self.refresh {
             peer.last_used = now;
             entries.promote(dst);
         }
-        Some(route)
+        true
     }
 
     fn insert(&mut self, dst: PublicKey, target: Cached, now: Instant) {
@@ -434,14 +453,28 @@ mod tests {
         }
     }
 
-    fn route(router: &mut Router, reg: &Registry, dst: &PublicKey, now: Instant) -> Route {
-        let guard = reg.mirror().guard();
-        router.route(reg, &guard, dst, now)
+    /// What a lookup found, detached from the guard it borrowed from.
+    #[derive(Debug)]
+    enum Found {
+        Local(u64),
+        Forward(Arc<dyn PacketForwarder>),
+        Dup,
+        Missing,
     }
 
-    fn local_id(r: Route) -> Option<u64> {
+    fn route(router: &mut Router, reg: &Registry, dst: &PublicKey, now: Instant) -> Found {
+        let guard = reg.mirror().guard();
+        match router.route(reg, &guard, dst, now) {
+            Route::Local(c) => Found::Local(c.id),
+            Route::Forward(r) => Found::Forward(r.forwarder.clone()),
+            Route::Dup => Found::Dup,
+            Route::Missing => Found::Missing,
+        }
+    }
+
+    fn local_id(r: Found) -> Option<u64> {
         match r {
-            Route::Local(c) => Some(c.id),
+            Found::Local(id) => Some(id),
             _ => None,
         }
     }
@@ -523,8 +556,8 @@ mod tests {
         reg.add_forwarder(key, f1.clone());
         let mut router = Router::new(&config(true, true));
         let now = Instant::now();
-        let fwd_of = |r: Route| match r {
-            Route::Forward(route) => Some(route.forwarder.clone()),
+        let fwd_of = |r: Found| match r {
+            Found::Forward(f) => Some(f),
             _ => None,
         };
         let first = fwd_of(route(&mut router, &reg, &key, now)).expect("forwarded");

@@ -77,6 +77,8 @@ pub(crate) struct ConnHandle {
     /// Member of a duplicate set; read on every frame, so it is a plain flag rather than a
     /// lookup in the registry.
     pub(crate) is_dup: AtomicBool,
+    /// True while this is its key's active connection; caches check it on every hit.
+    pub(crate) active: AtomicBool,
     pub(crate) preferred: AtomicBool,
     /// WebSocket close code the writer sends when the connection ends.
     pub(crate) ws_close_code: AtomicU16,
@@ -104,6 +106,7 @@ impl ConnHandle {
             presence_flags,
             can_mesh,
             is_dup: AtomicBool::new(false),
+            active: AtomicBool::new(false),
             preferred: AtomicBool::new(false),
             ws_close_code: AtomicU16::new(crate::ws::close_code::INTERNAL_ERROR),
             cancel,

@@ -3,7 +3,7 @@
 //!
 //! Every change happens under one mutex, so the map, the duplicate sets, the gauges and the
 //! watcher broadcasts stay consistent with each other. The packet path reads only the mirror
-//! (a papaya map) and each set's atomically swapped active connection, so it never takes the
+//! (a papaya map of each key's active connection) and per-connection `active` flags, so it never takes the
 //! lock while the destination is connected.
 //!
 //! Design follows tailscale/derp derpserver.go (registerClient, unregisterClient, clientSet).
@@ -13,30 +13,19 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use arc_swap::ArcSwapOption;
 use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
 
 use crate::metrics::Metrics;
 use crate::queue::{ConnHandle, Control};
 
-/// The lock-free map from key to client set that the packet path reads.
-pub(crate) type Mirror = papaya::HashMap<PublicKey, Arc<ClientSet>, foldhash::fast::RandomState>;
-
-/// All connections of one key. The set object lives as long as the key has any connection,
-/// so caches that hold it see changes of the active connection directly.
-#[derive(Debug)]
-pub(crate) struct ClientSet {
-    /// The connection packets go to; `None` while no member is active.
-    pub(crate) active: ArcSwapOption<ConnHandle>,
-}
-
-impl ClientSet {
-    /// The active connection, if any. The guard borrows nothing shared and takes no lock.
-    pub(crate) fn load_active(&self) -> arc_swap::Guard<Option<Arc<ConnHandle>>> {
-        self.active.load()
-    }
-}
+/// The lock-free mirror the packet path reads: each local key's active connection.
+///
+/// It mirrors the `active` slot of every entry in the authoritative map and is written only
+/// under the registry mutex. Storing the active connection itself (rather than a set that
+/// points at it) makes a hit one hash probe with no atomic read-modify-write: the caller
+/// borrows the `Arc` for as long as its epoch guard lives.
+pub(crate) type Mirror = papaya::HashMap<PublicKey, Arc<ConnHandle>, foldhash::fast::RandomState>;
 
 /// Something that can carry packets to a sibling node of the region (a mesh peer).
 ///
@@ -77,8 +66,8 @@ impl ForwardRoute {
 /// What a lookup found for a destination key.
 #[derive(Debug)]
 pub(crate) enum Lookup {
-    /// A connected client, and the set it is active in (for caching).
-    Local(Arc<ConnHandle>, Arc<ClientSet>),
+    /// The key's active connection.
+    Local(Arc<ConnHandle>),
     /// No local client, but a mesh peer has the key.
     Forward(Arc<ForwardRoute>),
     /// The key has several connections and none is active.
@@ -96,7 +85,8 @@ struct Forwarders {
 
 #[derive(Debug)]
 struct Entry {
-    set: Arc<ClientSet>,
+    /// The member packets go to; `None` while no member is active.
+    active: Option<Arc<ConnHandle>>,
     members: Vec<Arc<ConnHandle>>,
     /// Connection id of the most recent member to register or speak.
     last: Option<u64>,
@@ -147,8 +137,8 @@ impl Registry {
     pub(crate) fn lookup_locked(&self, dst: &PublicKey) -> Lookup {
         let state = self.lock();
         if let Some(entry) = state.clients.get(dst) {
-            if let Some(conn) = entry.set.active.load_full() {
-                return Lookup::Local(conn, entry.set.clone());
+            if let Some(conn) = &entry.active {
+                return Lookup::Local(conn.clone());
             }
             // Local wins: a key with local connections is never forwarded, even while none
             // of them is active.
@@ -184,24 +174,17 @@ impl Registry {
                 entry.members.push(conn.clone());
                 entry.last = Some(conn.id);
                 push_history(&mut entry.history, conn.id);
-                entry.set.active.store(Some(conn.clone()));
+                self.set_active(&mut entry.active, conn.key, Some(conn.clone()));
             }
             None => {
-                let set = Arc::new(ClientSet {
-                    active: ArcSwapOption::from(Some(conn.clone())),
-                });
-                state.clients.insert(
-                    conn.key,
-                    Entry {
-                        set: set.clone(),
-                        members: vec![conn.clone()],
-                        last: Some(conn.id),
-                        history: Vec::new(),
-                    },
-                );
-                // Published only once the set has its active connection, so a reader of the
-                // mirror never sees a half-built set.
-                self.mirror.pin().insert(conn.key, set);
+                let mut entry = Entry {
+                    active: None,
+                    members: vec![conn.clone()],
+                    last: Some(conn.id),
+                    history: Vec::new(),
+                };
+                self.set_active(&mut entry.active, conn.key, Some(conn.clone()));
+                state.clients.insert(conn.key, entry);
                 if let Some(f) = state.forwarders.get(&conn.key) {
                     // Local now wins over the forwarder; cached routes must notice.
                     f.route.retire();
@@ -235,14 +218,8 @@ impl Registry {
             m.current_home_connections.dec();
         }
         if entry.members.len() == 1 {
-            entry.set.active.store(None);
-            let set = entry.set.clone();
+            self.set_active(&mut entry.active, conn.key, None);
             state.clients.remove(&conn.key);
-            // Compare-and-delete: a newer set for the same key must never be removed.
-            let _ = self
-                .mirror
-                .pin()
-                .remove_if(&conn.key, |_, v| Arc::ptr_eq(v, &set));
             if let Some(f) = state.forwarders.get_mut(&conn.key) {
                 // Still reachable through a sibling: not gone from the region.
                 f.route = ForwardRoute::new(f.list[0].clone());
@@ -269,20 +246,50 @@ impl Registry {
             only.is_dup.store(false, Ordering::Relaxed);
             entry.last = Some(only.id);
             entry.history.clear();
-            entry.set.active.store(Some(only));
+            self.set_active(&mut entry.active, conn.key, Some(only));
             m.current_dup_client_conns.dec();
             m.current_dup_client_keys.dec();
         } else {
             let last = entry
                 .last
                 .and_then(|id| entry.members.iter().find(|c| c.id == id).cloned());
-            entry.set.active.store(last);
+            self.set_active(&mut entry.active, conn.key, last);
         }
+    }
+
+    /// Changes a key's active connection, keeping each connection's `active` flag (which
+    /// caches revalidate against) and the mirror in step. Called with the lock held.
+    fn set_active(
+        &self,
+        slot: &mut Option<Arc<ConnHandle>>,
+        key: PublicKey,
+        new: Option<Arc<ConnHandle>>,
+    ) {
+        let mirror = self.mirror.pin();
+        if let Some(old) = slot.take() {
+            old.active.store(false, Ordering::Release);
+            if new.is_none() {
+                // Compare-and-delete: an entry that is not this connection's is never
+                // removed.
+                let _ = mirror.remove_if(&key, |_, v| Arc::ptr_eq(v, &old));
+            }
+        }
+        if let Some(conn) = &new {
+            conn.active.store(true, Ordering::Release);
+            // Published only once the connection is marked active, so a reader never finds
+            // an entry that fails revalidation.
+            mirror.insert(key, conn.clone());
+        }
+        *slot = new;
     }
 
     /// Under the default last-writer-is-active policy, a duplicate member that speaks becomes
     /// the active one.
     pub(crate) fn note_activity(&self, conn: &Arc<ConnHandle>) {
+        if conn.active.load(Ordering::Acquire) {
+            // Already the active member: nothing changes, so no lock.
+            return;
+        }
         let mut state = self.lock();
         let Some(entry) = state.clients.get_mut(&conn.key) else {
             return;
@@ -292,14 +299,9 @@ impl Registry {
         }
         entry.last = Some(conn.id);
         push_history(&mut entry.history, conn.id);
-        let already = entry
-            .set
-            .active
-            .load()
-            .as_ref()
-            .is_some_and(|a| a.id == conn.id);
+        let already = entry.active.as_ref().is_some_and(|a| a.id == conn.id);
         if !already {
-            entry.set.active.store(Some(conn.clone()));
+            self.set_active(&mut entry.active, conn.key, Some(conn.clone()));
         }
     }
 
@@ -346,7 +348,7 @@ impl Registry {
             self.metrics.watchers.inc();
         }
         for entry in state.clients.values() {
-            if let Some(active) = entry.set.active.load_full() {
+            if let Some(active) = &entry.active {
                 conn.push_control(Control::PeerPresent {
                     peer: active.key,
                     addr: active.remote,

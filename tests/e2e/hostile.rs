@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use derp_proto::{RelayToClient, SecretKey};
+use derp_proto::{ClientToRelay, RelayToClient, SecretKey};
 use derp_server::ServerConfig;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -418,5 +418,50 @@ async fn many_half_open_connections_do_not_block_a_full_session() {
         r.expect("half-open connection closed");
     }
     pair_still_works(&mut a, &mut b, "after the half-open ones").await;
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn ping_flood_is_answered_without_queueing_pongs() {
+    let srv = TestServer::start_default().await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let mut m = RawClient::connect(srv.addr).await;
+    let mut flood = Vec::new();
+    for i in 0..10_000u32 {
+        let mut data = [0u8; 8];
+        data[4..].copy_from_slice(&i.to_be_bytes());
+        flood.extend_from_slice(&raw_frame(0x12, &data));
+    }
+    m.send_raw(&flood).await;
+    // One pong slot: pings that arrive while a pong is pending are ignored, so the pongs
+    // that come back are a subset of the pings, in order, and at most one per ping. A
+    // closing ping may be ignored the same way, so it is repeated after each pong.
+    let tag = [0xff; 8];
+    m.send(ClientToRelay::Ping(tag)).await;
+    let mut tags_sent = 1.0;
+    let mut last: Option<u32> = None;
+    loop {
+        match m.recv().await {
+            RelayToClient::Pong(data) if data == tag => break,
+            RelayToClient::Pong(data) => {
+                let i = u32::from_be_bytes([data[4], data[5], data[6], data[7]]);
+                assert!(
+                    i < 10_000 && last.is_none_or(|l| i > l),
+                    "pong {i} after {last:?}"
+                );
+                last = Some(i);
+                m.send(ClientToRelay::Ping(tag)).await;
+                tags_sent += 1.0;
+            }
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    assert!(last.is_some(), "no pong for the flood at all");
+    srv.eventually("every ping counted", |s| {
+        gauge(s, "derp_got_ping") == 10_000.0 + tags_sent
+    })
+    .await;
+    pair_still_works(&mut a, &mut b, "after the ping flood").await;
     srv.stop().await;
 }

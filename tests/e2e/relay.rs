@@ -532,28 +532,54 @@ fn ws_frame(opcode: u8, fin: bool, payload: &[u8]) -> Vec<u8> {
 
 impl WsClient {
     async fn connect(addr: SocketAddr, secret: SecretKey) -> Self {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        let req = format!(
-            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-             Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {WS_KEY}\r\n\
-             Sec-WebSocket-Protocol: derp\r\n\r\n"
-        );
-        stream.write_all(req.as_bytes()).await.expect("write");
+        Self::connect_after(addr, secret, false).await
+    }
+
+    /// Sends the WebSocket upgrade request with `protocol` as the offered subprotocols, after
+    /// a probe request on the same connection when `after_probe` is set (so the upgrade is a
+    /// later request of a keep-alive connection). Returns the client and the 101 response.
+    async fn upgrade(
+        addr: SocketAddr,
+        secret: &SecretKey,
+        after_probe: bool,
+        protocol: &str,
+    ) -> (Self, HttpResponse) {
         let mut c = Self {
-            stream,
+            stream: TcpStream::connect(addr).await.expect("connect"),
             raw: BytesMut::new(),
             derp: BytesMut::new(),
             decoder: ClientDecoder::new(),
             key: secret.public_key(),
             pongs: Vec::new(),
         };
+        if after_probe {
+            let probe = format!("GET /derp/probe HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+            c.stream.write_all(probe.as_bytes()).await.expect("write");
+            let head = c.read_head().await;
+            assert_eq!(head.status, 200);
+        }
+        let req = format!(
+            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+             Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {WS_KEY}\r\n\
+             Sec-WebSocket-Protocol: {protocol}\r\n\r\n"
+        );
+        c.stream.write_all(req.as_bytes()).await.expect("write");
+        let head = c.read_head().await;
+        (c, head)
+    }
+
+    async fn read_head(&mut self) -> HttpResponse {
         let head_end = loop {
-            if let Some(i) = c.raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            if let Some(i) = self.raw.windows(4).position(|w| w == b"\r\n\r\n") {
                 break i + 4;
             }
-            c.read_some().await;
+            self.read_some().await;
         };
-        let head = crate::harness::parse_http_response(&c.raw.split_to(head_end));
+        crate::harness::parse_http_response(&self.raw.split_to(head_end))
+    }
+
+    async fn connect_after(addr: SocketAddr, secret: SecretKey, after_probe: bool) -> Self {
+        let (mut c, head) = Self::upgrade(addr, &secret, after_probe, "derp").await;
         assert_eq!(head.status, 101);
         assert_eq!(head.header("sec-websocket-accept"), Some(WS_ACCEPT));
         assert_eq!(head.header("sec-websocket-protocol"), Some("derp"));
@@ -592,6 +618,17 @@ impl WsClient {
             .expect("timed out reading")
             .expect("read");
         assert!(n > 0, "server closed the connection");
+    }
+
+    /// Everything the server sends until it closes, starting with what is buffered.
+    async fn read_to_close(&mut self) -> Vec<u8> {
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(STEP, self.stream.read_to_end(&mut rest))
+            .await
+            .expect("server closes");
+        let mut all = self.raw.split().to_vec();
+        all.extend_from_slice(&rest);
+        all
     }
 
     async fn send_message(&mut self, payload: &[u8]) {
@@ -935,5 +972,73 @@ async fn disabled_derp_gives_404_but_probes_work() {
     }
     assert_eq!(get(srv.addr, "GET", "/generate_204", "").await.status, 204);
     assert_eq!(gauge(&srv, "derp_accepts"), 0.0);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn websocket_upgrade_variants() {
+    let srv = TestServer::start_default().await;
+    let mut plain = RawClient::connect(srv.addr).await;
+
+    // As a later request on a keep-alive connection (the upgrade goes through hyper).
+    let mut ws = WsClient::connect_after(srv.addr, random_secret(), true).await;
+    ws.send(ClientToRelay::SendPacket {
+        dst: plain.key,
+        packet: bytes::Bytes::from_static(b"keep-alive websocket"),
+    })
+    .await;
+    assert_eq!(
+        plain.recv_packet().await,
+        (ws.key, b"keep-alive websocket".to_vec())
+    );
+
+    // A subprotocol list that mentions derp only inside another token: accepted as a
+    // WebSocket without a subprotocol, then closed with 1008 (policy violation).
+    let (mut c, head) = WsClient::upgrade(srv.addr, &random_secret(), false, "derpish").await;
+    assert_eq!(head.status, 101);
+    assert_eq!(head.header("sec-websocket-protocol"), None);
+    let rest = c.read_to_close().await;
+    assert!(rest.len() >= 4, "{rest:?}");
+    assert_eq!(rest[0], 0x88, "a close frame: {rest:?}");
+    assert_eq!(u16::from_be_bytes([rest[2], rest[3]]), 1008);
+
+    // `Upgrade: websocket` with no subprotocol at all is an old client speaking plain DERP.
+    let stream = TcpStream::connect(srv.addr).await.expect("connect");
+    let secret = random_secret();
+    let mut old = RawClient {
+        stream,
+        buf: BytesMut::new(),
+        decoder: ClientDecoder::new(),
+        key: secret.public_key(),
+        secret,
+        server_info: None,
+    };
+    old.send_raw(
+        format!(
+            "GET /derp HTTP/1.1\r\nHost: {}\r\nConnection: Upgrade\r\nUpgrade: WebSocket\r\n\r\n",
+            srv.addr
+        )
+        .as_bytes(),
+    )
+    .await;
+    let head = old.read_http_head().await;
+    assert!(head.starts_with("HTTP/1.1 101 "), "{head}");
+    assert!(head.contains("Upgrade: DERP\r\n"), "{head}");
+    old.handshake(ClientInfo::default()).await;
+    old.send_packet(plain.key, b"old client").await;
+    assert_eq!(plain.recv_packet().await, (old.key, b"old client".to_vec()));
+    assert_eq!(gauge(&srv, "derp_websocket_accepts"), 1.0);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn empty_and_self_addressed_packets_are_delivered() {
+    let srv = TestServer::start_default().await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    a.send_packet(b.key, b"").await;
+    assert_eq!(b.recv_packet().await, (a.key, Vec::new()));
+    a.send_packet(a.key, b"note to self").await;
+    assert_eq!(a.recv_packet().await, (a.key, b"note to self".to_vec()));
     srv.stop().await;
 }

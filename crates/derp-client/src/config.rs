@@ -3,9 +3,11 @@
 use std::fmt;
 use std::net::{Ipv6Addr, SocketAddr};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use derp_proto::{MeshKey, PublicKey, SecretKey};
+use rustls::pki_types::CertificateDer;
 
 use crate::error::ConnectError;
 
@@ -43,9 +45,10 @@ pub struct ClientConfig {
     /// Value of the `Ideal-Node` request header; a non-empty value tells the server this is not
     /// the client's ideal node.
     pub ideal_node: Option<String>,
-    /// The server's public key when it is already known (from the TLS meta certificate). The
-    /// client then sends `Derp-Fast-Start: 1`, writes the request and `ClientInfo` in one write
-    /// and reads no HTTP response. Not available with [`TransportKind::WebSocket`].
+    /// The server's public key when it is already known. The client then sends
+    /// `Derp-Fast-Start: 1`, writes the request and `ClientInfo` in one write and reads no HTTP
+    /// response. Not available with [`TransportKind::WebSocket`]. Over TLS 1.3 the key is
+    /// taken from the server's meta certificate when this is `None`.
     pub fast_start_key: Option<PublicKey>,
     /// Budget for the whole connect sequence: DNS, TCP connect, HTTP upgrade and DERP handshake
     /// up to and including `ServerInfo`. Defaults to 10 s, like the Go client.
@@ -60,6 +63,17 @@ pub struct ClientConfig {
     /// Framing after the HTTP request. Defaults to [`TransportKind::WebSocket`] for `ws` and
     /// `wss` URLs and to [`TransportKind::Upgrade`] otherwise.
     pub transport: TransportKind,
+    /// TLS only: `DERPNode.CertName`. `sha256-raw:<64 hex>` accepts exactly the leaf
+    /// certificate with that SHA-256 (self-signed IP-only servers); any other value is the name
+    /// the certificate must be valid for instead of the URL's host. See
+    /// [`CertName`](crate::CertName).
+    pub cert_name: Option<String>,
+    /// TLS only: roots trusted in addition to Mozilla's (`webpki-roots`), e.g. a private CA or
+    /// a test ACME server's root.
+    pub extra_roots: Vec<CertificateDer<'static>>,
+    /// TLS only: a complete rustls client config to use as is, replacing the one built from
+    /// `cert_name` and `extra_roots`. Fast start from the meta certificate still applies.
+    pub tls_config: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl ClientConfig {
@@ -88,6 +102,9 @@ impl ClientConfig {
             read_timeout: None,
             local_addr: None,
             transport,
+            cert_name: None,
+            extra_roots: Vec::new(),
+            tls_config: None,
         }
     }
 
@@ -148,6 +165,24 @@ impl ClientConfig {
     /// Sets [`ClientConfig::transport`].
     pub fn with_transport(mut self, transport: TransportKind) -> Self {
         self.transport = transport;
+        self
+    }
+
+    /// Sets [`ClientConfig::cert_name`].
+    pub fn with_cert_name(mut self, cert_name: impl Into<String>) -> Self {
+        self.cert_name = Some(cert_name.into());
+        self
+    }
+
+    /// Adds a root to [`ClientConfig::extra_roots`].
+    pub fn with_extra_root(mut self, root: CertificateDer<'static>) -> Self {
+        self.extra_roots.push(root);
+        self
+    }
+
+    /// Sets [`ClientConfig::tls_config`].
+    pub fn with_tls_config(mut self, tls: Arc<rustls::ClientConfig>) -> Self {
+        self.tls_config = Some(tls);
         self
     }
 

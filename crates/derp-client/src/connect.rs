@@ -15,6 +15,7 @@ use crate::error::ConnectError;
 use crate::http::{self, RequestOptions};
 use crate::ping::PingTracker;
 use crate::reader::ClientReader;
+use crate::tls;
 use crate::transport::{FrameReader, FrameWriter, ReadHalf, Stream, WsShared};
 use crate::writer::ClientWriter;
 use crate::ws::{self, WsError};
@@ -22,13 +23,30 @@ use crate::ws::{self, WsError};
 /// Dials the configured URL and runs the upgrade and handshake within the connect budget.
 pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
     validate(config)?;
-    if config.url.scheme().is_tls() {
-        return Err(ConnectError::TlsUnsupported);
-    }
+    let tls = if config.url.scheme().is_tls() {
+        // Built before dialing so a bad cert name or root fails without network traffic.
+        Some(tls::client_config(config)?)
+    } else {
+        None
+    };
     with_budget(config, async {
         let tcp = dial(config).await?;
         let local = tcp.local_addr().ok();
-        establish(config, Stream::Tcp(tcp), local).await
+        let Some(tls) = tls else {
+            return establish(config, Stream::Tcp(tcp), local).await;
+        };
+        let (stream, meta_key) = tls::handshake(tls, config.url.host(), tcp).await?;
+        match meta_key {
+            Some(key)
+                if config.fast_start_key.is_none()
+                    && config.transport == TransportKind::Upgrade =>
+            {
+                let mut fast = config.clone();
+                fast.fast_start_key = Some(key);
+                establish(&fast, Stream::Boxed(Box::new(stream)), local).await
+            }
+            _ => establish(config, Stream::Boxed(Box::new(stream)), local).await,
+        }
     })
     .await
 }
@@ -184,6 +202,7 @@ async fn establish(
 
     let pings = Arc::new(PingTracker::default());
     Ok(Client::from_parts(
+        config.fast_start_key.is_some(),
         ClientReader::new(
             reader,
             pings.clone(),

@@ -15,9 +15,9 @@ pub enum ConnectError {
     /// The server URL could not be parsed.
     #[error("bad server url: {0}")]
     BadUrl(#[source] UrlError),
-    /// The URL asks for TLS (https or wss), which this version of the client does not speak.
-    #[error("tls (https/wss) is not supported yet")]
-    TlsUnsupported,
+    /// The TLS handshake failed (certificate not trusted, wrong name or pin, protocol error).
+    #[error("tls: {0}")]
+    Tls(String),
     /// A config value cannot be used (the reason says which).
     #[error("invalid client config: {0}")]
     InvalidConfig(&'static str),

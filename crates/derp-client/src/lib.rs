@@ -3,6 +3,11 @@
 //! What it does:
 //! - **Dial**: resolves the server URL (`http://host:port/derp`, or `ws://` for WebSocket),
 //!   connects over TCP within a time budget, optionally from a chosen local address.
+//! - **TLS** for `https://` and `wss://` URLs (module [`tls`] has the details): SNI, Mozilla's
+//!   roots plus any extra ones, `sha256-raw:` pinning and expected-name overrides as in a DERP
+//!   map's `CertName`, and fast start when a TLS 1.3 server presents the DERP meta certificate.
+//!   Any other stream (e.g. TLS set up by the caller) can be passed to
+//!   [`Client::connect_stream`].
 //! - **Upgrade**: sends the HTTP/1.1 upgrade request the Go client sends (`Upgrade: DERP`, or
 //!   `Upgrade: websocket` with subprotocol `derp`), requires `101 Switching Protocols`, and keeps
 //!   any DERP bytes that arrived with the response. With a known server key it uses fast start
@@ -18,8 +23,6 @@
 //!   reader reads in large chunks and hands out packets as slices of its buffer (no copy).
 //!
 //! What it does not do:
-//! - **No TLS yet**: `https` and `wss` URLs fail with [`ConnectError::TlsUnsupported`]. A TLS
-//!   stream (or any other byte stream) can be passed to [`Client::connect_stream`].
 //! - **No reconnect loop**: errors on a connection are final (receive errors are sticky, as in
 //!   the Go client). Callers reconnect with [`Client::connect`] and, if the client is preferred,
 //!   send `note_preferred(true)` again.
@@ -51,6 +54,7 @@ mod ping;
 mod reader;
 #[cfg(test)]
 mod tests;
+pub mod tls;
 mod transport;
 mod writer;
 mod ws;
@@ -66,8 +70,11 @@ pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind, UrlError
 pub use crate::error::{ClientError, ConnectError};
 pub use crate::ping::PendingPing;
 pub use crate::reader::{ClientReader, ReceivedFrame};
+pub use crate::tls::CertName;
 pub use crate::writer::ClientWriter;
 pub use crate::ws::WsError;
+/// The rustls version this crate uses, for [`ClientConfig::tls_config`] and root certificates.
+pub use rustls;
 
 /// A connected, handshaken DERP client.
 ///
@@ -77,6 +84,7 @@ pub use crate::ws::WsError;
 pub struct Client {
     reader: ClientReader,
     writer: ClientWriter,
+    fast_start: bool,
 }
 
 impl Client {
@@ -96,8 +104,19 @@ impl Client {
         connect::connect_stream(config, transport::Stream::Boxed(Box::new(stream))).await
     }
 
-    pub(crate) fn from_parts(reader: ClientReader, writer: ClientWriter) -> Self {
-        Self { reader, writer }
+    pub(crate) fn from_parts(fast_start: bool, reader: ClientReader, writer: ClientWriter) -> Self {
+        Self {
+            reader,
+            writer,
+            fast_start,
+        }
+    }
+
+    /// Whether the connection used fast start (no 101 response, no wait for ServerKey), either
+    /// because [`ClientConfig::fast_start_key`] was set or from the server's TLS meta
+    /// certificate.
+    pub fn used_fast_start(&self) -> bool {
+        self.fast_start
     }
 
     /// The server's public key, learned in the handshake (or given for fast start).

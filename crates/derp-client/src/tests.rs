@@ -937,15 +937,17 @@ async fn binds_the_configured_local_address_and_sends_client_info_fields() {
 }
 
 #[tokio::test]
-async fn refuses_tls_urls_and_bad_configs_before_dialing() {
-    let err = Client::connect(&config("https://127.0.0.1:1/derp", client_a_secret()))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, ConnectError::TlsUnsupported), "{err:?}");
-    let err = Client::connect(&config("wss://127.0.0.1:1/derp", client_a_secret()))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, ConnectError::TlsUnsupported), "{err:?}");
+async fn refuses_bad_configs_before_dialing() {
+    let cfg = config("https://127.0.0.1:1/derp", client_a_secret()).with_cert_name("sha256-raw:12");
+    assert!(matches!(
+        Client::connect(&cfg).await,
+        Err(ConnectError::InvalidConfig(_))
+    ));
+    let cfg = config("wss://127.0.0.1:1/derp", client_a_secret()).with_cert_name("not a name");
+    assert!(matches!(
+        Client::connect(&cfg).await,
+        Err(ConnectError::InvalidConfig(_))
+    ));
     let cfg = config("ws://127.0.0.1:1/derp", client_a_secret())
         .with_fast_start_key(public_key("server"));
     assert!(matches!(

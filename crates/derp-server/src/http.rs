@@ -401,7 +401,7 @@ fn derp_via_hyper(
 
 /// `/generate_204`: captive-portal detection, with the challenge echo clients use to check
 /// that the answer came from this server.
-fn no_content(req: &Request<Incoming>) -> Response<Body> {
+pub(crate) fn no_content(req: &Request<Incoming>) -> Response<Body> {
     let mut resp = Response::new(Body::default());
     *resp.status_mut() = StatusCode::NO_CONTENT;
     let h = resp.headers_mut();

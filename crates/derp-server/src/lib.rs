@@ -26,6 +26,7 @@ mod queue;
 mod registry;
 mod server;
 mod stun;
+pub mod tls;
 mod ws;
 
 pub use config::{

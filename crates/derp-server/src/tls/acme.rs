@@ -1,0 +1,544 @@
+//! Certificates from an RFC 8555 (ACME) server, Let's Encrypt by default.
+//!
+//! One certificate for one DNS hostname. The account and the certificate are cached in the
+//! cert directory, so a restart serves the cached certificate and places no order. Renewal
+//! starts when a third of the certificate's lifetime is left (30 days for Let's Encrypt's 90).
+//! Failed attempts back off exponentially, because Let's Encrypt allows only 5 failed
+//! validations per hostname per hour; consecutive attempts rotate through the configured
+//! challenge types, so a port that is not reachable from outside does not block issuance.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use hyper_util::rt::TokioIo;
+use instant_acme::{
+    Account, AccountCredentials, AuthorizationStatus, BodyWrapper, BytesResponse, ChallengeType,
+    HttpClient, Identifier, NewAccount, NewOrder, OrderStatus, RetryPolicy,
+};
+use rcgen::{CertificateParams, CustomExtension, DistinguishedName, KeyPair};
+use rustls::RootCertStore;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::sign::CertifiedKey;
+use sha2::{Digest, Sha256};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::TlsError;
+use super::certs::{load_certs_pem, load_key_pem, sanitize_hostname, write_atomic};
+use super::front::{CertInfo, CertOrigin, Host, TlsFront};
+
+/// Let's Encrypt's production directory, the default ACME server.
+pub const LETS_ENCRYPT_PRODUCTION: &str = "https://acme-v02.api.letsencrypt.org/directory";
+
+/// An ACME challenge type this server can answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChallengeKind {
+    /// TLS-ALPN-01 (RFC 8737), answered on the TLS listener. The ACME server connects to port
+    /// 443, so the TLS listener must be reachable there.
+    TlsAlpn01,
+    /// HTTP-01, answered on the port-80 listener, which must be reachable on port 80.
+    Http01,
+}
+
+/// Settings for [`AcmeManager`].
+#[derive(Debug, Clone)]
+pub struct AcmeConfig {
+    /// The ACME directory URL; [`LETS_ENCRYPT_PRODUCTION`] by default.
+    pub directory_url: String,
+    /// Contact address for the account (`mailto:` is added).
+    pub contact_email: Option<String>,
+    /// Where the account key and certificates are cached.
+    pub cache_dir: PathBuf,
+    /// Roots trusted for the ACME server's own HTTPS certificate, in addition to Mozilla's
+    /// (for a test or private ACME server).
+    pub extra_roots: Vec<CertificateDer<'static>>,
+    /// Challenge types to use, in order of preference; consecutive failed attempts move to
+    /// the next one. Must not be empty.
+    pub challenges: Vec<ChallengeKind>,
+    /// Wait after the first failure; it doubles on each further failure.
+    pub initial_backoff: Duration,
+    /// Longest wait between failed attempts.
+    pub max_backoff: Duration,
+}
+
+impl AcmeConfig {
+    /// Let's Encrypt production, both challenge types (TLS-ALPN-01 first), backoff from 1 min
+    /// to 1 h.
+    pub fn new(cache_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            directory_url: LETS_ENCRYPT_PRODUCTION.to_owned(),
+            contact_email: None,
+            cache_dir: cache_dir.into(),
+            extra_roots: Vec::new(),
+            challenges: vec![ChallengeKind::TlsAlpn01, ChallengeKind::Http01],
+            initial_backoff: Duration::from_secs(60),
+            max_backoff: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// Gets, caches and renews the certificate of a [`TlsFront`] from an ACME server.
+pub struct AcmeManager {
+    front: TlsFront,
+    config: AcmeConfig,
+    hostname: String,
+    http: AcmeHttp,
+    account: tokio::sync::Mutex<Option<Account>>,
+    orders: AtomicU64,
+}
+
+impl fmt::Debug for AcmeManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AcmeManager")
+            .field("hostname", &self.hostname)
+            .field("config", &self.config)
+            .field("orders", &self.orders)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AcmeManager {
+    /// An ACME manager for `front`'s hostname, which must be a DNS name.
+    pub fn new(front: TlsFront, config: AcmeConfig) -> Result<Self, TlsError> {
+        let hostname = match front.hostname() {
+            Host::Dns(name) => name.clone(),
+            Host::Ip(ip) => {
+                return Err(TlsError::InvalidHostname(format!(
+                    "{ip}: ACME certificates need a DNS name (use manual mode for an IP)"
+                )));
+            }
+        };
+        if config.challenges.is_empty() {
+            return Err(TlsError::Acme("no challenge type enabled".into()));
+        }
+        let http = AcmeHttp::new(front.provider().clone(), &config.extra_roots)?;
+        Ok(Self {
+            front,
+            config,
+            hostname,
+            http,
+            account: tokio::sync::Mutex::new(None),
+            orders: AtomicU64::new(0),
+        })
+    }
+
+    /// Orders placed with the ACME server by this manager.
+    pub fn orders_placed(&self) -> u64 {
+        self.orders.load(Ordering::Relaxed)
+    }
+
+    /// The cached certificate chain file.
+    pub fn cert_path(&self) -> PathBuf {
+        self.cache_file("crt")
+    }
+
+    /// The cached certificate key file.
+    pub fn key_path(&self) -> PathBuf {
+        self.cache_file("key")
+    }
+
+    /// Cache files are named after the hostname and the directory URL, so switching ACME
+    /// servers (say from staging to production) never serves the other server's certificate.
+    fn cache_file(&self, ext: &str) -> PathBuf {
+        self.config.cache_dir.join(format!(
+            "{}.acme-{}.{ext}",
+            sanitize_hostname(&self.hostname),
+            self.directory_tag()
+        ))
+    }
+
+    fn account_path(&self) -> PathBuf {
+        self.config
+            .cache_dir
+            .join(format!("acme-account-{}.json", self.directory_tag()))
+    }
+
+    fn directory_tag(&self) -> String {
+        hex::encode(&Sha256::digest(self.config.directory_url.as_bytes())[..8])
+    }
+
+    /// Installs the cached certificate if there is one that is valid for the hostname and not
+    /// expired. Returns what was installed.
+    pub fn load_cached(&self) -> Result<Option<CertInfo>, TlsError> {
+        let (cert_path, key_path) = (self.cert_path(), self.key_path());
+        let (Ok(cert_pem), Ok(key_pem)) = (std::fs::read(&cert_path), std::fs::read(&key_path))
+        else {
+            return Ok(None);
+        };
+        let chain = load_certs_pem(&cert_pem)?;
+        let key = load_key_pem(&key_pem)?;
+        let info = self.front.install(chain, key, CertOrigin::AcmeCache)?;
+        if info.not_after.is_some_and(|t| t <= SystemTime::now()) {
+            warn!(cert = %cert_path.display(), "cached acme certificate has expired");
+        }
+        Ok(Some(info))
+    }
+
+    /// Serves the cached certificate if there is one, then keeps a valid certificate in service
+    /// until `shutdown`: orders one when there is none or renewal is due, and backs off after
+    /// failures.
+    pub async fn run(&self, shutdown: CancellationToken) {
+        let mut current = match self.load_cached() {
+            Ok(Some(info)) => {
+                info!(pin = %info.pin(), not_after = ?info.not_after, "acme certificate loaded from cache");
+                Some(info)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                warn!(error = %e, "ignoring unusable cached acme certificate");
+                None
+            }
+        };
+        let mut backoff = self.config.initial_backoff;
+        let mut attempt = 0usize;
+        loop {
+            let now = SystemTime::now();
+            let due = current.as_ref().map_or(now, renewal_time);
+            if due > now {
+                let wait = due
+                    .duration_since(now)
+                    .unwrap_or_default()
+                    .min(RECHECK_INTERVAL);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => continue,
+                }
+            }
+            let kind = self.config.challenges[attempt % self.config.challenges.len()];
+            let result = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = tokio::time::timeout(ORDER_TIMEOUT, self.obtain(kind)) => r,
+            };
+            match result {
+                Ok(Ok(info)) => {
+                    info!(pin = %info.pin(), not_after = ?info.not_after, challenge = ?kind, "acme certificate issued");
+                    current = Some(info);
+                    backoff = self.config.initial_backoff;
+                    attempt = 0;
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    warn!(error = %e, challenge = ?kind, retry_in = ?backoff, "acme order failed")
+                }
+                Err(_) => warn!(challenge = ?kind, retry_in = ?backoff, "acme order timed out"),
+            }
+            attempt += 1;
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(self.config.max_backoff);
+        }
+    }
+
+    /// Places one order, answers its challenge with `kind`, installs the certificate and writes
+    /// it to the cache.
+    pub async fn obtain(&self, kind: ChallengeKind) -> Result<CertInfo, TlsError> {
+        let account = self.account().await?;
+        self.orders.fetch_add(1, Ordering::Relaxed);
+        let identifiers = [Identifier::Dns(self.hostname.clone())];
+        let mut order = account
+            .new_order(&NewOrder::new(&identifiers))
+            .await
+            .map_err(acme_err)?;
+        let mut guard = ChallengeGuard {
+            front: &self.front,
+            http_tokens: Vec::new(),
+            alpn_hosts: Vec::new(),
+        };
+        {
+            let mut authorizations = order.authorizations();
+            while let Some(authz) = authorizations.next().await {
+                let mut authz = authz.map_err(acme_err)?;
+                match authz.status {
+                    AuthorizationStatus::Valid => continue,
+                    AuthorizationStatus::Pending => {}
+                    other => {
+                        return Err(TlsError::Acme(format!("authorization is {other:?}")));
+                    }
+                }
+                let name = authz.identifier().to_string();
+                let challenge_type = match kind {
+                    ChallengeKind::TlsAlpn01 => ChallengeType::TlsAlpn01,
+                    ChallengeKind::Http01 => ChallengeType::Http01,
+                };
+                let mut challenge = authz.challenge(challenge_type).ok_or_else(|| {
+                    TlsError::Acme(format!("server offers no {kind:?} challenge for {name}"))
+                })?;
+                let key_auth = challenge.key_authorization();
+                match kind {
+                    ChallengeKind::Http01 => {
+                        self.front
+                            .set_http01_token(&challenge.token, Some(key_auth.as_str().to_owned()));
+                        guard.http_tokens.push(challenge.token.clone());
+                    }
+                    ChallengeKind::TlsAlpn01 => {
+                        let cert = self.alpn_certificate(&name, key_auth.digest().as_ref())?;
+                        self.front.set_alpn_challenge(&name, Some(cert));
+                        guard.alpn_hosts.push(name.clone());
+                    }
+                }
+                challenge.set_ready().await.map_err(acme_err)?;
+            }
+        }
+        let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
+        drop(guard);
+        if status != OrderStatus::Ready {
+            return Err(TlsError::Acme(format!(
+                "order is {status:?} after the challenge (validation failed)"
+            )));
+        }
+
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let mut params = CertificateParams::new(vec![self.hostname.clone()])?;
+        params.distinguished_name = DistinguishedName::new();
+        let csr = params.serialize_request(&key)?;
+        order.finalize_csr(csr.der()).await.map_err(acme_err)?;
+        let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
+        let chain = load_certs_pem(chain_pem.as_bytes())?;
+        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let info = self.front.install(chain, key_der, CertOrigin::AcmeIssued)?;
+        // Key first: a crash between the writes leaves a new key with the old chain, which
+        // fails the key check on load and leads to a fresh order rather than a broken server.
+        write_atomic(&self.key_path(), key.serialize_pem().as_bytes(), true)?;
+        write_atomic(&self.cert_path(), chain_pem.as_bytes(), false)?;
+        Ok(info)
+    }
+
+    /// The account: from the cache file, or registered and then cached.
+    async fn account(&self) -> Result<Account, TlsError> {
+        let mut slot = self.account.lock().await;
+        if let Some(account) = slot.as_ref() {
+            return Ok(account.clone());
+        }
+        let path = self.account_path();
+        let builder = || Account::builder_with_http(Box::new(self.http.clone()));
+        let cached = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<AccountCredentials>(&b).ok());
+        let account = match cached {
+            Some(credentials) => builder()
+                .from_credentials(credentials)
+                .await
+                .map_err(acme_err)?,
+            None => {
+                let contact = self
+                    .config
+                    .contact_email
+                    .as_ref()
+                    .map(|e| format!("mailto:{e}"));
+                let contacts: Vec<&str> = contact.iter().map(String::as_str).collect();
+                let (account, credentials) = builder()
+                    .create(
+                        &NewAccount {
+                            contact: &contacts,
+                            terms_of_service_agreed: true,
+                            only_return_existing: false,
+                        },
+                        self.config.directory_url.clone(),
+                        None,
+                    )
+                    .await
+                    .map_err(acme_err)?;
+                let json = serde_json::to_vec_pretty(&credentials)
+                    .map_err(|e| TlsError::Acme(format!("encoding account: {e}")))?;
+                write_atomic(&path, &json, true)?;
+                info!(account = account.id(), path = %path.display(), "acme account registered");
+                account
+            }
+        };
+        *slot = Some(account.clone());
+        Ok(account)
+    }
+
+    /// A self-signed certificate for `name` carrying the acmeIdentifier extension (RFC 8737).
+    fn alpn_certificate(&self, name: &str, digest: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let mut params = CertificateParams::new(vec![name.to_owned()])?;
+        params.distinguished_name = DistinguishedName::new();
+        params.custom_extensions = vec![CustomExtension::new_acme_identifier(digest)];
+        let cert = params.self_signed(&key)?;
+        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        Ok(Arc::new(CertifiedKey::from_der(
+            vec![cert.der().clone()],
+            key_der,
+            self.front.provider(),
+        )?))
+    }
+}
+
+/// When renewal is due: a third of the lifetime before expiry (30 days before for a 90-day
+/// certificate), or 30 days before when the start is unknown.
+fn renewal_time(info: &CertInfo) -> SystemTime {
+    let Some(not_after) = info.not_after else {
+        return SystemTime::now();
+    };
+    let lifetime = info
+        .not_before
+        .and_then(|nb| not_after.duration_since(nb).ok())
+        .unwrap_or(Duration::from_secs(90 * 86400));
+    not_after
+        .checked_sub(lifetime / 3)
+        .unwrap_or(SystemTime::UNIX_EPOCH)
+}
+
+/// Withdraws challenge answers when an attempt ends, however it ends.
+struct ChallengeGuard<'a> {
+    front: &'a TlsFront,
+    http_tokens: Vec<String>,
+    alpn_hosts: Vec<String>,
+}
+
+impl Drop for ChallengeGuard<'_> {
+    fn drop(&mut self) {
+        for token in &self.http_tokens {
+            self.front.set_http01_token(token, None);
+        }
+        for host in &self.alpn_hosts {
+            self.front.set_alpn_challenge(host, None);
+        }
+    }
+}
+
+fn acme_err(e: instant_acme::Error) -> TlsError {
+    TlsError::Acme(e.to_string())
+}
+
+/// Polling of orders: the first check after 250 ms, then doubling, for up to 90 s.
+const POLL: RetryPolicy = RetryPolicy::new().timeout(Duration::from_secs(90));
+/// Bound on one whole order, whatever the ACME server does.
+const ORDER_TIMEOUT: Duration = Duration::from_secs(300);
+/// Even with renewal far off, wake up this often (the clock may have jumped).
+const RECHECK_INTERVAL: Duration = Duration::from_secs(12 * 3600);
+/// Bound on one HTTP request to the ACME server.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A minimal HTTPS client for the ACME server: one HTTP/1.1 connection per request, rustls
+/// with Mozilla's roots plus the configured extra ones.
+#[derive(Clone)]
+struct AcmeHttp {
+    tls: Arc<rustls::ClientConfig>,
+}
+
+impl fmt::Debug for AcmeHttp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AcmeHttp")
+    }
+}
+
+impl AcmeHttp {
+    fn new(
+        provider: Arc<rustls::crypto::CryptoProvider>,
+        extra_roots: &[CertificateDer<'static>],
+    ) -> Result<Self, TlsError> {
+        let mut roots = RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        };
+        for root in extra_roots {
+            roots.add(root.clone())?;
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Self { tls: Arc::new(tls) })
+    }
+}
+
+type HttpResult = Result<BytesResponse, instant_acme::Error>;
+
+impl HttpClient for AcmeHttp {
+    fn request(
+        &self,
+        req: http::Request<BodyWrapper<Bytes>>,
+    ) -> Pin<Box<dyn Future<Output = HttpResult> + Send>> {
+        let tls = self.tls.clone();
+        Box::pin(async move {
+            tokio::time::timeout(HTTP_TIMEOUT, send(tls, req))
+                .await
+                .map_err(|_| other("request to the acme server timed out"))?
+        })
+    }
+}
+
+fn other(msg: impl Into<String>) -> instant_acme::Error {
+    instant_acme::Error::Other(msg.into().into())
+}
+
+async fn send(
+    tls: Arc<rustls::ClientConfig>,
+    req: http::Request<BodyWrapper<Bytes>>,
+) -> HttpResult {
+    let (mut parts, body) = req.into_parts();
+    let uri = parts.uri.clone();
+    if uri.scheme_str() != Some("https") {
+        return Err(other(format!("acme url {uri} is not https")));
+    }
+    let (Some(host), Some(authority)) = (uri.host(), uri.authority()) else {
+        return Err(other(format!("acme url {uri} has no host")));
+    };
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let port = uri.port_u16().unwrap_or(443);
+    let tcp = TcpStream::connect((bare, port))
+        .await
+        .map_err(|e| other(format!("connecting to {authority}: {e}")))?;
+    let name = ServerName::try_from(bare.to_owned())
+        .map_err(|_| other(format!("{bare} is not a tls server name")))?;
+    let stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .map_err(|e| other(format!("tls to {authority}: {e}")))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| other(format!("http to {authority}: {e}")))?;
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(HTTP_TIMEOUT, conn).await;
+    });
+    let host_header = HeaderValue::from_str(authority.as_str())
+        .map_err(|_| other("acme url authority is not a header value"))?;
+    parts.headers.insert(header::HOST, host_header);
+    parts.uri = uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| other(e.to_string()))?;
+    let resp = sender
+        .send_request(http::Request::from_parts(parts, body))
+        .await
+        .map_err(|e| other(format!("request to {authority}: {e}")))?;
+    Ok(BytesResponse::from(resp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(not_before: u64, not_after: u64) -> CertInfo {
+        CertInfo {
+            generation: 1,
+            origin: CertOrigin::AcmeIssued,
+            leaf_sha256: [0; 32],
+            not_before: Some(SystemTime::UNIX_EPOCH + Duration::from_secs(not_before)),
+            not_after: Some(SystemTime::UNIX_EPOCH + Duration::from_secs(not_after)),
+        }
+    }
+
+    #[test]
+    fn renewal_starts_with_a_third_of_the_lifetime_left() {
+        let day = 86400;
+        let due = renewal_time(&info(0, 90 * day));
+        assert_eq!(due, SystemTime::UNIX_EPOCH + Duration::from_secs(60 * day));
+        let due = renewal_time(&info(1000, 1000 + 6 * day));
+        assert_eq!(
+            due,
+            SystemTime::UNIX_EPOCH + Duration::from_secs(1000 + 4 * day)
+        );
+    }
+}

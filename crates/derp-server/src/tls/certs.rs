@@ -1,0 +1,319 @@
+//! Certificates from files: PEM loading, hostname checks, the self-signed IP certificate, and
+//! manual mode with reloading.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use rcgen::{
+    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::TlsError;
+use super::front::{CertOrigin, Host, TlsFront};
+
+/// Parses every `CERTIFICATE` block of a PEM file, leaf first.
+pub fn load_certs_pem(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Pem(format!("reading certificates: {e}")))?;
+    if certs.is_empty() {
+        return Err(TlsError::Pem("no CERTIFICATE block found".into()));
+    }
+    Ok(certs)
+}
+
+/// Parses the first private key (PKCS#8, PKCS#1 or SEC1) of a PEM file.
+pub fn load_key_pem(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| TlsError::Pem(format!("reading key: {e}")))
+}
+
+/// The `sha256-raw:<hex>` pin of a certificate: what a DERP map's `CertName` carries for a
+/// self-signed server.
+pub fn cert_pin(cert: &CertificateDer<'_>) -> String {
+    format!("sha256-raw:{}", hex::encode(Sha256::digest(cert.as_ref())))
+}
+
+/// The file-name form of a hostname, as derper builds it: only `[A-Za-z0-9.-]` are kept.
+pub fn sanitize_hostname(hostname: &str) -> String {
+    hostname
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == '-')
+        .collect()
+}
+
+/// Generates a self-signed ECDSA P-256 certificate for an IP address, valid for a year.
+/// Returns the certificate and key as PEM.
+pub fn generate_self_signed(ip: IpAddr) -> Result<(String, String), TlsError> {
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let mut params = CertificateParams::default();
+    params.distinguished_name = DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, ip.to_string());
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "derpd self-signed");
+    params.subject_alt_names = vec![SanType::IpAddress(ip)];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now + time::Duration::days(365);
+    let cert = params.self_signed(&key)?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// Checks that `leaf` is valid for `host` (DNS name or IP SAN). Expiry is not checked here.
+pub(crate) fn check_valid_for(leaf: &CertificateDer<'_>, host: &Host) -> Result<(), TlsError> {
+    let wrong = |reason: String| TlsError::WrongHost {
+        hostname: host.to_string(),
+        reason,
+    };
+    let cert = webpki::EndEntityCert::try_from(leaf).map_err(|e| wrong(e.to_string()))?;
+    let name = match host {
+        Host::Dns(name) => {
+            ServerName::try_from(name.clone()).map_err(|_| wrong("bad name".into()))?
+        }
+        Host::Ip(ip) => ServerName::IpAddress((*ip).into()),
+    };
+    cert.verify_is_valid_for_subject_name(&name)
+        .map_err(|e| wrong(e.to_string()))
+}
+
+/// The validity window of a certificate, or `None` if it does not parse.
+pub(crate) fn validity(leaf: &CertificateDer<'_>) -> Option<(SystemTime, SystemTime)> {
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    let at = |t: i64| {
+        let secs = u64::try_from(t).ok()?;
+        SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs))
+    };
+    Some((
+        at(cert.validity().not_before.timestamp())?,
+        at(cert.validity().not_after.timestamp())?,
+    ))
+}
+
+/// Writes `data` to `path` through a temporary file and a rename, so a reader never sees half
+/// a file; `private` files get mode 0600.
+pub(crate) fn write_atomic(path: &Path, data: &[u8], private: bool) -> Result<(), TlsError> {
+    let err = |source| TlsError::File {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let mut tmp_name = path.as_os_str().to_owned();
+    tmp_name.push(".tmp");
+    let tmp = PathBuf::from(tmp_name);
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    if private {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    #[cfg(not(unix))]
+    let _ = private;
+    let mut file = options.open(&tmp).map_err(err)?;
+    file.write_all(data).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    drop(file);
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::File {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// What [`ManualCerts::load_or_generate`] reports when it generated a self-signed certificate.
+#[derive(Debug, Clone)]
+pub struct SelfSigned {
+    /// `sha256-raw:<hex>`, the value for the DERP map node's `CertName`.
+    pub pin: String,
+    /// Where the certificate was written.
+    pub cert_path: PathBuf,
+    /// Where the key was written.
+    pub key_path: PathBuf,
+}
+
+/// Manual certificate mode: `<certdir>/<hostname>.crt` and `.key`, reloaded when they change.
+///
+/// A reload swaps the certificate for new handshakes only; established connections keep the
+/// session they negotiated. A bad pair on disk (unreadable, key not matching, wrong host) is
+/// logged and the previous certificate stays in service.
+#[derive(Debug)]
+pub struct ManualCerts {
+    front: TlsFront,
+    cert_path: PathBuf,
+    key_path: PathBuf,
+    /// The file contents last installed, to tell whether a reload changes anything.
+    loaded: Mutex<Option<(Vec<u8>, Vec<u8>)>>,
+}
+
+impl ManualCerts {
+    /// Manual mode for `front`'s hostname with files in `certdir`.
+    pub fn new(front: TlsFront, certdir: &Path) -> Self {
+        let base = sanitize_hostname(&front.hostname().to_string());
+        Self {
+            cert_path: certdir.join(format!("{base}.crt")),
+            key_path: certdir.join(format!("{base}.key")),
+            front,
+            loaded: Mutex::new(None),
+        }
+    }
+
+    /// The certificate file this mode reads.
+    pub fn cert_path(&self) -> &Path {
+        &self.cert_path
+    }
+
+    /// The key file this mode reads.
+    pub fn key_path(&self) -> &Path {
+        &self.key_path
+    }
+
+    /// Loads the files, or, when both are missing and the hostname is an IP address, writes a
+    /// new self-signed certificate first and returns its pin. Fails if the files are missing
+    /// for a DNS hostname or do not hold a usable pair for the hostname.
+    pub fn load_or_generate(&self) -> Result<Option<SelfSigned>, TlsError> {
+        let missing = !self.cert_path.exists() && !self.key_path.exists();
+        let mut generated = None;
+        if missing && let Host::Ip(ip) = self.front.hostname() {
+            let (cert_pem, key_pem) = generate_self_signed(*ip)?;
+            write_atomic(&self.key_path, key_pem.as_bytes(), true)?;
+            write_atomic(&self.cert_path, cert_pem.as_bytes(), false)?;
+            let leaf = load_certs_pem(cert_pem.as_bytes())?.remove(0);
+            generated = Some(SelfSigned {
+                pin: cert_pin(&leaf),
+                cert_path: self.cert_path.clone(),
+                key_path: self.key_path.clone(),
+            });
+        }
+        self.install_from_disk(true)?;
+        Ok(generated)
+    }
+
+    /// Re-reads the files and installs them if their contents changed. Returns whether a new
+    /// certificate went into service.
+    pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
+        self.install_from_disk(false)
+    }
+
+    /// Checks the files every `interval` until `shutdown`, installing changed ones. Errors are
+    /// logged once per distinct error and the old certificate is kept.
+    pub async fn watch(&self, interval: Duration, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        let mut last_error = None;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            match self.reload_if_changed() {
+                Ok(_) => last_error = None,
+                Err(e) => {
+                    let text = e.to_string();
+                    if last_error.as_ref() != Some(&text) {
+                        warn!(error = %text, "manual certificate reload failed; keeping the old one");
+                        last_error = Some(text);
+                    }
+                }
+            }
+        }
+    }
+
+    fn install_from_disk(&self, first: bool) -> Result<bool, TlsError> {
+        let cert_pem = read(&self.cert_path)?;
+        let key_pem = read(&self.key_path)?;
+        {
+            let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((c, k)) = loaded.as_ref()
+                && *c == cert_pem
+                && *k == key_pem
+            {
+                return Ok(false);
+            }
+        }
+        let chain = load_certs_pem(&cert_pem)?;
+        let key = load_key_pem(&key_pem)?;
+        check_valid_for(&chain[0], self.front.hostname())?;
+        let self_signed = is_self_signed(&chain[0]);
+        let origin = if self_signed {
+            CertOrigin::SelfSigned
+        } else {
+            CertOrigin::Manual
+        };
+        let info = self.front.install(chain, key, origin)?;
+        *self.loaded.lock().unwrap_or_else(|e| e.into_inner()) = Some((cert_pem, key_pem));
+        info!(
+            cert = %self.cert_path.display(),
+            pin = %info.pin(),
+            self_signed,
+            reload = !first,
+            "manual certificate in service"
+        );
+        Ok(true)
+    }
+}
+
+fn is_self_signed(leaf: &CertificateDer<'_>) -> bool {
+    x509_parser::parse_x509_certificate(leaf.as_ref())
+        .map(|(_, c)| c.subject() == c.issuer())
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostnames_sanitize_like_derper() {
+        assert_eq!(sanitize_hostname("derp.example.com"), "derp.example.com");
+        assert_eq!(sanitize_hostname("../etc/passwd"), "..etcpasswd");
+        assert_eq!(sanitize_hostname("2001:db8::1"), "2001db81");
+        assert_eq!(sanitize_hostname("a_b c"), "abc");
+    }
+
+    #[test]
+    fn self_signed_ip_certificate_is_valid_for_its_ip_only() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let (cert_pem, key_pem) = generate_self_signed(ip).unwrap();
+        let chain = load_certs_pem(cert_pem.as_bytes()).unwrap();
+        load_key_pem(key_pem.as_bytes()).unwrap();
+        assert_eq!(chain.len(), 1);
+        check_valid_for(&chain[0], &Host::Ip(ip)).unwrap();
+        assert!(check_valid_for(&chain[0], &Host::Ip("127.0.0.2".parse().unwrap())).is_err());
+        assert!(check_valid_for(&chain[0], &Host::Dns("localhost".into())).is_err());
+        assert!(is_self_signed(&chain[0]));
+        let (from, until) = validity(&chain[0]).unwrap();
+        let days = until.duration_since(from).unwrap().as_secs() / 86400;
+        assert_eq!(days, 365);
+        let pin = cert_pin(&chain[0]);
+        assert_eq!(pin.len(), "sha256-raw:".len() + 64);
+    }
+
+    #[test]
+    fn pem_errors_are_reported() {
+        assert!(load_certs_pem(b"").is_err());
+        assert!(
+            load_certs_pem(b"-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n")
+                .is_err()
+        );
+        assert!(load_key_pem(b"nothing here").is_err());
+    }
+}

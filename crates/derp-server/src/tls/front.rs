@@ -1,0 +1,530 @@
+//! The TLS listener: certificate selection, the handshake with its limits, and the hand-off to
+//! the HTTP front.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwapOption;
+use derp_proto::PublicKey;
+use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{Acceptor, ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::{ProtocolVersion, ServerConfig};
+use sha2::{Digest, Sha256};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio_rustls::LazyConfigAcceptor;
+use tokio_rustls::server::TlsStream;
+use tracing::{debug, warn};
+
+use super::TlsError;
+use super::certs::{check_valid_for, validity};
+use super::meta::meta_certificate;
+use crate::io::Transport;
+use crate::server::Server;
+
+/// Default cap on TLS handshakes in progress at once. Each costs some tens of KiB until it
+/// finishes or times out; connections over the cap are closed right after accept.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 1024;
+/// Default deadline for a whole TLS handshake, from accept to the first application byte.
+pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// ALPN protocol of TLS-ALPN-01 validation connections (RFC 8737).
+pub(crate) const ACME_TLS_ALPN: &[u8] = b"acme-tls/1";
+const HTTP11_ALPN: &[u8] = b"http/1.1";
+
+/// Settings for [`TlsFront`].
+#[derive(Debug, Clone)]
+pub struct TlsOptions {
+    /// The server's name: a DNS name, or an IP address (manual mode). With a DNS name, a
+    /// ClientHello whose SNI is missing or different is refused; with an IP, any SNI is
+    /// accepted, as clients connecting by address send none.
+    pub hostname: String,
+    /// At most this many handshakes run at once; see [`DEFAULT_MAX_HANDSHAKES`].
+    pub max_handshakes: usize,
+    /// Deadline for each handshake; see [`DEFAULT_TLS_HANDSHAKE_TIMEOUT`].
+    pub handshake_timeout: Duration,
+}
+
+impl TlsOptions {
+    /// Defaults for `hostname`.
+    pub fn new(hostname: impl Into<String>) -> Self {
+        Self {
+            hostname: hostname.into(),
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+        }
+    }
+}
+
+/// A hostname, parsed once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Host {
+    /// Lowercase, without a trailing dot.
+    Dns(String),
+    Ip(IpAddr),
+}
+
+impl Host {
+    pub(crate) fn parse(s: &str) -> Result<Self, TlsError> {
+        let bare = s.strip_prefix('[').and_then(|r| r.strip_suffix(']'));
+        if let Ok(ip) = bare.unwrap_or(s).parse::<IpAddr>() {
+            return Ok(Self::Ip(ip));
+        }
+        let name = s.trim_end_matches('.').to_ascii_lowercase();
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            });
+        if valid {
+            Ok(Self::Dns(name))
+        } else {
+            Err(TlsError::InvalidHostname(s.to_owned()))
+        }
+    }
+
+    /// Whether a ClientHello with this SNI may get the server's certificate.
+    fn accepts_sni(&self, sni: Option<&str>) -> bool {
+        match self {
+            Self::Ip(_) => true,
+            Self::Dns(name) => {
+                sni.is_some_and(|s| s.trim_end_matches('.').eq_ignore_ascii_case(name))
+            }
+        }
+    }
+}
+
+impl fmt::Display for Host {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Dns(name) => f.write_str(name),
+            Self::Ip(ip) => write!(f, "{ip}"),
+        }
+    }
+}
+
+/// Where the certificate in service came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CertOrigin {
+    /// Manual mode, files on disk signed by some CA.
+    Manual,
+    /// Manual mode, a self-signed certificate (generated for an IP, or the operator's own).
+    SelfSigned,
+    /// ACME, loaded from the cache directory.
+    AcmeCache,
+    /// ACME, issued by the server during this run.
+    AcmeIssued,
+    /// Installed directly through [`TlsFront::install`].
+    Other,
+}
+
+/// The certificate in service, as [`TlsFront::cert_updates`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertInfo {
+    /// Counts installs, starting at 1 for the first certificate; 0 means none yet.
+    pub generation: u64,
+    /// Where it came from.
+    pub origin: CertOrigin,
+    /// SHA-256 of the leaf certificate's DER.
+    pub leaf_sha256: [u8; 32],
+    /// Start of the leaf's validity.
+    pub not_before: Option<SystemTime>,
+    /// End of the leaf's validity.
+    pub not_after: Option<SystemTime>,
+}
+
+impl CertInfo {
+    /// The `sha256-raw:<hex>` pin of the leaf.
+    pub fn pin(&self) -> String {
+        format!("sha256-raw:{}", hex::encode(self.leaf_sha256))
+    }
+}
+
+/// Certificates the resolver can hand out; shared with the rustls configs.
+#[derive(Debug)]
+struct CertState {
+    host: Host,
+    current: ArcSwapOption<CertifiedKey>,
+    /// TLS-ALPN-01 validation certificates, by lowercase hostname.
+    alpn_challenges: Mutex<HashMap<String, Arc<CertifiedKey>>>,
+}
+
+#[derive(Debug)]
+struct Resolver(Arc<CertState>);
+
+impl ResolvesServerCert for Resolver {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let sni = hello.server_name();
+        if offers_alpn(&hello, ACME_TLS_ALPN) {
+            let name = sni?.trim_end_matches('.').to_ascii_lowercase();
+            let challenges = self
+                .0
+                .alpn_challenges
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            return challenges.get(&name).cloned();
+        }
+        if !self.0.host.accepts_sni(sni) {
+            debug!(sni, "refusing tls handshake for another name");
+            return None;
+        }
+        self.0.current.load_full()
+    }
+}
+
+fn offers_alpn(hello: &ClientHello<'_>, proto: &[u8]) -> bool {
+    hello
+        .alpn()
+        .is_some_and(|mut offered| offered.any(|p| p == proto))
+}
+
+#[derive(Debug)]
+struct TlsMetrics {
+    handshakes: IntCounterVec,
+    versions: IntCounterVec,
+    in_flight: IntGauge,
+    not_after: IntGauge,
+}
+
+impl TlsMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let handshakes = IntCounterVec::new(
+            Opts::new(
+                "derp_tls_handshakes",
+                "TLS handshakes by result: ok, error, timeout, or rejected (over the in-flight cap)",
+            ),
+            &["result"],
+        )?;
+        let versions = IntCounterVec::new(
+            Opts::new(
+                "derp_tls_connections_by_version",
+                "Completed TLS handshakes by protocol version",
+            ),
+            &["version"],
+        )?;
+        let in_flight = IntGauge::new(
+            "derp_tls_handshakes_in_flight",
+            "TLS handshakes in progress",
+        )?;
+        let not_after = IntGauge::new(
+            "derp_tls_cert_not_after_seconds",
+            "Expiry of the certificate in service, as a Unix timestamp (0 if none)",
+        )?;
+        registry.register(Box::new(handshakes.clone()))?;
+        registry.register(Box::new(versions.clone()))?;
+        registry.register(Box::new(in_flight.clone()))?;
+        registry.register(Box::new(not_after.clone()))?;
+        Ok(Self {
+            handshakes,
+            versions,
+            in_flight,
+            not_after,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    certs: Arc<CertState>,
+    meta: CertificateDer<'static>,
+    provider: Arc<CryptoProvider>,
+    /// For clients that offer `http/1.1` (browsers, curl).
+    config_http11: Arc<ServerConfig>,
+    /// For clients that offer no ALPN, or only protocols we do not speak (Tailscale clients
+    /// offer none): no ALPN in the answer rather than a failed handshake.
+    config_plain: Arc<ServerConfig>,
+    /// For TLS-ALPN-01 validation.
+    config_acme: Arc<ServerConfig>,
+    http01_tokens: Mutex<HashMap<String, String>>,
+    generation: AtomicU64,
+    updates: watch::Sender<CertInfo>,
+    handshakes: Arc<Semaphore>,
+    options: TlsOptions,
+    metrics: TlsMetrics,
+}
+
+/// TLS in front of a [`Server`]: holds the certificate in service (with the meta certificate
+/// appended), ACME challenge answers, and the accept loops for the TLS port and the port-80
+/// listener. Cheap to clone; clones share everything.
+#[derive(Clone, Debug)]
+pub struct TlsFront {
+    inner: Arc<Inner>,
+}
+
+impl TlsFront {
+    /// Creates the front for a relay whose DERP key is `server_key`, registering its metrics
+    /// on `registry`. No certificate is in service until one is installed (by
+    /// [`ManualCerts`](super::ManualCerts), [`AcmeManager`](super::AcmeManager) or
+    /// [`TlsFront::install`]); handshakes fail until then.
+    pub fn new(
+        server_key: &PublicKey,
+        options: TlsOptions,
+        registry: &Registry,
+    ) -> Result<Self, TlsError> {
+        let host = Host::parse(&options.hostname)?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let certs = Arc::new(CertState {
+            host,
+            current: ArcSwapOption::empty(),
+            alpn_challenges: Mutex::new(HashMap::new()),
+        });
+        let config = |alpn: &[&[u8]]| -> Result<Arc<ServerConfig>, TlsError> {
+            let mut config = ServerConfig::builder_with_provider(provider.clone())
+                .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
+                .with_no_client_auth()
+                .with_cert_resolver(Arc::new(Resolver(certs.clone())));
+            config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+            Ok(Arc::new(config))
+        };
+        let (updates, _) = watch::channel(CertInfo {
+            generation: 0,
+            origin: CertOrigin::Other,
+            leaf_sha256: [0; 32],
+            not_before: None,
+            not_after: None,
+        });
+        Ok(Self {
+            inner: Arc::new(Inner {
+                meta: meta_certificate(server_key)?,
+                config_http11: config(&[HTTP11_ALPN])?,
+                config_plain: config(&[])?,
+                config_acme: config(&[ACME_TLS_ALPN])?,
+                certs,
+                provider,
+                http01_tokens: Mutex::new(HashMap::new()),
+                generation: AtomicU64::new(0),
+                updates,
+                handshakes: Arc::new(Semaphore::new(options.max_handshakes)),
+                metrics: TlsMetrics::new(registry)?,
+                options,
+            }),
+        })
+    }
+
+    pub(crate) fn hostname(&self) -> &Host {
+        &self.inner.certs.host
+    }
+
+    /// The meta certificate appended to every served chain.
+    pub fn meta_certificate(&self) -> &CertificateDer<'static> {
+        &self.inner.meta
+    }
+
+    /// Puts a certificate chain (leaf first) and its key into service for new handshakes. The
+    /// leaf must be valid for the hostname and match the key. The meta certificate is appended
+    /// to a copy of the chain, never to the caller's.
+    pub fn install(
+        &self,
+        chain: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        origin: CertOrigin,
+    ) -> Result<CertInfo, TlsError> {
+        let Some(leaf) = chain.first().cloned() else {
+            return Err(TlsError::Pem("empty certificate chain".into()));
+        };
+        check_valid_for(&leaf, &self.inner.certs.host)?;
+        let mut served = chain;
+        served.push(self.inner.meta.clone());
+        let certified = CertifiedKey::from_der(served, key, &self.inner.provider)?;
+        let (not_before, not_after) = match validity(&leaf) {
+            Some((a, b)) => (Some(a), Some(b)),
+            None => (None, None),
+        };
+        let info = CertInfo {
+            generation: self.inner.generation.fetch_add(1, Ordering::Relaxed) + 1,
+            origin,
+            leaf_sha256: Sha256::digest(leaf.as_ref()).into(),
+            not_before,
+            not_after,
+        };
+        self.inner.certs.current.store(Some(Arc::new(certified)));
+        let expiry = not_after
+            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        self.inner.metrics.not_after.set(expiry);
+        self.inner.updates.send_replace(info.clone());
+        Ok(info)
+    }
+
+    /// The chain served right now (leaf first, meta certificate last), if any.
+    pub fn served_chain(&self) -> Option<Vec<CertificateDer<'static>>> {
+        self.inner.certs.current.load_full().map(|c| c.cert.clone())
+    }
+
+    /// Follows certificate changes: the receiver's value is the certificate in service
+    /// (generation 0 until the first install).
+    pub fn cert_updates(&self) -> watch::Receiver<CertInfo> {
+        self.inner.updates.subscribe()
+    }
+
+    pub(crate) fn set_alpn_challenge(&self, hostname: &str, key: Option<Arc<CertifiedKey>>) {
+        let mut map = self
+            .inner
+            .certs
+            .alpn_challenges
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let name = hostname.trim_end_matches('.').to_ascii_lowercase();
+        match key {
+            Some(k) => map.insert(name, k),
+            None => map.remove(&name),
+        };
+    }
+
+    pub(crate) fn set_http01_token(&self, token: &str, key_authorization: Option<String>) {
+        let mut map = self
+            .inner
+            .http01_tokens
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match key_authorization {
+            Some(v) => map.insert(token.to_owned(), v),
+            None => map.remove(token),
+        };
+    }
+
+    pub(crate) fn http01_answer(&self, token: &str) -> Option<String> {
+        self.inner
+            .http01_tokens
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(token)
+            .cloned()
+    }
+
+    pub(crate) fn provider(&self) -> &Arc<CryptoProvider> {
+        &self.inner.provider
+    }
+
+    /// Accepts TLS connections on `listener` until `server` shuts down. Each handshake runs in
+    /// its own task under the in-flight cap and deadline; a finished one is served by
+    /// `server`'s HTTP front exactly like a plain connection. Accept errors are logged and the
+    /// loop carries on.
+    pub async fn serve(&self, server: &Server, listener: TcpListener) -> io::Result<()> {
+        let shutdown = server.shutdown_token();
+        loop {
+            let accepted = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                a = listener.accept() => a,
+            };
+            let (tcp, remote) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "tls accept failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => {}
+                    }
+                    continue;
+                }
+            };
+            let Ok(permit) = self.inner.handshakes.clone().try_acquire_owned() else {
+                self.inner
+                    .metrics
+                    .handshakes
+                    .with_label_values(&["rejected"])
+                    .inc();
+                debug!(%remote, "too many tls handshakes in flight; closing");
+                drop(tcp);
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let this = self.clone();
+            let server = server.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let metrics = &this.inner.metrics;
+                metrics.in_flight.inc();
+                let result = tokio::select! {
+                    _ = shutdown.cancelled() => None,
+                    r = tokio::time::timeout(this.inner.options.handshake_timeout, this.handshake(tcp)) => Some(r),
+                };
+                metrics.in_flight.dec();
+                drop(permit);
+                let outcome = match result {
+                    None => return,
+                    Some(Ok(Ok(stream))) => {
+                        let version = match stream.get_ref().1.protocol_version() {
+                            Some(ProtocolVersion::TLSv1_3) => "1.3",
+                            Some(ProtocolVersion::TLSv1_2) => "1.2",
+                            _ => "other",
+                        };
+                        metrics.versions.with_label_values(&[version]).inc();
+                        server.spawn_connection(Transport::Boxed(Box::new(stream)), remote);
+                        "ok"
+                    }
+                    Some(Ok(Err(e))) => {
+                        debug!(%remote, error = %e, "tls handshake failed");
+                        "error"
+                    }
+                    Some(Err(_)) => {
+                        debug!(%remote, "tls handshake timed out");
+                        "timeout"
+                    }
+                };
+                metrics.handshakes.with_label_values(&[outcome]).inc();
+            });
+        }
+    }
+
+    /// Reads the ClientHello, picks the config for its ALPN offer, and finishes the handshake.
+    async fn handshake(&self, tcp: TcpStream) -> io::Result<TlsStream<TcpStream>> {
+        let start = LazyConfigAcceptor::new(Acceptor::default(), tcp).await?;
+        let hello = start.client_hello();
+        let config = if offers_alpn(&hello, ACME_TLS_ALPN) {
+            self.inner.config_acme.clone()
+        } else if offers_alpn(&hello, HTTP11_ALPN) {
+            self.inner.config_http11.clone()
+        } else {
+            self.inner.config_plain.clone()
+        };
+        let stream = start.into_stream(config).await?;
+        // A TLS-ALPN-01 validation connection exists only for the handshake itself.
+        if stream.get_ref().1.alpn_protocol() == Some(ACME_TLS_ALPN) {
+            return Err(io::Error::other(
+                "acme tls-alpn-01 validation handshake done",
+            ));
+        }
+        Ok(stream)
+    }
+}
+
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_parse_and_match_sni() {
+        let dns = Host::parse("Derp.Example.com.").unwrap();
+        assert_eq!(dns, Host::Dns("derp.example.com".into()));
+        assert!(dns.accepts_sni(Some("derp.example.com")));
+        assert!(dns.accepts_sni(Some("DERP.example.com.")));
+        assert!(!dns.accepts_sni(Some("other.example.com")));
+        assert!(!dns.accepts_sni(None));
+        let ip = Host::parse("127.0.0.1").unwrap();
+        assert!(ip.accepts_sni(None));
+        assert!(ip.accepts_sni(Some("anything")));
+        assert_eq!(
+            Host::parse("[::1]").unwrap(),
+            Host::Ip("::1".parse().unwrap())
+        );
+        assert!(Host::parse("").is_err());
+        assert!(Host::parse("a..b").is_err());
+        assert!(Host::parse("under_score.example").is_err());
+        assert!(Host::parse(&"a".repeat(64)).is_err());
+    }
+}

@@ -1,0 +1,160 @@
+//! The plain-HTTP listener that runs beside the TLS one (derper's `--http-port`, usually 80):
+//! captive-portal checks, ACME HTTP-01 answers, and redirects to HTTPS. DERP is never served
+//! here.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::front::TlsFront;
+
+type Body = Full<Bytes>;
+
+/// Path prefix of ACME HTTP-01 challenge requests (RFC 8555 §8.3).
+const ACME_CHALLENGE_PREFIX: &str = "/.well-known/acme-challenge/";
+/// Connections served at once on this port; more are closed on accept.
+const MAX_CONNECTIONS: usize = 1024;
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Nothing on this port needs a connection for long.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
+impl TlsFront {
+    /// Serves the port-80 listener until `shutdown`: `/generate_204`, ACME HTTP-01 tokens, and
+    /// otherwise a redirect to `https://<hostname>[:https_port]<path>` for GET and HEAD (the
+    /// port is left out when it is 443) and 400 "Use HTTPS" for other methods.
+    ///
+    /// The redirect names the configured hostname rather than the request's `Host`, so this
+    /// listener cannot be used to redirect to arbitrary sites.
+    pub async fn serve_http_port(
+        &self,
+        listener: TcpListener,
+        https_port: u16,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<()> {
+        let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let base = Arc::new(https_base(&self.hostname().to_string(), https_port));
+        loop {
+            let accepted = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                a = listener.accept() => a,
+            };
+            let (tcp, remote) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "http port accept failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    }
+                    continue;
+                }
+            };
+            let Ok(permit) = limit.clone().try_acquire_owned() else {
+                continue;
+            };
+            let this = self.clone();
+            let base = base.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let resp = this.route_http_port(&req, &base);
+                    async move { Ok::<_, Infallible>(resp) }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
+                    .serve_connection(TokioIo::new(tcp), service);
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    r = tokio::time::timeout(CONNECTION_LIFETIME, conn) => {
+                        if let Ok(Err(e)) = r {
+                            debug!(%remote, error = %e, "http port connection ended");
+                        }
+                    }
+                }
+                drop(permit);
+            });
+        }
+    }
+
+    fn route_http_port(&self, req: &Request<Incoming>, https_base: &str) -> Response<Body> {
+        let path = req.uri().path();
+        if path == "/generate_204" {
+            return crate::http::no_content(req);
+        }
+        if let Some(token) = path.strip_prefix(ACME_CHALLENGE_PREFIX) {
+            return match self.http01_answer(token) {
+                Some(answer) => {
+                    let mut resp = Response::new(Body::from(answer));
+                    resp.headers_mut()
+                        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+                    resp
+                }
+                None => text(StatusCode::NOT_FOUND, "no such challenge\n"),
+            };
+        }
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return text(StatusCode::BAD_REQUEST, "Use HTTPS\n");
+        }
+        let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        let mut resp = Response::new(Body::default());
+        *resp.status_mut() = StatusCode::FOUND;
+        if let Ok(v) = HeaderValue::from_str(&format!("{https_base}{target}")) {
+            resp.headers_mut().insert(header::LOCATION, v);
+        }
+        resp
+    }
+}
+
+/// `https://host[:port]`, with IPv6 literals bracketed.
+fn https_base(host: &str, port: u16) -> String {
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    if port == 443 {
+        format!("https://{host}")
+    } else {
+        format!("https://{host}:{port}")
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Body> {
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redirect_base_leaves_out_the_default_port() {
+        assert_eq!(
+            https_base("derp.example.com", 443),
+            "https://derp.example.com"
+        );
+        assert_eq!(
+            https_base("derp.example.com", 8443),
+            "https://derp.example.com:8443"
+        );
+        assert_eq!(https_base("::1", 443), "https://[::1]");
+    }
+}

@@ -1,0 +1,78 @@
+//! TLS termination in front of the relay's HTTP front, and where its certificates come from.
+//!
+//! What it does:
+//! - [`TlsFront`] accepts TCP connections, runs the rustls handshake (TLS 1.2 minimum) with a
+//!   bounded number of handshakes in flight and a deadline on each, and hands the decrypted
+//!   stream to [`Server::spawn_connection`](crate::Server::spawn_connection). Every served
+//!   chain ends with the DERP meta certificate ([`meta_certificate`]) so Tailscale clients on
+//!   TLS 1.3 can use fast start.
+//! - [`ManualCerts`] serves `<certdir>/<hostname>.crt|.key`, reloads them when they change
+//!   (polling, or on demand for SIGHUP) without touching established connections, and for an
+//!   IP-address hostname with no files generates a self-signed certificate and reports the
+//!   `sha256-raw:` pin clients need.
+//! - [`AcmeManager`] gets and renews certificates from any RFC 8555 server (Let's Encrypt by
+//!   default), answering TLS-ALPN-01 on the TLS listener and HTTP-01 on the port-80 listener,
+//!   caching account and certificate in the cert directory and backing off on failure.
+//! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
+//!   HTTP-01 answers, and redirects to HTTPS. It never serves DERP.
+//!
+//! What it does not do: parse flags, bind sockets or install signal handlers (derpd does), or
+//! DNS-01 challenges, External Account Binding and on-demand IP certificates.
+
+mod acme;
+mod certs;
+mod front;
+mod http_port;
+mod meta;
+
+use std::path::PathBuf;
+
+pub use acme::{AcmeConfig, AcmeManager, ChallengeKind, LETS_ENCRYPT_PRODUCTION};
+pub use certs::{
+    ManualCerts, SelfSigned, cert_pin, generate_self_signed, load_certs_pem, load_key_pem,
+    sanitize_hostname,
+};
+pub use front::{
+    CertInfo, CertOrigin, DEFAULT_MAX_HANDSHAKES, DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront,
+    TlsOptions,
+};
+pub use meta::meta_certificate;
+
+/// Errors setting up TLS or obtaining certificates.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// PEM data held no usable certificate or key.
+    #[error("{0}")]
+    Pem(String),
+    /// Generating a certificate or key failed.
+    #[error("generating certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    /// rustls refused a certificate, key or configuration.
+    #[error("tls: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// The certificate is not valid for the configured hostname.
+    #[error("certificate is not valid for {hostname}: {reason}")]
+    WrongHost {
+        /// The configured hostname.
+        hostname: String,
+        /// Why the check failed.
+        reason: String,
+    },
+    /// The hostname is not usable for this certificate mode.
+    #[error("invalid hostname {0:?}")]
+    InvalidHostname(String),
+    /// The ACME server refused or failed a request.
+    #[error("acme: {0}")]
+    Acme(String),
+    /// Registering metrics failed.
+    #[error("registering metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}

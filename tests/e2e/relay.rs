@@ -1032,13 +1032,77 @@ async fn websocket_upgrade_variants() {
 }
 
 #[tokio::test]
-async fn empty_and_self_addressed_packets_are_delivered() {
+async fn frames_pipelined_behind_the_handshake_are_handled_in_order() {
     let srv = TestServer::start_default().await;
-    let mut a = RawClient::connect(srv.addr).await;
-    let mut b = RawClient::connect(srv.addr).await;
-    a.send_packet(b.key, b"").await;
-    assert_eq!(b.recv_packet().await, (a.key, Vec::new()));
-    a.send_packet(a.key, b"note to self").await;
-    assert_eq!(a.recv_packet().await, (a.key, b"note to self".to_vec()));
+    let mut dst = RawClient::connect(srv.addr).await;
+
+    // Fast start: request head, ClientInfo, a packet and a ping in one write; the server
+    // answers with no HTTP response at all.
+    let secret = random_secret();
+    let key = secret.public_key();
+    let mut hs = ClientHandshake::fast_start(
+        secret.clone(),
+        ClientInfo::default(),
+        derp_testkit::server_secret().public_key(),
+    );
+    let mut out = BytesMut::new();
+    out.extend_from_slice(
+        format!(
+            "GET /derp HTTP/1.1\r\nHost: {}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\
+             Derp-Fast-Start: 1\r\n\r\n",
+            srv.addr
+        )
+        .as_bytes(),
+    );
+    hs.client_info_frame([1; 24], &mut out)
+        .expect("client info");
+    ClientToRelay::SendPacket {
+        dst: dst.key,
+        packet: bytes::Bytes::from_static(b"pipelined"),
+    }
+    .encode(&mut out);
+    ClientToRelay::Ping([6; 8]).encode(&mut out);
+    let mut c = RawClient {
+        stream: TcpStream::connect(srv.addr).await.expect("connect"),
+        buf: BytesMut::new(),
+        decoder: ClientDecoder::new(),
+        key,
+        secret,
+        server_info: None,
+    };
+    c.send_raw(&out).await;
+    assert!(matches!(c.recv().await, RelayToClient::ServerKey(k) if k == srv.server.public_key()));
+    match c.recv().await {
+        RelayToClient::ServerInfo { sealed } => {
+            hs.handle_server_info(&sealed).expect("server info");
+        }
+        other => panic!("expected ServerInfo, got {other:?}"),
+    }
+    assert_eq!(c.recv().await, RelayToClient::Pong([6; 8]));
+    assert_eq!(dst.recv_packet().await, (key, b"pipelined".to_vec()));
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn ideal_node_header_marks_the_connection_not_ideal() {
+    let srv = TestServer::start_default().await;
+    let notideal = |s: &TestServer| gauge(s, "derp_current_notideal_connections");
+    let mut ideal = RawClient::connect(srv.addr).await;
+    // An empty value does not count.
+    let mut empty = RawClient::upgrade(srv.addr, random_secret(), "Ideal-Node: \r\n").await;
+    empty.handshake(ClientInfo::default()).await;
+    assert_eq!(notideal(&srv), 0.0);
+    let mut other = RawClient::upgrade(srv.addr, random_secret(), "Ideal-Node: derp1a\r\n").await;
+    other.handshake(ClientInfo::default()).await;
+    assert_eq!(notideal(&srv), 1.0);
+    other.send_packet(ideal.key, b"from elsewhere").await;
+    assert_eq!(
+        ideal.recv_packet().await,
+        (other.key, b"from elsewhere".to_vec())
+    );
+    drop(other);
+    srv.eventually("not-ideal connection gone", |s| notideal(s) == 0.0)
+        .await;
+    empty.expect_quiet().await;
     srv.stop().await;
 }

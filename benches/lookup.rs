@@ -38,8 +38,16 @@ fn modes() -> [(&'static str, LookupConfig); 3] {
 }
 
 /// Runs `iters` lookups split over `threads` threads and returns the wall time, so the
-/// reported time per op is wall time / total lookups (like Go's RunParallel).
-fn run(bench: &LookupBench, config: &LookupConfig, threads: u64, iters: u64) -> Duration {
+/// reported time per op is wall time / total lookups (like Go's RunParallel). `batch` is how
+/// many lookups share one epoch guard: 1 is the worst case (a socket read that carried one
+/// frame), 32 models a busy connection whose reads carry many frames.
+fn run(
+    bench: &LookupBench,
+    config: &LookupConfig,
+    threads: u64,
+    batch: u64,
+    iters: u64,
+) -> Duration {
     let per_thread = iters.div_ceil(threads);
     let start = Instant::now();
     std::thread::scope(|s| {
@@ -51,8 +59,15 @@ fn run(bench: &LookupBench, config: &LookupConfig, threads: u64, iters: u64) -> 
                 for i in 0..4 {
                     router.lookup(i);
                 }
-                for i in 0..per_thread {
-                    assert!(black_box(router.lookup((i & 3) as usize)));
+                if batch == 1 {
+                    for i in 0..per_thread {
+                        assert!(black_box(router.lookup((i & 3) as usize)));
+                    }
+                } else {
+                    for _ in 0..per_thread.div_ceil(batch) {
+                        let n = batch as usize;
+                        assert_eq!(black_box(router.lookup_batch(n)), n);
+                    }
                 }
             });
         }
@@ -65,9 +80,11 @@ fn lookup(c: &mut Criterion) {
     for threads in [1u64, 2] {
         let mut group = c.benchmark_group(format!("lookup/{threads}-thread"));
         for (name, config) in modes() {
-            group.bench_function(name, |b| {
-                b.iter_custom(|iters| run(&bench, &config, threads, iters))
-            });
+            for batch in [1u64, 32] {
+                group.bench_function(format!("{name}/batch-{batch}"), |b| {
+                    b.iter_custom(|iters| run(&bench, &config, threads, batch, iters))
+                });
+            }
         }
         group.finish();
     }

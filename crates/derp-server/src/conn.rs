@@ -455,19 +455,28 @@ impl<'a> ReadLoop<'a> {
                     self.counts.bytes_received += len as u64;
                     self.counts.packets_received_kind[kind as usize] += 1;
                     let src = self.handle.key;
-                    match self.router.route(registry, &guard, &dst, now) {
-                        Route::Local(conn) => {
-                            conn.push_packet(src, packet, kind, now, &mut self.counts)
-                        }
-                        Route::Forward(route) => {
-                            self.counts.forwarded_out += 1;
-                            route.forwarder.forward_packet(src, dst, packet);
-                        }
-                        Route::Dup => self.counts.drop(DropReason::DupClient, kind, len),
-                        Route::Missing => {
-                            self.counts.drop(DropReason::UnknownDest, kind, len);
-                            self.maybe_not_here(dst, kind, now);
-                        }
+                    let counts = &mut self.counts;
+                    let missing = self
+                        .router
+                        .route_with(registry, &guard, &dst, now, |route| {
+                            match route {
+                                Route::Local(conn) => {
+                                    conn.push_packet(src, packet, kind, now, counts)
+                                }
+                                Route::Forward(route) => {
+                                    counts.forwarded_out += 1;
+                                    route.forwarder.forward_packet(src, dst, packet);
+                                }
+                                Route::Dup => counts.drop(DropReason::DupClient, kind, len),
+                                Route::Missing => {
+                                    counts.drop(DropReason::UnknownDest, kind, len);
+                                    return true;
+                                }
+                            }
+                            false
+                        });
+                    if missing {
+                        self.maybe_not_here(dst, kind, now);
                     }
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
@@ -476,15 +485,24 @@ impl<'a> ReadLoop<'a> {
                     let len = packet.len();
                     let kind = PacketKind::of(&packet);
                     // Forwarded packets are delivered locally or dropped: exactly one hop.
-                    match self.router.route(registry, &guard, &dst, now) {
-                        Route::Local(conn) => {
-                            conn.push_packet(src, packet, kind, now, &mut self.counts)
-                        }
-                        Route::Dup => self.counts.drop(DropReason::DupClient, kind, len),
-                        Route::Forward(_) | Route::Missing => {
-                            self.counts.drop(DropReason::UnknownDestOnFwd, kind, len);
-                            self.maybe_not_here(dst, kind, now);
-                        }
+                    let counts = &mut self.counts;
+                    let missing = self
+                        .router
+                        .route_with(registry, &guard, &dst, now, |route| {
+                            match route {
+                                Route::Local(conn) => {
+                                    conn.push_packet(src, packet, kind, now, counts)
+                                }
+                                Route::Dup => counts.drop(DropReason::DupClient, kind, len),
+                                Route::Forward(_) | Route::Missing => {
+                                    counts.drop(DropReason::UnknownDestOnFwd, kind, len);
+                                    return true;
+                                }
+                            }
+                            false
+                        });
+                    if missing {
+                        self.maybe_not_here(dst, kind, now);
                     }
                 }
                 ClientToRelay::NotePreferred(preferred) => self.note_preferred(preferred, now),

@@ -168,43 +168,58 @@ impl Router {
         }
     }
 
-    /// Finds where a packet for `dst` goes.
-    pub(crate) fn route<'a>(
-        &'a mut self,
+    /// Finds where a packet for `dst` goes and hands the route to `use_route`.
+    ///
+    /// The route borrows from the mirror's epoch guard or from this router's cache for the
+    /// duration of the call, so a hit takes no reference count and probes each layer's hash
+    /// table once.
+    pub(crate) fn route_with<R>(
+        &mut self,
         registry: &Registry,
-        guard: &'a impl papaya::Guard,
+        guard: &impl papaya::Guard,
         dst: &PublicKey,
         now: Instant,
-    ) -> Route<'a> {
+        use_route: impl FnOnce(Route<'_>) -> R,
+    ) -> R {
         if self.mirror {
             // Entries are published only after their connection is marked active, and a
             // connection that stops being active is replaced or removed under the registry
             // lock; a reader racing with that delivers to a connection that just lost the
             // role, which then drops or writes it, as the reference's lock-free read does.
             if let Some(conn) = registry.mirror().get(dst, guard) {
-                return Route::Local(Shared::Borrowed(conn));
+                return use_route(Route::Local(Shared::Borrowed(conn)));
             }
             self.misses.mirror += 1;
         }
         let Some(cache) = &mut self.cache else {
-            return fallback(registry, dst, None, now);
+            return use_route(fallback(registry, dst, None, now));
         };
-        if cache.hit(dst, now) {
-            // `hit` revalidated the entry; borrow it for the caller.
-            return match cache.entries.as_ref().and_then(|e| e.peek(dst)) {
-                Some(CachedPeer {
-                    target: Cached::Local(conn),
-                    ..
-                }) => Route::Local(Shared::Borrowed(conn)),
-                Some(CachedPeer {
-                    target: Cached::Forward(route),
-                    ..
-                }) => Route::Forward(Shared::Borrowed(route)),
-                None => unreachable!("a hit is an entry"),
+        if let Some(entries) = cache.entries.as_mut()
+            && let Some(peer) = entries.peek_mut(dst)
+        {
+            // `peek_mut` does not reorder: recency is refreshed coarsely, which keeps the
+            // list ordered by last-used time for `trim` and the hit path to one probe.
+            let valid = match &peer.target {
+                Cached::Local(conn) => conn.active.load(Ordering::Acquire),
+                Cached::Forward(route) => route.is_current(),
             };
+            if valid {
+                let promote = now.saturating_duration_since(peer.last_used) >= cache.refresh;
+                if promote {
+                    peer.last_used = now;
+                }
+                let result = use_route(match &peer.target {
+                    Cached::Local(conn) => Route::Local(Shared::Borrowed(conn)),
+                    Cached::Forward(route) => Route::Forward(Shared::Borrowed(route)),
+                });
+                if promote {
+                    entries.promote(dst);
+                }
+                return result;
+            }
         }
         self.misses.cache += 1;
-        fallback(registry, dst, Some(cache), now)
+        use_route(fallback(registry, dst, Some(cache), now))
     }
 
     /// Removes cache entries idle past the limit; called when the client pings, so trimming
@@ -261,31 +276,6 @@ fn fallback<'a>(
 }
 
 impl PeerCache {
-    /// Whether `dst` is cached and still valid: the connection is still its key's active
-    /// one, or the forwarder route has not been retired. Refreshes recency coarsely.
-    fn hit(&mut self, dst: &PublicKey, now: Instant) -> bool {
-        let Some(entries) = self.entries.as_mut() else {
-            return false;
-        };
-        // `peek_mut` does not reorder: recency is refreshed coarsely below, which keeps the
-        // list ordered by last-used time for `trim` and keeps the hit path to a hash probe.
-        let Some(peer) = entries.peek_mut(dst) else {
-            return false;
-        };
-        let valid = match &peer.target {
-            Cached::Local(conn) => conn.active.load(Ordering::Acquire),
-            Cached::Forward(route) => route.is_current(),
-        };
-        if !valid {
-            return false;
-        }
-        if now.saturating_duration_since(peer.last_used) >= self.refresh {
-            peer.last_used = now;
-            entries.promote(dst);
-        }
-        true
-    }
-
     fn insert(&mut self, dst: PublicKey, target: Cached, now: Instant) {
         // Unbounded as far as the lru crate knows, so nothing is preallocated per
         // connection; the bound is enforced here.
@@ -405,10 +395,36 @@ pub mod bench {
             let b = self.bench;
             let want = &b.conns[i % b.conns.len()];
             let guard = b.registry.mirror().guard();
-            match self.router.route(&b.registry, &guard, &want.key, self.now) {
-                Route::Local(conn) => conn.id == want.id,
-                _ => false,
+            self.router.route_with(
+                &b.registry,
+                &guard,
+                &want.key,
+                self.now,
+                |route| match route {
+                    Route::Local(conn) => conn.id == want.id,
+                    _ => false,
+                },
+            )
+        }
+
+        /// Looks up `n` destinations (cycling through them) under one epoch guard, as the
+        /// relay's read loop does for the frames of one socket read; returns how many were
+        /// found.
+        pub fn lookup_batch(&mut self, n: usize) -> usize {
+            let b = self.bench;
+            let guard = b.registry.mirror().guard();
+            let mut found = 0;
+            for i in 0..n {
+                let want = &b.conns[i % b.conns.len()];
+                found += usize::from(self.router.route_with(
+                    &b.registry,
+                    &guard,
+                    &want.key,
+                    self.now,
+                    |route| matches!(route, Route::Local(conn) if conn.id == want.id),
+                ));
             }
+            found
         }
 
         /// Lookups that missed the mirror and the LRU so far.
@@ -464,12 +480,12 @@ mod tests {
 
     fn route(router: &mut Router, reg: &Registry, dst: &PublicKey, now: Instant) -> Found {
         let guard = reg.mirror().guard();
-        match router.route(reg, &guard, dst, now) {
+        router.route_with(reg, &guard, dst, now, |route| match route {
             Route::Local(c) => Found::Local(c.id),
             Route::Forward(r) => Found::Forward(r.forwarder.clone()),
             Route::Dup => Found::Dup,
             Route::Missing => Found::Missing,
-        }
+        })
     }
 
     fn local_id(r: Found) -> Option<u64> {

@@ -1,1 +1,237 @@
-fn main() {}
+//! derp-bench: a load-test client for DERP relays (derpd, Tailscale's derper, or any other).
+//!
+//! What it does: measures a relay from the outside over its DERP URL, in five modes
+//! (throughput, latency, connect, idle, sweep), with paced senders, per-pair loss counting,
+//! timestamped packets, warm-up and repeated runs. It reports its own CPU use next to the
+//! server's and warns when it, rather than the server, is the likely bottleneck. With
+//! `--spawn-server` it starts an in-process derpd relay to test.
+//!
+//! What it does not do: generate load from several machines (run several instances for
+//! that), speak TLS (that is the client library's business; https URLs are passed through and
+//! its error is reported), or send anything anywhere but the one URL it is given.
+
+mod cli;
+mod load;
+mod modes;
+mod pacing;
+mod packet;
+mod plot;
+mod procfs;
+mod progress;
+mod prom;
+mod report;
+mod target;
+
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, anyhow, bail};
+use clap::Parser;
+use serde::Serialize;
+
+use crate::cli::{Cli, Mode, OutputArgs, TargetArgs};
+use crate::load::Clock;
+use crate::report::{CpuUse, Machine, Report, TargetInfo};
+use crate::target::{BENCH_THREAD_NAME, SpawnedServer, Target};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let spawned = if cli.target.spawn_server {
+        match SpawnedServer::start() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("derp-bench: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name(BENCH_THREAD_NAME)
+        .build()
+        .context("starting the bench runtime")
+        .and_then(|rt| {
+            let out = rt.block_on(run(&cli, spawned.as_ref()));
+            // Connections still open are dropped here, before the relay goes away.
+            rt.shutdown_timeout(Duration::from_secs(2));
+            out
+        });
+    if let Some(s) = spawned {
+        s.stop();
+    }
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("derp-bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What every mode gets.
+#[derive(Debug)]
+pub(crate) struct Ctx {
+    pub(crate) target: Target,
+    pub(crate) clock: Clock,
+    pub(crate) cores: usize,
+    pub(crate) warnings: Vec<String>,
+    started_unix_s: u64,
+}
+
+impl Ctx {
+    /// Notes when the bench, not the server, is the likely bottleneck of a window.
+    pub(crate) fn check_cpu(&mut self, what: &str, cpu: &CpuUse) {
+        let cores = self.cores as f64;
+        let Some(bench) = cpu.bench_cores else {
+            return;
+        };
+        let warning = if bench >= 0.8 * cores {
+            Some(format!(
+                "{what}: the bench used {bench:.2} of {cores} cores; it is likely the bottleneck \
+                 and the figures are a lower bound for the server"
+            ))
+        } else if let Some(server) = cpu.server_cores
+            && bench + server >= 0.85 * cores
+            && bench >= server
+        {
+            Some(format!(
+                "{what}: the machine's CPUs are saturated ({bench:.2} bench + {server:.2} server \
+                 of {cores} cores) and the bench uses more than the server; run the bench on \
+                 another machine (or several instances) to measure the server alone"
+            ))
+        } else {
+            None
+        };
+        if let Some(w) = warning
+            && !self.warnings.contains(&w)
+        {
+            self.warnings.push(w);
+        }
+    }
+
+    /// A fresh run id, so packets of earlier windows are never counted.
+    pub(crate) fn run_id() -> u32 {
+        rand::random()
+    }
+
+    /// Wraps a mode's result into the JSON document.
+    pub(crate) fn report<C: Serialize, R: Serialize>(
+        &self,
+        args: &TargetArgs,
+        mode: &'static str,
+        config: C,
+        result: R,
+    ) -> Report<C, R> {
+        Report {
+            schema_version: report::SCHEMA_VERSION,
+            tool_version: env!("CARGO_PKG_VERSION"),
+            mode,
+            started_unix_s: self.started_unix_s,
+            target: TargetInfo {
+                url: self.target.url.to_string(),
+                spawned_server: self.target.spawned,
+                metrics_source: self.target.metrics.as_ref().map(|m| m.describe()),
+                server_pid: args.server_pid,
+            },
+            machine: Machine {
+                cores: self.cores,
+                bench_release_build: !cfg!(debug_assertions),
+            },
+            config,
+            result,
+            warnings: self.warnings.clone(),
+        }
+    }
+}
+
+/// What a mode hands back: the JSON document and the human summary.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub(crate) json: serde_json::Value,
+    pub(crate) human: String,
+    pub(crate) warnings: Vec<String>,
+}
+
+async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
+    if cli.target.url.is_none() && spawned.is_none() {
+        bail!("give the server with --url URL, or use --spawn-server");
+    }
+    check_plot(&cli.mode, &cli.output)?;
+    let target = Target::new(&cli.target, spawned)?;
+    let mut ctx = Ctx {
+        target,
+        clock: Clock::new(),
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        warnings: Vec::new(),
+        started_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    if cfg!(debug_assertions) {
+        ctx.warnings.push(
+            "derp-bench is a debug build: it is slow enough to be the bottleneck; \
+             use `cargo build --release -p derp-bench`"
+                .to_owned(),
+        );
+    }
+    if ctx.target.spawned {
+        ctx.warnings.push(
+            "the relay runs inside the bench process (--spawn-server): they share the CPUs, and \
+             memory figures include the bench's; a separate derpd with --server-pid gives the \
+             server's own figures"
+                .to_owned(),
+        );
+    }
+    ctx.target.preflight().await?;
+    let bound = time_bound(&cli.mode);
+    let fut = async {
+        match &cli.mode {
+            Mode::Throughput(a) => modes::throughput::run(&mut ctx, &cli.target, a).await,
+            Mode::Latency(a) => modes::latency::run(&mut ctx, &cli.target, a, &cli.output).await,
+            Mode::Connect(a) => modes::connect::run(&mut ctx, &cli.target, a).await,
+            Mode::Idle(a) => modes::idle::run(&mut ctx, &cli.target, a).await,
+            Mode::Sweep(a) => modes::sweep::run(&mut ctx, &cli.target, a, &cli.output).await,
+        }
+    };
+    let outcome = tokio::time::timeout(bound, fut)
+        .await
+        .map_err(|_| anyhow!("the run exceeded its time bound of {bound:?} and was stopped"))??;
+    if cli.output.json {
+        println!("{}", serde_json::to_string_pretty(&outcome.json)?);
+    } else {
+        print!("{}", outcome.human);
+        for w in &outcome.warnings {
+            eprintln!("derp-bench: warning: {w}");
+        }
+    }
+    Ok(())
+}
+
+fn check_plot(mode: &Mode, output: &OutputArgs) -> anyhow::Result<()> {
+    if output.plot.is_some() && !matches!(mode, Mode::Sweep(_) | Mode::Latency(_)) {
+        bail!(
+            "--plot draws the sweep curve or the latency distribution; use it with `sweep` or `latency`"
+        );
+    }
+    Ok(())
+}
+
+/// A hard upper bound on a mode's whole run: generous against its expected duration, so a
+/// hung server cannot keep the bench running forever.
+fn time_bound(mode: &Mode) -> Duration {
+    const SLACK: Duration = Duration::from_secs(60);
+    // Connect phase, drain and scrapes of one window.
+    const PER_WINDOW: Duration = Duration::from_secs(15);
+    let windows =
+        |runs: u32, warmup: Duration, duration: Duration| (warmup + duration + PER_WINDOW) * runs;
+    let expected = match mode {
+        Mode::Throughput(a) => windows(a.runs, a.load.warmup, a.duration),
+        Mode::Latency(a) => windows(a.runs, a.warmup, a.duration),
+        Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.runs,
+        Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.runs,
+        Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
+    };
+    expected * 2 + SLACK
+}

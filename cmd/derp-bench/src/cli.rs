@@ -1,0 +1,309 @@
+//! Command-line flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Load-test client for DERP relays (derpd, Tailscale's derper or any other).
+///
+/// Every run targets only the given URL (or the relay started with --spawn-server), is
+/// bounded in time and connections, and exits non-zero with a message when the server is
+/// unreachable or refuses the handshake.
+#[derive(Debug, Parser)]
+#[command(name = "derp-bench", version, about, long_about = None)]
+pub(crate) struct Cli {
+    #[command(flatten)]
+    pub(crate) target: TargetArgs,
+    #[command(flatten)]
+    pub(crate) output: OutputArgs,
+    #[command(subcommand)]
+    pub(crate) mode: Mode,
+}
+
+/// Which server to test and how to observe it.
+#[derive(Debug, Args)]
+pub(crate) struct TargetArgs {
+    /// DERP URL: http://host:port/derp, or ws://host:port/derp for WebSocket. https:// and
+    /// wss:// are passed to the client, which reports whether it can speak TLS.
+    #[arg(long, global = true)]
+    pub(crate) url: Option<String>,
+
+    /// Start an in-process derpd relay on 127.0.0.1 (random port) and test it. Its CPU is
+    /// measured per thread; its memory is shared with the bench's.
+    #[arg(long, global = true, conflicts_with = "url")]
+    pub(crate) spawn_server: bool,
+
+    /// Prometheus text endpoint of the server (e.g. http://127.0.0.1:9090/metrics or
+    /// http://127.0.0.1:3340/debug/varz), scraped before and after each run for drop counters,
+    /// connection counts and process_resident_memory_bytes.
+    #[arg(long, global = true)]
+    pub(crate) metrics_url: Option<String>,
+
+    /// Process id of the server when it runs on this machine: its CPU time and RSS are read
+    /// from /proc/PID (the honest per-packet CPU figure).
+    #[arg(long, global = true)]
+    pub(crate) server_pid: Option<u32>,
+
+    /// Budget for each connection's dial, upgrade and handshake.
+    #[arg(long, global = true, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) connect_timeout: Duration,
+}
+
+/// How results are shown.
+#[derive(Debug, Args)]
+pub(crate) struct OutputArgs {
+    /// Print one JSON document on stdout instead of the table (schema: docs/benchmarks.md).
+    #[arg(long, global = true)]
+    pub(crate) json: bool,
+
+    /// Draw an SVG: the sweep curve (sweep) or the latency distribution (latency).
+    #[arg(long, global = true, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
+}
+
+/// The measurement to run.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Mode {
+    /// Sender/receiver pairs through the relay: delivered packets/s and Mbit/s, loss per pair.
+    Throughput(ThroughputArgs),
+    /// Round trips A -> relay -> B -> relay -> A with a timestamp in each packet, optionally
+    /// under background load.
+    Latency(LatencyArgs),
+    /// Connection storm: handshakes per second and failures at a given concurrency.
+    Connect(ConnectArgs),
+    /// Hold many idle connections and report the server's memory per connection.
+    Idle(IdleArgs),
+    /// Step the offered load up until the relay stops delivering it.
+    Sweep(SweepArgs),
+}
+
+/// Load shape shared by throughput and sweep.
+#[derive(Debug, Args, Clone)]
+pub(crate) struct LoadArgs {
+    /// Sender/receiver pairs (two connections each).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=MAX_PAIRS))]
+    pub(crate) pairs: u32,
+
+    /// Packet size in bytes (the DERP payload). 570 is the mean size seen in production.
+    #[arg(long, default_value_t = 1400, value_parser = clap::value_parser!(u32).range(32..=65536))]
+    pub(crate) size: u32,
+
+    /// Warm-up before each measured window (not counted).
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub(crate) warmup: Duration,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ThroughputArgs {
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
+
+    /// Offered rate per pair in packets/s, paced by a token bucket. Without it (and without
+    /// --mbps) senders are unpaced: they write as fast as TCP lets them.
+    #[arg(long, conflicts_with = "mbps")]
+    pub(crate) rate: Option<f64>,
+
+    /// Offered load in Mbit/s of payload for all pairs together, paced.
+    #[arg(long)]
+    pub(crate) mbps: Option<f64>,
+
+    /// Measured window of each run.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) duration: Duration,
+
+    /// Repeat the measurement; the summary gives medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
+    pub(crate) runs: u32,
+
+    /// Test knob: receivers stop reading this long into the measured window, simulating a
+    /// stuck client (loss must then show up).
+    #[arg(long, hide = true, value_parser = parse_duration)]
+    pub(crate) stop_receivers_after: Option<Duration>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct LatencyArgs {
+    /// Echo pairs carrying timestamped probes.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(crate) probes: u32,
+
+    /// Probes per second per echo pair (open loop, so a slow server cannot hide its stalls).
+    #[arg(long, default_value_t = 1000.0)]
+    pub(crate) probe_rate: f64,
+
+    /// Probe size in bytes.
+    #[arg(long, default_value_t = 1400, value_parser = clap::value_parser!(u32).range(32..=65536))]
+    pub(crate) size: u32,
+
+    /// Background load pairs running at the same time (0: none).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=MAX_PAIRS))]
+    pub(crate) load_pairs: u32,
+
+    /// Background load in Mbit/s for all load pairs together (unpaced when omitted).
+    #[arg(long)]
+    pub(crate) load_mbps: Option<f64>,
+
+    /// Warm-up before each measured window.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub(crate) warmup: Duration,
+
+    /// Measured window of each run.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) duration: Duration,
+
+    /// Repeat the measurement; the summary gives medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
+    pub(crate) runs: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ConnectArgs {
+    /// Connections to open (each: dial, upgrade, handshake, close).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS))]
+    pub(crate) connections: u32,
+
+    /// Handshakes in flight at once.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) concurrency: u32,
+
+    /// Stop a run after this long even if connections remain.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub(crate) max_duration: Duration,
+
+    /// Repeat the storm; the summary gives medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
+    pub(crate) runs: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct IdleArgs {
+    /// Idle connections to open and hold.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS))]
+    pub(crate) connections: u32,
+
+    /// Handshakes in flight while opening.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) concurrency: u32,
+
+    /// How long to hold the connections before measuring.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub(crate) hold: Duration,
+
+    /// Repeat; the summary gives medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
+    pub(crate) runs: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SweepArgs {
+    #[command(flatten)]
+    pub(crate) load: LoadArgs,
+
+    /// Offered load of the first step, Mbit/s of payload for all pairs together.
+    #[arg(long, default_value_t = 100.0)]
+    pub(crate) start_mbps: f64,
+
+    /// Each step offers this many times the previous one.
+    #[arg(long, default_value_t = 1.5)]
+    pub(crate) factor: f64,
+
+    /// Add this many Mbit/s per step instead of multiplying.
+    #[arg(long)]
+    pub(crate) step_mbps: Option<f64>,
+
+    /// Measured window of each step.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub(crate) step_duration: Duration,
+
+    /// A step is past saturation when this share of the offered load is not delivered.
+    #[arg(long, default_value_t = 0.01)]
+    pub(crate) loss_threshold: f64,
+
+    /// Steps to run past the first one over the threshold, to show the behaviour beyond it.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=10))]
+    pub(crate) steps_past: u32,
+
+    /// Upper bound on the number of steps.
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub(crate) max_steps: u32,
+}
+
+/// Upper bounds that keep every run finite.
+pub(crate) const MAX_PAIRS: i64 = 5000;
+pub(crate) const MAX_CONNECTIONS: i64 = 200_000;
+pub(crate) const MAX_RUNS: i64 = 20;
+/// No single window may be longer than this.
+pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(3600);
+
+/// Parses "5s", "250ms", "1m", "1.5" (seconds).
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (want e.g. 5s, 250ms)"))?;
+    let scale = match unit {
+        "" | "s" => 1.0,
+        "ms" => 1e-3,
+        "us" | "µs" => 1e-6,
+        "m" => 60.0,
+        _ => return Err(format!("unknown unit {unit:?} in duration {s:?}")),
+    };
+    let d = Duration::try_from_secs_f64(value * scale)
+        .map_err(|_| format!("duration {s:?} out of range"))?;
+    if d > MAX_WINDOW {
+        return Err(format!("duration {s:?} exceeds the {MAX_WINDOW:?} bound"));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("5h").is_err());
+        assert!(parse_duration("2d").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn globals_after_the_subcommand() {
+        let cli = Cli::try_parse_from([
+            "derp-bench",
+            "throughput",
+            "--spawn-server",
+            "--json",
+            "--pairs",
+            "2",
+            "--size",
+            "570",
+        ])
+        .unwrap();
+        assert!(cli.target.spawn_server && cli.output.json);
+        let Mode::Throughput(t) = cli.mode else {
+            panic!("wrong mode")
+        };
+        assert_eq!((t.load.pairs, t.load.size), (2, 570));
+        assert!(
+            Cli::try_parse_from(["derp-bench", "idle", "--url", "http://x", "--spawn-server"])
+                .is_err()
+        );
+        assert!(Cli::try_parse_from(["derp-bench", "throughput", "--size", "8"]).is_err());
+    }
+}

@@ -1,0 +1,567 @@
+//! Sender/receiver pairs and one measured load window, shared by throughput, sweep and the
+//! background load of latency.
+//!
+//! Each pair is two connections: the sender writes to the receiver's key. Packets carry a
+//! header (see [`crate::packet`]) with the run, the pair, a sequence number and the send
+//! time. A packet belongs to the measured window when its send time falls inside it; the
+//! sender counts what it sent in the window, the receiver what arrived of it, so loss per pair
+//! is the difference once the stragglers have drained.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow};
+use derp_client::{Client, ClientReader, ClientWriter, ReceivedFrame};
+use derp_proto::{PublicKey, SecretKey};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::pacing::TokenBucket;
+use crate::packet::{HEADER_LEN, Header, Kind};
+use crate::procfs::CpuTime;
+use crate::prom::Scrape;
+use crate::report::{CpuUse, Drops, LoadRun, PairResult};
+use crate::target::{Target, describe_connect_error};
+
+/// Monotonic time since the bench started, as carried in packets.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    pub(crate) fn new() -> Self {
+        Self {
+            start: Instant::now(),
+        }
+    }
+
+    pub(crate) fn ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.start).as_nanos() as u64
+    }
+}
+
+/// Packets per flush when a sender is not paced: enough to amortise the write call, small
+/// enough that one connection does not hog a worker.
+const UNPACED_BATCH: u64 = 16;
+/// Most packets a paced sender queues before flushing. Kept well under the relay's
+/// per-client queue depth (32 in derper and derpd): a relay reads a whole write at once, and a
+/// burst larger than the destination's queue would be dropped even at a low average rate,
+/// which would measure the bench's burstiness instead of the relay.
+const PACED_BATCH: u64 = 8;
+/// How long a sender may stay blocked in a write after its window ended.
+const SENDER_GRACE: Duration = Duration::from_secs(3);
+/// Drain phase: stop waiting for stragglers after this long without progress...
+const DRAIN_IDLE: Duration = Duration::from_millis(250);
+/// ...or after this long in total.
+const DRAIN_MAX: Duration = Duration::from_secs(2);
+/// Handshakes in flight while a fleet connects.
+const CONNECT_CONCURRENCY: usize = 64;
+
+/// Counters one pair publishes for the coordinator.
+#[derive(Debug, Default)]
+struct PairCounters {
+    sent: AtomicU64,
+    received: AtomicU64,
+    out_of_order: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Pair {
+    dst: PublicKey,
+    writer: Option<ClientWriter>,
+    reader: Option<ClientReader>,
+    /// Unused, but dropping a writer half shuts the socket's sending side down, which the
+    /// server takes as the client leaving.
+    _receiver_writer: Option<ClientWriter>,
+    /// Drains whatever the server sends to the sending connection, or (echo fleets) runs the
+    /// echo.
+    helper: JoinHandle<()>,
+}
+
+/// A set of connected pairs, reused across windows.
+#[derive(Debug)]
+pub(crate) struct Fleet {
+    pairs: Vec<Pair>,
+    /// Index of this fleet's first pair in packet headers, so two fleets in one run (probes
+    /// and background load) never count each other's packets.
+    first_pair: u32,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for p in &self.pairs {
+            p.helper.abort();
+        }
+    }
+}
+
+/// What one window does.
+#[derive(Clone, Debug)]
+pub(crate) struct WindowSpec {
+    pub(crate) run: u32,
+    pub(crate) size: usize,
+    /// Packets/s per pair; `None` is unpaced.
+    pub(crate) rate_pps: Option<f64>,
+    pub(crate) warmup: Duration,
+    pub(crate) duration: Duration,
+    pub(crate) stop_receivers_after: Option<Duration>,
+    /// Load, or latency probes (timestamped one by one and timed on return).
+    pub(crate) kind: Kind,
+}
+
+/// Round-trip times of the probes sent in the window, in nanoseconds.
+pub(crate) type RttHistogram = hdrhistogram::Histogram<u64>;
+
+/// A histogram for nanoseconds up to a minute at 3 significant digits.
+pub(crate) fn new_histogram() -> RttHistogram {
+    // The bounds are constants that hdrhistogram accepts (low >= 1, high >= 2 * low), so
+    // this cannot fail.
+    hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3).unwrap()
+}
+
+impl Fleet {
+    /// Connects `pairs` sender/receiver pairs with pre-generated keys.
+    ///
+    /// With `echo`, the second connection of each pair sends every probe it receives back to
+    /// its sender, and the first connection's reader collects the echoes.
+    pub(crate) async fn connect(
+        target: &Target,
+        pairs: u32,
+        first_pair: u32,
+        echo: bool,
+    ) -> anyhow::Result<Self> {
+        let n = pairs as usize * 2;
+        let keys: Vec<SecretKey> = (0..n)
+            .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
+            .collect();
+        let sources = target.source_addrs(n);
+        let gate = Arc::new(Semaphore::new(CONNECT_CONCURRENCY));
+        let public: Vec<PublicKey> = keys.iter().map(SecretKey::public_key).collect();
+        let mut tasks = Vec::with_capacity(n);
+        for (i, key) in keys.into_iter().enumerate() {
+            let config = target.client_config(key, sources.for_index(i));
+            let gate = gate.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire_owned().await;
+                Client::connect(&config).await
+            }));
+        }
+        let mut clients = Vec::with_capacity(n);
+        for t in tasks {
+            let client = t.await.context("connect task")?.map_err(|e| {
+                anyhow!(
+                    "connecting load pairs to {}: {}",
+                    target.url,
+                    describe_connect_error(&e)
+                )
+            })?;
+            clients.push(client);
+        }
+        let mut out = Vec::with_capacity(pairs as usize);
+        let mut it = clients.into_iter().zip(public);
+        while let (Some((sender, _)), Some((receiver, dst))) = (it.next(), it.next()) {
+            let (mut sreader, swriter) = sender.split();
+            let (rreader, rwriter) = receiver.split();
+            let pair = if echo {
+                Pair {
+                    dst,
+                    writer: Some(swriter),
+                    reader: Some(sreader),
+                    _receiver_writer: None,
+                    helper: tokio::spawn(echo_loop(rreader, rwriter)),
+                }
+            } else {
+                Pair {
+                    dst,
+                    writer: Some(swriter),
+                    reader: Some(rreader),
+                    _receiver_writer: Some(rwriter),
+                    helper: tokio::spawn(async move { while sreader.recv().await.is_ok() {} }),
+                }
+            };
+            out.push(pair);
+        }
+        Ok(Self {
+            pairs: out,
+            first_pair,
+        })
+    }
+
+    /// Runs one warm-up plus measured window and waits for stragglers.
+    pub(crate) async fn run_window(
+        &mut self,
+        spec: &WindowSpec,
+        clock: Clock,
+        target: &Target,
+    ) -> anyhow::Result<(LoadRun, RttHistogram)> {
+        let start = Instant::now();
+        let warm_end = start + spec.warmup;
+        let end = warm_end + spec.duration;
+        let window = (clock.ns(warm_end), clock.ns(end));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let counters: Vec<Arc<PairCounters>> =
+            (0..self.pairs.len()).map(|_| Arc::default()).collect();
+
+        let mut receivers = Vec::new();
+        let mut senders = Vec::new();
+        for (i, pair) in self.pairs.iter_mut().enumerate() {
+            let id = self.first_pair + i as u32;
+            let (Some(reader), Some(writer)) = (pair.reader.take(), pair.writer.take()) else {
+                // A pair that died in an earlier window stays dead; its loss shows as zero
+                // sent, and the error count says why.
+                continue;
+            };
+            let stop_at = spec.stop_receivers_after.map(|d| warm_end + d);
+            receivers.push((
+                i,
+                tokio::spawn(receive_loop(
+                    reader,
+                    ReceiveSpec {
+                        run: spec.run,
+                        pair: id,
+                        kind: spec.kind,
+                        window,
+                        stop_at,
+                    },
+                    clock,
+                    counters[i].clone(),
+                    stop_rx.clone(),
+                )),
+            ));
+            senders.push((
+                i,
+                tokio::spawn(send_loop(
+                    writer,
+                    pair.dst,
+                    SendSpec {
+                        run: spec.run,
+                        pair: id,
+                        size: spec.size,
+                        rate_pps: spec.rate_pps,
+                        kind: spec.kind,
+                        window,
+                        end,
+                    },
+                    clock,
+                    counters[i].clone(),
+                )),
+            ));
+        }
+
+        tokio::time::sleep_until(warm_end).await;
+        let cpu_before = sample_cpu(target);
+        let scrape_before = scrape(target).await;
+        tokio::time::sleep_until(end).await;
+        let cpu_after = sample_cpu(target);
+        let wall_s = Instant::now()
+            .saturating_duration_since(warm_end)
+            .as_secs_f64();
+
+        let mut errors = Vec::new();
+        for (i, task) in senders {
+            match tokio::time::timeout_at(end + SENDER_GRACE, task).await {
+                Ok(Ok((writer, None))) => self.pairs[i].writer = Some(writer),
+                Ok(Ok((_, Some(e)))) => errors.push(format!("pair {i} sender: {e}")),
+                Ok(Err(e)) => errors.push(format!("pair {i} sender task: {e}")),
+                Err(_) => errors.push(format!("pair {i} sender: write blocked past the window")),
+            }
+        }
+
+        let stopped = spec.stop_receivers_after.is_some();
+        drain(&counters, stopped).await;
+        let scrape_after = scrape(target).await;
+        // A receiver that stopped or failed ignores the signal; it has already returned.
+        let _ = stop_tx.send(true);
+        let mut rtt = new_histogram();
+        for (i, task) in receivers {
+            match task.await {
+                Ok((reader, hist, error)) => {
+                    // Both histograms have the same bounds, so adding cannot fail.
+                    let _ = rtt.add(&hist);
+                    match error {
+                        None => self.pairs[i].reader = Some(reader),
+                        Some(e) => errors.push(format!("pair {i} receiver: {e}")),
+                    }
+                }
+                Err(e) => errors.push(format!("pair {i} receiver task: {e}")),
+            }
+        }
+
+        let pairs: Vec<PairResult> = counters
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let sent = c.sent.load(Ordering::Relaxed);
+                // Duplicates would count twice; cap so loss is never negative.
+                let delivered = c.received.load(Ordering::Relaxed).min(sent);
+                PairResult {
+                    pair: self.first_pair + i as u32,
+                    sent_packets: sent,
+                    delivered_packets: delivered,
+                    lost_packets: sent - delivered,
+                    loss_ratio: ratio(sent - delivered, sent),
+                    out_of_order_packets: c.out_of_order.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
+        let run = LoadRun::from_pairs(
+            pairs,
+            spec,
+            self.pairs.len(),
+            CpuUse::between(cpu_before, cpu_after, wall_s),
+            drops_between(scrape_before.as_ref(), scrape_after.as_ref()),
+            errors,
+        );
+        Ok((run, rtt))
+    }
+}
+
+pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// Bench and server CPU at one instant.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CpuSample {
+    pub(crate) bench: Option<CpuTime>,
+    pub(crate) server: Option<CpuTime>,
+}
+
+pub(crate) fn sample_cpu(target: &Target) -> CpuSample {
+    CpuSample {
+        bench: target.bench_cpu(),
+        server: target.server_cpu(),
+    }
+}
+
+/// Scrapes the server's metrics if a source is configured; a failed scrape is reported once
+/// on stderr and leaves the figures out rather than failing the run.
+pub(crate) async fn scrape(target: &Target) -> Option<Scrape> {
+    let source = target.metrics.as_ref()?;
+    match source.scrape().await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("derp-bench: warning: {e:#}");
+            None
+        }
+    }
+}
+
+/// The change of `derp_packets_dropped` by reason between two scrapes.
+pub(crate) fn drops_between(before: Option<&Scrape>, after: Option<&Scrape>) -> Option<Drops> {
+    let (before, after) = (before?, after?);
+    after.sum("derp_packets_dropped")?;
+    let earlier = before.sum_by("derp_packets_dropped", "reason");
+    let mut by_reason = std::collections::BTreeMap::new();
+    let mut total = 0;
+    for (reason, value) in after.sum_by("derp_packets_dropped", "reason") {
+        let was = earlier
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or(0.0, |(_, v)| *v);
+        let delta = (value - was).max(0.0) as u64;
+        total += delta;
+        by_reason.insert(reason, delta);
+    }
+    Some(Drops {
+        total_packets: total,
+        by_reason,
+    })
+}
+
+/// Waits until every receiver has what its sender sent in the window, or until no packet has
+/// arrived for a while. With stopped receivers nothing more will come, so it does not wait.
+async fn drain(counters: &[Arc<PairCounters>], receivers_stopped: bool) {
+    if receivers_stopped {
+        return;
+    }
+    let started = Instant::now();
+    let mut last_total = u64::MAX;
+    let mut last_progress = started;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    loop {
+        tick.tick().await;
+        let mut missing = false;
+        let mut total = 0;
+        for c in counters {
+            let received = c.received.load(Ordering::Relaxed);
+            total += received;
+            missing |= received < c.sent.load(Ordering::Relaxed);
+        }
+        let now = Instant::now();
+        if !missing || now - started >= DRAIN_MAX {
+            return;
+        }
+        if total != last_total {
+            last_total = total;
+            last_progress = now;
+        } else if now - last_progress >= DRAIN_IDLE {
+            return;
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct SendSpec {
+    run: u32,
+    pair: u32,
+    size: usize,
+    rate_pps: Option<f64>,
+    kind: Kind,
+    window: (u64, u64),
+    end: Instant,
+}
+
+async fn send_loop(
+    mut writer: ClientWriter,
+    dst: PublicKey,
+    spec: SendSpec,
+    clock: Clock,
+    counters: Arc<PairCounters>,
+) -> (ClientWriter, Option<String>) {
+    let mut buf = vec![0u8; spec.size.max(HEADER_LEN)];
+    let mut bucket = spec.rate_pps.map(|r| TokenBucket::new(r, Instant::now()));
+    let mut seq = 0u64;
+    let mut sent_in_window = 0u64;
+    loop {
+        let now = Instant::now();
+        if now >= spec.end {
+            break;
+        }
+        let n = match &mut bucket {
+            Some(b) => b.take(now, PACED_BATCH),
+            None => UNPACED_BATCH,
+        };
+        if n == 0 {
+            if let Some(b) = &bucket {
+                tokio::time::sleep_until(b.next_ready(now).min(spec.end)).await;
+            }
+            continue;
+        }
+        let sent_ns = clock.ns(now);
+        let in_window = sent_ns >= spec.window.0 && sent_ns < spec.window.1;
+        for _ in 0..n {
+            Header {
+                run: spec.run,
+                pair: spec.pair,
+                kind: spec.kind,
+                seq,
+                // Probes are timed one by one; load shares the batch's time.
+                sent_ns: if spec.kind == Kind::Probe {
+                    clock.ns(Instant::now())
+                } else {
+                    sent_ns
+                },
+            }
+            .write(&mut buf);
+            seq += 1;
+            if let Err(e) = writer.queue_packet(dst, &buf) {
+                return (writer, Some(e.to_string()));
+            }
+        }
+        if in_window {
+            sent_in_window += n;
+            counters.sent.store(sent_in_window, Ordering::Relaxed);
+        }
+        if let Err(e) = writer.flush().await {
+            return (writer, Some(e.to_string()));
+        }
+        if bucket.is_some() {
+            // Let the relay (and the other senders) run between small paced batches.
+            tokio::task::yield_now().await;
+        }
+    }
+    (writer, None)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ReceiveSpec {
+    run: u32,
+    pair: u32,
+    kind: Kind,
+    window: (u64, u64),
+    stop_at: Option<Instant>,
+}
+
+async fn receive_loop(
+    mut reader: ClientReader,
+    spec: ReceiveSpec,
+    clock: Clock,
+    counters: Arc<PairCounters>,
+    mut stop: watch::Receiver<bool>,
+) -> (ClientReader, RttHistogram, Option<String>) {
+    let mut rtt = new_histogram();
+    let mut received = 0u64;
+    let mut out_of_order = 0u64;
+    let mut next_seq = 0u64;
+    loop {
+        let frame = tokio::select! {
+            biased;
+            _ = stop.changed() => break,
+            _ = sleep_until_opt(spec.stop_at) => {
+                // Simulated stuck client: keep the connection, read nothing more.
+                let _ = stop.changed().await;
+                break;
+            }
+            f = reader.recv() => f,
+        };
+        match frame {
+            Ok(ReceivedFrame::RecvPacket { packet, .. }) => {
+                let Some(h) = Header::read(&packet) else {
+                    continue;
+                };
+                if h.run != spec.run || h.pair != spec.pair || h.kind != spec.kind {
+                    continue;
+                }
+                if h.seq < next_seq {
+                    out_of_order += 1;
+                    counters.out_of_order.store(out_of_order, Ordering::Relaxed);
+                } else {
+                    next_seq = h.seq + 1;
+                }
+                if h.sent_ns >= spec.window.0 && h.sent_ns < spec.window.1 {
+                    if spec.kind == Kind::Probe {
+                        let now = clock.ns(Instant::now());
+                        rtt.saturating_record(now.saturating_sub(h.sent_ns).max(1));
+                    }
+                    received += 1;
+                    counters.received.store(received, Ordering::Relaxed);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => return (reader, rtt, Some(e.to_string())),
+        }
+    }
+    (reader, rtt, None)
+}
+
+/// Sends every probe back to where it came from, unchanged.
+async fn echo_loop(mut reader: ClientReader, mut writer: ClientWriter) {
+    loop {
+        match reader.recv().await {
+            Ok(ReceivedFrame::RecvPacket { src, packet }) => {
+                if Header::read(&packet).is_some_and(|h| h.kind == Kind::Probe)
+                    && writer.send_packet(src, &packet).await.is_err()
+                {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

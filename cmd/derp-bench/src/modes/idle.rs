@@ -1,0 +1,263 @@
+//! `idle`: hold many idle connections and report the server's memory per connection,
+//! (RSS with N connections - RSS before) / N, the figure Tailscale tracks for derper.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use derp_client::Client;
+use derp_proto::SecretKey;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use crate::cli::{IdleArgs, TargetArgs};
+use crate::load::scrape;
+use crate::procfs;
+use crate::progress::Progress;
+use crate::report::{IdleConfig, IdleMedian, IdleResult, IdleRun, median, median_opt, opt, table};
+use crate::target::{ServerProbe, Target, connect_error_kind};
+use crate::{Ctx, Outcome};
+
+/// How long to wait for the server to notice closed connections before the last RSS reading.
+const CLOSE_SETTLE: Duration = Duration::from_secs(3);
+
+pub(crate) async fn run(
+    ctx: &mut Ctx,
+    target_args: &TargetArgs,
+    args: &IdleArgs,
+) -> anyhow::Result<Outcome> {
+    let n = args.connections as usize;
+    crate::target::check_fd_budget(n, ctx.target.spawned)?;
+    let progress = Progress::start((args.hold + Duration::from_secs(2)) * args.runs, "idle");
+    let mut runs = Vec::new();
+    for i in 0..args.runs {
+        progress.message(format!("idle run {}/{}", i + 1, args.runs));
+        runs.push(hold_run(&ctx.target, args, n).await);
+    }
+    progress.finish();
+    if runs.iter().all(|r| r.opened == 0) {
+        let kinds: Vec<String> = runs[0].failures.keys().cloned().collect();
+        anyhow::bail!("no connection could be opened ({})", kinds.join(", "));
+    }
+    for r in &runs {
+        if r.failed > 0 {
+            ctx.warnings.push(format!(
+                "{} of {} connections failed to open: {:?}",
+                r.failed, r.requested, r.failures
+            ));
+        }
+        if let (Some(before), Some(held)) = (r.server_connections_before, r.server_connections_held)
+            && held.saturating_sub(before) != r.opened
+        {
+            ctx.warnings.push(format!(
+                "the server counted {} new connections, the bench opened {}",
+                held.saturating_sub(before),
+                r.opened
+            ));
+        }
+        if r.rss_source.is_none() {
+            ctx.warnings.push(
+                "no memory figure: give --server-pid, or a --metrics-url that exports \
+                 process_resident_memory_bytes"
+                    .to_owned(),
+            );
+        }
+    }
+    ctx.warnings.dedup();
+    let median = IdleMedian {
+        opened: median(runs.iter().map(|r| r.opened as f64)),
+        bytes_per_connection: median_opt(runs.iter().map(|r| r.bytes_per_connection)),
+    };
+    let human = human(args, &runs, &median);
+    let config = IdleConfig {
+        connections: args.connections,
+        concurrency: args.concurrency,
+        hold_s: args.hold.as_secs_f64(),
+        runs: args.runs,
+    };
+    let report = ctx.report(target_args, "idle", config, IdleResult { runs, median });
+    Ok(Outcome {
+        json: serde_json::to_value(&report)?,
+        human,
+        warnings: ctx.warnings.clone(),
+    })
+}
+
+/// The server's RSS and where it came from: `--server-pid`, then the metrics'
+/// process_resident_memory_bytes, then (for an in-process relay) this process.
+async fn server_rss(target: &Target) -> Option<(u64, &'static str, bool)> {
+    if let ServerProbe::Pid(pid) = target.probe {
+        return procfs::process_rss(&pid.to_string()).map(|r| (r, "server-pid", false));
+    }
+    if let Some(rss) = scrape(target)
+        .await
+        .and_then(|s| s.sum("process_resident_memory_bytes"))
+    {
+        // An in-process relay's process metrics describe the bench process.
+        return Some((rss as u64, "metrics", target.spawned));
+    }
+    if let ServerProbe::InProcess = target.probe {
+        return procfs::process_rss("self").map(|r| (r, "in-process", true));
+    }
+    None
+}
+
+async fn server_connections(target: &Target) -> Option<u64> {
+    scrape(target)
+        .await
+        .and_then(|s| s.sum("derp_current_connections"))
+        .map(|v| v as u64)
+}
+
+/// The connection count once it has stopped changing (the preflight connection, or the
+/// previous run's, may still be on its way out), waiting at most a second.
+async fn settled_connections(target: &Target) -> Option<u64> {
+    let mut last = server_connections(target).await?;
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut stable_since = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        let current = server_connections(target).await?;
+        if current != last {
+            last = current;
+            stable_since = now;
+        } else if now - stable_since >= Duration::from_millis(100) || now >= deadline {
+            return Some(current);
+        }
+    }
+}
+
+async fn hold_run(target: &Target, args: &IdleArgs, n: usize) -> IdleRun {
+    let connections_before = settled_connections(target).await;
+    let rss_before = server_rss(target).await;
+
+    let keys: Vec<SecretKey> = (0..n)
+        .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
+        .collect();
+    let sources = target.source_addrs(n);
+    let template = target.template();
+    let gate = Arc::new(Semaphore::new(args.concurrency as usize));
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(n);
+    for (i, key) in keys.into_iter().enumerate() {
+        let config = template.config(key, sources.for_index(i));
+        let gate = gate.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            Client::connect(&config).await
+        }));
+    }
+    let mut clients = Vec::with_capacity(n);
+    let mut failures: BTreeMap<String, u64> = BTreeMap::new();
+    for t in tasks {
+        match t.await {
+            Ok(Ok(c)) => clients.push(c),
+            Ok(Err(e)) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
+            Err(e) => *failures.entry(format!("task_{e}")).or_default() += 1,
+        }
+    }
+    let open_s = started.elapsed().as_secs_f64();
+    tokio::time::sleep(args.hold).await;
+    let connections_held = server_connections(target).await;
+    let rss_held = server_rss(target).await;
+    let opened = clients.len() as u64;
+    drop(clients);
+
+    // Let the server see the closes before the last reading (derper's RSS never shrinks;
+    // that is worth seeing too).
+    let settle_until = Instant::now() + CLOSE_SETTLE;
+    if let Some(before) = connections_before {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        while Instant::now() < settle_until {
+            tick.tick().await;
+            if server_connections(target).await.is_none_or(|c| c <= before) {
+                break;
+            }
+        }
+    }
+    let rss_after = server_rss(target).await;
+
+    let bytes_per_connection = match (rss_before, rss_held) {
+        (Some((b, _, _)), Some((h, _, _))) if opened > 0 => {
+            Some((h as f64 - b as f64) / opened as f64)
+        }
+        _ => None,
+    };
+    IdleRun {
+        requested: n as u64,
+        opened,
+        failed: n as u64 - opened,
+        failures,
+        source_addresses: sources.count(n),
+        open_s,
+        server_connections_before: connections_before,
+        server_connections_held: connections_held,
+        rss_source: rss_held.map(|(_, s, _)| s.to_owned()),
+        rss_includes_bench: rss_held.is_some_and(|(_, _, b)| b),
+        rss_before_bytes: rss_before.map(|r| r.0),
+        rss_held_bytes: rss_held.map(|r| r.0),
+        rss_after_close_bytes: rss_after.map(|r| r.0),
+        bytes_per_connection,
+    }
+}
+
+fn human(args: &IdleArgs, runs: &[IdleRun], median: &IdleMedian) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "idle: {} connections ({} opening at once), held {:?}, {} run(s)",
+        args.connections, args.concurrency, args.hold, args.runs
+    );
+    let mib = |b: Option<u64>| opt(b.map(|b| b as f64 / (1024.0 * 1024.0)), 1);
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            vec![
+                (i + 1).to_string(),
+                r.opened.to_string(),
+                r.failed.to_string(),
+                r.source_addresses.to_string(),
+                format!("{:.2}", r.open_s),
+                r.server_connections_held
+                    .map_or_else(|| "-".to_owned(), |c| c.to_string()),
+                mib(r.rss_before_bytes),
+                mib(r.rss_held_bytes),
+                mib(r.rss_after_close_bytes),
+                opt(r.bytes_per_connection, 0),
+                r.rss_source.clone().unwrap_or_else(|| "-".to_owned()),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            "run",
+            "opened",
+            "failed",
+            "src addrs",
+            "open secs",
+            "srv conns",
+            "RSS before MiB",
+            "RSS held MiB",
+            "RSS after MiB",
+            "bytes/conn",
+            "RSS from",
+        ],
+        &rows,
+    ));
+    let includes_bench = runs.iter().any(|r| r.rss_includes_bench);
+    let _ = writeln!(
+        out,
+        "median: {} bytes per idle connection{}",
+        opt(median.bytes_per_connection, 0),
+        if includes_bench {
+            " (client and server side together: the relay runs in the bench process)"
+        } else {
+            ""
+        }
+    );
+    out
+}

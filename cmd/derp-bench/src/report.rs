@@ -1,0 +1,540 @@
+//! Results: the JSON document (schema in docs/benchmarks.md, "derp-bench JSON schema") and
+//! the human summary tables.
+//!
+//! Units are in the field names: `_s` seconds, `_us` microseconds, `_ms` milliseconds,
+//! `_pps` packets per second, `_mbps` megabits (10^6 bits) of DERP payload per second,
+//! `_bytes` bytes, `_ratio` a fraction between 0 and 1, `_cores` CPU-seconds per second.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::load::{CpuSample, WindowSpec, ratio};
+
+/// Version of the JSON layout; bumped when a field changes meaning or goes away.
+pub(crate) const SCHEMA_VERSION: u32 = 1;
+
+/// The whole JSON document.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report<C: Serialize, R: Serialize> {
+    pub(crate) schema_version: u32,
+    pub(crate) tool_version: &'static str,
+    pub(crate) mode: &'static str,
+    pub(crate) started_unix_s: u64,
+    pub(crate) target: TargetInfo,
+    pub(crate) machine: Machine,
+    pub(crate) config: C,
+    pub(crate) result: R,
+    pub(crate) warnings: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct TargetInfo {
+    pub(crate) url: String,
+    pub(crate) spawned_server: bool,
+    pub(crate) metrics_source: Option<String>,
+    pub(crate) server_pid: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Machine {
+    pub(crate) cores: usize,
+    pub(crate) bench_release_build: bool,
+}
+
+/// CPU used during a measured window.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct CpuUse {
+    pub(crate) wall_s: f64,
+    pub(crate) bench_cpu_s: Option<f64>,
+    pub(crate) bench_cores: Option<f64>,
+    pub(crate) server_cpu_s: Option<f64>,
+    pub(crate) server_cores: Option<f64>,
+}
+
+impl CpuUse {
+    pub(crate) fn between(before: CpuSample, after: CpuSample, wall_s: f64) -> Self {
+        let bench = before
+            .bench
+            .zip(after.bench)
+            .map(|(b, a)| a.since(b).total());
+        let server = before
+            .server
+            .zip(after.server)
+            .map(|(b, a)| a.since(b).total());
+        let per_wall = |cpu: Option<f64>| cpu.map(|c| if wall_s > 0.0 { c / wall_s } else { 0.0 });
+        Self {
+            wall_s,
+            bench_cpu_s: bench,
+            bench_cores: per_wall(bench),
+            server_cpu_s: server,
+            server_cores: per_wall(server),
+        }
+    }
+}
+
+/// Server drops during a window, from `derp_packets_dropped{reason,kind}`.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Drops {
+    pub(crate) total_packets: u64,
+    pub(crate) by_reason: BTreeMap<String, u64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct PairResult {
+    pub(crate) pair: u32,
+    pub(crate) sent_packets: u64,
+    pub(crate) delivered_packets: u64,
+    pub(crate) lost_packets: u64,
+    pub(crate) loss_ratio: f64,
+    pub(crate) out_of_order_packets: u64,
+}
+
+/// One measured load window.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct LoadRun {
+    pub(crate) window_s: f64,
+    pub(crate) pairs_connected: usize,
+    pub(crate) offered_pps: Option<f64>,
+    pub(crate) offered_mbps: Option<f64>,
+    pub(crate) sent_packets: u64,
+    pub(crate) sent_pps: f64,
+    pub(crate) delivered_packets: u64,
+    pub(crate) delivered_pps: f64,
+    pub(crate) delivered_mbps: f64,
+    pub(crate) lost_packets: u64,
+    pub(crate) loss_ratio: f64,
+    pub(crate) out_of_order_packets: u64,
+    pub(crate) pairs: Vec<PairResult>,
+    pub(crate) server_drops: Option<Drops>,
+    pub(crate) cpu: CpuUse,
+    pub(crate) server_cpu_s_per_mpkt: Option<f64>,
+    pub(crate) errors: Vec<String>,
+}
+
+impl LoadRun {
+    pub(crate) fn from_pairs(
+        pairs: Vec<PairResult>,
+        spec: &WindowSpec,
+        connected: usize,
+        cpu: CpuUse,
+        server_drops: Option<Drops>,
+        errors: Vec<String>,
+    ) -> Self {
+        let window_s = spec.duration.as_secs_f64();
+        let sent: u64 = pairs.iter().map(|p| p.sent_packets).sum();
+        let delivered: u64 = pairs.iter().map(|p| p.delivered_packets).sum();
+        let out_of_order = pairs.iter().map(|p| p.out_of_order_packets).sum();
+        let per_s = |n: u64| {
+            if window_s > 0.0 {
+                n as f64 / window_s
+            } else {
+                0.0
+            }
+        };
+        let mbps = |pps: f64| pps * spec.size as f64 * 8.0 / 1e6;
+        let offered_pps = spec.rate_pps.map(|r| r * pairs.len() as f64);
+        let server_cpu_s_per_mpkt = cpu
+            .server_cpu_s
+            .filter(|_| delivered > 0)
+            .map(|s| s / delivered as f64 * 1e6);
+        Self {
+            window_s,
+            pairs_connected: connected,
+            offered_pps,
+            offered_mbps: offered_pps.map(mbps),
+            sent_packets: sent,
+            sent_pps: per_s(sent),
+            delivered_packets: delivered,
+            delivered_pps: per_s(delivered),
+            delivered_mbps: mbps(per_s(delivered)),
+            lost_packets: sent - delivered,
+            loss_ratio: ratio(sent - delivered, sent),
+            out_of_order_packets: out_of_order,
+            pairs,
+            server_drops,
+            cpu,
+            server_cpu_s_per_mpkt,
+            errors,
+        }
+    }
+}
+
+/// Medians of the headline load figures over runs.
+#[derive(Debug, Serialize)]
+pub(crate) struct LoadMedian {
+    pub(crate) delivered_pps: f64,
+    pub(crate) delivered_mbps: f64,
+    pub(crate) loss_ratio: f64,
+    pub(crate) bench_cores: Option<f64>,
+    pub(crate) server_cores: Option<f64>,
+    pub(crate) server_cpu_s_per_mpkt: Option<f64>,
+}
+
+impl LoadMedian {
+    pub(crate) fn of(runs: &[LoadRun]) -> Self {
+        Self {
+            delivered_pps: median(runs.iter().map(|r| r.delivered_pps)),
+            delivered_mbps: median(runs.iter().map(|r| r.delivered_mbps)),
+            loss_ratio: median(runs.iter().map(|r| r.loss_ratio)),
+            bench_cores: median_opt(runs.iter().map(|r| r.cpu.bench_cores)),
+            server_cores: median_opt(runs.iter().map(|r| r.cpu.server_cores)),
+            server_cpu_s_per_mpkt: median_opt(runs.iter().map(|r| r.server_cpu_s_per_mpkt)),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ThroughputConfig {
+    pub(crate) pairs: u32,
+    pub(crate) size_bytes: u32,
+    pub(crate) rate_pps_per_pair: Option<f64>,
+    pub(crate) warmup_s: f64,
+    pub(crate) duration_s: f64,
+    pub(crate) runs: u32,
+    pub(crate) stop_receivers_after_s: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ThroughputResult {
+    pub(crate) runs: Vec<LoadRun>,
+    pub(crate) median: LoadMedian,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct LatencyConfig {
+    pub(crate) probe_pairs: u32,
+    pub(crate) probe_rate_pps: f64,
+    pub(crate) size_bytes: u32,
+    pub(crate) load_pairs: u32,
+    pub(crate) load_rate_pps_per_pair: Option<f64>,
+    pub(crate) warmup_s: f64,
+    pub(crate) duration_s: f64,
+    pub(crate) runs: u32,
+}
+
+/// Round-trip percentiles, microseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct Percentiles {
+    pub(crate) min_us: f64,
+    pub(crate) mean_us: f64,
+    pub(crate) p50_us: f64,
+    pub(crate) p90_us: f64,
+    pub(crate) p99_us: f64,
+    pub(crate) p999_us: f64,
+    pub(crate) max_us: f64,
+}
+
+impl Percentiles {
+    /// From a histogram of nanoseconds.
+    pub(crate) fn of(h: &hdrhistogram::Histogram<u64>) -> Self {
+        let us = |ns: u64| ns as f64 / 1e3;
+        if h.is_empty() {
+            return Self::default();
+        }
+        Self {
+            min_us: us(h.min()),
+            mean_us: h.mean() / 1e3,
+            p50_us: us(h.value_at_quantile(0.5)),
+            p90_us: us(h.value_at_quantile(0.9)),
+            p99_us: us(h.value_at_quantile(0.99)),
+            p999_us: us(h.value_at_quantile(0.999)),
+            max_us: us(h.max()),
+        }
+    }
+
+    fn median_of(all: &[Self]) -> Self {
+        Self {
+            min_us: median(all.iter().map(|p| p.min_us)),
+            mean_us: median(all.iter().map(|p| p.mean_us)),
+            p50_us: median(all.iter().map(|p| p.p50_us)),
+            p90_us: median(all.iter().map(|p| p.p90_us)),
+            p99_us: median(all.iter().map(|p| p.p99_us)),
+            p999_us: median(all.iter().map(|p| p.p999_us)),
+            max_us: median(all.iter().map(|p| p.max_us)),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct LatencyRun {
+    pub(crate) probes_sent: u64,
+    pub(crate) probes_received: u64,
+    pub(crate) probes_lost: u64,
+    pub(crate) rtt: Percentiles,
+    pub(crate) background: Option<LoadRun>,
+    pub(crate) cpu: CpuUse,
+    pub(crate) errors: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct LatencyMedian {
+    pub(crate) rtt: Percentiles,
+    pub(crate) probe_loss_ratio: f64,
+    pub(crate) background_delivered_mbps: Option<f64>,
+    pub(crate) bench_cores: Option<f64>,
+}
+
+impl LatencyMedian {
+    pub(crate) fn of(runs: &[LatencyRun]) -> Self {
+        let rtts: Vec<Percentiles> = runs.iter().map(|r| r.rtt).collect();
+        Self {
+            rtt: Percentiles::median_of(&rtts),
+            probe_loss_ratio: median(runs.iter().map(|r| ratio(r.probes_lost, r.probes_sent))),
+            background_delivered_mbps: median_opt(
+                runs.iter()
+                    .map(|r| r.background.as_ref().map(|b| b.delivered_mbps)),
+            ),
+            bench_cores: median_opt(runs.iter().map(|r| r.cpu.bench_cores)),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct LatencyResult {
+    pub(crate) runs: Vec<LatencyRun>,
+    pub(crate) median: LatencyMedian,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ConnectConfig {
+    pub(crate) connections: u32,
+    pub(crate) concurrency: u32,
+    pub(crate) max_duration_s: f64,
+    pub(crate) runs: u32,
+}
+
+/// Handshake durations, milliseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct HandshakeTimes {
+    pub(crate) p50_ms: f64,
+    pub(crate) p90_ms: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) max_ms: f64,
+}
+
+impl HandshakeTimes {
+    pub(crate) fn of(h: &hdrhistogram::Histogram<u64>) -> Self {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        if h.is_empty() {
+            return Self::default();
+        }
+        Self {
+            p50_ms: ms(h.value_at_quantile(0.5)),
+            p90_ms: ms(h.value_at_quantile(0.9)),
+            p99_ms: ms(h.value_at_quantile(0.99)),
+            max_ms: ms(h.max()),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ConnectRun {
+    pub(crate) attempted: u64,
+    pub(crate) succeeded: u64,
+    pub(crate) failed: u64,
+    pub(crate) failures: BTreeMap<String, u64>,
+    pub(crate) elapsed_s: f64,
+    pub(crate) handshakes_per_s: f64,
+    pub(crate) handshake: HandshakeTimes,
+    pub(crate) source_addresses: usize,
+    pub(crate) cpu: CpuUse,
+    pub(crate) server_cpu_ms_per_handshake: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ConnectMedian {
+    pub(crate) handshakes_per_s: f64,
+    pub(crate) failure_ratio: f64,
+    pub(crate) handshake_p50_ms: f64,
+    pub(crate) handshake_p99_ms: f64,
+    pub(crate) bench_cores: Option<f64>,
+    pub(crate) server_cpu_ms_per_handshake: Option<f64>,
+}
+
+impl ConnectMedian {
+    pub(crate) fn of(runs: &[ConnectRun]) -> Self {
+        Self {
+            handshakes_per_s: median(runs.iter().map(|r| r.handshakes_per_s)),
+            failure_ratio: median(runs.iter().map(|r| ratio(r.failed, r.attempted))),
+            handshake_p50_ms: median(runs.iter().map(|r| r.handshake.p50_ms)),
+            handshake_p99_ms: median(runs.iter().map(|r| r.handshake.p99_ms)),
+            bench_cores: median_opt(runs.iter().map(|r| r.cpu.bench_cores)),
+            server_cpu_ms_per_handshake: median_opt(
+                runs.iter().map(|r| r.server_cpu_ms_per_handshake),
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct ConnectResult {
+    pub(crate) runs: Vec<ConnectRun>,
+    pub(crate) median: ConnectMedian,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct IdleConfig {
+    pub(crate) connections: u32,
+    pub(crate) concurrency: u32,
+    pub(crate) hold_s: f64,
+    pub(crate) runs: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct IdleRun {
+    pub(crate) requested: u64,
+    pub(crate) opened: u64,
+    pub(crate) failed: u64,
+    pub(crate) failures: BTreeMap<String, u64>,
+    pub(crate) source_addresses: usize,
+    pub(crate) open_s: f64,
+    pub(crate) server_connections_before: Option<u64>,
+    pub(crate) server_connections_held: Option<u64>,
+    pub(crate) rss_source: Option<String>,
+    pub(crate) rss_includes_bench: bool,
+    pub(crate) rss_before_bytes: Option<u64>,
+    pub(crate) rss_held_bytes: Option<u64>,
+    pub(crate) rss_after_close_bytes: Option<u64>,
+    pub(crate) bytes_per_connection: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct IdleMedian {
+    pub(crate) opened: f64,
+    pub(crate) bytes_per_connection: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct IdleResult {
+    pub(crate) runs: Vec<IdleRun>,
+    pub(crate) median: IdleMedian,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct SweepConfig {
+    pub(crate) pairs: u32,
+    pub(crate) size_bytes: u32,
+    pub(crate) start_mbps: f64,
+    pub(crate) factor: Option<f64>,
+    pub(crate) step_mbps: Option<f64>,
+    pub(crate) warmup_s: f64,
+    pub(crate) step_duration_s: f64,
+    pub(crate) loss_threshold: f64,
+    pub(crate) steps_past: u32,
+    pub(crate) max_steps: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct SweepStep {
+    pub(crate) offered_mbps: f64,
+    pub(crate) undelivered_ratio: f64,
+    pub(crate) load: LoadRun,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Saturation {
+    pub(crate) max_delivered_mbps: f64,
+    pub(crate) max_delivered_at_offered_mbps: f64,
+    pub(crate) last_ok_offered_mbps: Option<f64>,
+    pub(crate) first_over_threshold_offered_mbps: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct SweepResult {
+    pub(crate) steps: Vec<SweepStep>,
+    pub(crate) saturation: Saturation,
+}
+
+/// Median of the values (the mean of the middle two for an even count); 0 when empty.
+pub(crate) fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    }
+}
+
+/// Median of the values present; `None` when none is.
+pub(crate) fn median_opt(values: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    let v: Vec<f64> = values.flatten().collect();
+    (!v.is_empty()).then(|| median(v.into_iter()))
+}
+
+/// A plain text table: a header row, then rows, columns padded to fit.
+pub(crate) fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            if i < widths.len() {
+                widths[i] = widths[i].max(cell.chars().count());
+            }
+        }
+    }
+    let mut out = String::new();
+    let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
+        let mut first = true;
+        for (cell, w) in cells.zip(&widths) {
+            if !first {
+                out.push_str("  ");
+            }
+            first = false;
+            let _ = write!(out, "{cell:>w$}");
+        }
+        out.push('\n');
+    };
+    line(&mut out, &mut header.iter().copied());
+    for row in rows {
+        line(&mut out, &mut row.iter().map(String::as_str));
+    }
+    out
+}
+
+/// Formats an optional number with `digits` decimals, or "-".
+pub(crate) fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
+/// Formats a ratio as a percentage.
+pub(crate) fn pct(r: f64) -> String {
+    format!("{:.3}%", r * 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 2.0, 3.0].into_iter()), 2.5);
+        assert_eq!(median(std::iter::empty()), 0.0);
+        assert_eq!(median_opt([None, Some(5.0), None].into_iter()), Some(5.0));
+        assert_eq!(median_opt([None::<f64>].into_iter()), None);
+    }
+
+    #[test]
+    fn table_pads_columns() {
+        let t = table(&["a", "bbb"], &[vec!["1000".into(), "2".into()]]);
+        assert_eq!(t, "   a  bbb\n1000    2\n");
+    }
+
+    #[test]
+    fn percentiles_are_ordered() {
+        let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+        for v in 1..=10_000u64 {
+            h.record(v * 1000).unwrap();
+        }
+        let p = Percentiles::of(&h);
+        assert!(p.min_us <= p.p50_us && p.p50_us <= p.p90_us && p.p90_us <= p.p99_us);
+        assert!(p.p99_us <= p.p999_us && p.p999_us <= p.max_us);
+        assert!((p.p50_us - 5000.0).abs() / 5000.0 < 0.01);
+    }
+}

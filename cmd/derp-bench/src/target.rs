@@ -1,0 +1,316 @@
+//! The server under test: its URL, how to observe it, and the relay `--spawn-server` starts.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use derp_client::{Client, ClientConfig, ConnectError, ServerUrl};
+use derp_proto::SecretKey;
+use derp_server::{Server, ServerConfig};
+
+use crate::cli::TargetArgs;
+use crate::procfs::{self, CpuTime};
+use crate::prom::MetricsSource;
+
+/// Thread-name prefix of the spawned relay's runtime, so its CPU can be told from the
+/// bench's (both live in one process).
+pub(crate) const SERVER_THREAD_PREFIX: &str = "derpd-srv";
+/// Thread-name prefix of the bench's own runtime.
+pub(crate) const BENCH_THREAD_NAME: &str = "derp-bench";
+
+/// A relay running in this process on its own runtime.
+#[derive(Debug)]
+pub(crate) struct SpawnedServer {
+    runtime: tokio::runtime::Runtime,
+    server: Server,
+    pub(crate) url: String,
+    pub(crate) registry: prometheus::Registry,
+}
+
+impl SpawnedServer {
+    /// Starts a relay with derpd's defaults on 127.0.0.1, on a port the kernel picks.
+    pub(crate) fn start() -> anyhow::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name(SERVER_THREAD_PREFIX)
+            .build()
+            .context("starting the relay's runtime")?;
+        let registry = prometheus::Registry::new();
+        let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+        let server = Server::new(ServerConfig::new(secret), &registry)
+            .context("creating the in-process relay")?;
+        let std_listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .context("binding 127.0.0.1:0 for the in-process relay")?;
+        std_listener.set_nonblocking(true)?;
+        let addr = std_listener.local_addr()?;
+        let listener = {
+            let _guard = runtime.enter();
+            tokio::net::TcpListener::from_std(std_listener)?
+        };
+        let serving = server.clone();
+        runtime.spawn(async move {
+            if let Err(e) = serving.serve(listener).await {
+                eprintln!("derp-bench: in-process relay stopped: {e}");
+            }
+        });
+        Ok(Self {
+            runtime,
+            server,
+            url: format!("http://{addr}/derp"),
+            registry,
+        })
+    }
+
+    /// Closes every connection and stops the relay's runtime.
+    pub(crate) fn stop(self) {
+        let server = self.server;
+        let stopped = self.runtime.block_on(async move {
+            tokio::time::timeout(Duration::from_secs(5), server.shutdown()).await
+        });
+        if stopped.is_err() {
+            eprintln!("derp-bench: in-process relay did not stop within 5s");
+        }
+        self.runtime.shutdown_timeout(Duration::from_secs(1));
+    }
+}
+
+/// Where the server's CPU and memory figures come from.
+#[derive(Clone, Debug)]
+pub(crate) enum ServerProbe {
+    /// Not observable from here.
+    None,
+    /// A separate process on this machine.
+    Pid(u32),
+    /// The spawned relay's threads in this process.
+    InProcess,
+}
+
+/// The server under test.
+#[derive(Debug)]
+pub(crate) struct Target {
+    pub(crate) url: ServerUrl,
+    pub(crate) metrics: Option<MetricsSource>,
+    pub(crate) probe: ServerProbe,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) spawned: bool,
+    ticks: f64,
+}
+
+impl Target {
+    /// Resolves the flags into a target; `spawned` is the relay `--spawn-server` started.
+    pub(crate) fn new(args: &TargetArgs, spawned: Option<&SpawnedServer>) -> anyhow::Result<Self> {
+        let url_text = match (spawned, &args.url) {
+            (Some(s), _) => s.url.clone(),
+            (None, Some(url)) => url.clone(),
+            (None, None) => bail!("give the server with --url URL, or use --spawn-server"),
+        };
+        let url: ServerUrl = url_text
+            .parse()
+            .map_err(|e| anyhow!("bad --url {url_text:?}: {e}"))?;
+        let metrics = match (&args.metrics_url, spawned) {
+            (Some(m), _) => Some(MetricsSource::Http(m.clone())),
+            (None, Some(s)) => Some(MetricsSource::InProcess(s.registry.clone())),
+            (None, None) => None,
+        };
+        let probe = match (args.server_pid, spawned) {
+            (Some(pid), _) => {
+                if !std::path::Path::new(&format!("/proc/{pid}/stat")).exists() {
+                    bail!("--server-pid {pid}: no such process (or /proc is not mounted)");
+                }
+                ServerProbe::Pid(pid)
+            }
+            (None, Some(_)) => ServerProbe::InProcess,
+            (None, None) => ServerProbe::None,
+        };
+        Ok(Self {
+            url,
+            metrics,
+            probe,
+            connect_timeout: args.connect_timeout,
+            spawned: spawned.is_some(),
+            ticks: procfs::clock_ticks_per_second(),
+        })
+    }
+
+    /// A client config for this target.
+    pub(crate) fn client_config(
+        &self,
+        secret: SecretKey,
+        local: Option<SocketAddr>,
+    ) -> ClientConfig {
+        self.template().config(secret, local)
+    }
+
+    /// What tasks need to build client configs, detached from the target.
+    pub(crate) fn template(&self) -> ClientTemplate {
+        ClientTemplate {
+            url: self.url.clone(),
+            connect_timeout: self.connect_timeout,
+        }
+    }
+
+    /// One connection and handshake before anything else, so that an unreachable or refusing
+    /// server ends the run at once with a clear message.
+    pub(crate) async fn preflight(&self) -> anyhow::Result<()> {
+        let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+        match Client::connect(&self.client_config(secret, None)).await {
+            Ok(client) => {
+                let _ = client.close().await;
+                Ok(())
+            }
+            Err(e) => Err(anyhow!(
+                "cannot use DERP server {}: {}",
+                self.url,
+                describe_connect_error(&e)
+            )),
+        }
+    }
+
+    /// CPU used so far by the server, if it can be observed.
+    pub(crate) fn server_cpu(&self) -> Option<CpuTime> {
+        match self.probe {
+            ServerProbe::None => None,
+            ServerProbe::Pid(pid) => procfs::process_cpu(&pid.to_string(), self.ticks),
+            ServerProbe::InProcess => procfs::own_threads_cpu(SERVER_THREAD_PREFIX, self.ticks),
+        }
+    }
+
+    /// CPU used so far by the bench itself: the whole process, less the spawned relay's
+    /// threads when there is one.
+    pub(crate) fn bench_cpu(&self) -> Option<CpuTime> {
+        let all = procfs::process_cpu("self", self.ticks)?;
+        match self.probe {
+            ServerProbe::InProcess => {
+                let server = procfs::own_threads_cpu(SERVER_THREAD_PREFIX, self.ticks)?;
+                Some(all.since(server))
+            }
+            _ => Some(all),
+        }
+    }
+
+    /// Source addresses for `n` connections: `None` (let the kernel pick) unless `n` exceeds
+    /// what one source address can hold and the target is an IPv4 loopback address, in which
+    /// case connections are spread over 127.0.1.0/24 and beyond.
+    pub(crate) fn source_addrs(&self, n: usize) -> SourceAddrs {
+        // Leave headroom for TIME_WAIT sockets and whatever else uses ephemeral ports.
+        let per_addr = (procfs::ephemeral_ports() as usize * 3 / 4).max(1);
+        let loopback = match self.url.host().parse::<IpAddr>() {
+            Ok(IpAddr::V4(ip)) => ip.is_loopback(),
+            Ok(IpAddr::V6(_)) => false,
+            Err(_) => self.url.host().eq_ignore_ascii_case("localhost"),
+        };
+        if n <= per_addr || !loopback {
+            return SourceAddrs { per_addr: 0 };
+        }
+        SourceAddrs { per_addr }
+    }
+}
+
+/// Builds client configs for one target.
+#[derive(Clone, Debug)]
+pub(crate) struct ClientTemplate {
+    url: ServerUrl,
+    connect_timeout: Duration,
+}
+
+impl ClientTemplate {
+    pub(crate) fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
+        let mut config = ClientConfig::with_url(self.url.clone(), secret)
+            .with_connect_timeout(self.connect_timeout)
+            .with_app_name("derp-bench");
+        if let Some(local) = local {
+            config = config.with_local_addr(local);
+        }
+        config
+    }
+}
+
+/// Assigns source addresses to connection indexes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SourceAddrs {
+    /// Connections per source address; 0 means "let the kernel choose".
+    per_addr: usize,
+}
+
+impl SourceAddrs {
+    /// The local address for connection `i`.
+    pub(crate) fn for_index(self, i: usize) -> Option<SocketAddr> {
+        if self.per_addr == 0 {
+            return None;
+        }
+        let base = u32::from(Ipv4Addr::new(127, 0, 1, 1));
+        // 127.0.1.1 up to 127.255.255.254 is far more than MAX_CONNECTIONS needs.
+        let ip = Ipv4Addr::from(base + (i / self.per_addr) as u32);
+        Some(SocketAddr::from((ip, 0)))
+    }
+
+    /// How many source addresses `n` connections use (1 when the kernel chooses).
+    pub(crate) fn count(self, n: usize) -> usize {
+        if self.per_addr == 0 {
+            1
+        } else {
+            n.div_ceil(self.per_addr)
+        }
+    }
+}
+
+/// A connect error in words an operator can act on.
+pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
+    match e {
+        ConnectError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+            format!("connection refused (is the server running and listening there?): {e}")
+        }
+        ConnectError::HttpStatus { status } => {
+            format!(
+                "the server refused the DERP upgrade with HTTP {status} (wrong path, or DERP disabled?)"
+            )
+        }
+        ConnectError::Timeout(_) => format!("{e} (server unreachable or overloaded)"),
+        // TLS support in the client is still changing; whatever it reports is passed on.
+        other if other.to_string().to_ascii_lowercase().contains("tls") => format!(
+            "{other} (an https:// or wss:// URL needs TLS support in derp-client and a \
+             certificate it trusts; http:// and ws:// test the plain listener)"
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// A short, stable name for a connect error, for failure counts.
+pub(crate) fn connect_error_kind(e: &ConnectError) -> String {
+    match e {
+        ConnectError::BadUrl(_) => "bad_url".into(),
+        ConnectError::InvalidConfig(_) => "invalid_config".into(),
+        ConnectError::NoAddress { .. } => "no_address".into(),
+        ConnectError::Io(io) => format!("io_{:?}", io.kind()).to_ascii_lowercase(),
+        ConnectError::Timeout(_) => "timeout".into(),
+        ConnectError::UnexpectedEof => "closed_during_handshake".into(),
+        ConnectError::HttpStatus { status } => format!("http_{status}"),
+        ConnectError::BadResponse(_) => "bad_http_response".into(),
+        ConnectError::WebSocket(_) => "websocket".into(),
+        ConnectError::Decode(_) | ConnectError::UnexpectedFrame { .. } => "bad_frame".into(),
+        ConnectError::Handshake(_) => "handshake".into(),
+        ConnectError::Connection(_) => "connection".into(),
+        other if other.to_string().to_ascii_lowercase().contains("tls") => "tls".into(),
+        _ => "other".into(),
+    }
+}
+
+/// Fails early when `n` connections (doubled when the relay lives in this process) would
+/// exceed the open-files limit, instead of failing half-way with EMFILE.
+pub(crate) fn check_fd_budget(n: usize, spawned: bool) -> anyhow::Result<()> {
+    let needed = n as u64 * if spawned { 2 } else { 1 } + 64;
+    if let Some(limit) = procfs::open_files_limit()
+        && needed > limit
+    {
+        bail!(
+            "{n} connections need about {needed} open files{}, but the limit is {limit}: \
+             raise `ulimit -n` or lower --connections",
+            if spawned {
+                " (client and in-process server side)"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}

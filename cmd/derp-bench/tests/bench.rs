@@ -1,0 +1,851 @@
+//! Runs the derp-bench binary in every mode against a real relay on loopback and checks that
+//! its numbers make sense and that its JSON matches the documented schema (the structs below
+//! mirror docs/benchmarks.md and refuse unknown fields).
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_derp-bench"))
+        .args(args)
+        .output()
+        .expect("running derp-bench")
+}
+
+fn bench_json<T: DeserializeOwned>(args: &[&str]) -> Report<T> {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = bench(&all);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "derp-bench {all:?} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "JSON does not match the schema: {e}\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("derp-bench-test-{}-{name}", std::process::id()))
+}
+
+// ---- The documented schema ----
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Report<T> {
+    schema_version: u32,
+    tool_version: String,
+    mode: String,
+    started_unix_s: u64,
+    target: TargetInfo,
+    machine: Machine,
+    config: serde_json::Value,
+    result: T,
+    warnings: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TargetInfo {
+    url: String,
+    spawned_server: bool,
+    metrics_source: Option<String>,
+    server_pid: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Machine {
+    cores: usize,
+    bench_release_build: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Cpu {
+    wall_s: f64,
+    bench_cpu_s: Option<f64>,
+    bench_cores: Option<f64>,
+    server_cpu_s: Option<f64>,
+    server_cores: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Drops {
+    total_packets: u64,
+    by_reason: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PairResult {
+    pair: u32,
+    sent_packets: u64,
+    delivered_packets: u64,
+    lost_packets: u64,
+    loss_ratio: f64,
+    out_of_order_packets: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadRun {
+    window_s: f64,
+    pairs_connected: usize,
+    offered_pps: Option<f64>,
+    offered_mbps: Option<f64>,
+    sent_packets: u64,
+    sent_pps: f64,
+    delivered_packets: u64,
+    delivered_pps: f64,
+    delivered_mbps: f64,
+    lost_packets: u64,
+    loss_ratio: f64,
+    out_of_order_packets: u64,
+    pairs: Vec<PairResult>,
+    server_drops: Option<Drops>,
+    cpu: Cpu,
+    server_cpu_s_per_mpkt: Option<f64>,
+    errors: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadMedian {
+    delivered_pps: f64,
+    delivered_mbps: f64,
+    loss_ratio: f64,
+    bench_cores: Option<f64>,
+    server_cores: Option<f64>,
+    server_cpu_s_per_mpkt: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ThroughputConfig {
+    pairs: u32,
+    size_bytes: u32,
+    rate_pps_per_pair: Option<f64>,
+    warmup_s: f64,
+    duration_s: f64,
+    runs: u32,
+    stop_receivers_after_s: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ThroughputResult {
+    runs: Vec<LoadRun>,
+    median: LoadMedian,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LatencyConfig {
+    probe_pairs: u32,
+    probe_rate_pps: f64,
+    size_bytes: u32,
+    load_pairs: u32,
+    load_rate_pps_per_pair: Option<f64>,
+    warmup_s: f64,
+    duration_s: f64,
+    runs: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Percentiles {
+    min_us: f64,
+    mean_us: f64,
+    p50_us: f64,
+    p90_us: f64,
+    p99_us: f64,
+    p999_us: f64,
+    max_us: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LatencyRun {
+    probes_sent: u64,
+    probes_received: u64,
+    probes_lost: u64,
+    rtt: Percentiles,
+    background: Option<LoadRun>,
+    cpu: Cpu,
+    errors: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LatencyMedian {
+    rtt: Percentiles,
+    probe_loss_ratio: f64,
+    background_delivered_mbps: Option<f64>,
+    bench_cores: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LatencyResult {
+    runs: Vec<LatencyRun>,
+    median: LatencyMedian,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConnectConfig {
+    connections: u32,
+    concurrency: u32,
+    max_duration_s: f64,
+    runs: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HandshakeTimes {
+    p50_ms: f64,
+    p90_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConnectRun {
+    attempted: u64,
+    succeeded: u64,
+    failed: u64,
+    failures: BTreeMap<String, u64>,
+    elapsed_s: f64,
+    handshakes_per_s: f64,
+    handshake: HandshakeTimes,
+    source_addresses: usize,
+    cpu: Cpu,
+    server_cpu_ms_per_handshake: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConnectMedian {
+    handshakes_per_s: f64,
+    failure_ratio: f64,
+    handshake_p50_ms: f64,
+    handshake_p99_ms: f64,
+    bench_cores: Option<f64>,
+    server_cpu_ms_per_handshake: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConnectResult {
+    runs: Vec<ConnectRun>,
+    median: ConnectMedian,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdleConfig {
+    connections: u32,
+    concurrency: u32,
+    hold_s: f64,
+    runs: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdleRun {
+    requested: u64,
+    opened: u64,
+    failed: u64,
+    failures: BTreeMap<String, u64>,
+    source_addresses: usize,
+    open_s: f64,
+    server_connections_before: Option<u64>,
+    server_connections_held: Option<u64>,
+    rss_source: Option<String>,
+    rss_includes_bench: bool,
+    rss_before_bytes: Option<u64>,
+    rss_held_bytes: Option<u64>,
+    rss_after_close_bytes: Option<u64>,
+    bytes_per_connection: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdleMedian {
+    opened: f64,
+    bytes_per_connection: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IdleResult {
+    runs: Vec<IdleRun>,
+    median: IdleMedian,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SweepConfig {
+    pairs: u32,
+    size_bytes: u32,
+    start_mbps: f64,
+    factor: Option<f64>,
+    step_mbps: Option<f64>,
+    warmup_s: f64,
+    step_duration_s: f64,
+    loss_threshold: f64,
+    steps_past: u32,
+    max_steps: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SweepStep {
+    offered_mbps: f64,
+    undelivered_ratio: f64,
+    load: LoadRun,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Saturation {
+    max_delivered_mbps: f64,
+    max_delivered_at_offered_mbps: f64,
+    last_ok_offered_mbps: Option<f64>,
+    first_over_threshold_offered_mbps: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SweepResult {
+    steps: Vec<SweepStep>,
+    saturation: Saturation,
+}
+
+fn config<T: DeserializeOwned>(report: &Report<impl std::fmt::Debug>) -> T {
+    serde_json::from_value(report.config.clone()).expect("config matches the schema")
+}
+
+/// Checks that hold for every load window.
+fn check_load_run(run: &LoadRun, pairs: usize) {
+    assert_eq!(run.pairs.len(), pairs);
+    assert_eq!(run.pairs_connected, pairs);
+    assert!(run.window_s > 0.0);
+    assert!(run.sent_packets > 0, "nothing sent: {run:?}");
+    assert!(run.delivered_packets <= run.sent_packets);
+    assert_eq!(run.lost_packets, run.sent_packets - run.delivered_packets);
+    let sent: u64 = run.pairs.iter().map(|p| p.sent_packets).sum();
+    let delivered: u64 = run.pairs.iter().map(|p| p.delivered_packets).sum();
+    assert_eq!((sent, delivered), (run.sent_packets, run.delivered_packets));
+    for (i, p) in run.pairs.iter().enumerate() {
+        assert!(p.delivered_packets <= p.sent_packets);
+        assert_eq!(p.lost_packets, p.sent_packets - p.delivered_packets);
+        assert!((0.0..=1.0).contains(&p.loss_ratio));
+        assert!(p.out_of_order_packets <= p.delivered_packets + p.lost_packets);
+        assert!(p.pair as usize >= i);
+    }
+    assert!((0.0..=1.0).contains(&run.loss_ratio));
+    assert!(run.out_of_order_packets <= run.sent_packets);
+    let pps = run.delivered_packets as f64 / run.window_s;
+    assert!((run.delivered_pps - pps).abs() < 1e-6 * pps.max(1.0));
+    assert!(run.delivered_pps <= run.sent_pps);
+    assert!(run.delivered_mbps >= 0.0);
+    assert!(run.cpu.wall_s > 0.0);
+    assert!(run.cpu.bench_cpu_s.is_some() && run.cpu.bench_cores.unwrap() >= 0.0);
+    if let (Some(offered), Some(mbps)) = (run.offered_pps, run.offered_mbps) {
+        assert!(offered > 0.0 && mbps > 0.0);
+    }
+}
+
+// ---- Throughput ----
+
+#[test]
+fn throughput_paced_counts_every_packet() {
+    let r: Report<ThroughputResult> = bench_json(&[
+        "throughput",
+        "--spawn-server",
+        "--pairs",
+        "2",
+        "--size",
+        "570",
+        "--rate",
+        "400",
+        "--warmup",
+        "200ms",
+        "--duration",
+        "600ms",
+        "--runs",
+        "2",
+    ]);
+    assert_eq!(r.schema_version, 1);
+    assert_eq!(r.mode, "throughput");
+    assert!(!r.tool_version.is_empty() && r.started_unix_s > 1_600_000_000);
+    assert!(r.target.spawned_server && r.target.url.starts_with("http://127.0.0.1:"));
+    assert_eq!(
+        r.target.metrics_source.as_deref(),
+        Some("in-process registry")
+    );
+    assert_eq!(r.target.server_pid, None);
+    assert!(r.machine.cores >= 1);
+    let _ = r.machine.bench_release_build;
+    let c: ThroughputConfig = config(&r);
+    assert_eq!((c.pairs, c.size_bytes, c.runs), (2, 570, 2));
+    assert_eq!(c.rate_pps_per_pair, Some(400.0));
+    assert!(c.warmup_s > 0.0 && c.duration_s > 0.0 && c.stop_receivers_after_s.is_none());
+    assert_eq!(r.result.runs.len(), 2);
+    for run in &r.result.runs {
+        check_load_run(run, 2);
+        // 2 pairs x 400 packets/s over 0.6 s: about 480 packets, paced (a busy CI machine
+        // may starve the senders, never speed them up).
+        assert!(
+            (240..=560).contains(&run.sent_packets),
+            "sent {}",
+            run.sent_packets
+        );
+        assert_eq!(run.offered_pps, Some(800.0));
+        let drops = run
+            .server_drops
+            .as_ref()
+            .expect("in-process metrics give drops");
+        assert_eq!(drops.total_packets, drops.by_reason.values().sum::<u64>());
+        assert!(run.cpu.server_cpu_s.is_some() && run.cpu.server_cores.is_some());
+        assert!(run.errors.is_empty(), "{:?}", run.errors);
+        assert!(run.server_cpu_s_per_mpkt.is_some());
+    }
+    let m = &r.result.median;
+    assert!(m.delivered_pps > 0.0 && m.delivered_mbps > 0.0 && m.loss_ratio <= 1.0);
+    assert!(m.bench_cores.is_some() && m.server_cores.is_some());
+    assert!(m.server_cpu_s_per_mpkt.unwrap() > 0.0);
+    assert!(
+        r.warnings
+            .iter()
+            .any(|w| w.contains("inside the bench process"))
+    );
+}
+
+#[test]
+fn throughput_stopped_receivers_show_loss_and_server_drops() {
+    let r: Report<ThroughputResult> = bench_json(&[
+        "throughput",
+        "--spawn-server",
+        "--pairs",
+        "2",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "700ms",
+        "--stop-receivers-after",
+        "100ms",
+    ]);
+    let c: ThroughputConfig = config(&r);
+    assert_eq!(c.rate_pps_per_pair, None);
+    assert_eq!(c.stop_receivers_after_s, Some(0.1));
+    let run = &r.result.runs[0];
+    check_load_run(run, 2);
+    assert!(
+        run.lost_packets > 0,
+        "a stopped receiver must show loss: {run:?}"
+    );
+    for p in &run.pairs {
+        assert!(p.lost_packets > 0, "pair {} lost nothing", p.pair);
+    }
+    let drops = run.server_drops.as_ref().unwrap();
+    assert!(drops.total_packets > 0);
+    assert!(
+        drops.by_reason.get("queue_head").copied().unwrap_or(0)
+            + drops.by_reason.get("queue_tail").copied().unwrap_or(0)
+            + drops
+                .by_reason
+                .get("gone_disconnected")
+                .copied()
+                .unwrap_or(0)
+            > 0,
+        "{drops:?}"
+    );
+}
+
+// ---- Latency ----
+
+#[test]
+fn latency_percentiles_are_ordered_and_plotted() {
+    let plot = temp_path("latency.svg");
+    let plot_arg = plot.to_str().unwrap().to_owned();
+    let r: Report<LatencyResult> = bench_json(&[
+        "latency",
+        "--spawn-server",
+        "--probe-rate",
+        "500",
+        "--size",
+        "570",
+        "--load-pairs",
+        "1",
+        "--load-mbps",
+        "5",
+        "--warmup",
+        "200ms",
+        "--duration",
+        "600ms",
+        "--plot",
+        &plot_arg,
+    ]);
+    let c: LatencyConfig = config(&r);
+    assert_eq!(
+        (c.probe_pairs, c.size_bytes, c.load_pairs, c.runs),
+        (1, 570, 1, 1)
+    );
+    assert_eq!(c.probe_rate_pps, 500.0);
+    assert!(c.load_rate_pps_per_pair.unwrap() > 0.0 && c.warmup_s > 0.0 && c.duration_s > 0.0);
+    let run = &r.result.runs[0];
+    assert!(run.probes_sent > 100, "{run:?}");
+    assert!(run.probes_received > 0 && run.probes_received <= run.probes_sent);
+    assert_eq!(run.probes_lost, run.probes_sent - run.probes_received);
+    let p = &run.rtt;
+    assert!(p.min_us > 0.0);
+    assert!(p.min_us <= p.p50_us && p.p50_us <= p.p90_us && p.p90_us <= p.p99_us);
+    assert!(p.p99_us <= p.p999_us && p.p999_us <= p.max_us);
+    assert!(p.mean_us >= p.min_us && p.mean_us <= p.max_us);
+    // A loopback round trip is well under a second even on a loaded CI machine.
+    assert!(p.p50_us < 1e6);
+    let bg = run.background.as_ref().expect("background load ran");
+    check_load_run(bg, 1);
+    assert!(run.cpu.bench_cores.is_some() && run.errors.is_empty());
+    let m = &r.result.median;
+    assert_eq!(m.rtt.p50_us, p.p50_us);
+    assert!(m.probe_loss_ratio <= 1.0 && m.background_delivered_mbps.is_some());
+    assert!(m.bench_cores.is_some());
+    let svg = std::fs::read_to_string(&plot).expect("plot written");
+    let _ = std::fs::remove_file(&plot);
+    assert!(
+        svg.contains("<svg") && svg.contains("percentile"),
+        "{svg:.200}"
+    );
+}
+
+// ---- Connect ----
+
+#[test]
+fn connect_storm_completes_every_handshake() {
+    let r: Report<ConnectResult> = bench_json(&[
+        "connect",
+        "--spawn-server",
+        "--connections",
+        "60",
+        "--concurrency",
+        "8",
+    ]);
+    let c: ConnectConfig = config(&r);
+    assert_eq!((c.connections, c.concurrency, c.runs), (60, 8, 1));
+    assert!(c.max_duration_s > 0.0);
+    let run = &r.result.runs[0];
+    assert_eq!((run.attempted, run.succeeded, run.failed), (60, 60, 0));
+    assert!(run.failures.is_empty());
+    assert!(run.elapsed_s > 0.0 && run.handshakes_per_s > 0.0);
+    let expected = run.succeeded as f64 / run.elapsed_s;
+    assert!((run.handshakes_per_s - expected).abs() < 1e-6 * expected);
+    let h = &run.handshake;
+    assert!(h.p50_ms > 0.0 && h.p50_ms <= h.p90_ms && h.p90_ms <= h.p99_ms && h.p99_ms <= h.max_ms);
+    assert_eq!(run.source_addresses, 1);
+    assert!(run.cpu.server_cpu_s.is_some());
+    assert!(run.server_cpu_ms_per_handshake.is_some());
+    let m = &r.result.median;
+    assert_eq!(m.failure_ratio, 0.0);
+    assert!(m.handshakes_per_s > 0.0 && m.handshake_p50_ms <= m.handshake_p99_ms);
+    assert!(m.bench_cores.is_some() && m.server_cpu_ms_per_handshake.is_some());
+}
+
+// ---- Idle ----
+
+#[test]
+fn idle_connections_show_in_the_server_metrics() {
+    let r: Report<IdleResult> = bench_json(&[
+        "idle",
+        "--spawn-server",
+        "--connections",
+        "150",
+        "--hold",
+        "100ms",
+    ]);
+    let c: IdleConfig = config(&r);
+    assert_eq!((c.connections, c.runs), (150, 1));
+    assert!(c.concurrency > 0 && c.hold_s > 0.0);
+    let run = &r.result.runs[0];
+    assert_eq!((run.requested, run.opened, run.failed), (150, 150, 0));
+    assert!(run.failures.is_empty() && run.source_addresses == 1 && run.open_s > 0.0);
+    let before = run
+        .server_connections_before
+        .expect("connection gauge scraped");
+    assert_eq!(run.server_connections_held, Some(before + 150));
+    assert!(run.rss_source.is_some() && run.rss_includes_bench);
+    assert!(run.rss_before_bytes.unwrap() > 0 && run.rss_held_bytes.unwrap() > 0);
+    assert!(run.rss_after_close_bytes.is_some());
+    assert!(run.bytes_per_connection.is_some());
+    assert_eq!(r.result.median.opened, 150.0);
+    assert_eq!(
+        r.result.median.bytes_per_connection,
+        run.bytes_per_connection
+    );
+}
+
+// ---- Sweep ----
+
+#[test]
+fn sweep_steps_up_and_plots() {
+    let plot = temp_path("sweep.svg");
+    let plot_arg = plot.to_str().unwrap().to_owned();
+    let r: Report<SweepResult> = bench_json(&[
+        "sweep",
+        "--spawn-server",
+        "--pairs",
+        "1",
+        "--start-mbps",
+        "2",
+        "--factor",
+        "3",
+        "--max-steps",
+        "3",
+        "--warmup",
+        "100ms",
+        "--step-duration",
+        "400ms",
+        "--plot",
+        &plot_arg,
+    ]);
+    let c: SweepConfig = config(&r);
+    assert_eq!((c.pairs, c.max_steps, c.size_bytes), (1, 3, 1400));
+    assert_eq!(
+        (c.start_mbps, c.factor, c.step_mbps),
+        (2.0, Some(3.0), None)
+    );
+    assert!(c.warmup_s > 0.0 && c.step_duration_s > 0.0 && c.loss_threshold > 0.0);
+    let _ = c.steps_past;
+    let steps = &r.result.steps;
+    assert!(!steps.is_empty() && steps.len() <= 3);
+    assert_eq!(steps[0].offered_mbps, 2.0);
+    for w in steps.windows(2) {
+        assert!((w[1].offered_mbps - 3.0 * w[0].offered_mbps).abs() < 1e-9);
+    }
+    for s in steps {
+        check_load_run(&s.load, 1);
+        assert!((0.0..=1.0).contains(&s.undelivered_ratio));
+        assert!(s.load.delivered_mbps <= s.offered_mbps * 1.1, "{s:?}");
+    }
+    let sat = &r.result.saturation;
+    let best = steps
+        .iter()
+        .map(|s| s.load.delivered_mbps)
+        .fold(0.0, f64::max);
+    assert_eq!(sat.max_delivered_mbps, best);
+    assert!(sat.max_delivered_at_offered_mbps > 0.0);
+    let _ = (
+        sat.last_ok_offered_mbps,
+        sat.first_over_threshold_offered_mbps,
+    );
+    let svg = std::fs::read_to_string(&plot).expect("plot written");
+    let _ = std::fs::remove_file(&plot);
+    assert!(
+        svg.contains("<svg") && svg.contains("offered load"),
+        "{svg:.200}"
+    );
+}
+
+// ---- A separately served relay: metrics over HTTP, CPU and memory from /proc ----
+
+/// Serves the registry in the Prometheus text format, chunked, on a loopback port.
+async fn serve_metrics(registry: prometheus::Registry) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let registry = registry.clone();
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let text = prometheus::TextEncoder::new()
+                    .encode_to_string(&registry.gather())
+                    .unwrap();
+                let (a, b) = text.split_at(text.len() / 2);
+                let body = format!("{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n", a.len(), b.len());
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n{body}"
+                );
+                let _ = s.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn separate_relay_with_metrics_url_and_server_pid() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let registry = prometheus::Registry::new();
+    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+    let server =
+        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
+    let (relay, metrics) = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = server.clone();
+        tokio::spawn(async move { serving.serve(listener).await });
+        (addr, serve_metrics(registry).await)
+    });
+    let url = format!("http://{relay}/derp");
+    let metrics_url = format!("http://{metrics}/metrics");
+    let pid = std::process::id().to_string();
+
+    let r: Report<ThroughputResult> = bench_json(&[
+        "throughput",
+        "--url",
+        &url,
+        "--metrics-url",
+        &metrics_url,
+        "--server-pid",
+        &pid,
+        "--pairs",
+        "2",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "500ms",
+        "--stop-receivers-after",
+        "50ms",
+    ]);
+    assert!(!r.target.spawned_server);
+    assert_eq!(
+        r.target.metrics_source.as_deref(),
+        Some(metrics_url.as_str())
+    );
+    assert_eq!(r.target.server_pid, Some(std::process::id()));
+    let run = &r.result.runs[0];
+    check_load_run(run, 2);
+    assert!(run.lost_packets > 0);
+    let drops = run.server_drops.as_ref().expect("drops scraped over HTTP");
+    assert!(drops.total_packets > 0, "{drops:?}");
+    assert!(run.cpu.server_cpu_s.unwrap() > 0.0);
+
+    let r: Report<IdleResult> = bench_json(&[
+        "idle",
+        "--url",
+        &url,
+        "--metrics-url",
+        &metrics_url,
+        "--server-pid",
+        &pid,
+        "--connections",
+        "100",
+        "--hold",
+        "50ms",
+    ]);
+    let run = &r.result.runs[0];
+    assert_eq!(run.opened, 100);
+    let before = run.server_connections_before.unwrap();
+    assert_eq!(run.server_connections_held, Some(before + 100));
+    assert_eq!(run.rss_source.as_deref(), Some("server-pid"));
+    assert!(!run.rss_includes_bench);
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
+            .await
+            .unwrap()
+    });
+}
+
+// ---- Failures are loud ----
+
+#[test]
+fn unreachable_server_fails_with_a_message() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}/derp");
+    let out = bench(&["throughput", "--url", &url, "--duration", "1s"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot use DERP server") && stderr.contains("refused"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn refused_handshake_fails_with_the_status() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 2048];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).unwrap();
+            assert!(n > 0);
+            seen.extend_from_slice(&buf[..n]);
+        }
+        s.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .unwrap();
+    });
+    let url = format!("http://{addr}/derp");
+    let out = bench(&["connect", "--url", &url, "--connections", "5"]);
+    server.join().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("HTTP 404"), "{stderr}");
+}
+
+#[test]
+fn human_output_is_a_table_without_terminal_codes() {
+    let out = bench(&[
+        "throughput",
+        "--spawn-server",
+        "--pairs",
+        "1",
+        "--rate",
+        "200",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "300ms",
+    ]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains("delivered pkt/s") && stdout.contains("median:"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains('\u{1b}') && !stderr.contains('\u{1b}'));
+    assert!(stderr.contains("warning:"), "{stderr}");
+}
+
+#[test]
+fn plot_is_refused_where_there_is_nothing_to_draw() {
+    let out = bench(&["connect", "--spawn-server", "--plot", "/nonexistent/x.svg"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--plot"));
+}

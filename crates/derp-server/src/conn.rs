@@ -755,15 +755,25 @@ impl BatchWriter<'_> {
                 (!bytes.is_empty()).then(|| IoSlice::new(bytes))
             })
             .collect();
-        let result = write_vectored_all(w, &mut slices, self.write_timeout).await;
-        let result = match result {
-            Ok(()) => match self.write_timeout {
+        // A write blocked on a peer that does not read must still end when the connection
+        // is closed (shutdown, ClosePeer, the read side ending), deadline or not.
+        let cancel = &self.handle.cancel;
+        let write = async {
+            write_vectored_all(w, &mut slices, self.write_timeout).await?;
+            match self.write_timeout {
                 Some(t) => tokio::time::timeout(t, w.flush())
                     .await
                     .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
                 None => w.flush().await,
-            },
-            Err(e) => Err(e),
+            }
+        };
+        let result = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "connection closed while writing",
+            )),
+            r = write => r,
         };
         if let Err(e) = result {
             for (queue, kind) in [

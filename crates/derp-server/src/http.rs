@@ -209,13 +209,15 @@ async fn serve_hyper<S>(shared: Arc<Shared>, io: S, remote: SocketAddr)
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
+    // Later requests on the connection get the same deadline as the first one's head.
+    let header_timeout = shared.config.handshake_timeout;
     let service = hyper::service::service_fn(move |req| {
         let shared = shared.clone();
         async move { Ok::<_, Infallible>(route(&shared, req, remote)) }
     });
     let result = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .header_read_timeout(header_timeout)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades()
         .await;
@@ -336,8 +338,11 @@ fn derp_via_hyper(
         .headers()
         .get("ideal-node")
         .is_some_and(|v| !v.is_empty());
+    let protocols = header(header::SEC_WEBSOCKET_PROTOCOL);
     let websocket = upgrade.as_deref() == Some("websocket")
-        && header(header::SEC_WEBSOCKET_PROTOCOL).is_some_and(|p| ws::wants_derp_subprotocol(&p));
+        && protocols.as_deref().is_some_and(ws::wants_derp_subprotocol);
+    // Mentions `derp` without offering it as a token: handshake, then a 1008 close.
+    let refuse_subprotocol = websocket && !protocols.as_deref().is_some_and(ws::offers_derp_token);
     let mut resp = match upgrade.as_deref() {
         Some("websocket") if websocket => {
             let Some(key) = header(header::SEC_WEBSOCKET_KEY) else {
@@ -349,10 +354,12 @@ fn derp_via_hyper(
             if let Ok(v) = HeaderValue::from_str(&ws::accept_key(&key)) {
                 h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
             }
-            h.insert(
-                header::SEC_WEBSOCKET_PROTOCOL,
-                HeaderValue::from_static("derp"),
-            );
+            if !refuse_subprotocol {
+                h.insert(
+                    header::SEC_WEBSOCKET_PROTOCOL,
+                    HeaderValue::from_static("derp"),
+                );
+            }
             resp
         }
         Some("derp") | Some("websocket") => {
@@ -382,6 +389,15 @@ fn derp_via_hyper(
     let shared = shared.clone();
     tokio::spawn(async move {
         match on_upgrade.await {
+            Ok(upgraded) if refuse_subprotocol => {
+                let mut io = TokioIo::new(upgraded);
+                let close = ws::close_frame_with_reason(
+                    ws::close_code::POLICY_VIOLATION,
+                    "client must speak the derp subprotocol",
+                );
+                let _ = tokio::time::timeout(shared.config.handshake_timeout, io.write_all(&close))
+                    .await;
+            }
             Ok(upgraded) => {
                 let accepted = Accepted {
                     transport: Transport::Boxed(Box::new(TokioIo::new(upgraded))),

@@ -308,9 +308,11 @@ impl Registry {
     /// Records that `receiver` got a packet from `src`, so it hears when `src` leaves.
     pub(crate) fn watch_peer_gone(&self, src: PublicKey, receiver: &Arc<ConnHandle>) {
         let mut state = self.lock();
-        // A source that already left the region gets no registration: nothing would ever
-        // remove it.
+        // The writer registers after it wrote the packet, so the source may have left the
+        // region in between: then the receiver is told at once, since no departure is left
+        // to tell it later.
         if !state.clients.contains_key(&src) && !state.forwarders.contains_key(&src) {
+            receiver.push_control(Control::PeerGone(src, PeerGoneReason::Disconnected));
             return;
         }
         state

@@ -53,7 +53,7 @@ pub(crate) struct TargetArgs {
 /// How results are shown.
 #[derive(Debug, Args)]
 pub(crate) struct OutputArgs {
-    /// Print one JSON document on stdout instead of the table (schema: docs/benchmarks.md).
+    /// Print one JSON document on stdout instead of the table (schema: docs/derp-bench.md).
     #[arg(long, global = true)]
     pub(crate) json: bool,
 

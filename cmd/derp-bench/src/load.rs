@@ -445,31 +445,33 @@ async fn send_loop(
             }
             continue;
         }
-        let sent_ns = clock.ns(now);
-        let in_window = sent_ns >= spec.window.0 && sent_ns < spec.window.1;
+        let batch_ns = clock.ns(now);
+        let in_window = |ns: u64| ns >= spec.window.0 && ns < spec.window.1;
         for _ in 0..n {
+            // Probes are timed one by one; load shares the batch's time.
+            let sent_ns = if spec.kind == Kind::Probe {
+                clock.ns(Instant::now())
+            } else {
+                batch_ns
+            };
             Header {
                 run: spec.run,
                 pair: spec.pair,
                 kind: spec.kind,
                 seq,
-                // Probes are timed one by one; load shares the batch's time.
-                sent_ns: if spec.kind == Kind::Probe {
-                    clock.ns(Instant::now())
-                } else {
-                    sent_ns
-                },
+                sent_ns,
             }
             .write(&mut buf);
             seq += 1;
             if let Err(e) = writer.queue_packet(dst, &buf) {
                 return (writer, Some(e.to_string()));
             }
+            // Counted by the same send time the receiver will look at.
+            if in_window(sent_ns) {
+                sent_in_window += 1;
+            }
         }
-        if in_window {
-            sent_in_window += n;
-            counters.sent.store(sent_in_window, Ordering::Relaxed);
-        }
+        counters.sent.store(sent_in_window, Ordering::Relaxed);
         if let Err(e) = writer.flush().await {
             return (writer, Some(e.to_string()));
         }

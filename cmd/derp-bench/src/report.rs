@@ -1,4 +1,4 @@
-//! Results: the JSON document (schema in docs/benchmarks.md, "derp-bench JSON schema") and
+//! Results: the JSON document (schema in docs/derp-bench.md) and
 //! the human summary tables.
 //!
 //! Units are in the field names: `_s` seconds, `_us` microseconds, `_ms` milliseconds,

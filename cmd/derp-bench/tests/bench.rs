@@ -1,6 +1,6 @@
 //! Runs the derp-bench binary in every mode against a real relay on loopback and checks that
 //! its numbers make sense and that its JSON matches the documented schema (the structs below
-//! mirror docs/benchmarks.md and refuse unknown fields).
+//! mirror docs/derp-bench.md and refuse unknown fields).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};

@@ -18,17 +18,17 @@ use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 
 /// How long any single expected event may take before the test fails.
-pub const STEP: Duration = Duration::from_secs(10);
+pub(crate) const STEP: Duration = Duration::from_secs(10);
 
-pub struct TestServer {
-    pub server: Server,
-    pub addr: SocketAddr,
-    pub registry: prometheus::Registry,
+pub(crate) struct TestServer {
+    pub(crate) server: Server,
+    pub(crate) addr: SocketAddr,
+    pub(crate) registry: prometheus::Registry,
     task: JoinHandle<()>,
 }
 
 impl TestServer {
-    pub async fn start(config: ServerConfig) -> Self {
+    pub(crate) async fn start(config: ServerConfig) -> Self {
         derp_testkit::init_tracing();
         let registry = prometheus::Registry::new();
         let server = Server::new(config, &registry).expect("server");
@@ -49,25 +49,22 @@ impl TestServer {
     }
 
     /// A server with the reference vectors' key and default settings.
-    pub async fn start_default() -> Self {
+    pub(crate) async fn start_default() -> Self {
         Self::start(ServerConfig::new(derp_testkit::server_secret())).await
     }
 
-    pub fn url(&self) -> String {
-        format!("http://{}/derp", self.addr)
-    }
 
     /// Value of a metric sample, e.g. `metric("derp_packets_dropped", &[("reason","queue_head"),("kind","other")])`.
-    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+    pub(crate) fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         for family in self.registry.gather() {
-            if family.get_name() != name {
+            if family.name() != name {
                 continue;
             }
             for m in family.get_metric() {
                 let matches = labels.iter().all(|(k, v)| {
                     m.get_label()
                         .iter()
-                        .any(|l| l.get_name() == *k && l.get_value() == *v)
+                        .any(|l| l.name() == *k && l.value() == *v)
                 });
                 if !matches {
                     continue;
@@ -83,7 +80,7 @@ impl TestServer {
     }
 
     /// Waits until `cond` holds, polling the server's state; fails the test after [`STEP`].
-    pub async fn eventually(&self, what: &str, mut cond: impl FnMut(&Self) -> bool) {
+    pub(crate) async fn eventually(&self, what: &str, mut cond: impl FnMut(&Self) -> bool) {
         let deadline = tokio::time::Instant::now() + STEP;
         let mut tick = tokio::time::interval(Duration::from_millis(5));
         while !cond(self) {
@@ -95,30 +92,30 @@ impl TestServer {
         }
     }
 
-    pub async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.server.shutdown().await;
         self.task.abort();
     }
 }
 
 /// A DERP client that speaks the wire format directly.
-pub struct RawClient {
-    pub stream: TcpStream,
-    pub buf: BytesMut,
-    pub decoder: ClientDecoder,
-    pub secret: SecretKey,
-    pub key: PublicKey,
-    pub server_info: Option<ServerInfo>,
+pub(crate) struct RawClient {
+    pub(crate) stream: TcpStream,
+    pub(crate) buf: BytesMut,
+    pub(crate) decoder: ClientDecoder,
+    pub(crate) secret: SecretKey,
+    pub(crate) key: PublicKey,
+    pub(crate) server_info: Option<ServerInfo>,
 }
 
 impl RawClient {
     /// Connects with a fresh random key.
-    pub async fn connect(addr: SocketAddr) -> Self {
+    pub(crate) async fn connect(addr: SocketAddr) -> Self {
         Self::connect_with(addr, SecretKey::generate(&mut rand::rngs::OsRng)).await
     }
 
     /// Upgrades over plain HTTP and completes the handshake with `secret`.
-    pub async fn connect_with(addr: SocketAddr, secret: SecretKey) -> Self {
+    pub(crate) async fn connect_with(addr: SocketAddr, secret: SecretKey) -> Self {
         let mut c = Self::upgrade(addr, secret, "").await;
         c.handshake(ClientInfo {
             version: 2,
@@ -131,7 +128,7 @@ impl RawClient {
 
     /// Sends the upgrade request (with `extra_headers`, each ending in CRLF) and reads the
     /// 101 response head, without starting the DERP handshake.
-    pub async fn upgrade(addr: SocketAddr, secret: SecretKey, extra_headers: &str) -> Self {
+    pub(crate) async fn upgrade(addr: SocketAddr, secret: SecretKey, extra_headers: &str) -> Self {
         let mut stream = TcpStream::connect(addr).await.expect("connect");
         stream.set_nodelay(true).expect("nodelay");
         let req = format!(
@@ -155,7 +152,7 @@ impl RawClient {
     }
 
     /// Reads an HTTP response head from the stream, leaving later bytes in `buf`.
-    pub async fn read_http_head(&mut self) -> String {
+    pub(crate) async fn read_http_head(&mut self) -> String {
         loop {
             if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
                 let head = self.buf.split_to(i + 4);
@@ -166,7 +163,7 @@ impl RawClient {
     }
 
     /// Runs the client side of the handshake: ServerKey, ClientInfo, ServerInfo.
-    pub async fn handshake(&mut self, info: ClientInfo) {
+    pub(crate) async fn handshake(&mut self, info: ClientInfo) {
         let mut hs = ClientHandshake::new(self.secret.clone(), info);
         match self.recv().await {
             RelayToClient::ServerKey(k) => hs.handle_server_key(k).expect("server key"),
@@ -197,13 +194,13 @@ impl RawClient {
         assert!(n > 0, "server closed the connection");
     }
 
-    pub async fn send(&mut self, msg: ClientToRelay) {
+    pub(crate) async fn send(&mut self, msg: ClientToRelay) {
         let mut out = BytesMut::new();
         msg.encode(&mut out);
         self.stream.write_all(&out).await.expect("send");
     }
 
-    pub async fn send_packet(&mut self, dst: PublicKey, packet: &[u8]) {
+    pub(crate) async fn send_packet(&mut self, dst: PublicKey, packet: &[u8]) {
         self.send(ClientToRelay::SendPacket {
             dst,
             packet: bytes::Bytes::copy_from_slice(packet),
@@ -212,7 +209,7 @@ impl RawClient {
     }
 
     /// The next frame from the server, skipping keepalives.
-    pub async fn recv(&mut self) -> RelayToClient {
+    pub(crate) async fn recv(&mut self) -> RelayToClient {
         loop {
             match self.decoder.decode(&mut self.buf).expect("decode") {
                 Some(RelayToClient::KeepAlive) => continue,
@@ -222,13 +219,9 @@ impl RawClient {
         }
     }
 
-    /// The next frame, or `None` if none arrives within `wait`.
-    pub async fn try_recv(&mut self, wait: Duration) -> Option<RelayToClient> {
-        tokio::time::timeout(wait, self.recv()).await.ok()
-    }
 
     /// The next RecvPacket, as (source, bytes).
-    pub async fn recv_packet(&mut self) -> (PublicKey, Vec<u8>) {
+    pub(crate) async fn recv_packet(&mut self) -> (PublicKey, Vec<u8>) {
         match self.recv().await {
             RelayToClient::RecvPacket { src, packet } => (src, packet.to_vec()),
             other => panic!("expected RecvPacket, got {other:?}"),
@@ -236,7 +229,7 @@ impl RawClient {
     }
 
     /// Reads until the server closes the connection; fails if it does not within [`STEP`].
-    pub async fn expect_closed(&mut self) {
+    pub(crate) async fn expect_closed(&mut self) {
         let mut scratch = [0u8; 4096];
         loop {
             match tokio::time::timeout(STEP, self.stream.read(&mut scratch)).await {
@@ -249,7 +242,7 @@ impl RawClient {
 }
 
 /// A packet that looks like a disco message to the server (magic + at least 62 bytes).
-pub fn disco_packet() -> Vec<u8> {
+pub(crate) fn disco_packet() -> Vec<u8> {
     let mut p = "TS💬".as_bytes().to_vec();
     p.resize(62, 7);
     p

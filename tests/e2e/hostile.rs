@@ -465,3 +465,34 @@ async fn ping_flood_is_answered_without_queueing_pongs() {
     pair_still_works(&mut a, &mut b, "after the ping flood").await;
     srv.stop().await;
 }
+
+// Fails against the current server (uncommitted): a writer blocked on a client that does
+// not read ignores cancellation when no write timeout is set, so shutdown never returns.
+#[tokio::test]
+async fn shutdown_finishes_with_a_stuck_receiver_and_no_write_timeout() {
+    let srv = TestServer::start(ServerConfig {
+        write_timeout: None,
+        ..config()
+    })
+    .await;
+    let mut sender = RawClient::connect(srv.addr).await;
+    let socket = TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("rcvbuf");
+    let stuck = RawClient::connect_on(
+        socket.connect(srv.addr).await.expect("connect"),
+        SecretKey::generate(&mut rand::rngs::OsRng),
+    )
+    .await;
+    let big = vec![1u8; 60 * 1024];
+    // Enough to fill the socket buffers both ways and leave the writer blocked.
+    let deadline = tokio::time::Instant::now() + STEP;
+    while dropped(&srv, "queue_head", "other") == 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "queue never filled");
+        sender.send_packet(stuck.key, &big).await;
+        sender.expect_quiet().await;
+    }
+    tokio::time::timeout(STEP, srv.stop())
+        .await
+        .expect("shutdown hangs on a writer blocked on a client that does not read");
+    drop(stuck);
+}

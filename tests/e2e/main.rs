@@ -3,5 +3,6 @@
 mod harness;
 mod hostile;
 mod load;
+mod metrics;
 mod relay;
 mod vectors;

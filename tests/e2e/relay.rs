@@ -1106,3 +1106,49 @@ async fn ideal_node_header_marks_the_connection_not_ideal() {
     empty.expect_quiet().await;
     srv.stop().await;
 }
+
+// Fails against the current server (uncommitted): the hyper upgrade path matches `derp` as a
+// substring and accepts `derpish` as the derp subprotocol.
+#[tokio::test]
+async fn websocket_subprotocol_is_checked_on_keepalive_requests_too() {
+    let srv = TestServer::start_default().await;
+    let (mut c, head) = WsClient::upgrade(srv.addr, &random_secret(), true, "derpish").await;
+    assert_eq!(head.status, 101);
+    assert_eq!(head.header("sec-websocket-protocol"), None);
+    let rest = c.read_to_close().await;
+    assert!(rest.len() >= 4, "{rest:?}");
+    assert_eq!(rest[0], 0x88, "a close frame: {rest:?}");
+    assert_eq!(u16::from_be_bytes([rest[2], rest[3]]), 1008);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn empty_and_self_addressed_packets_are_delivered() {
+    let srv = TestServer::start_default().await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    a.send_packet(b.key, b"").await;
+    assert_eq!(b.recv_packet().await, (a.key, Vec::new()));
+    a.send_packet(a.key, b"note to self").await;
+    assert_eq!(a.recv_packet().await, (a.key, b"note to self".to_vec()));
+    srv.stop().await;
+}
+
+// Fails against the current server (uncommitted): the receiver registers its PeerGone watch
+// only after writing the packet, so a sender that leaves right away is never reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_gone_reaches_a_receiver_even_when_the_sender_leaves_at_once() {
+    let srv = TestServer::start_default().await;
+    for round in 0..50 {
+        let mut x = RawClient::connect(srv.addr).await;
+        let mut c = RawClient::connect(srv.addr).await;
+        let xk = x.key;
+        // The packet and the close leave together.
+        x.send_packet(c.key, b"last words").await;
+        x.stream.shutdown().await.expect("shutdown");
+        drop(x);
+        assert_eq!(c.recv_packet().await.0, xk, "round {round}");
+        assert_eq!(c.recv().await, gone(xk), "round {round}");
+    }
+    srv.stop().await;
+}

@@ -5,4 +5,5 @@ mod hostile;
 mod load;
 mod metrics;
 mod relay;
+mod tls;
 mod vectors;

@@ -60,6 +60,9 @@ pub struct ClientConfig {
     /// Local address to bind before connecting, e.g. to spread a load test over many source
     /// addresses in 127.0.0.0/8. Port 0 lets the kernel pick.
     pub local_addr: Option<SocketAddr>,
+    /// Address to dial instead of resolving the URL's host, as a DERP map node's `IPv4`/`IPv6`
+    /// fields are used. The URL's host still goes into `Host`, SNI and certificate checks.
+    pub dial_addr: Option<SocketAddr>,
     /// Framing after the HTTP request. Defaults to [`TransportKind::WebSocket`] for `ws` and
     /// `wss` URLs and to [`TransportKind::Upgrade`] otherwise.
     pub transport: TransportKind,
@@ -101,6 +104,7 @@ impl ClientConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             read_timeout: None,
             local_addr: None,
+            dial_addr: None,
             transport,
             cert_name: None,
             extra_roots: Vec::new(),
@@ -159,6 +163,12 @@ impl ClientConfig {
     /// Sets [`ClientConfig::local_addr`].
     pub fn with_local_addr(mut self, addr: SocketAddr) -> Self {
         self.local_addr = Some(addr);
+        self
+    }
+
+    /// Sets [`ClientConfig::dial_addr`].
+    pub fn with_dial_addr(mut self, addr: SocketAddr) -> Self {
+        self.dial_addr = Some(addr);
         self
     }
 

@@ -89,6 +89,9 @@ fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
 /// Resolves the host and connects to the first address that accepts, from the configured
 /// local address if there is one.
 async fn dial(config: &ClientConfig) -> Result<TcpStream, ConnectError> {
+    if let Some(addr) = config.dial_addr {
+        return Ok(dial_one(addr, config.local_addr).await?);
+    }
     let host = config.url.host();
     let addrs = tokio::net::lookup_host((host, config.url.port())).await?;
     let mut last_err = None;

@@ -366,11 +366,17 @@ impl AcmeManager {
         params.custom_extensions = vec![CustomExtension::new_acme_identifier(digest)];
         let cert = params.self_signed(&key)?;
         let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        Ok(Arc::new(CertifiedKey::from_der(
+        let signing_key = self
+            .front
+            .provider()
+            .key_provider
+            .load_private_key(key_der)?;
+        // Not `CertifiedKey::from_der`: its key check parses the certificate with webpki,
+        // which refuses the critical acmeIdentifier extension. The pair is freshly made here.
+        Ok(Arc::new(CertifiedKey::new(
             vec![cert.der().clone()],
-            key_der,
-            self.front.provider(),
-        )?))
+            signing_key,
+        )))
     }
 }
 

@@ -203,7 +203,7 @@ impl TlsMetrics {
         let handshakes = IntCounterVec::new(
             Opts::new(
                 "derp_tls_handshakes",
-                "TLS handshakes by result: ok, error, timeout, or rejected (over the in-flight cap)",
+                "TLS handshakes by result: ok, error, timeout, rejected (over the in-flight cap) or acme_validation",
             ),
             &["result"],
         )?;
@@ -455,7 +455,9 @@ impl TlsFront {
                 drop(permit);
                 let outcome = match result {
                     None => return,
-                    Some(Ok(Ok(stream))) => {
+                    // TLS-ALPN-01 validation: the handshake was all it wanted.
+                    Some(Ok(Ok(None))) => "acme_validation",
+                    Some(Ok(Ok(Some(stream)))) => {
                         let version = match stream.get_ref().1.protocol_version() {
                             Some(ProtocolVersion::TLSv1_3) => "1.3",
                             Some(ProtocolVersion::TLSv1_2) => "1.2",
@@ -480,7 +482,8 @@ impl TlsFront {
     }
 
     /// Reads the ClientHello, picks the config for its ALPN offer, and finishes the handshake.
-    async fn handshake(&self, tcp: TcpStream) -> io::Result<TlsStream<TcpStream>> {
+    /// `None` for a TLS-ALPN-01 validation connection, which carries no HTTP.
+    async fn handshake(&self, tcp: TcpStream) -> io::Result<Option<TlsStream<TcpStream>>> {
         let start = LazyConfigAcceptor::new(Acceptor::default(), tcp).await?;
         let hello = start.client_hello();
         let config = if offers_alpn(&hello, ACME_TLS_ALPN) {
@@ -491,13 +494,10 @@ impl TlsFront {
             self.inner.config_plain.clone()
         };
         let stream = start.into_stream(config).await?;
-        // A TLS-ALPN-01 validation connection exists only for the handshake itself.
         if stream.get_ref().1.alpn_protocol() == Some(ACME_TLS_ALPN) {
-            return Err(io::Error::other(
-                "acme tls-alpn-01 validation handshake done",
-            ));
+            return Ok(None);
         }
-        Ok(stream)
+        Ok(Some(stream))
     }
 }
 

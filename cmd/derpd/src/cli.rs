@@ -15,8 +15,8 @@ pub(crate) struct Cli {
     #[arg(long)]
     pub(crate) dev: bool,
 
-    /// Listen address for HTTP: ":port", "ip:port" or "[ip]:port". Port 443 means TLS, which
-    /// this build does not serve yet; use another port for plain HTTP.
+    /// Listen address: ":port", "ip:port" or "[ip]:port". TLS is served when the port is 443
+    /// or --certmode is manual; otherwise plain HTTP.
     #[arg(short = 'a', long = "addr", default_value = ":443")]
     pub(crate) addr: String,
 
@@ -24,10 +24,6 @@ pub(crate) struct Cli {
     /// mode 0600 when missing. Defaults to /var/lib/derper/derper.key when running as root.
     #[arg(short = 'c', long = "config")]
     pub(crate) config: Option<PathBuf>,
-
-    /// The server's hostname, used for TLS.
-    #[arg(long, default_value = "derp.tailscale.com")]
-    pub(crate) hostname: String,
 
     /// Home page: "" for the default page, "blank" for an empty page, or an http(s):// URL to
     /// redirect to.
@@ -101,6 +97,9 @@ pub(crate) struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub(crate) log_format: LogFormat,
+
+    #[command(flatten)]
+    pub(crate) tls: crate::tls_setup::TlsArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

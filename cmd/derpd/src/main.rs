@@ -2,6 +2,7 @@
 
 mod cli;
 mod keyfile;
+mod tls_setup;
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
@@ -58,12 +59,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         cli.addr.clone()
     };
     let addrs = parse_listen_addr(&addr_text)?;
-    if addrs[0].port() == 443 {
-        bail!(
-            "--addr {addr_text}: port 443 means TLS, which this build does not serve; \
-             use another port (e.g. -a :3340) for plain HTTP"
-        );
-    }
+    let tls = cli.tls.tls_enabled(addrs[0].port());
     let home = parse_home(&cli.home)?;
     let secret_key = load_key(&cli)?;
     let mesh_key = match &cli.mesh_psk_file {
@@ -91,7 +87,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let server = Server::new(config, &registry).context("creating server")?;
     let listener = bind_tcp(&addrs).await?;
     let local = listener.local_addr()?;
-    info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
+    if !tls {
+        info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
+    }
 
     let mut background = tokio::task::JoinSet::new();
     if cli.stun {
@@ -118,10 +116,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         background.spawn(async move { server.serve_metrics(metrics_listener).await });
     }
 
-    let serve = server.serve(listener);
+    let serve = async {
+        if tls {
+            tls_setup::run_tls(&server, &registry, &cli.tls, listener).await
+        } else {
+            server.serve(listener).await.context("serving")
+        }
+    };
     tokio::pin!(serve);
     tokio::select! {
-        r = &mut serve => r.context("serving")?,
+        r = &mut serve => r?,
         _ = shutdown_signal() => {
             info!("shutting down");
             server.shutdown().await;

@@ -2,6 +2,7 @@
 //! its pin, fast start from the meta certificate (and its absence on TLS 1.2), WebSocket over
 //! TLS, handshake limits, the port-80 listener, and ACME against a local Pebble server.
 
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener as StdTcpListener, UdpSocket as StdUdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -711,7 +712,10 @@ fn pebble_or_skip(test: &str) -> bool {
         std::env::var_os("CI").is_none(),
         "pebble and pebble-challtestsrv are required in CI (apt-get install pebble)"
     );
-    eprintln!(
+    // Straight to the stderr handle, which the test harness does not capture, so the skip
+    // is visible in a passing run.
+    let _ = writeln!(
+        std::io::stderr(),
         "SKIPPED {test}: pebble is not installed (apt-get install pebble to run the ACME tests)"
     );
     false

@@ -349,6 +349,9 @@ impl TlsFront {
             not_before,
             not_after,
         };
+        if not_after.is_some_and(|t| t <= SystemTime::now()) {
+            warn!(pin = %info.pin(), "the certificate put into service has expired");
+        }
         self.inner.certs.current.store(Some(Arc::new(certified)));
         let expiry = not_after
             .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())

@@ -36,8 +36,10 @@ pub(crate) enum AcmeChallenge {
     /// TLS-ALPN-01 first when listening on 443, else HTTP-01 first; the other after a failure.
     Auto,
     /// Only TLS-ALPN-01, on the TLS listener (must be reachable from outside on 443).
+    #[value(name = "tls-alpn-01")]
     TlsAlpn01,
     /// Only HTTP-01, on the --http-port listener (must be reachable from outside on 80).
+    #[value(name = "http-01")]
     Http01,
 }
 
@@ -273,6 +275,8 @@ async fn reload_on_sighup(manual: Arc<ManualCerts>, shutdown: CancellationToken)
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
 
     #[test]
@@ -292,6 +296,31 @@ mod tests {
         assert!(!args.tls_enabled(3340));
         args.certmode = CertMode::Manual;
         assert!(args.tls_enabled(3340));
+    }
+
+    #[test]
+    fn flags_parse() {
+        let cli = crate::cli::Cli::try_parse_from([
+            "derpd",
+            "--certmode",
+            "manual",
+            "--hostname",
+            "192.0.2.1",
+            "--acme-challenge",
+            "tls-alpn-01",
+            "--http-port",
+            "-1",
+            "--cert-reload-interval",
+            "1m",
+        ])
+        .expect("parses");
+        assert_eq!(cli.tls.certmode, CertMode::Manual);
+        assert_eq!(cli.tls.acme_challenge, AcmeChallenge::TlsAlpn01);
+        assert_eq!(cli.tls.http_port, -1);
+        assert_eq!(cli.tls.cert_reload_interval, Duration::from_secs(60));
+        assert!(crate::cli::Cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
+        assert!(crate::cli::Cli::try_parse_from(["derpd", "--http-port", "-2"]).is_err());
+        assert!(crate::cli::Cli::try_parse_from(["derpd", "--certmode", "gcp"]).is_err());
     }
 
     #[test]

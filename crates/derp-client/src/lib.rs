@@ -28,6 +28,8 @@
 //!   send `note_preferred(true)` again.
 //! - No client-side rate limiting from ServerInfo's token bucket fields, no HTTP proxies, and no
 //!   racing of IPv4 against IPv6 dials (addresses are tried in resolver order).
+//! - No OS certificate store: TLS trusts Mozilla's roots (`webpki-roots`) plus
+//!   [`ClientConfig::extra_roots`], the same on every host (docs/adr/0001-tls-and-acme.md).
 //!
 //! The request's `User-Agent` is `derp-client/<crate version>` rather than Go's
 //! `Go-http-client/1.1`; servers do not look at it.

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::pacing::TokenBucket;
 use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::procfs::CpuTime;
+use crate::procfs::{CpuTime, MachineCpu};
 use crate::prom::Scrape;
 use crate::report::{CpuUse, Drops, LoadRun, PairResult};
 use crate::target::{Target, describe_connect_error};
@@ -332,12 +332,14 @@ pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
 pub(crate) struct CpuSample {
     pub(crate) bench: Option<CpuTime>,
     pub(crate) server: Option<CpuTime>,
+    pub(crate) machine: Option<MachineCpu>,
 }
 
 pub(crate) fn sample_cpu(target: &Target) -> CpuSample {
     CpuSample {
         bench: target.bench_cpu(),
         server: target.server_cpu(),
+        machine: target.machine_cpu(),
     }
 }
 

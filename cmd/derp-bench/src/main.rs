@@ -101,6 +101,19 @@ impl Ctx {
                  of {cores} cores) and the bench uses more than the server; run the bench on \
                  another machine (or several instances) to measure the server alone"
             ))
+        } else if let Some(busy) = cpu.machine_busy_cores
+            && busy >= 0.9 * cores
+        {
+            Some(format!(
+                "{what}: the machine's CPUs were {:.0}% busy ({bench:.2} cores bench, {} server, \
+                 {} kernel softirq): the figures are bounded by this machine, not only by the \
+                 server",
+                busy / cores * 100.0,
+                cpu.server_cores
+                    .map_or_else(|| "?".to_owned(), |s| format!("{s:.2}")),
+                cpu.machine_softirq_cores
+                    .map_or_else(|| "?".to_owned(), |s| format!("{s:.2}")),
+            ))
         } else {
             None
         };

@@ -92,6 +92,40 @@ pub(crate) fn own_threads_cpu(prefix: &str, ticks_per_s: f64) -> Option<CpuTime>
     Some(total)
 }
 
+/// Machine-wide CPU time from the first line of `/proc/stat`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct MachineCpu {
+    /// Every non-idle state: user, nice, system, irq, softirq, steal.
+    pub(crate) busy_s: f64,
+    /// Softirq alone: loopback TCP delivery runs there, and with IRQ time accounting it is
+    /// charged to no process.
+    pub(crate) softirq_s: f64,
+}
+
+/// Parses the aggregate `cpu` line of `/proc/stat`.
+pub(crate) fn parse_proc_stat(stat: &str, ticks_per_s: f64) -> Option<MachineCpu> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal ...
+    let at = |i: usize| v.get(i).copied().unwrap_or(0) as f64 / ticks_per_s;
+    if v.len() < 7 {
+        return None;
+    }
+    Some(MachineCpu {
+        busy_s: at(0) + at(1) + at(2) + at(5) + at(6) + at(7),
+        softirq_s: at(6),
+    })
+}
+
+/// Machine-wide CPU time so far.
+pub(crate) fn machine_cpu(ticks_per_s: f64) -> Option<MachineCpu> {
+    parse_proc_stat(&std::fs::read_to_string("/proc/stat").ok()?, ticks_per_s)
+}
+
 /// Resident set size in bytes from a `/proc/*/status` text (`VmRSS:  1234 kB`).
 pub(crate) fn parse_vm_rss(status: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
@@ -173,6 +207,16 @@ mod tests {
         assert!(process_rss("self").unwrap() > 0);
         assert!(open_files_limit().unwrap() > 0);
         assert!(ephemeral_ports() > 0);
+    }
+
+    #[test]
+    fn machine_stat() {
+        let text = "cpu  100 5 50 1000 7 3 20 2 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n";
+        let m = parse_proc_stat(text, 100.0).unwrap();
+        assert!((m.busy_s - 1.80).abs() < 1e-9, "{m:?}");
+        assert!((m.softirq_s - 0.20).abs() < 1e-9);
+        assert!(parse_proc_stat("cpu  1 2\n", 100.0).is_none());
+        assert!(machine_cpu(clock_ticks_per_second()).unwrap().busy_s > 0.0);
     }
 
     #[test]

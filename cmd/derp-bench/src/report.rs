@@ -51,6 +51,8 @@ pub(crate) struct CpuUse {
     pub(crate) bench_cores: Option<f64>,
     pub(crate) server_cpu_s: Option<f64>,
     pub(crate) server_cores: Option<f64>,
+    pub(crate) machine_busy_cores: Option<f64>,
+    pub(crate) machine_softirq_cores: Option<f64>,
 }
 
 impl CpuUse {
@@ -64,12 +66,17 @@ impl CpuUse {
             .zip(after.server)
             .map(|(b, a)| a.since(b).total());
         let per_wall = |cpu: Option<f64>| cpu.map(|c| if wall_s > 0.0 { c / wall_s } else { 0.0 });
+        let machine = before.machine.zip(after.machine);
         Self {
             wall_s,
             bench_cpu_s: bench,
             bench_cores: per_wall(bench),
             server_cpu_s: server,
             server_cores: per_wall(server),
+            machine_busy_cores: per_wall(machine.map(|(b, a)| (a.busy_s - b.busy_s).max(0.0))),
+            machine_softirq_cores: per_wall(
+                machine.map(|(b, a)| (a.softirq_s - b.softirq_s).max(0.0)),
+            ),
         }
     }
 }

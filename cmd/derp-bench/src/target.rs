@@ -175,6 +175,11 @@ impl Target {
         }
     }
 
+    /// Machine-wide CPU time so far.
+    pub(crate) fn machine_cpu(&self) -> Option<procfs::MachineCpu> {
+        procfs::machine_cpu(self.ticks)
+    }
+
     /// CPU used so far by the bench itself: the whole process, less the spawned relay's
     /// threads when there is one.
     pub(crate) fn bench_cpu(&self) -> Option<CpuTime> {

@@ -76,6 +76,8 @@ struct Cpu {
     bench_cores: Option<f64>,
     server_cpu_s: Option<f64>,
     server_cores: Option<f64>,
+    machine_busy_cores: Option<f64>,
+    machine_softirq_cores: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -363,6 +365,8 @@ fn check_load_run(run: &LoadRun, pairs: usize) {
     assert!(run.delivered_mbps >= 0.0);
     assert!(run.cpu.wall_s > 0.0);
     assert!(run.cpu.bench_cpu_s.is_some() && run.cpu.bench_cores.unwrap() >= 0.0);
+    let busy = run.cpu.machine_busy_cores.expect("/proc/stat is readable");
+    assert!(busy > 0.0 && run.cpu.machine_softirq_cores.unwrap() <= busy);
     if let (Some(offered), Some(mbps)) = (run.offered_pps, run.offered_mbps) {
         assert!(offered > 0.0 && mbps > 0.0);
     }

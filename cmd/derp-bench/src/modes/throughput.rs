@@ -82,6 +82,15 @@ pub(crate) fn note_shortfall(ctx: &mut Ctx, run: &LoadRun) {
             run.sent_pps, offered
         ));
     }
+    if run.offered_pps.is_none() && run.loss_ratio > 0.5 {
+        let w = "unpaced senders overran the relay (or the bench's own receivers, which share \
+                 the CPUs with them): the delivered figure shows overload behaviour, not \
+                 capacity; use `sweep` or --mbps to find the capacity"
+            .to_owned();
+        if !ctx.warnings.contains(&w) {
+            ctx.warnings.push(w);
+        }
+    }
     for e in &run.errors {
         ctx.warnings
             .push(format!("connection failed during the run: {e}"));

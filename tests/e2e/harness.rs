@@ -53,7 +53,6 @@ impl TestServer {
         Self::start(ServerConfig::new(derp_testkit::server_secret())).await
     }
 
-
     /// Value of a metric sample, e.g. `metric("derp_packets_dropped", &[("reason","queue_head"),("kind","other")])`.
     pub(crate) fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         for family in self.registry.gather() {
@@ -218,7 +217,6 @@ impl RawClient {
             }
         }
     }
-
 
     /// The next RecvPacket, as (source, bytes).
     pub(crate) async fn recv_packet(&mut self) -> (PublicKey, Vec<u8>) {

@@ -10,11 +10,10 @@ use tokio::net::TcpStream;
 use crate::harness::{RawClient, STEP, TestServer};
 
 /// GETs `path` over a fresh connection and returns (status code, body).
-pub async fn http_get(addr: SocketAddr, path: &str, extra_headers: &str) -> (u16, String) {
+pub(crate) async fn http_get(addr: SocketAddr, path: &str, extra_headers: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).await.expect("connect");
-    let req = format!(
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra_headers}\r\n"
-    );
+    let req =
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra_headers}\r\n");
     s.write_all(req.as_bytes()).await.expect("write");
     let mut out = Vec::new();
     tokio::time::timeout(STEP, s.read_to_end(&mut out))
@@ -100,14 +99,25 @@ async fn every_lookup_mode_relays_the_same_traffic_and_counts_its_misses() {
         let mut text = scrape(&srv).await;
         let deadline = tokio::time::Instant::now() + STEP;
         while sample(&text, "derp_packets_received") < 26.0 {
-            assert!(tokio::time::Instant::now() < deadline, "counts never folded");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "counts never folded"
+            );
             tokio::task::yield_now().await;
             text = scrape(&srv).await;
         }
         let what = format!("mirror={mirror} lru={lru}");
         assert_eq!(sample(&text, "derp_packets_received"), 26.0, "{what}");
-        assert_eq!(sample(&text, "derp_peer_lookup_mirror_misses"), want_mirror, "{what}");
-        assert_eq!(sample(&text, "derp_peer_lookup_cache_misses"), want_lru, "{what}");
+        assert_eq!(
+            sample(&text, "derp_peer_lookup_mirror_misses"),
+            want_mirror,
+            "{what}"
+        );
+        assert_eq!(
+            sample(&text, "derp_peer_lookup_cache_misses"),
+            want_lru,
+            "{what}"
+        );
         srv.stop().await;
     }
 }
@@ -177,7 +187,10 @@ async fn every_metric_the_dashboard_queries_exists_in_a_real_scrape() {
             }
         }
     }
-    assert!(queried.len() > 15, "dashboard queries too little: {queried:?}");
+    assert!(
+        queried.len() > 15,
+        "dashboard queries too little: {queried:?}"
+    );
     for name in &queried {
         let family = ["_bucket", "_sum", "_count"]
             .iter()

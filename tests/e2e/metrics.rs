@@ -157,7 +157,7 @@ async fn debug_varz_honours_allowed_networks() {
 }
 
 #[tokio::test]
-async fn every_metric_the_dashboard_queries_exists_in_a_real_scrape() {
+async fn every_metric_the_dashboard_and_alerts_query_exists_in_a_real_scrape() {
     let dashboard: serde_json::Value = serde_json::from_str(include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../deploy/grafana/derpd.json"
@@ -191,6 +191,18 @@ async fn every_metric_the_dashboard_queries_exists_in_a_real_scrape() {
         queried.len() > 15,
         "dashboard queries too little: {queried:?}"
     );
+    // The alerting rules shipped beside it must query real metrics too.
+    let alerts = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/prometheus/alerts.yml"
+    ));
+    for line in alerts.lines().filter(|l| l.trim_start().starts_with("expr:")) {
+        for token in line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if token.starts_with("derp_") || token.starts_with("process_") {
+                queried.insert(token.to_owned());
+            }
+        }
+    }
     for name in &queried {
         let family = ["_bucket", "_sum", "_count"]
             .iter()

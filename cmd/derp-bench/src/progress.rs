@@ -28,9 +28,12 @@ impl Progress {
         }
         let total_ms = expected.as_millis() as u64;
         let bar = ProgressBar::with_draw_target(Some(total_ms), ProgressDrawTarget::stderr());
-        if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {elapsed}/{duration}") {
+        if let Ok(style) =
+            ProgressStyle::with_template("{msg} [{bar:40}] {elapsed} of about {prefix}")
+        {
             bar.set_style(style.progress_chars("=> "));
         }
+        bar.set_prefix(format!("{}s", expected.as_secs()));
         bar.set_message(what.to_owned());
         let ticking = bar.clone();
         let start = Instant::now();

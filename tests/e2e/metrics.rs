@@ -196,7 +196,10 @@ async fn every_metric_the_dashboard_and_alerts_query_exists_in_a_real_scrape() {
         env!("CARGO_MANIFEST_DIR"),
         "/../deploy/prometheus/alerts.yml"
     ));
-    for line in alerts.lines().filter(|l| l.trim_start().starts_with("expr:")) {
+    for line in alerts
+        .lines()
+        .filter(|l| l.trim_start().starts_with("expr:"))
+    {
         for token in line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
             if token.starts_with("derp_") || token.starts_with("process_") {
                 queried.insert(token.to_owned());

@@ -883,3 +883,96 @@ const NOT_HERE_PER_SEC: f64 = 1.0;
 const NOT_HERE_BURST: f64 = 3.0;
 /// NotePreferred flips within this long of connecting do not count as home moves.
 const HOME_MOVE_GRACE: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use derp_proto::SecretKey;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::ServerConfig;
+    use crate::io::Transport;
+    use crate::lookup::{LookupConfig, PeerCacheConfig};
+    use crate::server::Server;
+
+    const IDLE: Duration = Duration::from_secs(600);
+
+    fn handle(id: u64, key: u8) -> Arc<ConnHandle> {
+        Arc::new(ConnHandle::new(
+            id,
+            PublicKey::from_bytes([key; 32]),
+            ([127, 0, 0, 1], 1).into(),
+            0,
+            false,
+            32,
+            CancellationToken::new(),
+        ))
+    }
+
+    /// A read loop for a registered client, fed by pushing frames into its buffer.
+    fn read_loop<'a>(shared: &'a Arc<Shared>, handle: &'a Arc<ConnHandle>) -> ReadLoop<'a> {
+        let (_, server_side) = tokio::io::duplex(64);
+        let (read_half, _) = Transport::Boxed(Box::new(server_side)).split();
+        ReadLoop::new(
+            shared,
+            handle,
+            FrameReader::new(read_half, false, BytesMut::new()),
+        )
+    }
+
+    fn feed(rl: &mut ReadLoop<'_>, frame: ClientToRelay) -> u64 {
+        frame.encode(&mut rl.reader.buf);
+        rl.process_buffered().expect("valid frame");
+        rl.counts.cache_misses
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ping_frames_trim_idle_lookup_cache_entries() {
+        let config = ServerConfig {
+            lookup: LookupConfig {
+                mirror: false,
+                peer_cache: Some(PeerCacheConfig {
+                    max_entries: PeerCacheConfig::default().max_entries,
+                    max_idle: IDLE,
+                }),
+            },
+            ..ServerConfig::new(SecretKey::from_bytes([1; 32]))
+        };
+        let server = Server::new(config, &prometheus::Registry::new()).expect("server");
+        let shared = server.shared();
+        let dst = handle(1, 2);
+        shared.registry.register(&dst);
+        let send = || ClientToRelay::SendPacket {
+            dst: dst.key,
+            packet: Bytes::from_static(b"x"),
+        };
+
+        // Without a ping, an entry idle past the limit is still used (and refreshed).
+        let quiet = handle(2, 3);
+        shared.registry.register(&quiet);
+        let mut rl = read_loop(shared, &quiet);
+        assert_eq!(feed(&mut rl, send()), 1, "first lookup misses");
+        tokio::time::advance(IDLE + Duration::from_secs(1)).await;
+        assert_eq!(
+            feed(&mut rl, send()),
+            1,
+            "no ping: the entry is still there"
+        );
+
+        // A ping after the idle limit removes it, so the next packet misses again.
+        let pinger = handle(3, 4);
+        shared.registry.register(&pinger);
+        let mut rl = read_loop(shared, &pinger);
+        assert_eq!(feed(&mut rl, send()), 1);
+        tokio::time::advance(IDLE + Duration::from_secs(1)).await;
+        feed(&mut rl, ClientToRelay::Ping([7; 8]));
+        assert_eq!(feed(&mut rl, send()), 2, "the ping trimmed the idle entry");
+
+        // A ping before the limit keeps a recently used entry.
+        feed(&mut rl, ClientToRelay::Ping([8; 8]));
+        assert_eq!(feed(&mut rl, send()), 2);
+    }
+}

@@ -79,6 +79,12 @@ impl Server {
         })
     }
 
+    /// The state connections share; for the crate's own tests.
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// The server's public key, as clients see it in the ServerKey frame.
     pub fn public_key(&self) -> PublicKey {
         self.shared.public_key

@@ -94,40 +94,25 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
     let framing = Framing { websocket };
     let config = &shared.config;
     let mut hs = ServerHandshake::new(config.secret_key.clone());
-
-    let mut out = BytesMut::with_capacity(preamble.len() + 64);
-    out.extend_from_slice(&preamble);
-    framing.frame(&mut out, |b| hs.server_key_frame(b));
-    let deadline = Instant::now() + config.handshake_timeout;
-    tokio::time::timeout_at(deadline, write_half.write_all(&out))
-        .await
-        .map_err(|_| ConnError::HandshakeTimeout)??;
-
-    // The ClientInfo must arrive within its own deadline, counted from after ServerKey.
-    let deadline = Instant::now() + config.handshake_timeout;
-    let mut decoder = ServerDecoder::new();
-    let (client_key, sealed) = loop {
-        match decoder.decode(&mut reader.buf)? {
-            Some(ClientToRelay::ClientInfo { key, sealed }) => break (key, sealed),
-            // The decoder refuses anything but ClientInfo as the first frame.
-            Some(_) => return Err(ConnError::ClosedDuringHandshake),
-            None => {
-                let n = tokio::time::timeout_at(deadline, reader.read_more(None))
-                    .await
-                    .map_err(|_| ConnError::HandshakeTimeout)??;
-                if n == 0 {
-                    return Err(ConnError::ClosedDuringHandshake);
-                }
-            }
-        }
-    };
-    let info = match hs.handle_client_info(client_key, &sealed) {
-        Ok(info) => info,
+    let (client_key, info) = match handshake(
+        &mut hs,
+        &mut reader,
+        &mut write_half,
+        framing,
+        &preamble,
+        config.handshake_timeout,
+    )
+    .await
+    {
+        Ok(done) => done,
         Err(e) => {
-            shared.metrics.handshake_failures.inc();
-            return Err(e.into());
+            if matches!(e, ConnError::Handshake(_)) {
+                shared.metrics.handshake_failures.inc();
+            }
+            return Err(e);
         }
     };
+    drop(preamble);
     let can_mesh = is_mesh_peer(&shared, &info);
     let flags = presence_flags(&info, can_mesh, not_ideal);
     let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
@@ -152,14 +137,19 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
     };
 
     // ServerInfo must be the first frame after ServerKey, so it is written before the writer
-    // task starts draining whatever other clients have queued meanwhile.
-    let mut nonce = [0u8; 24];
-    rand::thread_rng().fill_bytes(&mut nonce);
-    out.clear();
-    let mut sealed_ok = Ok(());
-    framing.frame(&mut out, |b| sealed_ok = hs.server_info_frame(nonce, b));
-    let result = match sealed_ok {
-        Ok(()) => {
+    // task starts draining whatever other clients have queued meanwhile. The handshake state
+    // and its buffers are dropped here rather than held for the connection's lifetime.
+    let server_info = {
+        let mut nonce = [0u8; 24];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        let mut out = BytesMut::new();
+        let mut sealed_ok = Ok(());
+        framing.frame(&mut out, |b| sealed_ok = hs.server_info_frame(nonce, b));
+        drop(hs);
+        sealed_ok.map(|()| out)
+    };
+    let result = match server_info {
+        Ok(out) => {
             match write_with_timeout(&mut write_half, &out, Some(config.handshake_timeout)).await {
                 Ok(()) => {
                     debug!(%remote, key = %client_key.short(), id, "client connected");
@@ -195,6 +185,47 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
     count_gone(&shared, handle.close());
     debug!(%remote, key = %client_key.short(), id, "client disconnected");
     result
+}
+
+/// Sends ServerKey (after the 101 head, if any, in the same write) and reads and opens the
+/// client's ClientInfo, each step within its own deadline. Everything it buffered for that is
+/// released when it returns, so an idle connection does not keep it.
+async fn handshake(
+    hs: &mut ServerHandshake,
+    reader: &mut FrameReader,
+    write_half: &mut WriteHalf,
+    framing: Framing,
+    preamble: &[u8],
+    timeout: Duration,
+) -> Result<(PublicKey, ClientInfo), ConnError> {
+    let mut out = BytesMut::with_capacity(preamble.len() + 64);
+    out.extend_from_slice(preamble);
+    framing.frame(&mut out, |b| hs.server_key_frame(b));
+    tokio::time::timeout(timeout, write_half.write_all(&out))
+        .await
+        .map_err(|_| ConnError::HandshakeTimeout)??;
+
+    // The ClientInfo must arrive within its own deadline, counted from after ServerKey.
+    let deadline = Instant::now() + timeout;
+    let mut decoder = ServerDecoder::new();
+    loop {
+        match decoder.decode(&mut reader.buf)? {
+            Some(ClientToRelay::ClientInfo { key, sealed }) => {
+                let info = hs.handle_client_info(key, &sealed)?;
+                return Ok((key, info));
+            }
+            // The decoder refuses anything but ClientInfo as the first frame.
+            Some(_) => return Err(ConnError::ClosedDuringHandshake),
+            None => {
+                let n = tokio::time::timeout_at(deadline, reader.read_more(None, HANDSHAKE_READ))
+                    .await
+                    .map_err(|_| ConnError::HandshakeTimeout)??;
+                if n == 0 {
+                    return Err(ConnError::ClosedDuringHandshake);
+                }
+            }
+        }
+    }
 }
 
 fn is_mesh_peer(shared: &Shared, info: &ClientInfo) -> bool {
@@ -295,11 +326,15 @@ impl FrameReader {
 
     /// Reads once from the socket and appends what it yields to `buf`. Returns 0 at EOF.
     /// WebSocket pings are answered through `handle` when one is given.
-    async fn read_more(&mut self, handle: Option<&ConnHandle>) -> Result<usize, ConnError> {
+    async fn read_more(
+        &mut self,
+        handle: Option<&ConnHandle>,
+        chunk: usize,
+    ) -> Result<usize, ConnError> {
         let Some(ws_in) = &mut self.ws else {
             self.half.ready().await?;
             if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
-                self.buf.reserve(READ_CHUNK);
+                self.buf.reserve(chunk);
             }
             return Ok(self.half.read_buf(&mut self.buf).await?);
         };
@@ -336,7 +371,7 @@ impl FrameReader {
             }
             self.half.ready().await?;
             if ws_in.raw.capacity() - ws_in.raw.len() < MIN_READ_SPACE {
-                ws_in.raw.reserve(READ_CHUNK);
+                ws_in.raw.reserve(chunk);
             }
             if self.half.read_buf(&mut ws_in.raw).await? == 0 {
                 return Ok(0);
@@ -428,7 +463,7 @@ impl<'a> ReadLoop<'a> {
             let n = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
-                n = self.reader.read_more(Some(self.handle)) => n?,
+                n = self.reader.read_more(Some(self.handle), READ_CHUNK) => n?,
             };
             if n == 0 {
                 return Ok(());
@@ -872,6 +907,9 @@ async fn write_with_timeout<W: AsyncWrite + Unpin>(
 
 /// Reads are at least this large; one read can carry many frames.
 const READ_CHUNK: usize = 64 * 1024;
+/// Reads during the handshake are small: a ClientInfo is a few hundred bytes, and a buffer
+/// allocated now must not stay with an idle connection.
+const HANDSHAKE_READ: usize = 1024;
 /// Below this much free space the read buffer is grown before reading.
 const MIN_READ_SPACE: usize = 4 * 1024;
 /// Header scratch above this size is released after a burst.

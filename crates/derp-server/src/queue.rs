@@ -161,13 +161,22 @@ impl ConnHandle {
     }
 
     /// Queues a control frame. These are rare and bounded by their producers (rate-limited
-    /// NotHere replies, one PeerGone per departed peer), so they are never dropped.
+    /// NotHere replies, one PeerGone per departed peer), so they are never dropped, with one
+    /// exception: a WebSocket pong replaces one still pending, so a client that pings without
+    /// reading cannot grow the queue.
     pub(crate) fn push_control(&self, control: Control) {
         let mut state = self.lock();
         if state.closed {
             return;
         }
-        state.pending.control.push_back(control);
+        let queue = &mut state.pending.control;
+        if matches!(control, Control::WsPong(_))
+            && let Some(pending) = queue.iter_mut().find(|c| matches!(c, Control::WsPong(_)))
+        {
+            *pending = control;
+            return;
+        }
+        queue.push_back(control);
         self.wake(state);
     }
 
@@ -296,6 +305,22 @@ mod tests {
         let mut batch = Batch::default();
         assert!(!h.take(&mut batch));
         assert!(batch.is_empty());
+    }
+
+    #[test]
+    fn websocket_pongs_do_not_pile_up() {
+        let h = handle(4);
+        for i in 0..100u8 {
+            h.push_control(Control::WsPong(Bytes::from(vec![i])));
+        }
+        h.push_control(Control::PeerGone(
+            PublicKey::from_bytes([3; 32]),
+            PeerGoneReason::NotHere,
+        ));
+        let mut batch = Batch::default();
+        h.take(&mut batch);
+        assert_eq!(batch.control.len(), 2);
+        assert!(matches!(&batch.control[0], Control::WsPong(b) if b[..] == [99]));
     }
 
     #[test]

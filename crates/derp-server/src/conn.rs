@@ -457,8 +457,17 @@ impl<'a> ReadLoop<'a> {
     async fn run_inner(&mut self) -> Result<(), ConnError> {
         loop {
             self.process_buffered()?;
+            let congested = self.counts.queue_drops() > 0;
             self.shared.fold(&mut self.counts);
             self.reader.release_if_empty();
+            if congested {
+                // Destinations of this batch had full queues: let their writers run before
+                // reading more from this sender. Past saturation this spends the CPU on
+                // delivering queued packets rather than on reading packets that would only
+                // be dropped, and lets TCP push back on the sender. A yield is not a wait:
+                // the sender's other flows are not held up by one slow receiver.
+                tokio::task::yield_now().await;
+            }
             let cancel = self.handle.cancel.clone();
             let n = tokio::select! {
                 biased;

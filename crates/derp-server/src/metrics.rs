@@ -394,6 +394,13 @@ impl ReaderCounts {
         self.frames == 0
     }
 
+    /// Packets this connection's batch pushed out of (or could not put into) full queues.
+    pub(crate) fn queue_drops(&self) -> u64 {
+        let head = &self.dropped[DropReason::QueueHead as usize];
+        let tail = &self.dropped[DropReason::QueueTail as usize];
+        head.iter().chain(tail).sum()
+    }
+
     pub(crate) fn drop(&mut self, reason: DropReason, kind: PacketKind, bytes: usize) {
         self.dropped[reason as usize][kind as usize] += 1;
         self.dropped_bytes[reason as usize][kind as usize] += bytes as u64;

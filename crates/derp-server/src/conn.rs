@@ -731,7 +731,11 @@ impl BatchWriter<'_> {
                 Control::PeerGone(peer, reason) => {
                     match reason {
                         PeerGoneReason::NotHere => gone[1] += 1,
-                        _ => gone[0] += 1,
+                        _ => {
+                            gone[0] += 1;
+                            // If the peer comes back and sends again, watch it again.
+                            self.sent_from.remove(&peer);
+                        }
                     }
                     push_frame(
                         &mut self.headers,
@@ -834,11 +838,13 @@ impl BatchWriter<'_> {
         }
         self.keepalive_due = false;
         let m = &self.shared.metrics;
-        if sent > 0 && self.shared.config.packet_metrics {
-            m.packets_sent.inc_by(sent);
-            m.bytes_sent.inc_by(sent_bytes);
-            m.average_queue_duration_ms.set(avg);
+        if sent > 0 {
             self.note_sources();
+            if self.shared.config.packet_metrics {
+                m.packets_sent.inc_by(sent);
+                m.bytes_sent.inc_by(sent_bytes);
+                m.average_queue_duration_ms.set(avg);
+            }
         }
         if pongs > 0 {
             m.sent_pong.inc_by(pongs);

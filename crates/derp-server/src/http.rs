@@ -386,8 +386,9 @@ fn derp_via_hyper(
     resp.headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
     let on_upgrade = hyper::upgrade::on(&mut req);
+    let tracker = shared.tasks.clone();
     let shared = shared.clone();
-    tokio::spawn(async move {
+    tracker.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) if refuse_subprotocol => {
                 let mut io = TokioIo::new(upgraded);

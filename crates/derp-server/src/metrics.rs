@@ -169,7 +169,8 @@ pub struct Metrics {
     pub buffered_write_frames: Histogram,
     /// `derp_websocket_accepts`: DERP connections carried over WebSocket.
     pub websocket_accepts: IntCounter,
-    /// `derp_handshake_failures`: connections closed before completing the handshake.
+    /// `derp_handshake_failures`: ClientInfo frames that did not open or parse (timeouts,
+    /// early closes and malformed frames during the handshake are not counted here).
     pub handshake_failures: IntCounter,
 }
 
@@ -319,7 +320,7 @@ impl Metrics {
             )?,
             handshake_failures: r.counter(
                 "derp_handshake_failures",
-                "connections closed before completing the handshake",
+                "ClientInfo frames that did not open or parse",
             )?,
         })
     }

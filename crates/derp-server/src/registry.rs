@@ -309,8 +309,11 @@ impl Registry {
     pub(crate) fn watch_peer_gone(&self, src: PublicKey, receiver: &Arc<ConnHandle>) {
         let mut state = self.lock();
         // The writer registers after it wrote the packet, so the source may have left the
-        // region in between: then the receiver is told at once, since no departure is left
-        // to tell it later.
+        // region in between, its departure announced before this registration: the receiver
+        // is told at once instead. (A source whose arrival is not announced yet, such as one
+        // behind a mesh peer whose PeerPresent trails the packet it forwarded, is handled
+        // the same way; the writer forgets a source once it writes PeerGone for it, so that
+        // source's next packet registers again.)
         if !state.clients.contains_key(&src) && !state.forwarders.contains_key(&src) {
             receiver.push_control(Control::PeerGone(src, PeerGoneReason::Disconnected));
             return;
@@ -487,8 +490,12 @@ fn notify_peer_gone(state: &mut State, key: &PublicKey) {
     }
 }
 
+/// Moves `id` to the end of the history. Each member appears at most once, so a client
+/// alternating between its own duplicate connections cannot grow the history (the reference
+/// appends on every switch); the most recent speaker is still last.
 fn push_history(history: &mut Vec<u64>, id: u64) {
     if history.last() != Some(&id) {
+        history.retain(|x| *x != id);
         history.push(id);
     }
 }
@@ -496,5 +503,46 @@ fn push_history(history: &mut Vec<u64>, id: u64) {
 fn broadcast(watchers: &HashMap<u64, Arc<ConnHandle>>, make: impl Fn() -> Control) {
     for w in watchers.values() {
         w.push_control(make());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+
+    fn conn(id: u64) -> Arc<ConnHandle> {
+        Arc::new(ConnHandle::new(
+            id,
+            PublicKey::from_bytes([5; 32]),
+            ([127, 0, 0, 1], 1).into(),
+            0,
+            false,
+            32,
+            CancellationToken::new(),
+        ))
+    }
+
+    #[test]
+    fn alternating_duplicates_do_not_grow_the_history() {
+        let metrics = Metrics::new(&prometheus::Registry::new()).expect("metrics");
+        let reg = Registry::new(metrics, PublicKey::from_bytes([0; 32]));
+        let (a, b) = (conn(1), conn(2));
+        reg.register(&a);
+        reg.register(&b);
+        for _ in 0..1000 {
+            reg.note_activity(&a);
+            reg.note_activity(&b);
+        }
+        let state = reg.lock();
+        let entry = state.clients.get(&a.key).expect("entry");
+        assert_eq!(entry.history, vec![1, 2]);
+        assert_eq!(entry.active.as_ref().map(|c| c.id), Some(2));
+        drop(state);
+        // The last speaker leaving hands the role back to the other.
+        reg.unregister(&b);
+        assert!(a.active.load(Ordering::Acquire));
+        assert!(!b.active.load(Ordering::Acquire));
     }
 }

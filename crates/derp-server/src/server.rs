@@ -28,7 +28,8 @@ pub(crate) struct Shared {
     pub(crate) shutdown: CancellationToken,
     /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
     pub(crate) prometheus: prometheus::Registry,
-    tasks: TaskTracker,
+    /// Every connection task, so shutdown can wait for them.
+    pub(crate) tasks: TaskTracker,
 }
 
 impl Shared {

@@ -1157,7 +1157,7 @@ async fn peer_gone_reaches_a_receiver_even_when_the_sender_leaves_at_once() {
 async fn a_returning_peer_is_watched_again_and_its_second_departure_is_announced() {
     let srv = TestServer::start_default().await;
     let mut c = RawClient::connect(srv.addr).await;
-    let x_secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+    let x_secret = SecretKey::generate(&mut rand::rngs::OsRng);
     for round in 0..2 {
         let mut x = RawClient::connect_with(srv.addr, x_secret.clone()).await;
         x.send_packet(c.key, &[round; 8]).await;
@@ -1165,9 +1165,9 @@ async fn a_returning_peer_is_watched_again_and_its_second_departure_is_announced
         drop(x);
         assert_eq!(
             c.recv().await,
-            derp_proto::RelayToClient::PeerGone {
+            RelayToClient::PeerGone {
                 peer: x_secret.public_key(),
-                reason: derp_proto::PeerGoneReason::Disconnected,
+                reason: PeerGoneReason::Disconnected,
             },
             "round {round}"
         );

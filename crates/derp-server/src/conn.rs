@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use derp_proto::frame::{self, FrameType, PEER_PRESENT_IS_MESH_PEER, PEER_PRESENT_IS_PROBER};
 use derp_proto::frame::{PEER_PRESENT_IS_REGULAR, PEER_PRESENT_NOT_IDEAL};
 use derp_proto::{
@@ -126,10 +126,7 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
         shared.shutdown.child_token(),
     ));
 
-    shared.registry.register(&handle);
-    if not_ideal {
-        shared.metrics.current_notideal_connections.inc();
-    }
+    let registration = Registration::new(&shared, &handle, not_ideal);
     let write_timeout = if can_mesh {
         config.mesh_write_timeout
     } else {
@@ -165,7 +162,9 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
                     if let Some(code) = read_loop.reader.ws_close {
                         handle.ws_close_code.store(code, Ordering::Relaxed);
                     }
-                    handle.cancel.cancel();
+                    // Leave the registry before waiting for the writer, so peers hear at once
+                    // that this client is gone even if its socket is slow to close.
+                    drop(registration);
                     if writer.await.is_err() {
                         debug!(id, "writer task failed");
                     }
@@ -177,14 +176,43 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
         Err(e) => Err(e.into()),
     };
 
-    shared.registry.unregister(&handle);
-    shared.registry.remove_watcher(id);
-    if not_ideal {
-        shared.metrics.current_notideal_connections.dec();
-    }
-    count_gone(&shared, handle.close());
     debug!(%remote, key = %client_key.short(), id, "client disconnected");
     result
+}
+
+/// A registered connection. Dropping it (on every path: normal end, error, panic, or the
+/// connection's future being dropped by an embedder) unregisters the connection, closes its
+/// queues and counts what they still held.
+struct Registration<'a> {
+    shared: &'a Shared,
+    handle: &'a Arc<ConnHandle>,
+    not_ideal: bool,
+}
+
+impl<'a> Registration<'a> {
+    fn new(shared: &'a Shared, handle: &'a Arc<ConnHandle>, not_ideal: bool) -> Self {
+        shared.registry.register(handle);
+        if not_ideal {
+            shared.metrics.current_notideal_connections.inc();
+        }
+        Self {
+            shared,
+            handle,
+            not_ideal,
+        }
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        self.handle.cancel.cancel();
+        self.shared.registry.unregister(self.handle);
+        self.shared.registry.remove_watcher(self.handle.id);
+        if self.not_ideal {
+            self.shared.metrics.current_notideal_connections.dec();
+        }
+        count_gone(self.shared, self.handle.close());
+    }
 }
 
 /// Sends ServerKey (after the 101 head, if any, in the same write) and reads and opens the
@@ -431,6 +459,10 @@ struct ReadLoop<'a> {
     not_here: NotHereLimiter,
     router: Router,
     connected_at: Instant,
+    /// Size of the next read (see `adapt_to_read`).
+    chunk: usize,
+    /// The last read was tiny: copy its payloads rather than pin the buffer.
+    copy_payloads: bool,
 }
 
 impl<'a> ReadLoop<'a> {
@@ -445,6 +477,9 @@ impl<'a> ReadLoop<'a> {
             not_here: NotHereLimiter::new(now),
             router: Router::new(&shared.config.lookup),
             connected_at: now,
+            chunk: MIN_READ_CHUNK,
+            // What arrived with the handshake is small.
+            copy_payloads: true,
         }
     }
 
@@ -472,12 +507,27 @@ impl<'a> ReadLoop<'a> {
             let n = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
-                n = self.reader.read_more(Some(self.handle), READ_CHUNK) => n?,
+                n = self.reader.read_more(Some(self.handle), self.chunk) => n?,
             };
             if n == 0 {
                 return Ok(());
             }
+            self.adapt_to_read(n);
         }
+    }
+
+    /// Sizes reads to the traffic. Queued packets are slices of the buffer they were read
+    /// into and keep all of it alive, so a sender of small, sparse frames must not make
+    /// every frame pin a 64 KiB buffer at a slow receiver: reads shrink towards 4 KiB when
+    /// they come back mostly empty and grow towards 64 KiB when they come back full, and the
+    /// payloads of a tiny read are copied out instead of sliced.
+    fn adapt_to_read(&mut self, n: usize) {
+        if n >= self.chunk / 4 * 3 {
+            self.chunk = (self.chunk * 2).min(READ_CHUNK);
+        } else if n < self.chunk / 8 {
+            self.chunk = (self.chunk / 2).max(MIN_READ_CHUNK);
+        }
+        self.copy_payloads = n < COPY_READS_BELOW;
     }
 
     /// Handles every complete frame in the buffer. Synchronous: the lookup guard and the
@@ -493,6 +543,7 @@ impl<'a> ReadLoop<'a> {
             }
             match frame {
                 ClientToRelay::SendPacket { dst, packet } => {
+                    let packet = self.own_payload(packet);
                     let len = packet.len();
                     let kind = PacketKind::of(&packet);
                     self.counts.packets_received += 1;
@@ -525,6 +576,7 @@ impl<'a> ReadLoop<'a> {
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
                     self.require_mesh(FrameType::ForwardPacket)?;
+                    let packet = self.own_payload(packet);
                     self.counts.forwarded_in += 1;
                     let len = packet.len();
                     let kind = PacketKind::of(&packet);
@@ -577,6 +629,15 @@ impl<'a> ReadLoop<'a> {
         self.counts.mirror_misses += misses.mirror;
         self.counts.cache_misses += misses.cache;
         Ok(())
+    }
+
+    /// The payload as it will be queued: the slice itself, or a copy after a tiny read.
+    fn own_payload(&self, packet: Bytes) -> Bytes {
+        if self.copy_payloads {
+            Bytes::copy_from_slice(&packet)
+        } else {
+            packet
+        }
     }
 
     /// Answers a disco packet to an unknown key with PeerGone(NotHere), rate-limited.
@@ -672,7 +733,9 @@ async fn run_writer(
         let frame = ws::close_frame(code);
         let _ = write_with_timeout(&mut w, &frame, Some(WS_CLOSE_TIMEOUT)).await;
     }
-    let _ = w.shutdown().await;
+    // Bounded: a TLS shutdown writes close_notify, which a peer that stopped reading would
+    // never let through.
+    let _ = tokio::time::timeout(WS_CLOSE_TIMEOUT, w.shutdown()).await;
 }
 
 struct BatchWriter<'a> {
@@ -920,8 +983,12 @@ async fn write_with_timeout<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
-/// Reads are at least this large; one read can carry many frames.
+/// The largest read; one read can carry many frames.
 const READ_CHUNK: usize = 64 * 1024;
+/// The smallest read, and the first after the handshake.
+const MIN_READ_CHUNK: usize = 4 * 1024;
+/// Payloads of a read smaller than this are copied out of the read buffer.
+const COPY_READS_BELOW: usize = 1024;
 /// Reads during the handshake are small: a ClientInfo is a few hundred bytes, and a buffer
 /// allocated now must not stay with an idle connection.
 const HANDSHAKE_READ: usize = 1024;
@@ -929,7 +996,8 @@ const HANDSHAKE_READ: usize = 1024;
 const MIN_READ_SPACE: usize = 4 * 1024;
 /// Header scratch above this size is released after a burst.
 const MAX_IDLE_HEADER_CAPACITY: usize = 16 * 1024;
-/// How long a closing WebSocket connection may take to accept its close frame.
+/// How long a closing connection may take to accept its last bytes (a WebSocket close frame,
+/// a TLS close_notify).
 const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 const KEEPALIVE_JITTER_MS: u64 = 5000;
 const NOT_HERE_PER_SEC: f64 = 1.0;
@@ -980,6 +1048,54 @@ mod tests {
         frame.encode(&mut rl.reader.buf);
         rl.process_buffered().expect("valid frame");
         rl.counts.cache_misses
+    }
+
+    #[tokio::test]
+    async fn reads_adapt_and_tiny_reads_do_not_pin_their_buffer() {
+        let server = Server::new(
+            ServerConfig::new(SecretKey::from_bytes([1; 32])),
+            &prometheus::Registry::new(),
+        )
+        .expect("server");
+        let shared = server.shared();
+        let src = handle(1, 3);
+        let dst = handle(2, 2);
+        shared.registry.register(&src);
+        shared.registry.register(&dst);
+        let mut rl = read_loop(shared, &src);
+        assert_eq!(rl.chunk, MIN_READ_CHUNK);
+        // Full reads grow the chunk to the maximum.
+        for _ in 0..8 {
+            let full = rl.chunk;
+            rl.adapt_to_read(full);
+        }
+        assert_eq!(rl.chunk, READ_CHUNK);
+        assert!(!rl.copy_payloads);
+        // Sparse tiny reads shrink it back and switch to copying.
+        for _ in 0..8 {
+            rl.adapt_to_read(40);
+        }
+        assert_eq!(rl.chunk, MIN_READ_CHUNK);
+        assert!(rl.copy_payloads);
+
+        // A packet from a tiny read is queued as its own allocation, not a slice of the
+        // read buffer: the buffer's spare capacity stays unshared and is reused.
+        ClientToRelay::SendPacket {
+            dst: dst.key,
+            packet: Bytes::from_static(b"tiny"),
+        }
+        .encode(&mut rl.reader.buf);
+        rl.reader.buf.reserve(1024);
+        let buffer_start = rl.reader.buf.as_ptr() as usize;
+        let buffer_end = buffer_start + rl.reader.buf.capacity();
+        rl.process_buffered().expect("valid frame");
+        let mut batch = crate::queue::Batch::default();
+        dst.take(&mut batch);
+        let queued = batch.other.front().expect("queued").data.as_ptr() as usize;
+        assert!(
+            !(buffer_start..buffer_end).contains(&queued),
+            "tiny payload still points into the read buffer"
+        );
     }
 
     #[tokio::test(start_paused = true)]

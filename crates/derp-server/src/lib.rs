@@ -33,7 +33,7 @@ pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
 };
-pub use io::{BoxedIo, Transport};
+pub use io::{BoxedIo, Transport, tune_socket};
 #[doc(hidden)]
 pub use lookup::bench as lookup_bench;
 pub use lookup::{

@@ -123,7 +123,10 @@ impl Server {
                 a = listener.accept() => a,
             };
             match accepted {
-                Ok((stream, remote)) => self.spawn_connection(Transport::Tcp(stream), remote),
+                Ok((stream, remote)) => {
+                    crate::io::tune_socket(&stream);
+                    self.spawn_connection(Transport::Tcp(stream), remote);
+                }
                 Err(e) => {
                     // EMFILE and friends: back off briefly instead of spinning.
                     warn!(error = %e, "accept failed");

@@ -423,7 +423,10 @@ impl TlsFront {
                 a = listener.accept() => a,
             };
             let (tcp, remote) = match accepted {
-                Ok(a) => a,
+                Ok(a) => {
+                    crate::io::tune_socket(&a.0);
+                    a
+                }
                 Err(e) => {
                     warn!(error = %e, "tls accept failed");
                     tokio::select! {

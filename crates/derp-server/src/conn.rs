@@ -1089,7 +1089,7 @@ mod tests {
         let buffer_start = rl.reader.buf.as_ptr() as usize;
         let buffer_end = buffer_start + rl.reader.buf.capacity();
         rl.process_buffered().expect("valid frame");
-        let mut batch = crate::queue::Batch::default();
+        let mut batch = Batch::default();
         dst.take(&mut batch);
         let queued = batch.other.front().expect("queued").data.as_ptr() as usize;
         assert!(

@@ -103,22 +103,32 @@ pub(crate) async fn serve_conn(shared: Arc<Shared>, mut stream: Transport, remot
 
 /// Reads until a complete request head is buffered. Returns its length, or `None` when the
 /// bytes are not a request or the head is too large.
+///
+/// The head is parsed again only when a read brings a new line (and on the first read, so
+/// garbage is refused at once): a client dribbling one byte at a time costs one parse per
+/// line, not one per byte.
 async fn read_head(stream: &mut Transport, buf: &mut BytesMut) -> io::Result<Option<usize>> {
+    let mut parse = !buf.is_empty();
     loop {
-        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(buf) {
-            Ok(httparse::Status::Complete(n)) => return Ok(Some(n)),
-            Ok(httparse::Status::Partial) => {}
-            Err(_) => return Ok(None),
+        if parse {
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(buf) {
+                Ok(httparse::Status::Complete(n)) => return Ok(Some(n)),
+                Ok(httparse::Status::Partial) => {}
+                Err(_) => return Ok(None),
+            }
         }
         if buf.len() >= MAX_HEAD_LEN {
             return Ok(None);
         }
+        let first = buf.is_empty();
+        let before = buf.len();
         buf.reserve(1024);
         if stream.read_buf(buf).await? == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
+        parse = first || buf[before..].contains(&b'\n');
     }
 }
 
@@ -559,7 +569,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     }
 }
 
-const MAX_HEADERS: usize = 64;
+/// Request headers parsed at most; hyper's default limit is 100.
+const MAX_HEADERS: usize = 100;
 /// A request head larger than this is not a DERP client.
 const MAX_HEAD_LEN: usize = 16 * 1024;
 const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);

@@ -28,7 +28,7 @@ use tracing::{debug, trace};
 use crate::io::{ReadHalf, Transport, WriteHalf};
 use crate::lookup::{Route, Router};
 use crate::metrics::{DropReason, PacketKind, ReaderCounts};
-use crate::queue::{Batch, ConnHandle, Control};
+use crate::queue::{Batch, ConnHandle, Control, Resume};
 use crate::server::Shared;
 use crate::ws;
 
@@ -150,24 +150,21 @@ async fn run(shared: Arc<Shared>, accepted: Accepted) -> Result<(), ConnError> {
             match write_with_timeout(&mut write_half, &out, Some(config.handshake_timeout)).await {
                 Ok(()) => {
                     debug!(%remote, key = %client_key.short(), id, "client connected");
-                    let writer = tokio::spawn(run_writer(
+                    Writer::start(
                         shared.clone(),
                         handle.clone(),
                         write_half,
                         framing,
                         write_timeout,
-                    ));
+                    );
                     let mut read_loop = ReadLoop::new(&shared, &handle, reader);
                     let result = read_loop.run().await;
                     if let Some(code) = read_loop.reader.ws_close {
                         handle.ws_close_code.store(code, Ordering::Relaxed);
                     }
-                    // Leave the registry before waiting for the writer, so peers hear at once
-                    // that this client is gone even if its socket is slow to close.
+                    // Leaving the registry closes the queues; the writer (running, or
+                    // resumed from its parked state by the close) then finishes the socket.
                     drop(registration);
-                    if writer.await.is_err() {
-                        debug!(id, "writer task failed");
-                    }
                     result
                 }
                 Err(e) => Err(e.into()),
@@ -463,11 +460,17 @@ struct ReadLoop<'a> {
     chunk: usize,
     /// The last read was tiny: copy its payloads rather than pin the buffer.
     copy_payloads: bool,
+    /// This connection's keepalive period: the base interval plus its own jitter, so
+    /// connections that arrived together do not all send keepalives at once.
+    keepalive_period: Duration,
+    next_keepalive: Instant,
 }
 
 impl<'a> ReadLoop<'a> {
     fn new(shared: &'a Arc<Shared>, handle: &'a Arc<ConnHandle>, reader: FrameReader) -> Self {
         let now = Instant::now();
+        let keepalive_period = shared.config.keepalive_interval
+            + Duration::from_millis(rand::thread_rng().gen_range(0..KEEPALIVE_JITTER_MS));
         Self {
             shared,
             handle,
@@ -480,6 +483,8 @@ impl<'a> ReadLoop<'a> {
             chunk: MIN_READ_CHUNK,
             // What arrived with the handshake is small.
             copy_payloads: true,
+            keepalive_period,
+            next_keepalive: now + keepalive_period,
         }
     }
 
@@ -507,6 +512,12 @@ impl<'a> ReadLoop<'a> {
             let n = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
+                _ = tokio::time::sleep_until(self.next_keepalive) => {
+                    // Timed here rather than by the writer, which may be parked.
+                    self.next_keepalive = Instant::now() + self.keepalive_period;
+                    self.handle.push_control(Control::KeepAlive);
+                    continue;
+                }
                 n = self.reader.read_more(Some(self.handle), self.chunk) => n?,
             };
             if n == 0 {
@@ -678,69 +689,13 @@ impl<'a> ReadLoop<'a> {
     }
 }
 
-/// Drains the connection's queues and writes them, until the connection closes.
-async fn run_writer(
+/// A connection's writer. It runs as a task only while there is something to write (and
+/// for a short linger after); an idle connection's writer is parked in its queue and a
+/// sender's enqueue resumes it, so idle connections cost one task, not two.
+struct Writer {
     shared: Arc<Shared>,
     handle: Arc<ConnHandle>,
-    mut w: WriteHalf,
-    framing: Framing,
-    write_timeout: Option<Duration>,
-) {
-    let mut writer = BatchWriter {
-        shared: &shared,
-        handle: &handle,
-        framing,
-        write_timeout,
-        batch: Batch::default(),
-        headers: Vec::new(),
-        sent_from: HashSet::default(),
-        keepalive_due: false,
-    };
-    let period = shared.config.keepalive_interval
-        + Duration::from_millis(rand::thread_rng().gen_range(0..KEEPALIVE_JITTER_MS));
-    let keepalive = tokio::time::sleep(period);
-    tokio::pin!(keepalive);
-    let result: Result<(), io::Error> = async {
-        loop {
-            tokio::select! {
-                biased;
-                _ = handle.cancel.cancelled() => return Ok(()),
-                _ = handle.wait() => {}
-                _ = &mut keepalive => {
-                    writer.keepalive_due = true;
-                    keepalive.as_mut().reset(Instant::now() + period);
-                }
-            }
-            if !writer.drain(&mut w).await? {
-                return Ok(());
-            }
-        }
-    }
-    .await;
-    if let Err(e) = result {
-        if e.kind() == io::ErrorKind::TimedOut {
-            shared.metrics.write_timeouts.inc();
-        }
-        debug!(id = handle.id, error = %e, "write failed");
-    }
-    handle.cancel.cancel();
-    shared
-        .registry
-        .unwatch_peer_gone(&writer.sent_from, handle.id);
-    count_gone(&shared, handle.close());
-    if framing.websocket {
-        let code = handle.ws_close_code.load(Ordering::Relaxed);
-        let frame = ws::close_frame(code);
-        let _ = write_with_timeout(&mut w, &frame, Some(WS_CLOSE_TIMEOUT)).await;
-    }
-    // Bounded: a TLS shutdown writes close_notify, which a peer that stopped reading would
-    // never let through.
-    let _ = tokio::time::timeout(WS_CLOSE_TIMEOUT, w.shutdown()).await;
-}
-
-struct BatchWriter<'a> {
-    shared: &'a Shared,
-    handle: &'a Arc<ConnHandle>,
+    w: WriteHalf,
     framing: Framing,
     write_timeout: Option<Duration>,
     batch: Batch,
@@ -748,7 +703,112 @@ struct BatchWriter<'a> {
     headers: Vec<u8>,
     /// Sources this connection has received from; each is registered once for PeerGone.
     sent_from: HashSet<PublicKey, foldhash::fast::RandomState>,
-    keepalive_due: bool,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writer")
+            .field("id", &self.handle.id)
+            .finish()
+    }
+}
+
+/// How a writer's run ended.
+enum Step {
+    /// Nothing to write for a while: park.
+    Idle,
+    /// The connection is closing.
+    Closed,
+}
+
+impl Resume for Writer {
+    fn resume(self: Box<Self>) {
+        let tasks = self.shared.tasks.clone();
+        tasks.spawn(self.run());
+    }
+}
+
+impl Writer {
+    /// Starts the writer for a connection whose ServerInfo has been written.
+    fn start(
+        shared: Arc<Shared>,
+        handle: Arc<ConnHandle>,
+        w: WriteHalf,
+        framing: Framing,
+        write_timeout: Option<Duration>,
+    ) {
+        let writer = Box::new(Self {
+            shared,
+            handle: handle.clone(),
+            w,
+            framing,
+            write_timeout,
+            batch: Batch::default(),
+            headers: Vec::new(),
+            sent_from: HashSet::default(),
+        });
+        if let Err(writer) = handle.park(writer) {
+            writer.resume();
+        }
+    }
+
+    async fn run(mut self: Box<Self>) {
+        loop {
+            match self.serve().await {
+                Ok(Step::Idle) => {
+                    let handle = self.handle.clone();
+                    match handle.park(self) {
+                        Ok(()) => return,
+                        // Work arrived between the linger and the park.
+                        Err(back) => self = back,
+                    }
+                }
+                Ok(Step::Closed) => return self.finish(None).await,
+                Err(e) => return self.finish(Some(e)).await,
+            }
+        }
+    }
+
+    /// Writes until the connection closes or has been idle for the linger time.
+    async fn serve(&mut self) -> io::Result<Step> {
+        loop {
+            if !self.drain().await? {
+                return Ok(Step::Closed);
+            }
+            let handle = self.handle.clone();
+            tokio::select! {
+                biased;
+                _ = handle.cancel.cancelled() => return Ok(Step::Closed),
+                _ = handle.wait() => {}
+                _ = tokio::time::sleep(WRITER_LINGER) => return Ok(Step::Idle),
+            }
+        }
+    }
+
+    /// Ends the connection's writing side: counts what is left, drops PeerGone watches and
+    /// closes the socket, each bounded in time.
+    async fn finish(mut self: Box<Self>, error: Option<io::Error>) {
+        let (shared, handle) = (&self.shared, &self.handle);
+        if let Some(e) = error {
+            if e.kind() == io::ErrorKind::TimedOut {
+                shared.metrics.write_timeouts.inc();
+            }
+            debug!(id = handle.id, error = %e, "write failed");
+        }
+        handle.cancel.cancel();
+        shared
+            .registry
+            .unwatch_peer_gone(&self.sent_from, handle.id);
+        count_gone(shared, handle.close());
+        if self.framing.websocket {
+            let code = handle.ws_close_code.load(Ordering::Relaxed);
+            let frame = ws::close_frame(code);
+            let _ = write_with_timeout(&mut self.w, &frame, Some(WS_CLOSE_TIMEOUT)).await;
+        }
+        // Bounded: a TLS shutdown writes close_notify, which a peer that stopped reading would
+        // never let through.
+        let _ = tokio::time::timeout(WS_CLOSE_TIMEOUT, self.w.shutdown()).await;
+    }
 }
 
 /// Where one piece of a vectored write comes from.
@@ -757,15 +817,15 @@ enum Seg {
     Payload(bool, usize),
 }
 
-impl BatchWriter<'_> {
+impl Writer {
     /// Writes batches until nothing is pending. Returns false once the connection is closed.
-    async fn drain(&mut self, w: &mut WriteHalf) -> io::Result<bool> {
+    async fn drain(&mut self) -> io::Result<bool> {
         loop {
             let open = self.handle.take(&mut self.batch);
-            if self.batch.is_empty() && !self.keepalive_due {
+            if self.batch.is_empty() {
                 return Ok(open);
             }
-            let frames = self.write_batch(w).await;
+            let frames = self.write_batch().await;
             self.recycle();
             let frames = frames?;
             self.shared
@@ -779,7 +839,7 @@ impl BatchWriter<'_> {
     }
 
     /// Writes everything in the batch with vectored writes, then flushes once.
-    async fn write_batch(&mut self, w: &mut WriteHalf) -> io::Result<usize> {
+    async fn write_batch(&mut self) -> io::Result<usize> {
         self.headers.clear();
         let mut segs: Vec<Seg> = Vec::with_capacity(
             2 * (self.batch.disco.len() + self.batch.other.len()) + self.batch.control.len() + 2,
@@ -811,6 +871,9 @@ impl BatchWriter<'_> {
                     framing,
                     &RelayToClient::PeerPresent { peer, addr, flags },
                 ),
+                Control::KeepAlive => {
+                    push_frame(&mut self.headers, framing, &RelayToClient::KeepAlive)
+                }
                 Control::WsPong(payload) => {
                     self.headers
                         .extend_from_slice(&ws::control_frame(ws::ControlOpcode::Pong, &payload));
@@ -848,12 +911,6 @@ impl BatchWriter<'_> {
                 frames += 1;
             }
         }
-        if self.keepalive_due {
-            let start = self.headers.len();
-            push_frame(&mut self.headers, framing, &RelayToClient::KeepAlive);
-            segs.push(Seg::Header(start, self.headers.len()));
-            frames += 1;
-        }
 
         let mut slices: Vec<IoSlice<'_>> = segs
             .iter()
@@ -869,9 +926,11 @@ impl BatchWriter<'_> {
         // A write blocked on a peer that does not read must still end when the connection
         // is closed (shutdown, ClosePeer, the read side ending), deadline or not.
         let cancel = &self.handle.cancel;
+        let write_timeout = self.write_timeout;
+        let w = &mut self.w;
         let write = async {
-            write_vectored_all(w, &mut slices, self.write_timeout).await?;
-            match self.write_timeout {
+            write_vectored_all(w, &mut slices, write_timeout).await?;
+            match write_timeout {
                 Some(t) => tokio::time::timeout(t, w.flush())
                     .await
                     .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
@@ -899,15 +958,14 @@ impl BatchWriter<'_> {
             }
             return Err(e);
         }
-        self.keepalive_due = false;
-        let m = &self.shared.metrics;
         if sent > 0 {
             self.note_sources();
-            if self.shared.config.packet_metrics {
-                m.packets_sent.inc_by(sent);
-                m.bytes_sent.inc_by(sent_bytes);
-                m.average_queue_duration_ms.set(avg);
-            }
+        }
+        let m = &self.shared.metrics;
+        if sent > 0 && self.shared.config.packet_metrics {
+            m.packets_sent.inc_by(sent);
+            m.bytes_sent.inc_by(sent_bytes);
+            m.average_queue_duration_ms.set(avg);
         }
         if pongs > 0 {
             m.sent_pong.inc_by(pongs);
@@ -926,7 +984,7 @@ impl BatchWriter<'_> {
         for p in self.batch.disco.iter().chain(self.batch.other.iter()) {
             if !self.sent_from.contains(&p.src) {
                 self.sent_from.insert(p.src);
-                self.shared.registry.watch_peer_gone(p.src, self.handle);
+                self.shared.registry.watch_peer_gone(p.src, &self.handle);
             }
         }
     }
@@ -1000,6 +1058,8 @@ const MAX_IDLE_HEADER_CAPACITY: usize = 16 * 1024;
 /// a TLS close_notify).
 const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 const KEEPALIVE_JITTER_MS: u64 = 5000;
+/// How long a writer waits for more work after draining before it parks.
+const WRITER_LINGER: Duration = Duration::from_secs(1);
 const NOT_HERE_PER_SEC: f64 = 1.0;
 const NOT_HERE_BURST: f64 = 3.0;
 /// NotePreferred flips within this long of connecting do not count as home moves.

@@ -36,6 +36,14 @@ pub(crate) enum Control {
     },
     /// A WebSocket pong answering a client's ping.
     WsPong(Bytes),
+    /// The periodic keepalive, timed by the read loop so a parked writer needs no timer.
+    KeepAlive,
+}
+
+/// A writer parked while its connection has nothing to write. Enqueuing work resumes it.
+pub(crate) trait Resume: Send + std::fmt::Debug {
+    /// Starts the writer again (spawns its task).
+    fn resume(self: Box<Self>);
 }
 
 /// What the writer takes in one swap.
@@ -60,6 +68,8 @@ impl Batch {
 struct State {
     pending: Batch,
     closed: bool,
+    /// The connection's writer while it has no task (nothing to write).
+    parked: Option<Box<dyn Resume>>,
     /// Set when the writer has been woken and has not yet taken the batch; senders skip the
     /// wake-up then, so a burst costs one notification rather than one per packet.
     woken: bool,
@@ -161,17 +171,19 @@ impl ConnHandle {
     }
 
     /// Queues a control frame. These are rare and bounded by their producers (rate-limited
-    /// NotHere replies, one PeerGone per departed peer), so they are never dropped, with one
-    /// exception: a WebSocket pong replaces one still pending, so a client that pings without
-    /// reading cannot grow the queue.
+    /// NotHere replies, one PeerGone per departed peer), so they are never dropped, with two
+    /// exceptions: a WebSocket pong or a keepalive replaces one still pending, so a client
+    /// that pings without reading (or a stalled one) cannot grow the queue.
     pub(crate) fn push_control(&self, control: Control) {
         let mut state = self.lock();
         if state.closed {
             return;
         }
         let queue = &mut state.pending.control;
-        if matches!(control, Control::WsPong(_))
-            && let Some(pending) = queue.iter_mut().find(|c| matches!(c, Control::WsPong(_)))
+        if matches!(control, Control::WsPong(_) | Control::KeepAlive)
+            && let Some(pending) = queue
+                .iter_mut()
+                .find(|c| std::mem::discriminant(*c) == std::mem::discriminant(&control))
         {
             *pending = control;
             return;
@@ -200,15 +212,32 @@ impl ConnHandle {
     }
 
     /// Marks the connection closed: later pushes are dropped as `gone_disconnected`, and what
-    /// is still queued is returned so the caller can count it.
+    /// is still queued is returned so the caller can count it. A parked writer is resumed so
+    /// it can close the socket.
     pub(crate) fn close(&self) -> Batch {
         let mut state = self.lock();
         state.closed = true;
         let rest = std::mem::take(&mut state.pending);
+        let parked = state.parked.take();
         drop(state);
         self.cancel.cancel();
         self.notify.notify_one();
+        if let Some(writer) = parked {
+            writer.resume();
+        }
         rest
+    }
+
+    /// Parks an idle writer in the queue, unless work is pending or the connection is
+    /// closing, in which case the writer is handed back to keep running. Checked and stored
+    /// under the queue lock, so no enqueue can slip between the check and the park.
+    pub(crate) fn park<W: Resume + 'static>(&self, writer: Box<W>) -> Result<(), Box<W>> {
+        let mut state = self.lock();
+        if state.closed || !state.pending.is_empty() {
+            return Err(writer);
+        }
+        state.parked = Some(writer);
+        Ok(())
     }
 
     /// Waits until something is queued (or the connection closes).
@@ -217,6 +246,11 @@ impl ConnHandle {
     }
 
     fn wake(&self, mut state: std::sync::MutexGuard<'_, State>) {
+        if let Some(writer) = state.parked.take() {
+            drop(state);
+            writer.resume();
+            return;
+        }
         if !state.woken {
             state.woken = true;
             drop(state);

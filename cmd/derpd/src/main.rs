@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use clap::Parser;
+use clap::Parser as _;
 use derp_proto::{MeshKey, SecretKey};
 use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig};
 use tokio::net::TcpListener;
@@ -18,7 +18,20 @@ use tracing::info;
 use crate::cli::{Cli, LogFormat};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // One line, not clap's usage block: operators read these in journald.
+            let rendered = e.render().to_string();
+            let line = rendered.lines().next().unwrap_or("invalid arguments");
+            eprintln!(
+                "derpd: {} (see derpd --help)",
+                line.trim_start_matches("error: ")
+            );
+            return ExitCode::from(2);
+        }
+    };
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

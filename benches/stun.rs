@@ -15,8 +15,14 @@ fn stun(c: &mut Criterion) {
     let mut group = c.benchmark_group("stun");
     group.throughput(Throughput::Elements(1));
     for (name, from) in [
-        ("ipv4", "192.0.2.1:41641".parse::<SocketAddr>().expect("addr")),
-        ("ipv6", "[2001:db8::1]:41641".parse::<SocketAddr>().expect("addr")),
+        (
+            "ipv4",
+            "192.0.2.1:41641".parse::<SocketAddr>().expect("addr"),
+        ),
+        (
+            "ipv6",
+            "[2001:db8::1]:41641".parse::<SocketAddr>().expect("addr"),
+        ),
     ] {
         group.bench_function(format!("parse_and_respond/{name}"), |b| {
             let mut out = [0u8; stun::MAX_RESPONSE_LEN];

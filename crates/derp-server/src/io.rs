@@ -76,64 +76,6 @@ impl Transport {
     }
 }
 
-impl AsyncRead for Transport {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
-            Self::Boxed(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Transport {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-            Self::Boxed(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Self::Boxed(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Self::Tcp(s) => s.is_write_vectored(),
-            Self::Boxed(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_flush(cx),
-            Self::Boxed(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-            Self::Boxed(s) => Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
-
 pub(crate) enum ReadHalf {
     Tcp(OwnedReadHalf),
     Boxed(tokio::io::ReadHalf<Box<dyn BoxedIo>>),
@@ -149,65 +91,81 @@ impl ReadHalf {
     }
 }
 
-impl AsyncRead for ReadHalf {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(r) => Pin::new(r).poll_read(cx, buf),
-            Self::Boxed(r) => Pin::new(r).poll_read(cx, buf),
-        }
-    }
-}
-
 pub(crate) enum WriteHalf {
     Tcp(OwnedWriteHalf),
     Boxed(tokio::io::WriteHalf<Box<dyn BoxedIo>>),
 }
 
-impl AsyncWrite for WriteHalf {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Self::Tcp(w) => Pin::new(w).poll_write(cx, buf),
-            Self::Boxed(w) => Pin::new(w).poll_write(cx, buf),
+/// Implements `AsyncRead` for an enum whose variants `Tcp` and `Boxed` both implement it.
+macro_rules! delegate_async_read {
+    ($ty:ty) => {
+        impl AsyncRead for $ty {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &mut ReadBuf<'_>,
+            ) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+                    Self::Boxed(s) => Pin::new(s).poll_read(cx, buf),
+                }
+            }
         }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Self::Tcp(w) => Pin::new(w).poll_write_vectored(cx, bufs),
-            Self::Boxed(w) => Pin::new(w).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Self::Tcp(w) => w.is_write_vectored(),
-            Self::Boxed(w) => w.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(w) => Pin::new(w).poll_flush(cx),
-            Self::Boxed(w) => Pin::new(w).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(w) => Pin::new(w).poll_shutdown(cx),
-            Self::Boxed(w) => Pin::new(w).poll_shutdown(cx),
-        }
-    }
+    };
 }
+
+/// Implements `AsyncWrite` (vectored writes included) for an enum whose variants `Tcp` and
+/// `Boxed` both implement it.
+macro_rules! delegate_async_write {
+    ($ty:ty) => {
+        impl AsyncWrite for $ty {
+            fn poll_write(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                match self.get_mut() {
+                    Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+                    Self::Boxed(s) => Pin::new(s).poll_write(cx, buf),
+                }
+            }
+
+            fn poll_write_vectored(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                bufs: &[io::IoSlice<'_>],
+            ) -> Poll<io::Result<usize>> {
+                match self.get_mut() {
+                    Self::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+                    Self::Boxed(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+                }
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                match self {
+                    Self::Tcp(s) => s.is_write_vectored(),
+                    Self::Boxed(s) => s.is_write_vectored(),
+                }
+            }
+
+            fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    Self::Tcp(s) => Pin::new(s).poll_flush(cx),
+                    Self::Boxed(s) => Pin::new(s).poll_flush(cx),
+                }
+            }
+
+            fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+                    Self::Boxed(s) => Pin::new(s).poll_shutdown(cx),
+                }
+            }
+        }
+    };
+}
+
+delegate_async_read!(Transport);
+delegate_async_write!(Transport);
+delegate_async_read!(ReadHalf);
+delegate_async_write!(WriteHalf);

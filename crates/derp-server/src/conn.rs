@@ -2,9 +2,10 @@
 //!
 //! The read loop runs on the connection's own task. It reads as much as the socket holds,
 //! parses every complete frame in the buffer, and hands each packet to its destination's
-//! queue as a `Bytes` slice of the read buffer (no copy between sockets). The writer is a
-//! second task that drains the connection's queues in batches and writes each batch with one
-//! vectored write; it flushes only when nothing else is ready.
+//! queue as a `Bytes` slice of the read buffer (no copy between sockets, except after tiny
+//! reads). The writer drains the connection's queues in batches and writes each batch with
+//! one vectored write, flushing only when nothing else is ready; it runs as a second task
+//! while there is work and is parked in the queue while the connection is idle.
 
 use std::collections::HashSet;
 use std::io::{self, IoSlice};

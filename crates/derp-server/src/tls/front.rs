@@ -26,6 +26,7 @@ use tracing::{debug, warn};
 
 use super::TlsError;
 use super::certs::{check_valid_for, validity};
+use super::limit::SourceLimiter;
 use super::meta::meta_certificate;
 use crate::io::Transport;
 use crate::server::Server;
@@ -35,6 +36,12 @@ use crate::server::Server;
 pub const DEFAULT_MAX_HANDSHAKES: usize = 1024;
 /// Default deadline for a whole TLS handshake, from accept to the first application byte.
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes one source (an IPv4 address or an IPv6 /64) may have in flight; more from it
+/// are closed on accept, so one host cannot fill the global cap.
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
+/// Deadline for the ClientHello. A socket that says nothing is cut off well before the
+/// whole-handshake deadline, so idle connections hold a slot only briefly.
+const CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// ALPN protocol of TLS-ALPN-01 validation connections (RFC 8737).
 pub(crate) const ACME_TLS_ALPN: &[u8] = b"acme-tls/1";
@@ -251,6 +258,7 @@ struct Inner {
     generation: AtomicU64,
     updates: watch::Sender<CertInfo>,
     handshakes: Arc<Semaphore>,
+    per_source: Arc<SourceLimiter>,
     options: TlsOptions,
     metrics: TlsMetrics,
 }
@@ -307,6 +315,7 @@ impl TlsFront {
                 generation: AtomicU64::new(0),
                 updates,
                 handshakes: Arc::new(Semaphore::new(options.max_handshakes)),
+                per_source: SourceLimiter::new(MAX_HANDSHAKES_PER_SOURCE),
                 metrics: TlsMetrics::new(registry)?,
                 options,
             }),
@@ -436,6 +445,16 @@ impl TlsFront {
                     continue;
                 }
             };
+            let Some(source_permit) = self.inner.per_source.try_acquire(remote.ip()) else {
+                self.inner
+                    .metrics
+                    .handshakes
+                    .with_label_values(&["rejected"])
+                    .inc();
+                debug!(%remote, "too many tls handshakes from this source; closing");
+                drop(tcp);
+                continue;
+            };
             let Ok(permit) = self.inner.handshakes.clone().try_acquire_owned() else {
                 self.inner
                     .metrics
@@ -459,6 +478,7 @@ impl TlsFront {
                 };
                 metrics.in_flight.dec();
                 drop(permit);
+                drop(source_permit);
                 let outcome = match result {
                     None => return,
                     // TLS-ALPN-01 validation: the handshake was all it wanted.
@@ -490,7 +510,12 @@ impl TlsFront {
     /// Reads the ClientHello, picks the config for its ALPN offer, and finishes the handshake.
     /// `None` for a TLS-ALPN-01 validation connection, which carries no HTTP.
     async fn handshake(&self, tcp: TcpStream) -> io::Result<Option<TlsStream<TcpStream>>> {
-        let start = LazyConfigAcceptor::new(Acceptor::default(), tcp).await?;
+        let start = tokio::time::timeout(
+            CLIENT_HELLO_TIMEOUT,
+            LazyConfigAcceptor::new(Acceptor::default(), tcp),
+        )
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no ClientHello in time"))??;
         let hello = start.client_hello();
         let config = if offers_alpn(&hello, ACME_TLS_ALPN) {
             self.inner.config_acme.clone()

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::front::TlsFront;
+use super::limit::SourceLimiter;
 
 type Body = Full<Bytes>;
 
@@ -25,6 +26,9 @@ type Body = Full<Bytes>;
 const ACME_CHALLENGE_PREFIX: &str = "/.well-known/acme-challenge/";
 /// Connections served at once on this port; more are closed on accept.
 const MAX_CONNECTIONS: usize = 1024;
+/// Connections one source (an IPv4 address or an IPv6 /64) may hold at once, so one host
+/// cannot fill the port and block captive-portal checks or HTTP-01 validation.
+const MAX_CONNECTIONS_PER_SOURCE: usize = 16;
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Nothing on this port needs a connection for long.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
@@ -43,6 +47,7 @@ impl TlsFront {
         shutdown: CancellationToken,
     ) -> std::io::Result<()> {
         let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let per_source = SourceLimiter::new(MAX_CONNECTIONS_PER_SOURCE);
         let base = Arc::new(https_base(&self.hostname().to_string(), https_port));
         loop {
             let accepted = tokio::select! {
@@ -60,7 +65,12 @@ impl TlsFront {
                     continue;
                 }
             };
+            let Some(source_permit) = per_source.try_acquire(remote.ip()) else {
+                debug!(%remote, "too many port-80 connections from this source; closing");
+                continue;
+            };
             let Ok(permit) = limit.clone().try_acquire_owned() else {
+                debug!(%remote, "port-80 listener full; closing");
                 continue;
             };
             let this = self.clone();
@@ -84,6 +94,7 @@ impl TlsFront {
                     }
                 }
                 drop(permit);
+                drop(source_permit);
             });
         }
     }

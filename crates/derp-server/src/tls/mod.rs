@@ -23,6 +23,7 @@ mod acme;
 mod certs;
 mod front;
 mod http_port;
+mod limit;
 mod meta;
 
 use std::path::PathBuf;
@@ -33,8 +34,8 @@ pub use certs::{
     sanitize_hostname,
 };
 pub use front::{
-    CertInfo, CertOrigin, DEFAULT_MAX_HANDSHAKES, DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront,
-    TlsOptions,
+    CertInfo, CertOrigin, DEFAULT_MAX_HANDSHAKES, DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+    MAX_HANDSHAKES_PER_SOURCE, TlsFront, TlsOptions,
 };
 pub use meta::meta_certificate;
 

@@ -219,10 +219,17 @@ impl AcmeManager {
             match result {
                 Ok(Ok(info)) => {
                     info!(pin = %info.pin(), not_after = ?info.not_after, challenge = ?kind, "acme certificate issued");
+                    let already_due = renewal_time(&info) <= SystemTime::now();
                     current = Some(info);
-                    backoff = self.config.initial_backoff;
-                    attempt = 0;
-                    continue;
+                    if !already_due {
+                        backoff = self.config.initial_backoff;
+                        attempt = 0;
+                        continue;
+                    }
+                    // A fresh certificate that is already due (a clock far ahead, or a
+                    // lifetime we cannot read) must not make us order again at once, over and
+                    // over: Let's Encrypt allows few duplicates a week. Back off instead.
+                    warn!(retry_in = ?backoff, "new acme certificate is already due for renewal; check the clock");
                 }
                 Ok(Err(e)) => {
                     warn!(error = %e, challenge = ?kind, retry_in = ?backoff, "acme order failed")
@@ -307,8 +314,13 @@ impl AcmeManager {
         let info = self.front.install(chain, key_der, CertOrigin::AcmeIssued)?;
         // Key first: a crash between the writes leaves a new key with the old chain, which
         // fails the key check on load and leads to a fresh order rather than a broken server.
-        write_atomic(&self.key_path(), key.serialize_pem().as_bytes(), true)?;
-        write_atomic(&self.cert_path(), chain_pem.as_bytes(), false)?;
+        // The certificate is in service either way, so a failed cache write is reported, not
+        // treated as a failed order: retrying would order again and burn the rate limit.
+        let cached = write_atomic(&self.key_path(), key.serialize_pem().as_bytes(), true)
+            .and_then(|()| write_atomic(&self.cert_path(), chain_pem.as_bytes(), false));
+        if let Err(e) = cached {
+            warn!(error = %e, dir = %self.config.cache_dir.display(), "acme certificate in service but not cached; a restart will order a new one");
+        }
         Ok(info)
     }
 
@@ -347,9 +359,16 @@ impl AcmeManager {
                     )
                     .await
                     .map_err(acme_err)?;
-                let json = serde_json::to_vec_pretty(&credentials)
-                    .map_err(|e| TlsError::Acme(format!("encoding account: {e}")))?;
-                write_atomic(&path, &json, true)?;
+                // Kept in memory even if it cannot be cached, so retries reuse the account
+                // instead of registering new ones.
+                match serde_json::to_vec_pretty(&credentials) {
+                    Ok(json) => {
+                        if let Err(e) = write_atomic(&path, &json, true) {
+                            warn!(error = %e, path = %path.display(), "acme account not cached");
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "encoding acme account"),
+                }
                 info!(account = account.id(), path = %path.display(), "acme account registered");
                 account
             }
@@ -384,7 +403,8 @@ impl AcmeManager {
 /// certificate), or 30 days before when the start is unknown.
 fn renewal_time(info: &CertInfo) -> SystemTime {
     let Some(not_after) = info.not_after else {
-        return SystemTime::now();
+        // Unknown expiry: renew on a fixed schedule rather than at once.
+        return SystemTime::now() + UNKNOWN_EXPIRY_RENEWAL;
     };
     let lifetime = info
         .not_before
@@ -394,6 +414,9 @@ fn renewal_time(info: &CertInfo) -> SystemTime {
         .checked_sub(lifetime / 3)
         .unwrap_or(SystemTime::UNIX_EPOCH)
 }
+
+/// How long a certificate whose expiry cannot be read is kept before renewing.
+const UNKNOWN_EXPIRY_RENEWAL: Duration = Duration::from_secs(7 * 86400);
 
 /// Withdraws challenge answers when an attempt ends, however it ends.
 struct ChallengeGuard<'a> {

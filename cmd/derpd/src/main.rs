@@ -66,6 +66,7 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    ignore_sighup_by_default();
     let addr_text = if cli.dev && cli.addr == ":443" {
         "127.0.0.1:3340".to_owned()
     } else {
@@ -220,6 +221,26 @@ fn is_root() -> bool {
                 .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
         })
         .unwrap_or(false)
+}
+
+/// SIGHUP's default action ends the process, and init systems send it for "reload" (the
+/// systemd unit's ExecReload does). Listening for it from the start replaces that action in
+/// every mode; manual certificate mode adds its own listener that reloads the files.
+fn ignore_sighup_by_default() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::hangup()) {
+            Ok(mut hup) => {
+                tokio::spawn(async move {
+                    while hup.recv().await.is_some() {
+                        tracing::debug!("SIGHUP received");
+                    }
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot listen for SIGHUP"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -196,12 +196,23 @@ fn reference_key_file_loads_in_both_forms() {
 }
 
 #[test]
-fn dev_mode_serves_and_stops_cleanly_on_sigterm() {
+fn dev_mode_serves_survives_sighup_and_stops_cleanly_on_sigterm() {
     let mut r = start(&["--dev", "--home", "blank"]);
     let resp = http_get(&r.addr, "/");
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     let varz = http_get(&r.addr, "/debug/varz");
     assert!(varz.contains("derp_build_info"), "{varz}");
+    // SIGHUP (a systemd reload) must not end it, in any mode.
+    let status = Command::new("kill")
+        .args(["-HUP", &r.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    assert!(
+        http_get(&r.addr, "/derp/probe").starts_with("HTTP/1.1 200"),
+        "derpd died on SIGHUP"
+    );
+    assert!(r.child.try_wait().expect("try_wait").is_none());
     let status = Command::new("kill")
         .args(["-TERM", &r.child.id().to_string()])
         .status()

@@ -238,15 +238,25 @@ impl ManualCerts {
     }
 
     fn install_from_disk(&self, first: bool) -> Result<bool, TlsError> {
+        // Held across read, compare and install, so a poll and a SIGHUP reload racing each
+        // other cannot install the older of two reads last.
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
         let cert_pem = read(&self.cert_path)?;
         let key_pem = read(&self.key_path)?;
+        if let Some((c, k)) = loaded.as_ref()
+            && *c == cert_pem
+            && *k == key_pem
         {
-            let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((c, k)) = loaded.as_ref()
-                && *c == cert_pem
-                && *k == key_pem
-            {
-                return Ok(false);
+            return Ok(false);
+        }
+        // A file caught mid-write ends in a partial block, which the PEM reader would skip
+        // silently, serving a truncated chain; wait for the next reload instead.
+        for (path, pem) in [(&self.cert_path, &cert_pem), (&self.key_path, &key_pem)] {
+            if !ends_with_complete_block(pem) {
+                return Err(TlsError::Pem(format!(
+                    "{} ends in an incomplete PEM block (still being written?)",
+                    path.display()
+                )));
             }
         }
         let chain = load_certs_pem(&cert_pem)?;
@@ -259,7 +269,7 @@ impl ManualCerts {
             CertOrigin::Manual
         };
         let info = self.front.install(chain, key, origin)?;
-        *self.loaded.lock().unwrap_or_else(|e| e.into_inner()) = Some((cert_pem, key_pem));
+        *loaded = Some((cert_pem, key_pem));
         info!(
             cert = %self.cert_path.display(),
             pin = %info.pin(),
@@ -268,6 +278,19 @@ impl ManualCerts {
             "manual certificate in service"
         );
         Ok(true)
+    }
+}
+
+/// Whether nothing but whitespace follows the last `-----END …-----` line.
+fn ends_with_complete_block(pem: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(pem);
+    let Some(end) = text.rfind("-----END ") else {
+        return false;
+    };
+    let rest = &text[end + "-----END ".len()..];
+    match rest.find("-----") {
+        Some(close) => rest[close + 5..].trim().is_empty(),
+        None => false,
     }
 }
 
@@ -280,6 +303,20 @@ fn is_self_signed(leaf: &CertificateDer<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn files_caught_mid_write_are_not_installed() {
+        let (cert_pem, _) = generate_self_signed("127.0.0.1".parse().unwrap()).unwrap();
+        assert!(ends_with_complete_block(cert_pem.as_bytes()));
+        assert!(ends_with_complete_block(
+            format!("{cert_pem}\n\n").as_bytes()
+        ));
+        let partial_second = format!("{cert_pem}-----BEGI");
+        assert!(!ends_with_complete_block(partial_second.as_bytes()));
+        let cut = &cert_pem[..cert_pem.len() - 10];
+        assert!(!ends_with_complete_block(cut.as_bytes()));
+        assert!(!ends_with_complete_block(b""));
+    }
 
     #[test]
     fn hostnames_sanitize_like_derper() {

@@ -118,7 +118,13 @@ impl TlsFront {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::BAD_REQUEST, "Use HTTPS\n");
         }
-        let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        // Only origin-form targets are kept; `*` and anything odd go to the root.
+        let target = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str())
+            .filter(|p| p.starts_with('/'))
+            .unwrap_or("/");
         let mut resp = Response::new(Body::default());
         *resp.status_mut() = StatusCode::FOUND;
         if let Ok(v) = HeaderValue::from_str(&format!("{https_base}{target}")) {

@@ -112,11 +112,14 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], private: bool) -> Result<()
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
+    // A stale temporary file from a crash may exist with looser permissions; remove it so the
+    // new one is created (with the mode below) rather than reused.
     let mut tmp_name = path.as_os_str().to_owned();
-    tmp_name.push(".tmp");
+    tmp_name.push(format!(".tmp{}", std::process::id()));
     let tmp = PathBuf::from(tmp_name);
+    let _ = std::fs::remove_file(&tmp);
     let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
+    options.write(true).create_new(true);
     #[cfg(unix)]
     if private {
         use std::os::unix::fs::OpenOptionsExt;
@@ -124,11 +127,22 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], private: bool) -> Result<()
     }
     #[cfg(not(unix))]
     let _ = private;
-    let mut file = options.open(&tmp).map_err(err)?;
-    file.write_all(data).map_err(err)?;
-    file.sync_all().map_err(err)?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(err)
+    let result = (|| {
+        let mut file = options.open(&tmp)?;
+        file.write_all(data)?;
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&tmp, path)?;
+        // Make the rename itself durable, so a power loss cannot empty the cache.
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(err)
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {

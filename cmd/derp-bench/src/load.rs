@@ -20,9 +20,9 @@ use tokio::time::Instant;
 
 use crate::pacing::TokenBucket;
 use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::procfs::{CpuTime, MachineCpu};
+use crate::procfs::CpuSample;
 use crate::prom::Scrape;
-use crate::report::{CpuUse, Drops, LoadRun, PairResult};
+use crate::report::{CpuUse, Drops, LoadRun, PairResult, WindowSpec, ratio};
 use crate::target::{Target, describe_connect_error};
 
 /// Monotonic time since the bench started, as carried in packets.
@@ -96,20 +96,6 @@ impl Drop for Fleet {
             p.helper.abort();
         }
     }
-}
-
-/// What one window does.
-#[derive(Clone, Debug)]
-pub(crate) struct WindowSpec {
-    pub(crate) run: u32,
-    pub(crate) size: usize,
-    /// Packets/s per pair; `None` is unpaced.
-    pub(crate) rate_pps: Option<f64>,
-    pub(crate) warmup: Duration,
-    pub(crate) duration: Duration,
-    pub(crate) stop_receivers_after: Option<Duration>,
-    /// Load, or latency probes (timestamped one by one and timed on return).
-    pub(crate) kind: Kind,
 }
 
 /// Round-trip times of the probes sent in the window, in nanoseconds.
@@ -317,22 +303,6 @@ impl Fleet {
         );
         Ok((run, rtt))
     }
-}
-
-pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
-    if whole == 0 {
-        0.0
-    } else {
-        part as f64 / whole as f64
-    }
-}
-
-/// Bench and server CPU at one instant.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CpuSample {
-    pub(crate) bench: Option<CpuTime>,
-    pub(crate) server: Option<CpuTime>,
-    pub(crate) machine: Option<MachineCpu>,
 }
 
 pub(crate) fn sample_cpu(target: &Target) -> CpuSample {

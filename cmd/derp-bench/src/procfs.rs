@@ -178,6 +178,14 @@ pub(crate) fn ephemeral_ports() -> u32 {
         .unwrap_or(28_232)
 }
 
+/// Bench and server CPU at one instant.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CpuSample {
+    pub(crate) bench: Option<CpuTime>,
+    pub(crate) server: Option<CpuTime>,
+    pub(crate) machine: Option<MachineCpu>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,10 +7,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::load::{CpuSample, WindowSpec, ratio};
+use crate::packet::Kind;
+use crate::procfs::CpuSample;
 
 /// Version of the JSON layout; bumped when a field changes meaning or goes away.
 pub(crate) const SCHEMA_VERSION: u32 = 1;
@@ -512,6 +514,29 @@ pub(crate) fn opt(v: Option<f64>, digits: usize) -> String {
 /// Formats a ratio as a percentage.
 pub(crate) fn pct(r: f64) -> String {
     format!("{:.3}%", r * 100.0)
+}
+
+/// What one window does.
+#[derive(Clone, Debug)]
+pub(crate) struct WindowSpec {
+    pub(crate) run: u32,
+    pub(crate) size: usize,
+    /// Packets/s per pair; `None` is unpaced.
+    pub(crate) rate_pps: Option<f64>,
+    pub(crate) warmup: Duration,
+    pub(crate) duration: Duration,
+    pub(crate) stop_receivers_after: Option<Duration>,
+    /// Load, or latency probes (timestamped one by one and timed on return).
+    pub(crate) kind: Kind,
+}
+
+/// `part / whole`, or 0 for an empty whole.
+pub(crate) fn ratio(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
 }
 
 #[cfg(test)]

@@ -5,10 +5,11 @@ use std::fmt::Write as _;
 use anyhow::bail;
 
 use crate::cli::{LatencyArgs, OutputArgs, TargetArgs};
-use crate::load::{Fleet, RttHistogram, WindowSpec, new_histogram};
+use crate::load::{Fleet, RttHistogram, new_histogram};
 use crate::modes::throughput::note_shortfall;
 use crate::packet::Kind;
 use crate::progress::Progress;
+use crate::report::WindowSpec;
 use crate::report::{
     LatencyConfig, LatencyMedian, LatencyResult, LatencyRun, Percentiles, opt, pct, table,
 };

@@ -10,9 +10,10 @@ use std::fmt::Write as _;
 use anyhow::bail;
 
 use crate::cli::{OutputArgs, SweepArgs, TargetArgs};
-use crate::load::{Fleet, WindowSpec};
+use crate::load::Fleet;
 use crate::packet::Kind;
 use crate::progress::Progress;
+use crate::report::WindowSpec;
 use crate::report::{Saturation, SweepConfig, SweepResult, SweepStep, opt, pct, table};
 use crate::{Ctx, Outcome};
 

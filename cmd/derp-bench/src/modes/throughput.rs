@@ -5,9 +5,10 @@ use std::fmt::Write as _;
 use anyhow::bail;
 
 use crate::cli::{TargetArgs, ThroughputArgs};
-use crate::load::{Fleet, WindowSpec};
+use crate::load::Fleet;
 use crate::packet::Kind;
 use crate::progress::Progress;
+use crate::report::WindowSpec;
 use crate::report::{LoadMedian, LoadRun, ThroughputConfig, ThroughputResult, opt, pct, table};
 use crate::{Ctx, Outcome};
 

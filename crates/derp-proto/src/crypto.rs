@@ -73,6 +73,19 @@ pub fn open(secret: &SecretKey, peer: &PublicKey, sealed: &[u8]) -> Result<Vec<u
     Ok(plaintext)
 }
 
+/// The box operations as methods of the key that seals or opens.
+impl SecretKey {
+    /// Seals `plaintext` to `peer` with NaCl box; returns nonce(24) || tag(16) || ciphertext.
+    pub fn seal_to(&self, peer: &PublicKey, nonce: &[u8; 24], plaintext: &[u8]) -> Vec<u8> {
+        seal(self, peer, nonce, plaintext)
+    }
+
+    /// Opens a NaCl box (nonce || tag || ciphertext) that `peer` sealed to this key.
+    pub fn open_from(&self, peer: &PublicKey, sealed: &[u8]) -> Result<Vec<u8>, BoxError> {
+        open(self, peer, sealed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

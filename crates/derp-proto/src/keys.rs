@@ -9,8 +9,6 @@ use std::str::FromStr;
 
 use rand_core::CryptoRngCore;
 
-use crate::crypto::{self, BoxError};
-
 /// Length in bytes of every key type in this module.
 const KEY_BYTES: usize = 32;
 
@@ -166,16 +164,6 @@ impl SecretKey {
             .diffie_hellman(&x25519_dalek::PublicKey::from(peer.0))
             .to_bytes()
     }
-
-    /// Seals `plaintext` to `peer` with NaCl box; returns nonce(24) || tag(16) || ciphertext.
-    pub fn seal_to(&self, peer: &PublicKey, nonce: &[u8; 24], plaintext: &[u8]) -> Vec<u8> {
-        crypto::seal(self, peer, nonce, plaintext)
-    }
-
-    /// Opens a NaCl box (nonce || tag || ciphertext) that `peer` sealed to this key.
-    pub fn open_from(&self, peer: &PublicKey, sealed: &[u8]) -> Result<Vec<u8>, BoxError> {
-        crypto::open(self, peer, sealed)
-    }
 }
 
 impl fmt::Debug for SecretKey {
@@ -262,6 +250,7 @@ impl FromStr for MeshKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crypto::BoxError;
 
     const HEX: &str = "a5cc7c231e1ccce44f37e2fafeff3f1520fdf68d7eccd28d45e78f668ee93e29";
 

@@ -14,11 +14,11 @@ use derp_client::rustls::pki_types::{CertificateDer, ServerName};
 use derp_client::rustls::{self, RootCertStore};
 use derp_client::{Client, ClientConfig, ReceivedFrame, TransportKind};
 use derp_proto::SecretKey;
-use derp_server::tls::{
+use derp_server::{Server, ServerConfig};
+use derp_tls::{
     AcmeConfig, AcmeManager, CertInfo, CertOrigin, ChallengeKind, ManualCerts, TlsFront,
     TlsOptions, cert_pin, load_certs_pem,
 };
-use derp_server::{Server, ServerConfig};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -358,7 +358,7 @@ async fn relay_with_ca_cert(ca: &TestCa) -> TlsRelay {
         .front
         .install(
             load_certs_pem(crt.as_bytes()).expect("crt"),
-            derp_server::tls::load_key_pem(key.as_bytes()).expect("key"),
+            derp_tls::load_key_pem(key.as_bytes()).expect("key"),
             CertOrigin::Other,
         )
         .expect("install");
@@ -507,7 +507,7 @@ async fn stalled_handshakes_are_capped_and_cut_off() {
         .front
         .install(
             load_certs_pem(crt.as_bytes()).expect("crt"),
-            derp_server::tls::load_key_pem(key.as_bytes()).expect("key"),
+            derp_tls::load_key_pem(key.as_bytes()).expect("key"),
             CertOrigin::Other,
         )
         .expect("install");

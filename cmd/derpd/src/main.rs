@@ -1,6 +1,7 @@
 //! derpd: a DERP relay server that Tailscale clients can use in place of derper.
 
 mod cli;
+mod duration;
 mod keyfile;
 mod tls_setup;
 

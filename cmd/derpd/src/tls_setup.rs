@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use derp_server::Server;
-use derp_server::tls::{
+use derp_tls::{
     AcmeConfig, AcmeManager, ChallengeKind, LETS_ENCRYPT_PRODUCTION, ManualCerts, TlsFront,
     TlsOptions, load_certs_pem,
 };
@@ -19,7 +19,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::cli::parse_duration;
+use crate::duration::parse_duration;
 
 /// How the TLS certificate is obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -147,7 +147,7 @@ pub(crate) async fn run_tls(
                 info!(cert = %g.cert_path.display(), key = %g.key_path.display(), "generated a self-signed certificate");
             }
             let served = front.cert_updates().borrow().clone();
-            if served.origin == derp_server::tls::CertOrigin::SelfSigned
+            if served.origin == derp_tls::CertOrigin::SelfSigned
                 && args.hostname.parse::<std::net::IpAddr>().is_ok()
             {
                 print_derp_map_node(&args.hostname, listen.port(), &served.pin());

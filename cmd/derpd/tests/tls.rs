@@ -145,11 +145,11 @@ async fn ip_node_prints_its_pin_and_sighup_rotates_the_certificate() {
 
     // Replace the pair on disk, then SIGHUP.
     let ip = "127.0.0.1".parse().expect("ip");
-    let (cert_pem, key_pem) = derp_server::tls::generate_self_signed(ip).expect("generate");
+    let (cert_pem, key_pem) = derp_tls::generate_self_signed(ip).expect("generate");
     std::fs::write(dir.0.join("127.0.0.1.key"), &key_pem).expect("write key");
     std::fs::write(dir.0.join("127.0.0.1.crt"), &cert_pem).expect("write crt");
-    let leaf = derp_server::tls::load_certs_pem(cert_pem.as_bytes()).expect("pem");
-    let new_pin = derp_server::tls::cert_pin(&leaf[0]);
+    let leaf = derp_tls::load_certs_pem(cert_pem.as_bytes()).expect("pem");
+    let new_pin = derp_tls::cert_pin(&leaf[0]);
     let status = Command::new("kill")
         .args(["-HUP", &running.child.id().to_string()])
         .status()

@@ -9,7 +9,7 @@ use std::time::Duration;
 use derp_proto::{MeshKey, PublicKey, SecretKey};
 use rustls::pki_types::CertificateDer;
 
-use crate::error::ConnectError;
+use crate::error::{ConnectError, UrlError};
 
 /// How DERP frames travel once the HTTP request has been answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -385,32 +385,6 @@ fn parse_authority(authority: &str) -> Result<(String, Option<u16>), UrlError> {
         }
     };
     Ok((host.to_owned(), port))
-}
-
-/// Why a server URL was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum UrlError {
-    /// There was no `scheme://` prefix.
-    #[error("url has no scheme")]
-    MissingScheme,
-    /// The scheme is not http, https, ws or wss.
-    #[error("url scheme must be http, https, ws or wss")]
-    UnsupportedScheme,
-    /// The host part was empty.
-    #[error("url has an empty host")]
-    EmptyHost,
-    /// The host was not a valid name, IPv4 literal or bracketed IPv6 literal.
-    #[error("url host is not valid")]
-    InvalidHost,
-    /// The port was not a number in 1..=65535.
-    #[error("url port is not valid")]
-    InvalidPort,
-    /// The URL carried `user@`; DERP has no use for it.
-    #[error("url must not contain user info")]
-    UserInfo,
-    /// The path contained spaces or control characters.
-    #[error("url path contains spaces or control characters")]
-    InvalidPath,
 }
 
 /// Request target used when the URL names no path.

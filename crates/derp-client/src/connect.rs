@@ -5,6 +5,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::BytesMut;
+use derp_io::{ReadHalf, Transport};
+use derp_proto::upgrade::{self, RequestOptions};
+use derp_proto::ws;
 use derp_proto::{ClientHandshake, RelayToClient, ServerInfo};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpSocket, TcpStream};
@@ -12,13 +15,11 @@ use tokio::net::{TcpSocket, TcpStream};
 use crate::Client;
 use crate::config::{ClientConfig, TransportKind};
 use crate::error::ConnectError;
-use crate::http::{self, RequestOptions};
 use crate::ping::PingTracker;
 use crate::reader::ClientReader;
 use crate::tls;
-use crate::transport::{FrameReader, FrameWriter, ReadHalf, Stream, WsShared};
+use crate::transport::{FrameReader, FrameWriter, WsShared};
 use crate::writer::ClientWriter;
-use crate::ws::{self, WsError};
 
 /// Dials the configured URL and runs the upgrade and handshake within the connect budget.
 pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
@@ -33,7 +34,7 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
         let tcp = dial(config).await?;
         let local = tcp.local_addr().ok();
         let Some(tls) = tls else {
-            return establish(config, Stream::Tcp(tcp), local).await;
+            return establish(config, Transport::Tcp(tcp), local).await;
         };
         let (stream, meta_key) = tls::handshake(tls, config.url.host(), tcp).await?;
         match meta_key {
@@ -43,9 +44,9 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
             {
                 let mut fast = config.clone();
                 fast.fast_start_key = Some(key);
-                establish(&fast, Stream::Boxed(Box::new(stream)), local).await
+                establish(&fast, Transport::Boxed(Box::new(stream)), local).await
             }
-            _ => establish(config, Stream::Boxed(Box::new(stream)), local).await,
+            _ => establish(config, Transport::Boxed(Box::new(stream)), local).await,
         }
     })
     .await
@@ -55,7 +56,7 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
 /// wrapped in TLS).
 pub(crate) async fn connect_stream(
     config: &ClientConfig,
-    stream: Stream,
+    stream: Transport,
 ) -> Result<Client, ConnectError> {
     validate(config)?;
     with_budget(config, establish(config, stream, None)).await
@@ -77,7 +78,7 @@ fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
         ));
     }
     if let Some(node) = &config.ideal_node
-        && !http::valid_header_value(node)
+        && !upgrade::valid_header_value(node)
     {
         return Err(ConnectError::InvalidConfig(
             "ideal node contains control characters",
@@ -135,7 +136,7 @@ async fn dial_one(addr: SocketAddr, local: Option<SocketAddr>) -> io::Result<Tcp
 /// HTTP upgrade plus DERP handshake over a connected stream.
 async fn establish(
     config: &ClientConfig,
-    stream: Stream,
+    stream: Transport,
     local_addr: Option<SocketAddr>,
 ) -> Result<Client, ConnectError> {
     let (mut read_half, write_half) = stream.split();
@@ -143,15 +144,16 @@ async fn establish(
     let ws_shared = websocket.then(|| Arc::new(WsShared::default()));
     let mut writer = FrameWriter::new(write_half, ws_shared.clone());
 
-    let ws_key = websocket.then(ws::new_key);
+    let ws_key = websocket.then(|| ws::new_key(rand::random()));
     let mut head = BytesMut::new();
-    http::write_request(
-        &config.url,
+    upgrade::write_request(
         &RequestOptions {
-            transport: config.transport,
+            path: config.url.path(),
+            host: &config.url.host_header(),
+            user_agent: USER_AGENT,
             fast_start: config.fast_start_key.is_some(),
             ideal_node: config.ideal_node.as_deref(),
-            ws_key: ws_key.as_deref(),
+            websocket_key: ws_key.as_deref(),
         },
         &mut head,
     );
@@ -233,7 +235,7 @@ fn queue_client_info(
 async fn read_response(io: &mut ReadHalf, ws_key: Option<&str>) -> Result<BytesMut, ConnectError> {
     let mut buf = BytesMut::with_capacity(RESPONSE_READ);
     let head = loop {
-        if let Some(head) = http::parse_response(&buf)? {
+        if let Some(head) = upgrade::parse_response(&buf).map_err(ConnectError::BadResponse)? {
             break head;
         }
         buf.reserve(RESPONSE_READ);
@@ -247,17 +249,7 @@ async fn read_response(io: &mut ReadHalf, ws_key: Option<&str>) -> Result<BytesM
         });
     }
     if let Some(key) = ws_key {
-        if head.ws_accept.as_deref() != Some(ws::accept_key(key).as_str()) {
-            return Err(ConnectError::WebSocket(WsError::BadAccept));
-        }
-        // Not picking a subprotocol is allowed; picking another one is not.
-        if head
-            .ws_protocol
-            .as_deref()
-            .is_some_and(|p| !p.eq_ignore_ascii_case("derp"))
-        {
-            return Err(ConnectError::WebSocket(WsError::BadSubprotocol));
-        }
+        upgrade::check_websocket_response(&head, key).map_err(ConnectError::BadResponse)?;
     }
     let _ = buf.split_to(head.len);
     Ok(buf)
@@ -273,5 +265,7 @@ fn frame_type(frame: &RelayToClient) -> u8 {
     }
 }
 
+/// Sent instead of Go's `Go-http-client/1.1`; servers ignore it.
+const USER_AGENT: &str = concat!("derp-client/", env!("CARGO_PKG_VERSION"));
 /// Read size while waiting for the response head.
 const RESPONSE_READ: usize = 4096;

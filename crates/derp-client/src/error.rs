@@ -6,8 +6,34 @@ use std::time::Duration;
 
 use derp_proto::{DecodeError, HandshakeError};
 
-use crate::config::UrlError;
-use crate::ws::WsError;
+use derp_proto::upgrade::UpgradeError;
+use derp_proto::ws::WsError;
+
+/// Why a server URL was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    /// There was no `scheme://` prefix.
+    #[error("url has no scheme")]
+    MissingScheme,
+    /// The scheme is not http, https, ws or wss.
+    #[error("url scheme must be http, https, ws or wss")]
+    UnsupportedScheme,
+    /// The host part was empty.
+    #[error("url has an empty host")]
+    EmptyHost,
+    /// The host was not a valid name, IPv4 literal or bracketed IPv6 literal.
+    #[error("url host is not valid")]
+    InvalidHost,
+    /// The port was not a number in 1..=65535.
+    #[error("url port is not valid")]
+    InvalidPort,
+    /// The URL carried `user@`; DERP has no use for it.
+    #[error("url must not contain user info")]
+    UserInfo,
+    /// The path contained spaces or control characters.
+    #[error("url path contains spaces or control characters")]
+    InvalidPath,
+}
 
 /// Why [`Client::connect`](crate::Client::connect) failed.
 #[derive(Debug, thiserror::Error)]
@@ -42,10 +68,11 @@ pub enum ConnectError {
         /// The status code received.
         status: u16,
     },
-    /// The bytes where an HTTP response head was expected are not one.
-    #[error("malformed http response: {0}")]
-    BadResponse(&'static str),
-    /// The WebSocket upgrade or framing was wrong (bad accept key, protocol violation).
+    /// The upgrade response is not one (not HTTP, too long, a WebSocket answer with the
+    /// wrong accept key or subprotocol).
+    #[error("bad upgrade response: {0}")]
+    BadResponse(#[source] UpgradeError),
+    /// The server's WebSocket framing broke the protocol.
     #[error("websocket: {0}")]
     WebSocket(#[source] WsError),
     /// A handshake frame could not be decoded.

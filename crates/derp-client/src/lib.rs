@@ -51,7 +51,6 @@
 mod config;
 mod connect;
 mod error;
-mod http;
 mod ping;
 mod reader;
 #[cfg(test)]
@@ -59,7 +58,6 @@ mod tests;
 pub mod tls;
 mod transport;
 mod writer;
-mod ws;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -68,13 +66,15 @@ use bytes::Bytes;
 use derp_proto::{ClientToRelay, PublicKey, ServerInfo};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind, UrlError};
+pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind};
+pub use crate::error::UrlError;
 pub use crate::error::{ClientError, ConnectError};
 pub use crate::ping::PendingPing;
 pub use crate::reader::{ClientReader, ReceivedFrame};
 pub use crate::tls::CertName;
 pub use crate::writer::ClientWriter;
-pub use crate::ws::WsError;
+pub use derp_proto::upgrade::UpgradeError;
+pub use derp_proto::ws::WsError;
 /// The rustls version this crate uses, for [`ClientConfig::tls_config`] and root certificates.
 pub use rustls;
 
@@ -103,7 +103,7 @@ impl Client {
     where
         S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
-        connect::connect_stream(config, transport::Stream::Boxed(Box::new(stream))).await
+        connect::connect_stream(config, derp_io::Transport::Boxed(Box::new(stream))).await
     }
 
     pub(crate) fn from_parts(fast_start: bool, reader: ClientReader, writer: ClientWriter) -> Self {

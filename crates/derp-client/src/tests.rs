@@ -15,10 +15,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::ws::{self, Control, WsDecoder};
-use crate::{
-    Client, ClientConfig, ClientError, ConnectError, ReceivedFrame, TransportKind, WsError,
-};
+use crate::{Client, ClientConfig, ClientError, ConnectError, ReceivedFrame, TransportKind};
+use derp_proto::upgrade::UpgradeError;
+use derp_proto::ws::{self, Opcode, Role, WsDecoder, WsEvent};
 
 /// Wall-clock bound for anything a test waits on, so a bug fails instead of hanging.
 const TEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -211,10 +210,11 @@ async fn read_ws_payload(
     dec: &mut WsDecoder,
     out: &mut BytesMut,
     n: usize,
-) -> Option<Control> {
+) -> Option<WsEvent> {
     loop {
-        if let Some(c) = dec.decode(raw, out).unwrap() {
-            return Some(c);
+        match dec.decode(raw, out).unwrap() {
+            WsEvent::NeedMore => {}
+            event => return Some(event),
         }
         if out.len() >= n {
             return None;
@@ -224,7 +224,7 @@ async fn read_ws_payload(
     }
 }
 
-fn ws_server_frame(out: &mut BytesMut, opcode: u8, fin: bool, payload: &[u8]) {
+fn ws_server_frame(out: &mut BytesMut, opcode: Opcode, fin: bool, payload: &[u8]) {
     let start = out.len();
     ws::write_header(out, opcode, payload.len(), None);
     if !fin {
@@ -258,7 +258,7 @@ async fn replays_recorded_websocket_upgrade_and_closes_cleanly() {
         );
         io.write_all(response.as_bytes()).await.unwrap();
         io.write_all(&frames[0]).await.unwrap();
-        let (mut dec, mut derp) = (WsDecoder::default(), BytesMut::new());
+        let (mut dec, mut derp) = (WsDecoder::new(Role::Server), BytesMut::new());
         assert_eq!(
             read_ws_payload(&mut io, &mut raw, &mut dec, &mut derp, 109).await,
             None
@@ -279,7 +279,12 @@ async fn replays_recorded_websocket_upgrade_and_closes_cleanly() {
     let (head, key, close) = within(server).await.unwrap();
     assert_head_matches_recorded(&head, &recorded, &host);
     assert_eq!(key, public_key("client_a"));
-    assert_eq!(close, Some(Control::Close(Some(ws::CLOSE_NORMAL))));
+    assert_eq!(
+        close,
+        Some(WsEvent::Close {
+            code: Some(ws::close_code::NORMAL)
+        })
+    );
 }
 
 #[test]
@@ -330,7 +335,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FakeServer<S> {
                 hs,
                 client_key: public_key("server"),
                 head,
-                ws: Some((WsDecoder::default(), raw)),
+                ws: Some((WsDecoder::new(Role::Server), raw)),
             }
         } else {
             out.extend_from_slice(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: DERP\r\n\r\n");
@@ -363,7 +368,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FakeServer<S> {
     async fn send_bytes(&mut self, bytes: &[u8]) {
         let mut out = BytesMut::new();
         if self.ws.is_some() {
-            ws_server_frame(&mut out, ws::OP_BINARY, true, bytes);
+            ws_server_frame(&mut out, Opcode::Binary, true, bytes);
         } else {
             out.extend_from_slice(bytes);
         }
@@ -391,10 +396,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> FakeServer<S> {
                 Some((dec, raw)) => {
                     let before = self.buf.len();
                     match dec.decode(raw, &mut self.buf).unwrap() {
-                        Some(Control::Close(_)) => return None,
-                        Some(Control::Ping(_)) => continue,
-                        None if self.buf.len() > before => continue,
-                        None => {}
+                        WsEvent::Close { .. } => return None,
+                        WsEvent::Ping(_) => continue,
+                        WsEvent::NeedMore if self.buf.len() > before => continue,
+                        WsEvent::NeedMore => {}
                     }
                     if self.io.read_buf(raw).await.unwrap() == 0 {
                         return None;
@@ -670,11 +675,11 @@ async fn websocket_session_reassembles_and_answers_control_frames() {
     RelayToClient::KeepAlive.encode(&mut two);
     RelayToClient::Pong([8; 8]).encode(&mut two);
     let mut out = BytesMut::new();
-    ws_server_frame(&mut out, ws::OP_BINARY, false, &derp[..3]);
-    ws_server_frame(&mut out, ws::OP_PING, true, b"are you there");
-    ws_server_frame(&mut out, ws::OP_CONTINUATION, false, &derp[3..20]);
-    ws_server_frame(&mut out, ws::OP_CONTINUATION, true, &derp[20..]);
-    ws_server_frame(&mut out, ws::OP_BINARY, true, &two);
+    ws_server_frame(&mut out, Opcode::Binary, false, &derp[..3]);
+    ws_server_frame(&mut out, Opcode::Ping, true, b"are you there");
+    ws_server_frame(&mut out, Opcode::Continuation, false, &derp[3..20]);
+    ws_server_frame(&mut out, Opcode::Continuation, true, &derp[20..]);
+    ws_server_frame(&mut out, Opcode::Binary, true, &two);
     server.io.write_all(&out).await.unwrap();
 
     assert_eq!(
@@ -714,7 +719,7 @@ async fn websocket_session_reassembles_and_answers_control_frames() {
 
     // A server close ends the stream; the client echoes it on its next flush.
     let mut close = BytesMut::new();
-    ws_server_frame(&mut close, ws::OP_CLOSE, true, &1001u16.to_be_bytes());
+    ws_server_frame(&mut close, Opcode::Close, true, &1001u16.to_be_bytes());
     server.io.write_all(&close).await.unwrap();
     assert!(matches!(
         within(client.recv()).await,
@@ -736,7 +741,7 @@ async fn websocket_upgrade_with_wrong_accept_key_fails() {
     )
     .await;
     assert!(
-        matches!(err, ConnectError::WebSocket(WsError::BadAccept)),
+        matches!(err, ConnectError::BadResponse(UpgradeError::BadAccept)),
         "{err:?}"
     );
 }

@@ -1,120 +1,20 @@
 //! The byte stream under the DERP framing, and the frame-level reader and writer halves.
 //!
-//! The stream is either a plain TCP socket (split without locking) or any boxed
-//! `AsyncRead + AsyncWrite`, which is where a TLS stream slots in. On top of it, frames travel
-//! either raw (`Upgrade: DERP`) or one per WebSocket binary message.
+//! The stream is a [`derp_io::Transport`]: a plain TCP socket (split without locking) or any
+//! boxed `AsyncRead + AsyncWrite`, which is where a TLS stream slots in. On top of it, frames
+//! travel either raw (`Upgrade: DERP`) or one per WebSocket binary message.
 
-use std::fmt;
 use std::io;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
+use derp_io::{ReadHalf, WriteHalf};
+use derp_proto::ws::{self, Opcode, Role, WsDecoder, WsEvent};
 use derp_proto::{ClientDecoder, ClientToRelay, RelayToClient};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::ClientError;
-use crate::ws::{self, Control, WsDecoder};
-
-/// A byte stream the client can run DERP over.
-pub(crate) trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
-
-impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
-
-/// The connection before it is split into halves.
-pub(crate) enum Stream {
-    Tcp(TcpStream),
-    Boxed(Box<dyn Io>),
-}
-
-impl Stream {
-    pub(crate) fn split(self) -> (ReadHalf, WriteHalf) {
-        match self {
-            Self::Tcp(s) => {
-                let (r, w) = s.into_split();
-                (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
-            }
-            Self::Boxed(s) => {
-                let (r, w) = tokio::io::split(s);
-                (ReadHalf::Boxed(r), WriteHalf::Boxed(w))
-            }
-        }
-    }
-}
-
-/// Read half of a [`Stream`].
-pub(crate) enum ReadHalf {
-    Tcp(OwnedReadHalf),
-    Boxed(tokio::io::ReadHalf<Box<dyn Io>>),
-}
-
-impl fmt::Debug for ReadHalf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Tcp(_) => "Tcp",
-            Self::Boxed(_) => "Boxed",
-        })
-    }
-}
-
-impl AsyncRead for ReadHalf {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
-            Self::Boxed(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-/// Write half of a [`Stream`].
-pub(crate) enum WriteHalf {
-    Tcp(OwnedWriteHalf),
-    Boxed(tokio::io::WriteHalf<Box<dyn Io>>),
-}
-
-impl fmt::Debug for WriteHalf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Tcp(_) => "Tcp",
-            Self::Boxed(_) => "Boxed",
-        })
-    }
-}
-
-impl AsyncWrite for WriteHalf {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-            Self::Boxed(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_flush(cx),
-            Self::Boxed(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-            Self::Boxed(s) => Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
 
 /// WebSocket control work the reader hands to the writer (only the writer may write).
 #[derive(Debug, Default)]
@@ -170,7 +70,7 @@ impl FrameReader {
             Some(shared) => (
                 BytesMut::new(),
                 Some(WsRead {
-                    decoder: WsDecoder::default(),
+                    decoder: WsDecoder::new(Role::Client),
                     raw: leftover,
                     shared,
                 }),
@@ -205,12 +105,13 @@ impl FrameReader {
         };
         loop {
             let before = self.buf.len();
-            while let Some(control) = ws.decoder.decode(&mut ws.raw, &mut self.buf)? {
-                match control {
-                    Control::Ping(payload) => ws.shared.lock().pong = Some(payload),
-                    Control::Close(code) => {
+            loop {
+                match ws.decoder.decode(&mut ws.raw, &mut self.buf)? {
+                    WsEvent::NeedMore => break,
+                    WsEvent::Ping(payload) => ws.shared.lock().pong = Some(payload),
+                    WsEvent::Close { code } => {
                         tracing::debug!(?code, "server sent websocket close");
-                        ws.shared.lock().close = Some(code.unwrap_or(ws::CLOSE_NORMAL));
+                        ws.shared.lock().close = Some(code.unwrap_or(ws::close_code::NORMAL));
                         return Err(ClientError::Closed);
                     }
                 }
@@ -346,8 +247,8 @@ impl FrameWriter {
                 let mask = rand::random();
                 ws::write_masked_frame(
                     &mut self.buf,
-                    ws::OP_CLOSE,
-                    &ws::CLOSE_NORMAL.to_be_bytes(),
+                    Opcode::Close,
+                    &ws::close_code::NORMAL.to_be_bytes(),
                     mask,
                 );
             }
@@ -385,7 +286,7 @@ impl FrameWriter {
         let mask = self.ws.as_ref().map(|_| rand::random::<[u8; 4]>());
         if mask.is_some() {
             self.buf.reserve(ws::header_len(len, true) + len);
-            ws::write_header(&mut self.buf, ws::OP_BINARY, len, mask);
+            ws::write_header(&mut self.buf, Opcode::Binary, len, mask);
         }
         (self.buf.len(), mask)
     }
@@ -408,12 +309,12 @@ impl FrameWriter {
             return;
         }
         if let Some(payload) = pong {
-            ws::write_masked_frame(&mut self.buf, ws::OP_PONG, &payload, rand::random());
+            ws::write_masked_frame(&mut self.buf, Opcode::Pong, &payload, rand::random());
         }
         if let Some(code) = close {
             ws::write_masked_frame(
                 &mut self.buf,
-                ws::OP_CLOSE,
+                Opcode::Close,
                 &code.to_be_bytes(),
                 rand::random(),
             );

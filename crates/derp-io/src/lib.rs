@@ -1,5 +1,11 @@
-//! The byte streams a DERP connection can run over, split into independently owned halves so
-//! the read loop and the writer can run as separate tasks.
+//! The byte streams a DERP connection runs over, for the server and the client alike, split
+//! into independently owned halves so a reader and a writer can run as separate tasks.
+//!
+//! What it does: the [`Transport`] enum (plain TCP, or any boxed stream such as TLS or a
+//! hyper upgrade), its lock-free split into [`ReadHalf`] and [`WriteHalf`], and the socket
+//! options a relay connection wants ([`tune_socket`]).
+//!
+//! What it does not do: framing, TLS, HTTP or anything else above the byte stream.
 //!
 //! Plain TCP is kept unboxed: its halves need no lock, its writes are real `writev` calls, and
 //! the read loop can wait for readability before it allocates a buffer, so an idle connection
@@ -56,13 +62,14 @@ impl std::fmt::Debug for Transport {
 impl Transport {
     /// Sets `TCP_NODELAY` where the stream is plain TCP; relayed packets must not wait for
     /// Nagle's algorithm. (A TLS stream's socket is configured before it is boxed.)
-    pub(crate) fn set_nodelay(&self) {
+    pub fn set_nodelay(&self) {
         if let Self::Tcp(s) = self {
             let _ = s.set_nodelay(true);
         }
     }
 
-    pub(crate) fn split(self) -> (ReadHalf, WriteHalf) {
+    /// Splits the stream so reading and writing can proceed on different tasks.
+    pub fn split(self) -> (ReadHalf, WriteHalf) {
         match self {
             Self::Tcp(s) => {
                 let (r, w) = s.into_split();
@@ -76,14 +83,26 @@ impl Transport {
     }
 }
 
-pub(crate) enum ReadHalf {
+/// The read half of a [`Transport`].
+pub enum ReadHalf {
+    /// Plain TCP, split without a lock.
     Tcp(OwnedReadHalf),
+    /// Any other stream, split through tokio's lock.
     Boxed(tokio::io::ReadHalf<Box<dyn BoxedIo>>),
+}
+
+impl std::fmt::Debug for ReadHalf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tcp(_) => "ReadHalf::Tcp",
+            Self::Boxed(_) => "ReadHalf::Boxed",
+        })
+    }
 }
 
 impl ReadHalf {
     /// Waits until a read would make progress, where the stream can tell without reading.
-    pub(crate) async fn ready(&mut self) -> io::Result<()> {
+    pub async fn ready(&mut self) -> io::Result<()> {
         match self {
             Self::Tcp(r) => r.readable().await,
             Self::Boxed(_) => Ok(()),
@@ -91,9 +110,21 @@ impl ReadHalf {
     }
 }
 
-pub(crate) enum WriteHalf {
+/// The write half of a [`Transport`].
+pub enum WriteHalf {
+    /// Plain TCP, split without a lock.
     Tcp(OwnedWriteHalf),
+    /// Any other stream, split through tokio's lock.
     Boxed(tokio::io::WriteHalf<Box<dyn BoxedIo>>),
+}
+
+impl std::fmt::Debug for WriteHalf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tcp(_) => "WriteHalf::Tcp",
+            Self::Boxed(_) => "WriteHalf::Boxed",
+        })
+    }
 }
 
 /// Implements `AsyncRead` for an enum whose variants `Tcp` and `Boxed` both implement it.

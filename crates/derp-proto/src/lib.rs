@@ -4,7 +4,8 @@
 //! handshake; the ClientInfo/ServerInfo JSON bodies with Go-compatible encoding and decoding;
 //! every frame type (0x01–0x15) as typed messages with encoders; incremental decoders for each
 //! direction that apply the reference implementation's size rules; handshake state machines
-//! for both sides; and a STUN codec ([`stun`]).
+//! for both sides; the HTTP upgrade that opens a connection ([`upgrade`]) and the WebSocket
+//! framing DERP can travel in ([`ws`]), for both sides; and a STUN codec ([`stun`]).
 //!
 //! What it does not do: no sockets or other IO, no clock or timers, and no randomness of its
 //! own. Callers read bytes into a [`bytes::BytesMut`], feed it to a decoder, write encoded
@@ -28,6 +29,8 @@ pub mod handshake;
 pub mod info;
 pub mod keys;
 pub mod stun;
+pub mod upgrade;
+pub mod ws;
 
 pub use codec::{ClientDecoder, DecodeError, ServerDecoder};
 pub use crypto::BoxError;

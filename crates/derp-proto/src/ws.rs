@@ -1,43 +1,40 @@
-//! Server side of DERP over WebSocket (RFC 6455, subprotocol `derp`).
+//! DERP over WebSocket (RFC 6455, subprotocol `derp`), both sides, without IO.
 //!
-//! DERP is a byte stream; over WebSocket it travels in binary messages whose boundaries carry no
-//! meaning (spec §1.1, §3.4). So this module is not a message API. It offers:
+//! DERP is a byte stream; over WebSocket it travels in binary messages whose boundaries carry
+//! no meaning. So this module is not a message API. It offers:
 //!
-//! - handshake helpers: [`accept_key`], [`wants_derp_subprotocol`], [`response_head`];
-//! - framing for the write side: [`binary_header`] gives the few header bytes that go in front of
-//!   each outgoing DERP frame, so the relay writer can batch frames into one vectored write
-//!   without copying them; [`control_frame`] and [`close_frame`] build pong and close frames;
-//! - [`WsDecoder`], a sans-IO decoder that turns raw client bytes into the DERP byte stream,
-//!   unmasking payload bytes as soon as they arrive, and reports pings and the close.
+//! - handshake helpers: [`accept_key`], [`wants_derp_subprotocol`], [`offers_derp_token`]
+//!   (the HTTP heads themselves are in [`crate::upgrade`]);
+//! - framing for writers: [`binary_header`] gives the few header bytes that go in front of
+//!   each outgoing DERP frame of a server, so a writer can batch frames into one vectored
+//!   write without copying them; [`write_header`] and [`write_masked_frame`] serve clients,
+//!   which must mask; [`control_frame`], [`close_frame`] and [`close_frame_with_reason`] build
+//!   unmasked control frames;
+//! - [`WsDecoder`], a streaming decoder for either direction that turns raw bytes into the
+//!   DERP byte stream, unmasking payload bytes as soon as they arrive, and reports pings and
+//!   the close.
 //!
-//! It does not do IO, compression (derper disables it), text messages, or client-side framing.
+//! It does not do compression (derper disables it) or text messages.
 
 use std::fmt;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use bytes::{Buf as _, Bytes, BytesMut};
+use bytes::{Buf as _, BufMut, Bytes, BytesMut};
 use sha1::{Digest as _, Sha1};
 
 /// The GUID that RFC 6455 §1.3 appends to the client's key before hashing.
 const ACCEPT_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 
-/// Largest payload accepted in one client frame.
+/// Largest payload a server accepts in one client frame.
 ///
 /// The Go client writes each DERP frame (at most a little over 1 MiB, see `MaxInfoLen`) as its
 /// own message, so anything much larger is not a DERP peer. The payload is streamed, so the cap
 /// bounds nothing in memory; it only rejects nonsense lengths early.
-pub(crate) const MAX_FRAME_PAYLOAD: u64 = (1 << 20) + (64 << 10);
+pub const MAX_FRAME_PAYLOAD: u64 = (1 << 20) + (64 << 10);
 
 /// RFC 6455 §5.5: control frame payloads are at most 125 bytes.
 const MAX_CONTROL_PAYLOAD: usize = 125;
-
-const OP_CONTINUATION: u8 = 0x0;
-const OP_TEXT: u8 = 0x1;
-const OP_BINARY: u8 = 0x2;
-const OP_CLOSE: u8 = 0x8;
-const OP_PING: u8 = 0x9;
-const OP_PONG: u8 = 0xA;
 
 const FIN: u8 = 0x80;
 const RSV_BITS: u8 = 0x70;
@@ -45,83 +42,84 @@ const OPCODE_BITS: u8 = 0x0F;
 const MASK_BIT: u8 = 0x80;
 const LEN7_BITS: u8 = 0x7F;
 
-/// Close status codes used by the server (RFC 6455 §7.4.1).
-pub(crate) mod close_code {
-    /// Normal closure; also the code the server echoes when the client closes normally.
-    pub(crate) const NORMAL: u16 = 1000;
+/// Frame opcodes (RFC 6455 §5.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Opcode {
+    /// Continues a fragmented message.
+    Continuation = 0x0,
+    /// A text message; DERP never uses one.
+    Text = 0x1,
+    /// A binary message: DERP bytes.
+    Binary = 0x2,
+    /// Starts or answers the close handshake.
+    Close = 0x8,
+    /// Asks for a pong.
+    Ping = 0x9,
+    /// Answers a ping.
+    Pong = 0xA,
+}
+
+const OP_CONTINUATION: u8 = Opcode::Continuation as u8;
+const OP_TEXT: u8 = Opcode::Text as u8;
+const OP_BINARY: u8 = Opcode::Binary as u8;
+const OP_CLOSE: u8 = Opcode::Close as u8;
+const OP_PING: u8 = Opcode::Ping as u8;
+const OP_PONG: u8 = Opcode::Pong as u8;
+
+/// Close status codes DERP endpoints send (RFC 6455 §7.4.1).
+pub mod close_code {
+    /// Normal closure; also the code a server echoes when the client closes normally.
+    pub const NORMAL: u16 = 1000;
     /// The peer broke the framing rules.
-    pub(crate) const PROTOCOL_ERROR: u16 = 1002;
+    pub const PROTOCOL_ERROR: u16 = 1002;
     /// The peer sent a message type we do not take (text).
-    pub(crate) const UNSUPPORTED_DATA: u16 = 1003;
+    pub const UNSUPPORTED_DATA: u16 = 1003;
     /// A close reason that is not UTF-8.
-    pub(crate) const INVALID_PAYLOAD: u16 = 1007;
+    pub const INVALID_PAYLOAD: u16 = 1007;
     /// derper closes with this when the client did not negotiate the `derp` subprotocol.
-    pub(crate) const POLICY_VIOLATION: u16 = 1008;
+    pub const POLICY_VIOLATION: u16 = 1008;
     /// A frame longer than [`super::MAX_FRAME_PAYLOAD`].
-    pub(crate) const MESSAGE_TOO_BIG: u16 = 1009;
+    pub const MESSAGE_TOO_BIG: u16 = 1009;
     /// derper closes with this when the DERP connection ends.
-    pub(crate) const INTERNAL_ERROR: u16 = 1011;
+    pub const INTERNAL_ERROR: u16 = 1011;
 }
 
 /// The `Sec-WebSocket-Accept` value for a client's `Sec-WebSocket-Key` (RFC 6455 §4.2.2).
 ///
 /// Surrounding whitespace in the header value is ignored, as Go's header parser does.
-pub(crate) fn accept_key(sec_websocket_key: &str) -> String {
+pub fn accept_key(sec_websocket_key: &str) -> String {
     let mut hasher = Sha1::new();
     hasher.update(sec_websocket_key.trim().as_bytes());
     hasher.update(ACCEPT_GUID.as_bytes());
     BASE64.encode(hasher.finalize())
 }
 
+/// A `Sec-WebSocket-Key` made from 16 random bytes the caller supplies.
+pub fn new_key(random: [u8; 16]) -> String {
+    BASE64.encode(random)
+}
+
 /// Whether a `Sec-WebSocket-Protocol` header value asks for DERP.
 ///
 /// derper routes a request to the WebSocket path when the header merely contains `derp`
 /// (case-sensitive substring, not a token match), so this does the same to route identically.
-pub(crate) fn wants_derp_subprotocol(header_value: &str) -> bool {
+pub fn wants_derp_subprotocol(header_value: &str) -> bool {
     header_value.contains("derp")
 }
 
 /// Whether `derp` is one of the offered subprotocols (a token of the comma-separated list),
 /// which is what negotiation needs; a value that only contains `derp` inside another token
-/// is routed here but refused with a 1008 close, as derper does.
-pub(crate) fn offers_derp_token(header_value: &str) -> bool {
+/// is routed to DERP but refused with a 1008 close, as derper does.
+pub fn offers_derp_token(header_value: &str) -> bool {
     header_value.split(',').any(|t| t.trim() == "derp")
-}
-
-/// The 101 response head for a client whose subprotocol list has no exact `derp` token: the
-/// handshake completes without a subprotocol, and [`close_frame_with_reason`] follows.
-pub(crate) fn response_head_without_protocol(accept: &str) -> Vec<u8> {
-    format!(
-        "HTTP/1.1 101 Switching Protocols\r\n\
-         Connection: Upgrade\r\n\
-         Sec-Websocket-Accept: {accept}\r\n\
-         Upgrade: websocket\r\n\
-         \r\n"
-    )
-    .into_bytes()
-}
-
-/// The 101 response head that completes the WebSocket handshake, ending with the blank line.
-///
-/// Header order and spelling follow what derper sends (Go canonicalises names to
-/// `Sec-Websocket-*`); its `Date` header is left out because clients ignore it.
-pub(crate) fn response_head(accept: &str) -> Vec<u8> {
-    format!(
-        "HTTP/1.1 101 Switching Protocols\r\n\
-         Connection: Upgrade\r\n\
-         Sec-Websocket-Accept: {accept}\r\n\
-         Sec-Websocket-Protocol: derp\r\n\
-         Upgrade: websocket\r\n\
-         \r\n"
-    )
-    .into_bytes()
 }
 
 /// The header of one unmasked, final binary frame carrying `payload_len` bytes.
 ///
 /// Returns the header buffer and how many of its leading bytes are used (2, 4 or 10), so a
 /// writer can put `&buf[..n]` in front of the payload in a single vectored write.
-pub(crate) fn binary_header(payload_len: usize) -> ([u8; 10], usize) {
+pub fn binary_header(payload_len: usize) -> ([u8; 10], usize) {
     let mut header = [0u8; 10];
     header[0] = FIN | OP_BINARY;
     if payload_len <= 125 {
@@ -140,52 +138,77 @@ pub(crate) fn binary_header(payload_len: usize) -> ([u8; 10], usize) {
     }
 }
 
-/// The control frames a server sends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ControlOpcode {
-    /// Close (0x8).
-    Close,
-    /// Ping (0x9). The server never pings (keepalives are DERP frames), so only tests use it.
-    #[cfg(test)]
-    Ping,
-    /// Pong (0xA), the answer to a ping, echoing its payload.
-    Pong,
+/// Length of a final frame's header for a payload of `len` bytes.
+pub fn header_len(len: usize, masked: bool) -> usize {
+    let ext = match len {
+        0..=125 => 0,
+        126..=0xffff => 2,
+        _ => 8,
+    };
+    2 + ext + if masked { 4 } else { 0 }
 }
 
-impl ControlOpcode {
-    fn wire(self) -> u8 {
-        match self {
-            Self::Close => OP_CLOSE,
-            #[cfg(test)]
-            Self::Ping => OP_PING,
-            Self::Pong => OP_PONG,
+/// Writes a final (FIN) frame header; the caller appends `len` payload bytes, masked with
+/// `mask` (see [`apply_mask`]) when one is given. Clients must mask; servers must not.
+pub fn write_header(out: &mut impl BufMut, opcode: Opcode, len: usize, mask: Option<[u8; 4]>) {
+    out.put_u8(FIN | opcode as u8);
+    let mask_bit = if mask.is_some() { MASK_BIT } else { 0 };
+    match len {
+        // The match arms bound `len`, so the casts are lossless.
+        0..=125 => out.put_u8(mask_bit | len as u8),
+        126..=0xffff => {
+            out.put_u8(mask_bit | 126);
+            out.put_u16(len as u16);
         }
+        _ => {
+            out.put_u8(mask_bit | 127);
+            out.put_u64(len as u64);
+        }
+    }
+    if let Some(mask) = mask {
+        out.put_slice(&mask);
     }
 }
 
-/// An unmasked server-to-client control frame.
+/// Appends one complete masked frame with the given payload, as a client sends it.
+pub fn write_masked_frame(out: &mut BytesMut, opcode: Opcode, payload: &[u8], mask: [u8; 4]) {
+    write_header(out, opcode, payload.len(), Some(mask));
+    let start = out.len();
+    out.extend_from_slice(payload);
+    apply_mask(&mut out[start..], mask, 0);
+}
+
+/// XORs `data` with the mask, where `data[0]` sits at payload position `offset`. Masking is
+/// its own inverse, so this both masks and unmasks.
+pub fn apply_mask(data: &mut [u8], mask: [u8; 4], offset: usize) {
+    let mut m = mask;
+    m.rotate_left(offset % 4);
+    unmask(data, m);
+}
+
+/// An unmasked control frame (close, ping or pong), as a server sends it.
 ///
 /// Control payloads are limited to 125 bytes by RFC 6455 §5.5; a longer `payload` is cut to
-/// 125 bytes rather than producing a frame the client must reject. Pong payloads echo a ping
+/// 125 bytes rather than producing a frame the peer must reject. Pong payloads echo a ping
 /// that [`WsDecoder`] already limited to 125 bytes, so nothing is cut in practice.
-pub(crate) fn control_frame(opcode: ControlOpcode, payload: &[u8]) -> Vec<u8> {
+pub fn control_frame(opcode: Opcode, payload: &[u8]) -> Vec<u8> {
     let payload = &payload[..payload.len().min(MAX_CONTROL_PAYLOAD)];
     let mut frame = Vec::with_capacity(2 + payload.len());
-    frame.push(FIN | opcode.wire());
+    frame.push(FIN | opcode as u8);
     // At most 125 after the cut above.
     frame.push(payload.len() as u8);
     frame.extend_from_slice(payload);
     frame
 }
 
-/// A close frame carrying `code` and no reason.
-pub(crate) fn close_frame(code: u16) -> Vec<u8> {
-    control_frame(ControlOpcode::Close, &code.to_be_bytes())
+/// An unmasked close frame carrying `code` and no reason.
+pub fn close_frame(code: u16) -> Vec<u8> {
+    control_frame(Opcode::Close, &code.to_be_bytes())
 }
 
-/// A close frame carrying `code` and a UTF-8 `reason` (cut to fit the 125-byte limit, on a
-/// character boundary).
-pub(crate) fn close_frame_with_reason(code: u16, reason: &str) -> Vec<u8> {
+/// An unmasked close frame carrying `code` and a UTF-8 `reason` (cut to fit the 125-byte
+/// limit, on a character boundary).
+pub fn close_frame_with_reason(code: u16, reason: &str) -> Vec<u8> {
     let mut end = reason.len().min(MAX_CONTROL_PAYLOAD - 2);
     while !reason.is_char_boundary(end) {
         end -= 1;
@@ -193,15 +216,15 @@ pub(crate) fn close_frame_with_reason(code: u16, reason: &str) -> Vec<u8> {
     let mut payload = Vec::with_capacity(2 + end);
     payload.extend_from_slice(&code.to_be_bytes());
     payload.extend_from_slice(&reason.as_bytes()[..end]);
-    control_frame(ControlOpcode::Close, &payload)
+    control_frame(Opcode::Close, &payload)
 }
 
-/// Why the client's WebSocket stream was rejected.
+/// Why a WebSocket stream was rejected.
 ///
-/// Every variant is the peer's fault; answer with [`close_frame`]`(err.close_code())` and drop
-/// the connection.
+/// Every variant is the peer's fault; a server answers with [`close_frame`]`(err.close_code())`
+/// and drops the connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum WsError {
+pub enum WsError {
     /// RFC 6455 §5.1: every client frame must be masked.
     #[error("client frame is not masked")]
     Unmasked,
@@ -229,7 +252,7 @@ pub(crate) enum WsError {
     /// A 64-bit length with the most significant bit set (RFC 6455 §5.2).
     #[error("frame length has its most significant bit set")]
     InvalidLength,
-    /// A frame payload above [`MAX_FRAME_PAYLOAD`].
+    /// A frame payload above the decoder's limit ([`MAX_FRAME_PAYLOAD`] for a server).
     #[error("frame payload of {len} bytes exceeds the {max}-byte limit")]
     FrameTooLarge {
         /// The declared payload length.
@@ -250,7 +273,7 @@ pub(crate) enum WsError {
 
 impl WsError {
     /// The close status code to send back for this error.
-    pub(crate) fn close_code(&self) -> u16 {
+    pub fn close_code(&self) -> u16 {
         match self {
             Self::TextMessage => close_code::UNSUPPORTED_DATA,
             Self::FrameTooLarge { .. } => close_code::MESSAGE_TOO_BIG,
@@ -269,19 +292,32 @@ impl WsError {
     }
 }
 
+/// Which end of the connection a decoder serves; it decides the masking rule and the size
+/// limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Decodes client frames: each must be masked, and payloads above
+    /// [`MAX_FRAME_PAYLOAD`] are refused.
+    Server,
+    /// Decodes server frames: unmasked as RFC 6455 requires, though a masked one is
+    /// unmasked rather than refused, and no length limit beyond the 63-bit one (payloads are
+    /// streamed, never buffered whole).
+    Client,
+}
+
 /// What [`WsDecoder::decode`] stopped for.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum WsEvent {
+pub enum WsEvent {
     /// All complete input was consumed (payload bytes are in `out`); read more from the socket.
     /// Any bytes left in `input` are the start of a frame header or control frame.
     NeedMore,
-    /// The client pinged; send [`control_frame`]`(ControlOpcode::Pong, &payload)` and call
-    /// `decode` again, since more input may be waiting.
+    /// The peer pinged; answer with a pong echoing `payload` and call `decode` again, since
+    /// more input may be waiting.
     Ping(Bytes),
-    /// The client started the close handshake. Echo [`close_frame`]`(code)` (or an empty close
-    /// frame if `code` is `None`) and stop reading. Later calls report the same event.
+    /// The peer started the close handshake. Echo its code (or an empty close frame if `code`
+    /// is `None`) and stop reading. Later calls report the same event.
     Close {
-        /// The client's status code, if its close frame carried one.
+        /// The peer's status code, if its close frame carried one.
         code: Option<u16>,
     },
 }
@@ -293,7 +329,8 @@ enum State {
     /// Inside a binary or continuation frame's payload.
     Payload {
         remaining: u64,
-        /// Rotated as bytes are consumed, so `mask[0]` applies to the next byte.
+        /// Rotated as bytes are consumed, so `mask[0]` applies to the next byte; all zeros
+        /// for an unmasked frame.
         mask: [u8; 4],
     },
     Closed {
@@ -302,13 +339,14 @@ enum State {
     Failed(WsError),
 }
 
-/// Incremental decoder for client-to-server WebSocket frames.
+/// Incremental decoder for one direction of a WebSocket stream.
 ///
 /// Feed it whatever the socket produced; it consumes what it can from `input`, appends
 /// unmasked payload bytes of binary messages to `out` as soon as they arrive (without waiting
-/// for a frame to complete), and stops at each control event. After an error it keeps
-/// returning that error.
-pub(crate) struct WsDecoder {
+/// for a frame to complete), and stops at each control event. Pongs are swallowed. After an
+/// error it keeps returning that error.
+pub struct WsDecoder {
+    role: Role,
     state: State,
     /// A binary message with FIN unset is open, so continuation frames are expected.
     in_message: bool,
@@ -325,16 +363,11 @@ impl fmt::Debug for WsDecoder {
             State::Failed(_) => "failed",
         };
         f.debug_struct("WsDecoder")
+            .field("role", &self.role)
             .field("state", &state)
             .field("in_message", &self.in_message)
             .field("max_payload", &self.max_payload)
             .finish()
-    }
-}
-
-impl Default for WsDecoder {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -348,24 +381,24 @@ struct FrameHeader {
 }
 
 impl WsDecoder {
-    /// A decoder at the start of the stream, with the [`MAX_FRAME_PAYLOAD`] limit.
-    pub(crate) fn new() -> Self {
+    /// A decoder at the start of the stream, for the given end of the connection.
+    pub fn new(role: Role) -> Self {
         Self {
+            role,
             state: State::Header,
             in_message: false,
-            max_payload: MAX_FRAME_PAYLOAD,
+            max_payload: match role {
+                Role::Server => MAX_FRAME_PAYLOAD,
+                Role::Client => u64::MAX >> 1,
+            },
         }
     }
 
-    /// Consumes client bytes from `input`, appending DERP stream bytes to `out`.
+    /// Consumes bytes from `input`, appending DERP stream bytes to `out`.
     ///
     /// Returns at the first control event, or with [`WsEvent::NeedMore`] once nothing more can
     /// be decoded from `input`.
-    pub(crate) fn decode(
-        &mut self,
-        input: &mut BytesMut,
-        out: &mut BytesMut,
-    ) -> Result<WsEvent, WsError> {
+    pub fn decode(&mut self, input: &mut BytesMut, out: &mut BytesMut) -> Result<WsEvent, WsError> {
         let result = self.decode_inner(input, out);
         if let Err(err) = result {
             self.state = State::Failed(err);
@@ -393,9 +426,11 @@ impl WsDecoder {
                     let n = remaining.min(input.len() as u64) as usize;
                     let start = out.len();
                     out.extend_from_slice(&input[..n]);
-                    unmask(&mut out[start..], mask);
+                    if mask != [0; 4] {
+                        unmask(&mut out[start..], mask);
+                        mask.rotate_left(n % 4);
+                    }
                     input.advance(n);
-                    mask.rotate_left(n % 4);
                     let remaining = remaining - n as u64;
                     self.state = if remaining == 0 {
                         State::Header
@@ -439,8 +474,8 @@ impl WsDecoder {
                             self.state = State::Closed { code };
                             return Ok(WsEvent::Close { code });
                         }
-                        // Pong: the server sends no pings, so an unsolicited pong is ignored
-                        // as RFC 6455 §5.5.3 allows.
+                        // Pong: neither side of DERP pings for liveness at this layer, so an
+                        // unsolicited pong is ignored as RFC 6455 §5.5.3 allows.
                         _ => {}
                     }
                 }
@@ -477,7 +512,8 @@ impl WsDecoder {
             }
             other => return Err(WsError::UnknownOpcode(other)),
         }
-        if b1 & MASK_BIT == 0 {
+        let masked = b1 & MASK_BIT != 0;
+        if !masked && self.role == Role::Server {
             return Err(WsError::Unmasked);
         }
         let (payload_len, len_end) = match b1 & LEN7_BITS {
@@ -507,15 +543,20 @@ impl WsDecoder {
                 max: self.max_payload,
             });
         }
-        let Some(&[m0, m1, m2, m3]) = input.get(len_end..len_end + 4) else {
-            return Ok(None);
+        let (mask, header_len) = if masked {
+            let Some(&[m0, m1, m2, m3]) = input.get(len_end..len_end + 4) else {
+                return Ok(None);
+            };
+            ([m0, m1, m2, m3], len_end + 4)
+        } else {
+            ([0; 4], len_end)
         };
         Ok(Some(FrameHeader {
             fin,
             opcode,
-            mask: [m0, m1, m2, m3],
+            mask,
             payload_len,
-            header_len: len_end + 4,
+            header_len,
         }))
     }
 }
@@ -626,7 +667,7 @@ mod tests {
     /// Runs the decoder over `chunks` in order, answering until it needs more each time.
     /// Returns the DERP bytes and the events (without `NeedMore`), stopping at an error.
     fn run(chunks: &[&[u8]]) -> (Vec<u8>, Vec<WsEvent>, Option<WsError>) {
-        let mut decoder = WsDecoder::new();
+        let mut decoder = WsDecoder::new(Role::Server);
         let mut input = BytesMut::new();
         let mut out = BytesMut::new();
         let mut events = Vec::new();
@@ -692,7 +733,10 @@ mod tests {
             .filter(|line| !line.starts_with("Date:"))
             .collect();
         let accept = header_value(response, "Sec-WebSocket-Accept");
-        assert_eq!(String::from_utf8(response_head(&accept)).unwrap(), expected);
+        assert_eq!(
+            String::from_utf8(crate::upgrade::websocket_response_head(&accept, true)).unwrap(),
+            expected
+        );
     }
 
     #[test]
@@ -790,7 +834,7 @@ mod tests {
     fn payload_bytes_are_appended_before_the_frame_completes() {
         let payload: Vec<u8> = (0..=255u8).cycle().take(300).collect();
         let frame = client_frame(0x82, &payload, [1, 2, 3, 4]);
-        let mut decoder = WsDecoder::new();
+        let mut decoder = WsDecoder::new(Role::Server);
         let mut input = BytesMut::from(&frame[..4 + 4 + 7]);
         let mut out = BytesMut::new();
         assert_eq!(decoder.decode(&mut input, &mut out), Ok(WsEvent::NeedMore));
@@ -846,7 +890,7 @@ mod tests {
             ]
             .concat()[..],
         );
-        let mut decoder = WsDecoder::new();
+        let mut decoder = WsDecoder::new(Role::Server);
         let mut out = BytesMut::new();
         for _ in 0..2 {
             assert_eq!(
@@ -860,11 +904,11 @@ mod tests {
     #[test]
     fn control_frames_are_built_unmasked() {
         assert_eq!(
-            control_frame(ControlOpcode::Pong, b"abc"),
+            control_frame(Opcode::Pong, b"abc"),
             [0x8A, 3, b'a', b'b', b'c']
         );
-        assert_eq!(control_frame(ControlOpcode::Ping, b""), [0x89, 0]);
-        let long = control_frame(ControlOpcode::Pong, &[7; 200]);
+        assert_eq!(control_frame(Opcode::Ping, b""), [0x89, 0]);
+        let long = control_frame(Opcode::Pong, &[7; 200]);
         assert_eq!(long.len(), 2 + 125);
         assert_eq!(long[1], 125);
         let with_reason = close_frame_with_reason(
@@ -991,7 +1035,7 @@ mod tests {
 
     #[test]
     fn errors_are_sticky() {
-        let mut decoder = WsDecoder::new();
+        let mut decoder = WsDecoder::new(Role::Server);
         let mut input = BytesMut::from(&[0x82, 0x00][..]);
         let mut out = BytesMut::new();
         assert_eq!(decoder.decode(&mut input, &mut out), Err(WsError::Unmasked));
@@ -1093,6 +1137,202 @@ mod tests {
             assert_eq!(err, None);
             assert!(out == expected);
             assert_eq!(events, pings);
+        }
+    }
+
+    /// The client side: decoding what a server sends.
+    mod client_role {
+        use super::super::Opcode::*;
+        use super::super::*;
+
+        /// Builds a frame the way a server (or a test peer) would.
+        fn frame(fin: bool, opcode: Opcode, payload: &[u8], mask: Option<[u8; 4]>) -> Vec<u8> {
+            let mut out = BytesMut::new();
+            write_header(&mut out, opcode, payload.len(), mask);
+            if !fin {
+                out[0] &= 0x7f;
+            }
+            let start = out.len();
+            out.extend_from_slice(payload);
+            if let Some(mask) = mask {
+                apply_mask(&mut out[start..], mask, 0);
+            }
+            out.to_vec()
+        }
+
+        /// Feeds `input` in chunks of `step` bytes, collecting data and control frames.
+        fn run(input: &[u8], step: usize) -> Result<(Vec<u8>, Vec<WsEvent>), WsError> {
+            let mut dec = WsDecoder::new(Role::Client);
+            let mut raw = BytesMut::new();
+            let mut out = BytesMut::new();
+            let mut controls = Vec::new();
+            for chunk in input.chunks(step) {
+                raw.extend_from_slice(chunk);
+                loop {
+                    match dec.decode(&mut raw, &mut out)? {
+                        WsEvent::NeedMore => break,
+                        close @ WsEvent::Close { .. } => {
+                            controls.push(close);
+                            return Ok((out.to_vec(), controls));
+                        }
+                        event => controls.push(event),
+                    }
+                }
+            }
+            assert!(raw.is_empty(), "decoder left {} bytes", raw.len());
+            Ok((out.to_vec(), controls))
+        }
+
+        #[test]
+        fn accept_key_matches_rfc_example() {
+            assert_eq!(
+                accept_key("dGhlIHNhbXBsZSBub25jZQ=="),
+                "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+            );
+        }
+
+        #[test]
+        fn accept_key_matches_recorded_exchange() {
+            // http.json websocket: request key and the accept derper answered.
+            assert_eq!(
+                accept_key("EFP1lSaC4iR5OTxXLDN3kQ=="),
+                "QosucUXxZNJUa7c1rFjupKoCZVY="
+            );
+            assert_eq!(new_key([7; 16]).len(), 24);
+        }
+
+        #[test]
+        fn masking_is_its_own_inverse_at_any_offset() {
+            let original: Vec<u8> = (0..=255u8).cycle().take(1037).collect();
+            let mask = [0xda, 0x3d, 0x7c, 0x79];
+            let mut data = original.clone();
+            apply_mask(&mut data, mask, 0);
+            assert_ne!(data, original);
+            for (i, (m, o)) in data.iter().zip(&original).enumerate() {
+                assert_eq!(m ^ o, mask[i % 4]);
+            }
+            // Unmasking in two pieces with a carried offset gives the same result as one piece.
+            let (a, b) = data.split_at_mut(13);
+            apply_mask(a, mask, 0);
+            apply_mask(b, mask, 13);
+            assert_eq!(data, original);
+        }
+
+        #[test]
+        fn masked_frame_matches_recorded_client_close() {
+            // http.json websocket: the Go client's close frame, code 1000, mask 884ed9cc.
+            let mut out = BytesMut::new();
+            write_masked_frame(
+                &mut out,
+                Close,
+                &close_code::NORMAL.to_be_bytes(),
+                [0x88, 0x4e, 0xd9, 0xcc],
+            );
+            assert_eq!(hex::encode(&out), "8882884ed9cc8ba6");
+        }
+
+        #[test]
+        fn round_trips_masked_and_unmasked_frames_of_every_length_class() {
+            for len in [0usize, 1, 125, 126, 127, 65535, 65536, 70000] {
+                let payload: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+                for mask in [None, Some([1, 2, 3, 4])] {
+                    let f = frame(true, Binary, &payload, mask);
+                    assert_eq!(f.len(), header_len(len, mask.is_some()) + len);
+                    for step in [1, 3, 4096, f.len()] {
+                        let (data, controls) = run(&f, step).unwrap();
+                        assert_eq!(data, payload, "len {len} mask {mask:?} step {step}");
+                        assert!(controls.is_empty());
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn reassembles_fragmented_messages_and_consecutive_messages() {
+            let mut input = frame(false, Binary, b"hel", Some([9, 8, 7, 6]));
+            input.extend(frame(false, Continuation, b"", None));
+            // A ping between fragments is allowed and must not disturb the data.
+            input.extend(frame(true, Ping, b"hi", None));
+            input.extend(frame(true, Continuation, b"lo, ", Some([1, 1, 1, 1])));
+            input.extend(frame(true, Binary, b"derp", None));
+            input.extend(frame(true, Pong, b"x", None));
+            for step in [1, 2, 5, input.len()] {
+                let (data, controls) = run(&input, step).unwrap();
+                assert_eq!(data, b"hello, derp");
+                assert_eq!(controls, vec![WsEvent::Ping(Bytes::from_static(b"hi"))]);
+            }
+        }
+
+        #[test]
+        fn surfaces_close_with_and_without_code() {
+            // The recorded server close echo: unmasked, code 1000.
+            let (_, c) = run(&hex::decode("880203e8").unwrap(), 1).unwrap();
+            assert_eq!(c, vec![WsEvent::Close { code: Some(1000) }]);
+            let (_, c) = run(&frame(true, Close, b"", None), 1).unwrap();
+            assert_eq!(c, vec![WsEvent::Close { code: None }]);
+            let mut with_reason = 1011u16.to_be_bytes().to_vec();
+            with_reason.extend_from_slice(b"bye");
+            let (_, c) = run(&frame(true, Close, &with_reason, Some([5, 6, 7, 8])), 2).unwrap();
+            assert_eq!(c, vec![WsEvent::Close { code: Some(1011) }]);
+        }
+
+        #[test]
+        fn decodes_recorded_server_frames() {
+            // http.json websocket: ServerKey message as derper sent it.
+            let f = hex::decode(
+                "822d010000002844455250f09f9491a5cc7c231e1ccce44f37e2fafeff3f1520fdf68d7eccd28d45e78f668ee93e29",
+            )
+            .unwrap();
+            let (data, _) = run(&f, 7).unwrap();
+            assert_eq!(data, f[2..]);
+        }
+
+        #[test]
+        fn refuses_protocol_violations() {
+            let cases: Vec<(Vec<u8>, WsError)> = vec![
+                (vec![0xc2, 0x00], WsError::ReservedBits),
+                (vec![0x83, 0x00], WsError::UnknownOpcode(3)),
+                (vec![0x8b, 0x00], WsError::UnknownOpcode(0xb)),
+                (frame(true, Text, b"hi", None), WsError::TextMessage),
+                (
+                    frame(true, Continuation, b"x", None),
+                    WsError::UnexpectedContinuation,
+                ),
+                (
+                    [
+                        frame(false, Binary, b"x", None),
+                        frame(true, Binary, b"y", None),
+                    ]
+                    .concat(),
+                    WsError::UnfinishedMessage,
+                ),
+                (frame(false, Ping, b"", None), WsError::FragmentedControl),
+                (
+                    frame(true, Ping, &[0; 126], None),
+                    WsError::ControlTooLong(126),
+                ),
+                (frame(true, Close, &[3], None), WsError::TruncatedClose),
+                (
+                    vec![0x82, 0x7f, 0x80, 0, 0, 0, 0, 0, 0, 0],
+                    WsError::InvalidLength,
+                ),
+            ];
+            for (input, want) in cases {
+                assert_eq!(run(&input, input.len()).err(), Some(want), "{input:02x?}");
+            }
+        }
+
+        #[test]
+        fn keeps_incomplete_header_and_control_frame_in_raw() {
+            let mut dec = WsDecoder::new(Role::Client);
+            let mut out = BytesMut::new();
+            let mut raw = BytesMut::from(&[0x82u8, 0x7e, 0x01][..]);
+            assert_eq!(dec.decode(&mut raw, &mut out), Ok(WsEvent::NeedMore));
+            assert_eq!(raw.len(), 3);
+            let mut raw = BytesMut::from(&frame(true, Ping, b"abc", None)[..4]);
+            assert_eq!(dec.decode(&mut raw, &mut out), Ok(WsEvent::NeedMore));
+            assert_eq!(raw.len(), 4);
+            assert!(out.is_empty());
         }
     }
 }

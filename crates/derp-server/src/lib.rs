@@ -12,29 +12,31 @@
 //! - answers STUN binding requests on a UDP socket it is given.
 //!
 //! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
-//! or a global metrics registry. `derpd` does those. The wire protocol itself lives in
-//! `derp-proto`.
+//! or a global metrics registry (`derpd` does those); terminate TLS or obtain certificates
+//! (`derp-tls` does, and hands the decrypted streams to [`Server::spawn_connection`]). The
+//! wire protocol, including the HTTP upgrade and WebSocket framing, lives in `derp-proto`.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod config;
 mod conn;
+mod handle;
 mod http;
-mod io;
 mod lookup;
 mod metrics;
 mod queue;
 mod registry;
 mod server;
+mod state;
 mod stun;
-pub mod tls;
-mod ws;
 
 pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
 };
-pub use io::{BoxedIo, Transport, tune_socket};
-#[doc(hidden)]
+pub use derp_io::{BoxedIo, Transport, tune_socket};
+pub use http::generate_204;
+/// Benchmark scaffolding over the real lookup path; only with the `bench` feature.
+#[cfg(feature = "bench")]
 pub use lookup::bench as lookup_bench;
 pub use lookup::{
     DEFAULT_PEER_CACHE_MAX_ENTRIES, DEFAULT_PEER_CACHE_MAX_IDLE, LookupConfig, PeerCacheConfig,

@@ -21,7 +21,7 @@ use derp_proto::PublicKey;
 use lru::LruCache;
 use tokio::time::Instant;
 
-use crate::queue::ConnHandle;
+use crate::handle::ConnHandle;
 use crate::registry::{ForwardRoute, Lookup, Registry};
 
 /// Which lookup layers run, and how the LRU is bounded.
@@ -93,9 +93,9 @@ impl Default for PeerCacheConfig {
 #[derive(Debug)]
 pub(crate) enum Route<'a> {
     /// A local connection.
-    Local(Shared<'a, ConnHandle>),
+    Local(ArcRef<'a, ConnHandle>),
     /// A mesh peer that has the destination.
-    Forward(Shared<'a, ForwardRoute>),
+    Forward(ArcRef<'a, ForwardRoute>),
     /// The key has several connections and none is active.
     Dup,
     /// Nobody has the key.
@@ -104,12 +104,12 @@ pub(crate) enum Route<'a> {
 
 /// An `Arc` borrowed (from the mirror or the cache) or owned (from the locked fallback).
 #[derive(Debug)]
-pub(crate) enum Shared<'a, T> {
+pub(crate) enum ArcRef<'a, T> {
     Borrowed(&'a Arc<T>),
     Owned(Arc<T>),
 }
 
-impl<T> Deref for Shared<'_, T> {
+impl<T> Deref for ArcRef<'_, T> {
     type Target = T;
 
     fn deref(&self) -> &T {
@@ -187,7 +187,7 @@ impl Router {
             // lock; a reader racing with that delivers to a connection that just lost the
             // role, which then drops or writes it, as the reference's lock-free read does.
             if let Some(conn) = registry.mirror().get(dst, guard) {
-                return use_route(Route::Local(Shared::Borrowed(conn)));
+                return use_route(Route::Local(ArcRef::Borrowed(conn)));
             }
             self.misses.mirror += 1;
         }
@@ -209,8 +209,8 @@ impl Router {
                     peer.last_used = now;
                 }
                 let result = use_route(match &peer.target {
-                    Cached::Local(conn) => Route::Local(Shared::Borrowed(conn)),
-                    Cached::Forward(route) => Route::Forward(Shared::Borrowed(route)),
+                    Cached::Local(conn) => Route::Local(ArcRef::Borrowed(conn)),
+                    Cached::Forward(route) => Route::Forward(ArcRef::Borrowed(route)),
                 });
                 if promote {
                     entries.promote(dst);
@@ -262,13 +262,13 @@ fn fallback<'a>(
             if let Some(cache) = cache {
                 cache.insert(*dst, Cached::Local(conn.clone()), now);
             }
-            Route::Local(Shared::Owned(conn))
+            Route::Local(ArcRef::Owned(conn))
         }
         Lookup::Forward(route) => {
             if let Some(cache) = cache {
                 cache.insert(*dst, Cached::Forward(route.clone()), now);
             }
-            Route::Forward(Shared::Owned(route))
+            Route::Forward(ArcRef::Owned(route))
         }
         Lookup::Dup => Route::Dup,
         Lookup::Missing => Route::Missing,
@@ -321,8 +321,9 @@ pub const DEFAULT_PEER_CACHE_MAX_IDLE: Duration = Duration::from_secs(600);
 const LAST_USED_REFRESH: Duration = Duration::from_secs(30);
 
 /// Drives the real lookup path without sockets, for benchmarks and allocation tests. Not
-/// part of the relay's API; it exists so those measure the code the relay runs.
-#[doc(hidden)]
+/// part of the relay's API: it exists so those measure the code the relay runs, and only the
+/// `bench` feature (which `benches/` enables) compiles it.
+#[cfg(any(test, feature = "bench"))]
 pub mod bench {
     use std::sync::Arc;
 
@@ -330,8 +331,8 @@ pub mod bench {
     use tokio::time::Instant;
 
     use super::{LookupConfig, Route, Router};
+    use crate::handle::ConnHandle;
     use crate::metrics::Metrics;
-    use crate::queue::ConnHandle;
     use crate::registry::Registry;
 
     /// A registry with `destinations` connected clients whose keys are `[2; 32]`, `[3; 32]`, ….

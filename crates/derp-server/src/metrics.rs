@@ -172,6 +172,10 @@ pub struct Metrics {
     /// `derp_handshake_failures`: ClientInfo frames that did not open or parse (timeouts,
     /// early closes and malformed frames during the handshake are not counted here).
     pub handshake_failures: IntCounter,
+    /// `derp_connection_errors{class,reason}`: DERP connections that ended with an error,
+    /// by whose fault: `class="peer_misbehaved"` (reason `malformed_frame`, `handshake`,
+    /// `websocket`, `not_mesh_peer`) or `class="local"` (reason `io`, `timeout`).
+    pub connection_errors: IntCounterVec,
 }
 
 impl Metrics {
@@ -321,6 +325,11 @@ impl Metrics {
             handshake_failures: r.counter(
                 "derp_handshake_failures",
                 "ClientInfo frames that did not open or parse",
+            )?,
+            connection_errors: r.counter_vec(
+                "derp_connection_errors",
+                "DERP connections that ended with an error, by class (peer_misbehaved or local) and reason",
+                &["class", "reason"],
             )?,
         })
     }

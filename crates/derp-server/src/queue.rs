@@ -1,4 +1,5 @@
 //! A connection's outbound side as other connections see it: its bounded send queues.
+//! (The connection's identity and flags are in [`crate::handle`].)
 //!
 //! Senders run on other connections' read loops and must never block on a slow receiver, so
 //! an enqueue is a short critical section that either appends or drops. The receiver's writer
@@ -7,13 +8,11 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU16};
 
 use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{DropReason, PacketKind, ReaderCounts};
 
@@ -75,60 +74,28 @@ struct State {
     woken: bool,
 }
 
-/// One registered connection, as seen by the rest of the server.
+/// A connection's outbound queues: two bounded packet queues (disco and other), control
+/// frames, the pending pong, and the parked writer.
 #[derive(Debug)]
-pub(crate) struct ConnHandle {
-    pub(crate) id: u64,
-    pub(crate) key: PublicKey,
-    pub(crate) remote: SocketAddr,
-    /// PeerPresent flags describing this connection to mesh watchers.
-    pub(crate) presence_flags: u8,
-    pub(crate) can_mesh: bool,
-    /// Member of a duplicate set; read on every frame, so it is a plain flag rather than a
-    /// lookup in the registry.
-    pub(crate) is_dup: AtomicBool,
-    /// True while this is its key's active connection; caches check it on every hit.
-    pub(crate) active: AtomicBool,
-    pub(crate) preferred: AtomicBool,
-    /// WebSocket close code the writer sends when the connection ends.
-    pub(crate) ws_close_code: AtomicU16,
-    /// Cancelled when the connection must end, from either side or on server shutdown.
-    pub(crate) cancel: CancellationToken,
+pub(crate) struct SendQueue {
     depth: usize,
     state: Mutex<State>,
     notify: Notify,
 }
 
-impl ConnHandle {
-    pub(crate) fn new(
-        id: u64,
-        key: PublicKey,
-        remote: SocketAddr,
-        presence_flags: u8,
-        can_mesh: bool,
-        depth: usize,
-        cancel: CancellationToken,
-    ) -> Self {
+impl SendQueue {
+    /// Queues of `depth` packets each (at least one).
+    pub(crate) fn new(depth: usize) -> Self {
         Self {
-            id,
-            key,
-            remote,
-            presence_flags,
-            can_mesh,
-            is_dup: AtomicBool::new(false),
-            active: AtomicBool::new(false),
-            preferred: AtomicBool::new(false),
-            ws_close_code: AtomicU16::new(crate::ws::close_code::INTERNAL_ERROR),
-            cancel,
             depth: depth.max(1),
             state: Mutex::new(State::default()),
             notify: Notify::new(),
         }
     }
 
-    /// Queues a packet for this connection, dropping by the reference's policy when full:
-    /// up to three times the oldest packet is dropped to make room, then the new one is.
-    /// Drops are counted into the sender's local `counts`.
+    /// Queues a packet, dropping by the reference's policy when full: up to three times the
+    /// oldest packet is dropped to make room, then the new one is. Drops are counted into
+    /// the sender's local `counts`.
     pub(crate) fn push_packet(
         &self,
         src: PublicKey,
@@ -203,7 +170,7 @@ impl ConnHandle {
     }
 
     /// Swaps everything pending into `batch` (which must be empty). Returns false once the
-    /// connection is closed and nothing more will come.
+    /// queue is closed and nothing more will come.
     pub(crate) fn take(&self, batch: &mut Batch) -> bool {
         let mut state = self.lock();
         state.woken = false;
@@ -211,26 +178,22 @@ impl ConnHandle {
         !state.closed
     }
 
-    /// Marks the connection closed: later pushes are dropped as `gone_disconnected`, and what
-    /// is still queued is returned so the caller can count it. A parked writer is resumed so
-    /// it can close the socket.
-    pub(crate) fn close(&self) -> Batch {
+    /// Marks the queue closed: later pushes are dropped as `gone_disconnected`. Returns what
+    /// is still queued, so the caller can count it, and the parked writer, if any, which the
+    /// caller must resume so it can close the socket.
+    pub(crate) fn close(&self) -> (Batch, Option<Box<dyn Resume>>) {
         let mut state = self.lock();
         state.closed = true;
         let rest = std::mem::take(&mut state.pending);
         let parked = state.parked.take();
         drop(state);
-        self.cancel.cancel();
         self.notify.notify_one();
-        if let Some(writer) = parked {
-            writer.resume();
-        }
-        rest
+        (rest, parked)
     }
 
-    /// Parks an idle writer in the queue, unless work is pending or the connection is
-    /// closing, in which case the writer is handed back to keep running. Checked and stored
-    /// under the queue lock, so no enqueue can slip between the check and the park.
+    /// Parks an idle writer in the queue, unless work is pending or the queue is closed, in
+    /// which case the writer is handed back to keep running. Checked and stored under the
+    /// queue lock, so no enqueue can slip between the check and the park.
     pub(crate) fn park<W: Resume + 'static>(&self, writer: Box<W>) -> Result<(), Box<W>> {
         let mut state = self.lock();
         if state.closed || !state.pending.is_empty() {
@@ -240,7 +203,7 @@ impl ConnHandle {
         Ok(())
     }
 
-    /// Waits until something is queued (or the connection closes).
+    /// Waits until something is queued (or the queue closes).
     pub(crate) async fn wait(&self) {
         self.notify.notified().await;
     }
@@ -269,16 +232,8 @@ impl ConnHandle {
 mod tests {
     use super::*;
 
-    fn handle(depth: usize) -> ConnHandle {
-        ConnHandle::new(
-            1,
-            PublicKey::from_bytes([1; 32]),
-            "127.0.0.1:1".parse().expect("addr"),
-            0,
-            false,
-            depth,
-            CancellationToken::new(),
-        )
+    fn handle(depth: usize) -> SendQueue {
+        SendQueue::new(depth)
     }
 
     fn pkt(b: u8) -> Bytes {
@@ -329,7 +284,8 @@ mod tests {
         let mut counts = ReaderCounts::default();
         let src = PublicKey::from_bytes([9; 32]);
         h.push_packet(src, pkt(1), PacketKind::Other, Instant::now(), &mut counts);
-        let rest = h.close();
+        let (rest, parked) = h.close();
+        assert!(parked.is_none());
         assert_eq!(rest.other.len(), 1);
         h.push_packet(src, pkt(2), PacketKind::Other, Instant::now(), &mut counts);
         assert_eq!(

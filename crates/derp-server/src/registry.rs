@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
 
+use crate::handle::ConnHandle;
 use crate::metrics::Metrics;
-use crate::queue::{ConnHandle, Control};
+use crate::queue::Control;
 
 /// The lock-free mirror the packet path reads: each local key's active connection.
 ///
@@ -315,7 +316,9 @@ impl Registry {
         // the same way; the writer forgets a source once it writes PeerGone for it, so that
         // source's next packet registers again.)
         if !state.clients.contains_key(&src) && !state.forwarders.contains_key(&src) {
-            receiver.push_control(Control::PeerGone(src, PeerGoneReason::Disconnected));
+            receiver
+                .queue
+                .push_control(Control::PeerGone(src, PeerGoneReason::Disconnected));
             return;
         }
         state
@@ -354,7 +357,7 @@ impl Registry {
         }
         for entry in state.clients.values() {
             if let Some(active) = &entry.active {
-                conn.push_control(Control::PeerPresent {
+                conn.queue.push_control(Control::PeerPresent {
                     peer: active.key,
                     addr: active.remote,
                     flags: active.presence_flags,
@@ -485,7 +488,8 @@ impl Registry {
 fn notify_peer_gone(state: &mut State, key: &PublicKey) {
     if let Some(watchers) = state.peer_gone_watchers.remove(key) {
         for w in watchers.values() {
-            w.push_control(Control::PeerGone(*key, PeerGoneReason::Disconnected));
+            w.queue
+                .push_control(Control::PeerGone(*key, PeerGoneReason::Disconnected));
         }
     }
 }
@@ -502,7 +506,7 @@ fn push_history(history: &mut Vec<u64>, id: u64) {
 
 fn broadcast(watchers: &HashMap<u64, Arc<ConnHandle>>, make: impl Fn() -> Control) {
     for w in watchers.values() {
-        w.push_control(make());
+        w.queue.push_control(make());
     }
 }
 

@@ -3,51 +3,23 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 
+use derp_io::Transport;
 use derp_proto::PublicKey;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
-use crate::io::Transport;
-use crate::metrics::{Metrics, ReaderCounts};
-use crate::registry::{PacketForwarder, Registry};
-
-/// State every connection shares.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) config: ServerConfig,
-    pub(crate) public_key: PublicKey,
-    pub(crate) registry: Registry,
-    pub(crate) metrics: Metrics,
-    pub(crate) next_conn_id: AtomicU64,
-    pub(crate) shutdown: CancellationToken,
-    /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
-    pub(crate) prometheus: prometheus::Registry,
-    /// Every connection task, so shutdown can wait for them.
-    pub(crate) tasks: TaskTracker,
-}
-
-impl Shared {
-    /// Folds a connection's local counts into the registry (or discards them when packet
-    /// metrics are off).
-    pub(crate) fn fold(&self, counts: &mut ReaderCounts) {
-        if self.config.packet_metrics {
-            self.metrics.fold(counts);
-        } else {
-            *counts = ReaderCounts::default();
-        }
-    }
-}
+use crate::metrics::Metrics;
+use crate::registry::PacketForwarder;
+use crate::state::ServerState;
 
 /// A DERP relay. Cheap to clone; clones share one relay.
 #[derive(Clone, Debug)]
 pub struct Server {
-    shared: Arc<Shared>,
+    shared: Arc<ServerState>,
 }
 
 /// Errors starting the server.
@@ -64,26 +36,9 @@ pub enum ServeError {
 impl Server {
     /// Creates a relay and registers its metrics on `registry`.
     pub fn new(config: ServerConfig, registry: &prometheus::Registry) -> Result<Self, ServeError> {
-        let metrics = Metrics::new(registry)?;
-        let public_key = config.secret_key.public_key();
         Ok(Self {
-            shared: Arc::new(Shared {
-                registry: Registry::new(metrics.clone(), public_key),
-                public_key,
-                metrics,
-                config,
-                next_conn_id: AtomicU64::new(1),
-                shutdown: CancellationToken::new(),
-                prometheus: registry.clone(),
-                tasks: TaskTracker::new(),
-            }),
+            shared: Arc::new(ServerState::new(config, registry)?),
         })
-    }
-
-    /// The state connections share; for the crate's own tests.
-    #[cfg(test)]
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
     }
 
     /// The server's public key, as clients see it in the ServerKey frame.
@@ -124,7 +79,7 @@ impl Server {
             };
             match accepted {
                 Ok((stream, remote)) => {
-                    crate::io::tune_socket(&stream);
+                    derp_io::tune_socket(&stream);
                     self.spawn_connection(Transport::Tcp(stream), remote);
                 }
                 Err(e) => {
@@ -185,7 +140,7 @@ impl Server {
             initial: bytes::BytesMut::new(),
             remote,
             preamble: Vec::new(),
-            websocket: false,
+            framing: conn::Framing::Raw,
             not_ideal: false,
         };
         conn::serve(self.shared.clone(), accepted).await;

@@ -32,7 +32,8 @@ use tracing::{info, warn};
 
 use super::TlsError;
 use super::certs::{load_certs_pem, load_key_pem, sanitize_hostname, write_atomic};
-use super::front::{CertInfo, CertOrigin, Host, TlsFront};
+use super::front::{CertInfo, CertOrigin, TlsFront};
+use super::x509::Host;
 
 /// Let's Encrypt's production directory, the default ACME server.
 pub const LETS_ENCRYPT_PRODUCTION: &str = "https://acme-v02.api.letsencrypt.org/directory";

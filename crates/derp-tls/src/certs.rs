@@ -5,20 +5,21 @@ use std::io::Write;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use rcgen::{
     CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, KeyPair,
     KeyUsagePurpose, SanType,
 };
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::TlsError;
-use super::front::{CertOrigin, Host, TlsFront};
+use super::front::{CertOrigin, TlsFront};
+use super::x509::{Host, check_valid_for};
 
 /// Parses every `CERTIFICATE` block of a PEM file, leaf first.
 pub fn load_certs_pem(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
@@ -70,36 +71,6 @@ pub fn generate_self_signed(ip: IpAddr) -> Result<(String, String), TlsError> {
     params.not_after = now + time::Duration::days(365);
     let cert = params.self_signed(&key)?;
     Ok((cert.pem(), key.serialize_pem()))
-}
-
-/// Checks that `leaf` is valid for `host` (DNS name or IP SAN). Expiry is not checked here.
-pub(crate) fn check_valid_for(leaf: &CertificateDer<'_>, host: &Host) -> Result<(), TlsError> {
-    let wrong = |reason: String| TlsError::WrongHost {
-        hostname: host.to_string(),
-        reason,
-    };
-    let cert = webpki::EndEntityCert::try_from(leaf).map_err(|e| wrong(e.to_string()))?;
-    let name = match host {
-        Host::Dns(name) => {
-            ServerName::try_from(name.clone()).map_err(|_| wrong("bad name".into()))?
-        }
-        Host::Ip(ip) => ServerName::IpAddress((*ip).into()),
-    };
-    cert.verify_is_valid_for_subject_name(&name)
-        .map_err(|e| wrong(e.to_string()))
-}
-
-/// The validity window of a certificate, or `None` if it does not parse.
-pub(crate) fn validity(leaf: &CertificateDer<'_>) -> Option<(SystemTime, SystemTime)> {
-    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
-    let at = |t: i64| {
-        let secs = u64::try_from(t).ok()?;
-        SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs))
-    };
-    Some((
-        at(cert.validity().not_before.timestamp())?,
-        at(cert.validity().not_after.timestamp())?,
-    ))
 }
 
 /// Writes `data` to `path` through a temporary file and a rename, so a reader never sees half
@@ -317,6 +288,7 @@ fn is_self_signed(leaf: &CertificateDer<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::x509::validity;
 
     #[test]
     fn files_caught_mid_write_are_not_installed() {

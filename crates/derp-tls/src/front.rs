@@ -2,9 +2,7 @@
 //! the HTTP front.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::io;
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -25,11 +23,11 @@ use tokio_rustls::server::TlsStream;
 use tracing::{debug, warn};
 
 use super::TlsError;
-use super::certs::{check_valid_for, validity};
 use super::limit::SourceLimiter;
 use super::meta::meta_certificate;
-use crate::io::Transport;
-use crate::server::Server;
+use super::x509::{Host, check_valid_for, validity};
+use derp_io::Transport;
+use derp_server::Server;
 
 /// Default cap on TLS handshakes in progress at once. Each costs some tens of KiB until it
 /// finishes or times out; connections over the cap are closed right after accept.
@@ -67,57 +65,6 @@ impl TlsOptions {
             hostname: hostname.into(),
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
-        }
-    }
-}
-
-/// A hostname, parsed once.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Host {
-    /// Lowercase, without a trailing dot.
-    Dns(String),
-    Ip(IpAddr),
-}
-
-impl Host {
-    pub(crate) fn parse(s: &str) -> Result<Self, TlsError> {
-        let bare = s.strip_prefix('[').and_then(|r| r.strip_suffix(']'));
-        if let Ok(ip) = bare.unwrap_or(s).parse::<IpAddr>() {
-            return Ok(Self::Ip(ip));
-        }
-        let name = s.trim_end_matches('.').to_ascii_lowercase();
-        let valid = !name.is_empty()
-            && name.len() <= 253
-            && name.split('.').all(|label| {
-                !label.is_empty()
-                    && label.len() <= 63
-                    && label
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-')
-            });
-        if valid {
-            Ok(Self::Dns(name))
-        } else {
-            Err(TlsError::InvalidHostname(s.to_owned()))
-        }
-    }
-
-    /// Whether a ClientHello with this SNI may get the server's certificate.
-    fn accepts_sni(&self, sni: Option<&str>) -> bool {
-        match self {
-            Self::Ip(_) => true,
-            Self::Dns(name) => {
-                sni.is_some_and(|s| s.trim_end_matches('.').eq_ignore_ascii_case(name))
-            }
-        }
-    }
-}
-
-impl fmt::Display for Host {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Dns(name) => f.write_str(name),
-            Self::Ip(ip) => write!(f, "{ip}"),
         }
     }
 }
@@ -433,7 +380,7 @@ impl TlsFront {
             };
             let (tcp, remote) = match accepted {
                 Ok(a) => {
-                    crate::io::tune_socket(&a.0);
+                    derp_io::tune_socket(&a.0);
                     a
                 }
                 Err(e) => {

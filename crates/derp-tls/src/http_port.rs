@@ -102,7 +102,7 @@ impl TlsFront {
     fn route_http_port(&self, req: &Request<Incoming>, https_base: &str) -> Response<Body> {
         let path = req.uri().path();
         if path == "/generate_204" {
-            return crate::http::no_content(req);
+            return derp_server::generate_204(req);
         }
         if let Some(token) = path.strip_prefix(ACME_CHALLENGE_PREFIX) {
             return match self.http01_answer(token) {

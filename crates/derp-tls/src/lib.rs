@@ -1,9 +1,11 @@
-//! TLS termination in front of the relay's HTTP front, and where its certificates come from.
+//! TLS for a public derpd node: termination in front of the relay's HTTP front, and where its
+//! certificates come from. A separate crate so that embedders of the relay library
+//! (`derp-server`) do not pull in ACME, certificate generation and X.509 parsing.
 //!
 //! What it does:
 //! - [`TlsFront`] accepts TCP connections, runs the rustls handshake (TLS 1.2 minimum) with a
 //!   bounded number of handshakes in flight and a deadline on each, and hands the decrypted
-//!   stream to [`Server::spawn_connection`](crate::Server::spawn_connection). Every served
+//!   stream to [`Server::spawn_connection`](derp_server::Server::spawn_connection). Every served
 //!   chain ends with the DERP meta certificate ([`meta_certificate`]) so Tailscale clients on
 //!   TLS 1.3 can use fast start.
 //! - [`ManualCerts`] serves `<certdir>/<hostname>.crt|.key`, reloads them when they change
@@ -16,8 +18,10 @@
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
 //!   HTTP-01 answers, and redirects to HTTPS. It never serves DERP.
 //!
-//! What it does not do: parse flags, bind sockets or install signal handlers (derpd does), or
-//! DNS-01 challenges, External Account Binding and on-demand IP certificates.
+//! What it does not do: parse flags, bind sockets or install signal handlers (derpd does),
+//! serve DERP itself (it hands decrypted streams to a [`derp_server::Server`]), or DNS-01
+//! challenges, External Account Binding and on-demand IP certificates.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod acme;
 mod certs;
@@ -25,6 +29,7 @@ mod front;
 mod http_port;
 mod limit;
 mod meta;
+mod x509;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,567 @@
+//! The read half of a connection: bytes off the socket, frames out of the bytes, and each
+//! packet routed to its destination's queue.
+//!
+//! The read loop runs on the connection's own task. It reads as much as the socket holds,
+//! parses every complete frame in the buffer, and hands each packet to its destination's
+//! queue as a `Bytes` slice of the read buffer (no copy between sockets, except after tiny
+//! reads).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use derp_io::ReadHalf;
+use derp_proto::frame::FrameType;
+use derp_proto::ws::{self, Role, WsDecoder, WsEvent};
+use derp_proto::{ClientToRelay, PeerGoneReason, PublicKey, ServerDecoder};
+use rand::Rng;
+use tokio::io::AsyncReadExt;
+use tokio::time::Instant;
+use tracing::{debug, trace};
+
+use super::{ConnError, Framing, PeerMisbehaved};
+use crate::handle::ConnHandle;
+use crate::lookup::{Route, Router};
+use crate::metrics::{DropReason, PacketKind, ReaderCounts};
+use crate::queue::Control;
+use crate::state::ServerState;
+
+/// The read side: raw bytes from the socket, unwrapped from WebSocket messages when needed,
+/// accumulate in `buf` as a DERP byte stream.
+pub(super) struct FrameReader {
+    half: ReadHalf,
+    pub(super) buf: BytesMut,
+    ws: Option<WsIn>,
+    /// The close code to answer with, once the WebSocket layer has one.
+    pub(super) ws_close: Option<u16>,
+}
+
+struct WsIn {
+    decoder: WsDecoder,
+    raw: BytesMut,
+}
+
+impl FrameReader {
+    pub(super) fn new(half: ReadHalf, framing: Framing, initial: BytesMut) -> Self {
+        match framing {
+            Framing::WebSocket => Self {
+                half,
+                buf: BytesMut::new(),
+                ws: Some(WsIn {
+                    decoder: WsDecoder::new(Role::Server),
+                    raw: initial,
+                }),
+                ws_close: None,
+            },
+            Framing::Raw => Self {
+                half,
+                buf: initial,
+                ws: None,
+                ws_close: None,
+            },
+        }
+    }
+
+    /// Reads once from the socket and appends what it yields to `buf`. Returns 0 at EOF.
+    /// WebSocket pings are answered through `handle` when one is given.
+    pub(super) async fn read_more(
+        &mut self,
+        handle: Option<&ConnHandle>,
+        chunk: usize,
+    ) -> Result<usize, ConnError> {
+        let Some(ws_in) = &mut self.ws else {
+            self.half.ready().await?;
+            if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
+                self.buf.reserve(chunk);
+            }
+            return Ok(self.half.read_buf(&mut self.buf).await?);
+        };
+        loop {
+            // Drain frames already buffered before reading again.
+            let before = self.buf.len();
+            let event = ws_in.decoder.decode(&mut ws_in.raw, &mut self.buf);
+            let event = match event {
+                Ok(event) => event,
+                Err(e) => {
+                    self.ws_close = Some(e.close_code());
+                    return Err(e.into());
+                }
+            };
+            match event {
+                WsEvent::Ping(payload) => {
+                    if let Some(h) = handle {
+                        h.queue.push_control(Control::WsPong(payload));
+                    }
+                    continue;
+                }
+                WsEvent::Close { code } => {
+                    // Echo the client's code, as the reference does. Data that came before
+                    // the close is still handed over; the decoder repeats the close event on
+                    // the next call.
+                    self.ws_close = Some(code.unwrap_or(ws::close_code::NORMAL));
+                    return Ok(self.buf.len() - before);
+                }
+                WsEvent::NeedMore => {}
+            }
+            let produced = self.buf.len() - before;
+            if produced > 0 {
+                return Ok(produced);
+            }
+            self.half.ready().await?;
+            if ws_in.raw.capacity() - ws_in.raw.len() < MIN_READ_SPACE {
+                ws_in.raw.reserve(chunk);
+            }
+            if self.half.read_buf(&mut ws_in.raw).await? == 0 {
+                return Ok(0);
+            }
+        }
+    }
+
+    /// Gives back an empty buffer's memory, so an idle connection holds no read buffer.
+    /// Packets still queued elsewhere keep their slices of the old allocation alive.
+    fn release_if_empty(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 0 {
+            self.buf = BytesMut::new();
+        }
+        if let Some(ws_in) = &mut self.ws
+            && ws_in.raw.is_empty()
+            && ws_in.raw.capacity() > 0
+        {
+            ws_in.raw = BytesMut::new();
+        }
+    }
+}
+
+/// Where a packet entered this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    /// SendPacket from a client connected here.
+    Client,
+    /// ForwardPacket from a mesh peer.
+    Mesh,
+}
+
+/// Token bucket limiting PeerGone(NotHere) replies to one per second, burst three.
+#[derive(Debug)]
+struct NotHereLimiter {
+    tokens: f64,
+    last: Instant,
+}
+
+impl NotHereLimiter {
+    fn new(now: Instant) -> Self {
+        Self {
+            tokens: NOT_HERE_BURST,
+            last: now,
+        }
+    }
+
+    fn allow(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * NOT_HERE_PER_SEC).min(NOT_HERE_BURST);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+pub(super) struct ReadLoop<'a> {
+    shared: &'a Arc<ServerState>,
+    handle: &'a Arc<ConnHandle>,
+    pub(super) reader: FrameReader,
+    decoder: ServerDecoder,
+    counts: ReaderCounts,
+    not_here: NotHereLimiter,
+    router: Router,
+    connected_at: Instant,
+    /// Size of the next read (see `adapt_to_read`).
+    chunk: usize,
+    /// The last read was tiny: copy its payloads rather than pin the buffer.
+    copy_payloads: bool,
+    /// This connection's keepalive period: the base interval plus its own jitter, so
+    /// connections that arrived together do not all send keepalives at once.
+    keepalive_period: Duration,
+    next_keepalive: Instant,
+}
+
+impl<'a> ReadLoop<'a> {
+    pub(super) fn new(
+        shared: &'a Arc<ServerState>,
+        handle: &'a Arc<ConnHandle>,
+        reader: FrameReader,
+    ) -> Self {
+        let now = Instant::now();
+        let keepalive_period = shared.config.keepalive_interval
+            + Duration::from_millis(rand::thread_rng().gen_range(0..KEEPALIVE_JITTER_MS));
+        Self {
+            shared,
+            handle,
+            reader,
+            decoder: ServerDecoder::after_handshake(),
+            counts: ReaderCounts::default(),
+            not_here: NotHereLimiter::new(now),
+            router: Router::new(&shared.config.lookup),
+            connected_at: now,
+            chunk: MIN_READ_CHUNK,
+            // What arrived with the handshake is small.
+            copy_payloads: true,
+            keepalive_period,
+            next_keepalive: now + keepalive_period,
+        }
+    }
+
+    pub(super) async fn run(&mut self) -> Result<(), ConnError> {
+        let result = self.run_inner().await;
+        self.shared.fold(&mut self.counts);
+        result
+    }
+
+    async fn run_inner(&mut self) -> Result<(), ConnError> {
+        loop {
+            self.process_buffered()?;
+            let congested = self.counts.queue_drops() > 0;
+            self.shared.fold(&mut self.counts);
+            self.reader.release_if_empty();
+            if congested {
+                // Destinations of this batch had full queues: let their writers run before
+                // reading more from this sender. Past saturation this spends the CPU on
+                // delivering queued packets rather than on reading packets that would only
+                // be dropped, and lets TCP push back on the sender. A yield is not a wait:
+                // the sender's other flows are not held up by one slow receiver.
+                tokio::task::yield_now().await;
+            }
+            let cancel = self.handle.cancel.clone();
+            let n = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Ok(()),
+                _ = tokio::time::sleep_until(self.next_keepalive) => {
+                    // Timed here rather than by the writer, which may be parked.
+                    self.next_keepalive = Instant::now() + self.keepalive_period;
+                    self.handle.queue.push_control(Control::KeepAlive);
+                    continue;
+                }
+                n = self.reader.read_more(Some(self.handle), self.chunk) => n?,
+            };
+            if n == 0 {
+                return Ok(());
+            }
+            self.adapt_to_read(n);
+        }
+    }
+
+    /// Sizes reads to the traffic. Queued packets are slices of the buffer they were read
+    /// into and keep all of it alive, so a sender of small, sparse frames must not make
+    /// every frame pin a 64 KiB buffer at a slow receiver: reads shrink towards 4 KiB when
+    /// they come back mostly empty and grow towards 64 KiB when they come back full, and the
+    /// payloads of a tiny read are copied out instead of sliced.
+    fn adapt_to_read(&mut self, n: usize) {
+        if n >= self.chunk / 4 * 3 {
+            self.chunk = (self.chunk * 2).min(READ_CHUNK);
+        } else if n < self.chunk / 8 {
+            self.chunk = (self.chunk / 2).max(MIN_READ_CHUNK);
+        }
+        self.copy_payloads = n < COPY_READS_BELOW;
+    }
+
+    /// Handles every complete frame in the buffer. Synchronous: the lookup guard and the
+    /// batch timestamp never cross an await.
+    fn process_buffered(&mut self) -> Result<(), ConnError> {
+        let now = Instant::now();
+        let registry = &self.shared.registry;
+        let guard = registry.mirror().guard();
+        while let Some(frame) = self.decoder.decode(&mut self.reader.buf)? {
+            self.counts.frames += 1;
+            if self.handle.is_dup.load(Ordering::Relaxed) {
+                self.shared.registry.note_activity(self.handle);
+            }
+            match frame {
+                ClientToRelay::SendPacket { dst, packet } => {
+                    let packet = self.own_payload(packet);
+                    let kind = PacketKind::of(&packet);
+                    self.counts.packets_received += 1;
+                    self.counts.bytes_received += packet.len() as u64;
+                    self.counts.packets_received_kind[kind as usize] += 1;
+                    let src = self.handle.key;
+                    self.route(&guard, Origin::Client, src, dst, packet, kind, now);
+                }
+                ClientToRelay::ForwardPacket { src, dst, packet } => {
+                    self.require_mesh(FrameType::ForwardPacket)?;
+                    let packet = self.own_payload(packet);
+                    let kind = PacketKind::of(&packet);
+                    self.counts.forwarded_in += 1;
+                    self.route(&guard, Origin::Mesh, src, dst, packet, kind, now);
+                }
+                ClientToRelay::NotePreferred(preferred) => self.note_preferred(preferred, now),
+                ClientToRelay::WatchConns => {
+                    self.require_mesh(FrameType::WatchConns)?;
+                    self.shared.registry.add_watcher(self.handle);
+                }
+                ClientToRelay::ClosePeer(key) => {
+                    self.require_mesh(FrameType::ClosePeer)?;
+                    if !self.shared.registry.close_peer(&key) {
+                        debug!(peer = %key.short(), "close-peer for unknown key");
+                    }
+                }
+                ClientToRelay::Ping(data) => {
+                    self.counts.got_ping += 1;
+                    self.router.trim(now);
+                    self.handle.queue.push_pong(data);
+                }
+                ClientToRelay::ClientInfo { .. }
+                | ClientToRelay::Pong(_)
+                | ClientToRelay::Unknown { .. } => {
+                    trace!("skipping unhandled frame");
+                    self.counts.unknown_frames += 1;
+                }
+            }
+        }
+        let misses = std::mem::take(&mut self.router.misses);
+        self.counts.mirror_misses += misses.mirror;
+        self.counts.cache_misses += misses.cache;
+        Ok(())
+    }
+
+    /// Hands one packet to where its destination is: a local connection's queue, or (for a
+    /// packet from a client) the mesh peer that has it. Packets that came from a mesh peer
+    /// are delivered locally or dropped: forwarding is exactly one hop. A disco packet for a
+    /// destination nobody has is answered with PeerGone(NotHere).
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &mut self,
+        guard: &impl papaya::Guard,
+        origin: Origin,
+        src: PublicKey,
+        dst: PublicKey,
+        packet: Bytes,
+        kind: PacketKind,
+        now: Instant,
+    ) {
+        let registry = &self.shared.registry;
+        let len = packet.len();
+        let counts = &mut self.counts;
+        let missing = self.router.route_with(registry, guard, &dst, now, |route| {
+            match (route, origin) {
+                (Route::Local(conn), _) => conn.queue.push_packet(src, packet, kind, now, counts),
+                (Route::Forward(route), Origin::Client) => {
+                    counts.forwarded_out += 1;
+                    route.forwarder.forward_packet(src, dst, packet);
+                }
+                (Route::Dup, _) => counts.drop(DropReason::DupClient, kind, len),
+                (Route::Missing, Origin::Client) => {
+                    counts.drop(DropReason::UnknownDest, kind, len);
+                    return true;
+                }
+                (Route::Forward(_) | Route::Missing, Origin::Mesh) => {
+                    counts.drop(DropReason::UnknownDestOnFwd, kind, len);
+                    return true;
+                }
+            }
+            false
+        });
+        if missing {
+            self.maybe_not_here(dst, kind, now);
+        }
+    }
+
+    /// The payload as it will be queued: the slice itself, or a copy after a tiny read.
+    fn own_payload(&self, packet: Bytes) -> Bytes {
+        if self.copy_payloads {
+            Bytes::copy_from_slice(&packet)
+        } else {
+            packet
+        }
+    }
+
+    /// Answers a disco packet to an unknown key with PeerGone(NotHere), rate-limited.
+    fn maybe_not_here(&mut self, dst: PublicKey, kind: PacketKind, now: Instant) {
+        if kind == PacketKind::Disco && self.not_here.allow(now) {
+            self.handle
+                .queue
+                .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));
+        }
+    }
+
+    fn require_mesh(&self, ty: FrameType) -> Result<(), ConnError> {
+        if self.handle.can_mesh {
+            Ok(())
+        } else {
+            Err(PeerMisbehaved::NotMeshPeer(ty as u8).into())
+        }
+    }
+
+    fn note_preferred(&mut self, preferred: bool, now: Instant) {
+        let was = self.handle.preferred.swap(preferred, Ordering::Relaxed);
+        if was == preferred {
+            return;
+        }
+        let m = &self.shared.metrics;
+        if preferred {
+            m.current_home_connections.inc();
+        } else {
+            m.current_home_connections.dec();
+        }
+        // Flips right after connecting are a client announcing its state, not a move.
+        if now.saturating_duration_since(self.connected_at) > HOME_MOVE_GRACE {
+            if preferred {
+                m.home_moves_in.inc();
+            } else {
+                m.home_moves_out.inc();
+            }
+        }
+    }
+}
+
+/// The largest read; one read can carry many frames.
+const READ_CHUNK: usize = 64 * 1024;
+/// The smallest read, and the first after the handshake.
+const MIN_READ_CHUNK: usize = 4 * 1024;
+/// Payloads of a read smaller than this are copied out of the read buffer.
+const COPY_READS_BELOW: usize = 1024;
+/// Below this much free space the read buffer is grown before reading.
+const MIN_READ_SPACE: usize = 4 * 1024;
+const KEEPALIVE_JITTER_MS: u64 = 5000;
+const NOT_HERE_PER_SEC: f64 = 1.0;
+const NOT_HERE_BURST: f64 = 3.0;
+/// NotePreferred flips within this long of connecting do not count as home moves.
+const HOME_MOVE_GRACE: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use derp_io::Transport;
+    use derp_proto::SecretKey;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::ServerConfig;
+    use crate::lookup::{LookupConfig, PeerCacheConfig};
+    use crate::queue::Batch;
+
+    const IDLE: Duration = Duration::from_secs(600);
+
+    fn state(config: ServerConfig) -> Arc<ServerState> {
+        Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"))
+    }
+
+    fn handle(id: u64, key: u8) -> Arc<ConnHandle> {
+        Arc::new(ConnHandle::new(
+            id,
+            PublicKey::from_bytes([key; 32]),
+            ([127, 0, 0, 1], 1).into(),
+            0,
+            false,
+            32,
+            CancellationToken::new(),
+        ))
+    }
+
+    /// A read loop for a registered client, fed by pushing frames into its buffer.
+    fn read_loop<'a>(shared: &'a Arc<ServerState>, handle: &'a Arc<ConnHandle>) -> ReadLoop<'a> {
+        let (_, server_side) = tokio::io::duplex(64);
+        let (read_half, _) = Transport::Boxed(Box::new(server_side)).split();
+        ReadLoop::new(
+            shared,
+            handle,
+            FrameReader::new(read_half, Framing::Raw, BytesMut::new()),
+        )
+    }
+
+    fn feed(rl: &mut ReadLoop<'_>, frame: ClientToRelay) -> u64 {
+        frame.encode(&mut rl.reader.buf);
+        rl.process_buffered().expect("valid frame");
+        rl.counts.cache_misses
+    }
+
+    #[tokio::test]
+    async fn reads_adapt_and_tiny_reads_do_not_pin_their_buffer() {
+        let shared = &state(ServerConfig::new(SecretKey::from_bytes([1; 32])));
+        let src = handle(1, 3);
+        let dst = handle(2, 2);
+        shared.registry.register(&src);
+        shared.registry.register(&dst);
+        let mut rl = read_loop(shared, &src);
+        assert_eq!(rl.chunk, MIN_READ_CHUNK);
+        // Full reads grow the chunk to the maximum.
+        for _ in 0..8 {
+            let full = rl.chunk;
+            rl.adapt_to_read(full);
+        }
+        assert_eq!(rl.chunk, READ_CHUNK);
+        assert!(!rl.copy_payloads);
+        // Sparse tiny reads shrink it back and switch to copying.
+        for _ in 0..8 {
+            rl.adapt_to_read(40);
+        }
+        assert_eq!(rl.chunk, MIN_READ_CHUNK);
+        assert!(rl.copy_payloads);
+
+        // A packet from a tiny read is queued as its own allocation, not a slice of the
+        // read buffer: the buffer's spare capacity stays unshared and is reused.
+        ClientToRelay::SendPacket {
+            dst: dst.key,
+            packet: Bytes::from_static(b"tiny"),
+        }
+        .encode(&mut rl.reader.buf);
+        rl.reader.buf.reserve(1024);
+        let buffer_start = rl.reader.buf.as_ptr() as usize;
+        let buffer_end = buffer_start + rl.reader.buf.capacity();
+        rl.process_buffered().expect("valid frame");
+        let mut batch = Batch::default();
+        dst.queue.take(&mut batch);
+        let queued = batch.other.front().expect("queued").data.as_ptr() as usize;
+        assert!(
+            !(buffer_start..buffer_end).contains(&queued),
+            "tiny payload still points into the read buffer"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ping_frames_trim_idle_lookup_cache_entries() {
+        let config = ServerConfig {
+            lookup: LookupConfig {
+                mirror: false,
+                peer_cache: Some(PeerCacheConfig {
+                    max_entries: PeerCacheConfig::default().max_entries,
+                    max_idle: IDLE,
+                }),
+            },
+            ..ServerConfig::new(SecretKey::from_bytes([1; 32]))
+        };
+        let shared = &state(config);
+        let dst = handle(1, 2);
+        shared.registry.register(&dst);
+        let send = || ClientToRelay::SendPacket {
+            dst: dst.key,
+            packet: Bytes::from_static(b"x"),
+        };
+
+        // Without a ping, an entry idle past the limit is still used (and refreshed).
+        let quiet = handle(2, 3);
+        shared.registry.register(&quiet);
+        let mut rl = read_loop(shared, &quiet);
+        assert_eq!(feed(&mut rl, send()), 1, "first lookup misses");
+        tokio::time::advance(IDLE + Duration::from_secs(1)).await;
+        assert_eq!(
+            feed(&mut rl, send()),
+            1,
+            "no ping: the entry is still there"
+        );
+
+        // A ping after the idle limit removes it, so the next packet misses again.
+        let pinger = handle(3, 4);
+        shared.registry.register(&pinger);
+        let mut rl = read_loop(shared, &pinger);
+        assert_eq!(feed(&mut rl, send()), 1);
+        tokio::time::advance(IDLE + Duration::from_secs(1)).await;
+        feed(&mut rl, ClientToRelay::Ping([7; 8]));
+        assert_eq!(feed(&mut rl, send()), 2, "the ping trimmed the idle entry");
+
+        // A ping before the limit keeps a recently used entry.
+        feed(&mut rl, ClientToRelay::Ping([8; 8]));
+        assert_eq!(feed(&mut rl, send()), 2);
+    }
+}

@@ -1,0 +1,422 @@
+//! The write half of a connection: it drains the connection's queues in batches and writes
+//! each batch with one vectored write, flushing only when nothing else is ready. It runs as a
+//! task while there is work and is parked in the queue while the connection is idle.
+//!
+//! A batch goes through three steps: [`Writer::frame_batch`] lays out the frame headers and
+//! the order of the pieces, [`Writer::write_segments`] does the vectored write under the
+//! deadline and the connection's cancellation, and [`Writer::account`] counts what was sent
+//! (or, after a failed write, what was dropped).
+
+use std::collections::HashSet;
+use std::io::{self, IoSlice};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use derp_io::WriteHalf;
+use derp_proto::{PeerGoneReason, PublicKey, RelayToClient, frame, ws};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
+use tracing::debug;
+
+use super::{Framing, count_gone};
+use crate::handle::ConnHandle;
+use crate::metrics::{DropReason, PacketKind};
+use crate::queue::{Batch, Control, Resume};
+use crate::state::ServerState;
+
+/// A connection's writer. It runs as a task only while there is something to write (and
+/// for a short linger after); an idle connection's writer is parked in its queue and a
+/// sender's enqueue resumes it, so idle connections cost one task, not two.
+pub(super) struct Writer {
+    shared: Arc<ServerState>,
+    handle: Arc<ConnHandle>,
+    w: WriteHalf,
+    framing: Framing,
+    write_timeout: Option<Duration>,
+    batch: Batch,
+    /// Frame headers for the current batch; the payloads are written from their own buffers.
+    headers: Vec<u8>,
+    /// Sources this connection has received from; each is registered once for PeerGone.
+    sent_from: HashSet<PublicKey, foldhash::fast::RandomState>,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writer")
+            .field("id", &self.handle.id)
+            .finish()
+    }
+}
+
+/// How a writer's run ended.
+enum Step {
+    /// Nothing to write for a while: park.
+    Idle,
+    /// The connection is closing.
+    Closed,
+}
+
+impl Resume for Writer {
+    fn resume(self: Box<Self>) {
+        let tasks = self.shared.tasks.clone();
+        tasks.spawn(self.run());
+    }
+}
+
+impl Writer {
+    /// Starts the writer for a connection whose ServerInfo has been written.
+    pub(super) fn start(
+        shared: Arc<ServerState>,
+        handle: Arc<ConnHandle>,
+        w: WriteHalf,
+        framing: Framing,
+        write_timeout: Option<Duration>,
+    ) {
+        let writer = Box::new(Self {
+            shared,
+            handle: handle.clone(),
+            w,
+            framing,
+            write_timeout,
+            batch: Batch::default(),
+            headers: Vec::new(),
+            sent_from: HashSet::default(),
+        });
+        if let Err(writer) = handle.queue.park(writer) {
+            writer.resume();
+        }
+    }
+
+    async fn run(mut self: Box<Self>) {
+        loop {
+            match self.serve().await {
+                Ok(Step::Idle) => {
+                    let handle = self.handle.clone();
+                    match handle.queue.park(self) {
+                        Ok(()) => return,
+                        // Work arrived between the linger and the park.
+                        Err(back) => self = back,
+                    }
+                }
+                Ok(Step::Closed) => return self.finish(None).await,
+                Err(e) => return self.finish(Some(e)).await,
+            }
+        }
+    }
+
+    /// Writes until the connection closes or has been idle for the linger time.
+    async fn serve(&mut self) -> io::Result<Step> {
+        loop {
+            if !self.drain().await? {
+                return Ok(Step::Closed);
+            }
+            let handle = self.handle.clone();
+            tokio::select! {
+                biased;
+                _ = handle.cancel.cancelled() => return Ok(Step::Closed),
+                _ = handle.queue.wait() => {}
+                _ = tokio::time::sleep(WRITER_LINGER) => return Ok(Step::Idle),
+            }
+        }
+    }
+
+    /// Ends the connection's writing side: counts what is left, drops PeerGone watches and
+    /// closes the socket, each bounded in time.
+    async fn finish(mut self: Box<Self>, error: Option<io::Error>) {
+        let (shared, handle) = (&self.shared, &self.handle);
+        if let Some(e) = error {
+            if e.kind() == io::ErrorKind::TimedOut {
+                shared.metrics.write_timeouts.inc();
+            }
+            debug!(id = handle.id, error = %e, "write failed");
+        }
+        handle.cancel.cancel();
+        shared
+            .registry
+            .unwatch_peer_gone(&self.sent_from, handle.id);
+        count_gone(shared, handle.close());
+        if self.framing == Framing::WebSocket {
+            let code = handle.ws_close_code.load(Ordering::Relaxed);
+            let frame = ws::close_frame(code);
+            let _ = write_with_timeout(&mut self.w, &frame, Some(WS_CLOSE_TIMEOUT)).await;
+        }
+        // Bounded: a TLS shutdown writes close_notify, which a peer that stopped reading would
+        // never let through.
+        let _ = tokio::time::timeout(WS_CLOSE_TIMEOUT, self.w.shutdown()).await;
+    }
+}
+
+/// Where one piece of a vectored write comes from.
+enum Seg {
+    /// A range of the header scratch buffer (frame headers and whole control frames).
+    Header(Range<usize>),
+    /// The payload of the packet at this index of one of the batch's packet queues.
+    Payload(PacketKind, usize),
+}
+
+/// What a framed batch holds, for the accounting after the write.
+#[derive(Default)]
+struct Framed {
+    frames: usize,
+    packets: u64,
+    packet_bytes: u64,
+    pongs: u64,
+    /// PeerGone frames, indexed by `[Disconnected, NotHere]`.
+    gone: [u64; 2],
+    /// The moving average of queueing time with this batch's packets folded in.
+    average_wait_ms: f64,
+}
+
+impl Writer {
+    /// Writes batches until nothing is pending. Returns false once the connection is closed.
+    async fn drain(&mut self) -> io::Result<bool> {
+        loop {
+            let open = self.handle.queue.take(&mut self.batch);
+            if self.batch.is_empty() {
+                return Ok(open);
+            }
+            let result = self.write_batch().await;
+            self.recycle();
+            let frames = result?;
+            self.shared
+                .metrics
+                .buffered_write_frames
+                .observe(frames as f64);
+            if !open {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Writes everything in the batch with vectored writes, then flushes once. Returns the
+    /// number of frames written.
+    async fn write_batch(&mut self) -> io::Result<usize> {
+        let mut segs = Vec::with_capacity(
+            2 * (self.batch.disco.len() + self.batch.other.len()) + self.batch.control.len() + 1,
+        );
+        let framed = self.frame_batch(&mut segs);
+        let result = self.write_segments(&segs).await;
+        self.account(&framed, result.is_ok());
+        result.map(|()| framed.frames)
+    }
+
+    /// Lays the batch out as frames: control frames and headers go into the scratch buffer,
+    /// payloads stay where they are, and `segs` lists the pieces in write order.
+    fn frame_batch(&mut self, segs: &mut Vec<Seg>) -> Framed {
+        self.headers.clear();
+        let framing = self.framing;
+        let mut framed = Framed {
+            average_wait_ms: self.shared.metrics.average_queue_duration_ms.get(),
+            ..Framed::default()
+        };
+        for control in self.batch.control.drain(..) {
+            let start = self.headers.len();
+            match control {
+                Control::PeerGone(peer, reason) => {
+                    match reason {
+                        PeerGoneReason::NotHere => framed.gone[1] += 1,
+                        _ => {
+                            framed.gone[0] += 1;
+                            // If the peer comes back and sends again, watch it again.
+                            self.sent_from.remove(&peer);
+                        }
+                    }
+                    push_frame(
+                        &mut self.headers,
+                        framing,
+                        &RelayToClient::PeerGone { peer, reason },
+                    );
+                }
+                Control::PeerPresent { peer, addr, flags } => push_frame(
+                    &mut self.headers,
+                    framing,
+                    &RelayToClient::PeerPresent { peer, addr, flags },
+                ),
+                Control::KeepAlive => {
+                    push_frame(&mut self.headers, framing, &RelayToClient::KeepAlive)
+                }
+                Control::WsPong(payload) => {
+                    self.headers
+                        .extend_from_slice(&ws::control_frame(ws::Opcode::Pong, &payload));
+                }
+            }
+            segs.push(Seg::Header(start..self.headers.len()));
+            framed.frames += 1;
+        }
+        if let Some(data) = self.batch.pong.take() {
+            let start = self.headers.len();
+            push_frame(&mut self.headers, framing, &RelayToClient::Pong(data));
+            segs.push(Seg::Header(start..self.headers.len()));
+            framed.frames += 1;
+            framed.pongs += 1;
+        }
+        let now = Instant::now();
+        for (kind, queue) in [
+            (PacketKind::Disco, &self.batch.disco),
+            (PacketKind::Other, &self.batch.other),
+        ] {
+            for (i, p) in queue.iter().enumerate() {
+                let start = self.headers.len();
+                if framing == Framing::WebSocket {
+                    let (hdr, n) = ws::binary_header(frame::FRAME_HEADER_LEN + 32 + p.data.len());
+                    self.headers.extend_from_slice(&hdr[..n]);
+                }
+                self.headers
+                    .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
+                segs.push(Seg::Header(start..self.headers.len()));
+                segs.push(Seg::Payload(kind, i));
+                framed.packets += 1;
+                framed.packet_bytes += p.data.len() as u64;
+                let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
+                framed.average_wait_ms = framed.average_wait_ms * 0.9 + waited * 0.1;
+                framed.frames += 1;
+            }
+        }
+        framed
+    }
+
+    /// Writes the pieces in order with as few `writev` calls as the socket allows, then
+    /// flushes. A write blocked on a peer that does not read still ends when the connection
+    /// is closed (shutdown, ClosePeer, the read side ending), deadline or not.
+    async fn write_segments(&mut self, segs: &[Seg]) -> io::Result<()> {
+        let batch = &self.batch;
+        let headers = &self.headers;
+        let mut slices: Vec<IoSlice<'_>> = segs
+            .iter()
+            .filter_map(|s| {
+                let bytes: &[u8] = match s {
+                    Seg::Header(range) => &headers[range.clone()],
+                    Seg::Payload(PacketKind::Disco, i) => &batch.disco[*i].data,
+                    Seg::Payload(PacketKind::Other, i) => &batch.other[*i].data,
+                };
+                (!bytes.is_empty()).then(|| IoSlice::new(bytes))
+            })
+            .collect();
+        let write_timeout = self.write_timeout;
+        let w = &mut self.w;
+        let write = async {
+            write_vectored_all(w, &mut slices, write_timeout).await?;
+            match write_timeout {
+                Some(t) => tokio::time::timeout(t, w.flush())
+                    .await
+                    .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+                None => w.flush().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = self.handle.cancel.cancelled() => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "connection closed while writing",
+            )),
+            r = write => r,
+        }
+    }
+
+    /// Counts a written batch into the metrics and watches its sources for PeerGone; after a
+    /// failed write, counts its packets as dropped instead.
+    fn account(&mut self, framed: &Framed, written: bool) {
+        let shared = self.shared.clone();
+        let m = &shared.metrics;
+        if !written {
+            for (queue, kind) in [
+                (&self.batch.disco, PacketKind::Disco),
+                (&self.batch.other, PacketKind::Other),
+            ] {
+                for p in queue {
+                    m.drop_one(DropReason::WriteError, kind, p.data.len());
+                }
+            }
+            return;
+        }
+        if framed.packets > 0 {
+            self.note_sources();
+            if shared.config.packet_metrics {
+                m.packets_sent.inc_by(framed.packets);
+                m.bytes_sent.inc_by(framed.packet_bytes);
+                m.average_queue_duration_ms.set(framed.average_wait_ms);
+            }
+        }
+        if framed.pongs > 0 {
+            m.sent_pong.inc_by(framed.pongs);
+        }
+        if framed.gone[0] > 0 {
+            m.peer_gone_disconnected_frames.inc_by(framed.gone[0]);
+        }
+        if framed.gone[1] > 0 {
+            m.peer_gone_not_here_frames.inc_by(framed.gone[1]);
+        }
+    }
+
+    /// Registers this connection as a PeerGone watcher of every new source in the batch.
+    fn note_sources(&mut self) {
+        for p in self.batch.disco.iter().chain(self.batch.other.iter()) {
+            if !self.sent_from.contains(&p.src) {
+                self.sent_from.insert(p.src);
+                self.shared.registry.watch_peer_gone(p.src, &self.handle);
+            }
+        }
+    }
+
+    /// Empties the batch but keeps its queues' capacity for the next swap, unless a burst
+    /// grew them beyond what an idle connection should hold.
+    fn recycle(&mut self) {
+        self.batch.disco.clear();
+        self.batch.other.clear();
+        self.batch.control.clear();
+        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
+            self.headers = Vec::new();
+        }
+    }
+}
+
+fn push_frame(out: &mut Vec<u8>, framing: Framing, frame: &RelayToClient) {
+    if framing == Framing::WebSocket {
+        let (hdr, n) = ws::binary_header(frame.encoded_len());
+        out.extend_from_slice(&hdr[..n]);
+    }
+    frame.encode(out);
+}
+
+/// Writes all slices, applying the deadline to each write call: a peer that accepts nothing
+/// for that long is cut off, while a slow but moving one is not.
+async fn write_vectored_all<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    mut slices: &mut [IoSlice<'_>],
+    timeout: Option<Duration>,
+) -> io::Result<()> {
+    while !slices.is_empty() {
+        let n = match timeout {
+            Some(t) => tokio::time::timeout(t, w.write_vectored(slices))
+                .await
+                .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))?,
+            None => w.write_vectored(slices).await?,
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+/// Writes `bytes` and flushes, each write call under the deadline.
+pub(super) async fn write_with_timeout<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    bytes: &[u8],
+    timeout: Option<Duration>,
+) -> io::Result<()> {
+    let mut slices = [IoSlice::new(bytes)];
+    write_vectored_all(w, &mut slices, timeout).await?;
+    w.flush().await
+}
+
+/// Header scratch above this size is released after a burst.
+const MAX_IDLE_HEADER_CAPACITY: usize = 16 * 1024;
+/// How long a closing connection may take to accept its last bytes (a WebSocket close frame,
+/// a TLS close_notify).
+const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a writer waits for more work after draining before it parks.
+const WRITER_LINGER: Duration = Duration::from_secs(1);

@@ -1,0 +1,58 @@
+//! The state every connection shares. Its own module, imported by the server, the HTTP front
+//! and the connections, so that dependencies between those point one way.
+
+use std::sync::atomic::AtomicU64;
+
+use derp_proto::PublicKey;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::ServerConfig;
+use crate::metrics::{Metrics, ReaderCounts};
+use crate::registry::Registry;
+
+/// State every connection shares.
+#[derive(Debug)]
+pub(crate) struct ServerState {
+    pub(crate) config: ServerConfig,
+    pub(crate) public_key: PublicKey,
+    pub(crate) registry: Registry,
+    pub(crate) metrics: Metrics,
+    pub(crate) next_conn_id: AtomicU64,
+    pub(crate) shutdown: CancellationToken,
+    /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
+    pub(crate) prometheus: prometheus::Registry,
+    /// Every connection task, so shutdown can wait for them.
+    pub(crate) tasks: TaskTracker,
+}
+
+impl ServerState {
+    /// State for a new relay, with its metrics registered on `prometheus`.
+    pub(crate) fn new(
+        config: ServerConfig,
+        prometheus: &prometheus::Registry,
+    ) -> Result<Self, prometheus::Error> {
+        let metrics = Metrics::new(prometheus)?;
+        let public_key = config.secret_key.public_key();
+        Ok(Self {
+            registry: Registry::new(metrics.clone(), public_key),
+            public_key,
+            metrics,
+            config,
+            next_conn_id: AtomicU64::new(1),
+            shutdown: CancellationToken::new(),
+            prometheus: prometheus.clone(),
+            tasks: TaskTracker::new(),
+        })
+    }
+
+    /// Folds a connection's local counts into the registry (or discards them when packet
+    /// metrics are off).
+    pub(crate) fn fold(&self, counts: &mut ReaderCounts) {
+        if self.config.packet_metrics {
+            self.metrics.fold(counts);
+        } else {
+            *counts = ReaderCounts::default();
+        }
+    }
+}

@@ -3,6 +3,7 @@
 mod client;
 mod harness;
 mod hostile;
+mod layout;
 mod load;
 mod metrics;
 mod relay;

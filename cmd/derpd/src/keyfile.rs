@@ -4,7 +4,7 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use derp_proto::SecretKey;
 
 /// Loads the key at `path`, creating the file with a fresh key when it does not exist.
@@ -25,19 +25,9 @@ pub(crate) fn load_or_create(path: &Path) -> anyhow::Result<SecretKey> {
     }
 }
 
-#[derive(serde::Deserialize)]
-struct KeyFile {
-    #[serde(rename = "PrivateKey")]
-    private_key: Option<String>,
-}
-
+/// Parsing lives in derp-proto ([`SecretKey::from_key_file`]) so the fuzzers can reach it.
 fn parse(bytes: &[u8]) -> anyhow::Result<SecretKey> {
-    let file: KeyFile = serde_json::from_slice(bytes).context("invalid JSON")?;
-    let Some(text) = file.private_key else {
-        bail!("no PrivateKey field");
-    };
-    text.parse::<SecretKey>()
-        .map_err(|e| anyhow::anyhow!("invalid PrivateKey: {e}"))
+    Ok(SecretKey::from_key_file(bytes)?)
 }
 
 /// Writes the file atomically, mode 0600, tab-indented as derper writes it.
@@ -45,7 +35,7 @@ fn write_new(path: &Path, key: &SecretKey) -> anyhow::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         fs::create_dir_all(dir)?;
     }
-    let contents = format!("{{\n\t\"PrivateKey\": \"{}\"\n}}", key.to_text());
+    let contents = key.to_key_file();
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let mut opts = fs::OpenOptions::new();
     opts.write(true).create_new(true);

@@ -186,6 +186,42 @@ impl FromStr for SecretKey {
     }
 }
 
+/// Errors from reading a server key file (see [`SecretKey::from_key_file`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyFileError {
+    /// Not a JSON object of the expected shape (includes a non-string `PrivateKey`).
+    #[error("invalid JSON: {0}")]
+    Json(String),
+    /// The object has no `PrivateKey` member, or it is `null`.
+    #[error("no PrivateKey field")]
+    MissingPrivateKey,
+    /// `PrivateKey` is not `privkey:<64 hex>`.
+    #[error("invalid PrivateKey: {0}")]
+    Key(KeyError),
+}
+
+/// The key file's JSON shape; other members are ignored, as derper does.
+#[derive(serde::Deserialize)]
+struct KeyFile {
+    #[serde(rename = "PrivateKey")]
+    private_key: Option<String>,
+}
+
+impl SecretKey {
+    /// Parses a server key file in derper's format: `{"PrivateKey":"privkey:<hex>"}`.
+    pub fn from_key_file(bytes: &[u8]) -> Result<Self, KeyFileError> {
+        let file: KeyFile =
+            serde_json::from_slice(bytes).map_err(|e| KeyFileError::Json(e.to_string()))?;
+        let text = file.private_key.ok_or(KeyFileError::MissingPrivateKey)?;
+        text.parse().map_err(KeyFileError::Key)
+    }
+
+    /// The key file text exactly as derper writes it: tab-indented, no trailing newline.
+    pub fn to_key_file(&self) -> String {
+        format!("{{\n\t\"PrivateKey\": \"{}\"\n}}", self.to_text())
+    }
+}
+
 /// The 32-byte pre-shared key that grants mesh privileges.
 ///
 /// Equality is constant-time; `Debug` never shows the key.
@@ -396,6 +432,33 @@ mod tests {
         let empty = alice.seal_to(&bob.public_key(), &nonce, b"");
         assert_eq!(empty.len(), 40);
         assert_eq!(bob.open_from(&alice.public_key(), &empty).unwrap(), b"");
+    }
+
+    #[test]
+    fn key_file_forms() {
+        const PRIV: &str =
+            "privkey:1050eb254dc4ff1e762df3c9944e7960f36440775958a35cea4eb88b130ee34c";
+        let compact = format!("{{\"PrivateKey\":\"{PRIV}\"}}");
+        let indented = format!("{{\n\t\"PrivateKey\": \"{PRIV}\"\n}}");
+        for form in [&compact, &indented] {
+            let key = SecretKey::from_key_file(form.as_bytes()).expect("loads");
+            assert_eq!(key.to_text(), PRIV);
+            assert_eq!(key.to_key_file(), indented);
+        }
+        assert!(matches!(
+            SecretKey::from_key_file(b"not json"),
+            Err(KeyFileError::Json(_))
+        ));
+        assert_eq!(
+            SecretKey::from_key_file(b"{}").unwrap_err(),
+            KeyFileError::MissingPrivateKey
+        );
+        assert_eq!(
+            SecretKey::from_key_file(b"{\"PrivateKey\":\"nodekey:00\"}").unwrap_err(),
+            KeyFileError::Key(KeyError::MissingPrefix {
+                expected: PRIVKEY_PREFIX
+            })
+        );
     }
 
     #[test]

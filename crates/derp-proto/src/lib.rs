@@ -1,11 +1,12 @@
 //! Sans-IO implementation of Tailscale's DERP relay wire protocol.
 //!
-//! What this crate does: node and mesh keys with their text forms; the NaCl box used in the
-//! handshake; the ClientInfo/ServerInfo JSON bodies with Go-compatible encoding and decoding;
-//! every frame type (0x01–0x15) as typed messages with encoders; incremental decoders for each
-//! direction that apply the reference implementation's size rules; handshake state machines
-//! for both sides; the HTTP upgrade that opens a connection ([`upgrade`]) and the WebSocket
-//! framing DERP can travel in ([`ws`]), for both sides; and a STUN codec ([`stun`]).
+//! What this crate does: node and mesh keys with their text forms and derper's key file; the
+//! NaCl box used in the handshake; the ClientInfo/ServerInfo JSON bodies with Go-compatible
+//! encoding and decoding; every frame type (0x01–0x15) as typed messages with encoders;
+//! incremental decoders for each direction that apply the reference implementation's size
+//! rules; handshake state machines for both sides; the HTTP upgrade that opens a connection
+//! ([`upgrade`]) and the WebSocket framing DERP can travel in ([`ws`]), for both sides; and a
+//! STUN codec ([`stun`]).
 //!
 //! What it does not do: no sockets or other IO, no clock or timers, and no randomness of its
 //! own. Callers read bytes into a [`bytes::BytesMut`], feed it to a decoder, write encoded
@@ -37,4 +38,4 @@ pub use crypto::BoxError;
 pub use frame::{ClientToRelay, FrameType, PeerGoneReason, RelayToClient};
 pub use handshake::{ClientHandshake, HandshakeError, ServerHandshake};
 pub use info::{ClientInfo, InfoError, ServerInfo};
-pub use keys::{KeyError, MeshKey, PublicKey, SecretKey};
+pub use keys::{KeyError, KeyFileError, MeshKey, PublicKey, SecretKey};

@@ -1,0 +1,297 @@
+//! Writes seed inputs for every fuzz target into `corpus/<target>/`, taken from the vendored
+//! vectors in crates/derp-proto/testdata (plus a few hand-made edge cases, named `hand-*`).
+//!
+//! `cargo run --bin seeds` (scripts/fuzz seeds). Existing files are overwritten by name;
+//! other files in the corpus directories are left alone.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::Path;
+
+use serde_json::Value;
+
+type Seeds = BTreeMap<&'static str, Vec<(String, Vec<u8>)>>;
+
+fn load(dir: &Path, name: &str) -> Value {
+    let path = dir.join(name);
+    let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn str_field<'a>(v: &'a Value, field: &str) -> &'a str {
+    v[field]
+        .as_str()
+        .unwrap_or_else(|| panic!("no string {field} in {v}"))
+}
+
+fn hex_field(v: &Value, field: &str) -> Vec<u8> {
+    hex::decode(str_field(v, field)).unwrap_or_else(|e| panic!("{field}: {e}"))
+}
+
+fn slug(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    out.trim_matches('-').to_owned()
+}
+
+fn frame(ty: u8, payload: &[u8]) -> Vec<u8> {
+    let mut out = vec![ty];
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+fn with_prefix(prefix: &[u8], rest: &[u8]) -> Vec<u8> {
+    [prefix, rest].concat()
+}
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let testdata = root.join("../crates/derp-proto/testdata");
+    let mut seeds = Seeds::new();
+    let mut add = |target: &'static str, name: String, bytes: Vec<u8>| {
+        seeds.entry(target).or_default().push((name, bytes));
+    };
+
+    // Frame decoders: `flags | chunk seed | stream`. Flags 1 = chunks of up to 7 bytes,
+    // 0 = one byte at a time, 4 = server before the handshake.
+    let frames = load(&testdata, "frames.json");
+    for f in frames["frames"].as_array().expect("frames") {
+        let bytes = hex_field(f, "frame_hex");
+        let name = format!("vec-{}", slug(str_field(f, "name")));
+        if str_field(f, "direction").starts_with("client_to_server") {
+            add("server_frames", name, with_prefix(&[1, 0], &bytes));
+        } else {
+            add("client_frames", name, with_prefix(&[1, 0], &bytes));
+        }
+    }
+    let handshake = load(&testdata, "handshake.json");
+    let session = load(&testdata, "session.json");
+    for (i, client) in session["clients"]
+        .as_array()
+        .expect("clients")
+        .iter()
+        .enumerate()
+    {
+        let mut c2s = Vec::new();
+        let mut s2c = Vec::new();
+        for entry in client["transcript"].as_array().expect("transcript") {
+            if entry["kind"] != "derp_frame" || entry["hex_is_truncated"] == true {
+                continue;
+            }
+            let bytes = hex_field(entry, "hex");
+            if entry["dir"] == "c2s" {
+                &mut c2s
+            } else {
+                &mut s2c
+            }
+            .extend_from_slice(&bytes);
+        }
+        add(
+            "server_frames",
+            format!("vec-session-{i}"),
+            with_prefix(&[4 | 1, 7], &c2s),
+        );
+        add(
+            "client_frames",
+            format!("vec-session-{i}"),
+            with_prefix(&[1, 7], &s2c),
+        );
+    }
+    add(
+        "client_frames",
+        "vec-server-key".into(),
+        with_prefix(
+            &[0, 0],
+            &hex_field(&handshake["server_key_frame"], "frame_hex"),
+        ),
+    );
+    add(
+        "client_frames",
+        "vec-server-info".into(),
+        with_prefix(
+            &[2, 3],
+            &hex_field(&handshake["server_info_frame"], "frame_hex"),
+        ),
+    );
+    // Unknown frames from a client are skipped whatever their length; a client Pong, a
+    // second ClientInfo and an unassigned type, then a Ping, then a header promising 4 GiB.
+    let mut skipped = frame(0x13, &[1; 8]);
+    skipped.extend(frame(0x02, &[2; 60]));
+    skipped.extend(frame(0x0b, &[3; 20]));
+    skipped.extend(frame(0x12, &[4; 8]));
+    skipped.extend([0xff, 0xff, 0xff, 0xff, 0xff, 0xaa, 0xbb]);
+    add(
+        "server_frames",
+        "hand-skipped".into(),
+        with_prefix(&[1, 9], &skipped),
+    );
+    // Known client frames that break a size rule; a ping with extra bytes.
+    add(
+        "server_frames",
+        "hand-short-send".into(),
+        with_prefix(&[3, 0], &frame(0x04, &[0; 31])),
+    );
+    add(
+        "server_frames",
+        "hand-long-ping".into(),
+        with_prefix(&[2, 0], &frame(0x12, &[5; 20])),
+    );
+    add(
+        "server_frames",
+        "hand-ping-too-long".into(),
+        with_prefix(&[3, 0], &[0x12, 0, 0, 3, 0xe9]),
+    );
+    // Relay frames the Go client drops when short, and one over the 1 MiB cap.
+    let mut short = frame(0x08, &[1; 10]);
+    short.extend(frame(0x09, &[2; 40]));
+    short.extend(frame(0x15, &[0; 4]));
+    short.extend(frame(0x06, &[0; 3]));
+    short.extend([0x05, 0x00, 0x10, 0x00, 0x01]);
+    add(
+        "client_frames",
+        "hand-short-and-huge".into(),
+        with_prefix(&[1, 2], &short),
+    );
+
+    // Handshake: mode 0 raw frames, 1 sealed JSON, 2 tamper mask.
+    for f in handshake["client_info_frames"]
+        .as_array()
+        .expect("client_info_frames")
+    {
+        let name = slug(str_field(f, "case"));
+        add(
+            "server_handshake",
+            format!("vec-raw-{name}"),
+            with_prefix(&[0], &hex_field(f, "frame_hex")),
+        );
+        let json = str_field(f, "plaintext_json").as_bytes().to_vec();
+        add(
+            "server_handshake",
+            format!("vec-json-{name}"),
+            with_prefix(&[1], &json),
+        );
+        add("info_json", format!("vec-client-{name}"), json);
+    }
+    for f in handshake["negative_cases"]
+        .as_array()
+        .expect("negative_cases")
+    {
+        let name = slug(str_field(f, "case"));
+        add(
+            "server_handshake",
+            format!("vec-raw-{name}"),
+            with_prefix(&[0], &hex_field(f, "frame_hex")),
+        );
+    }
+    let variants = &handshake["client_info_json_variants"]["variants"];
+    for (i, v) in variants.as_array().expect("variants").iter().enumerate() {
+        let json = str_field(v, "plaintext_json").as_bytes().to_vec();
+        add(
+            "server_handshake",
+            format!("vec-json-variant-{i}"),
+            with_prefix(&[1], &json),
+        );
+        add("info_json", format!("vec-variant-{i}"), json);
+    }
+    add("server_handshake", "hand-tamper-none".into(), vec![2]);
+    add(
+        "server_handshake",
+        "hand-tamper-key".into(),
+        vec![2, 0, 0, 0, 0, 0, 1],
+    );
+    let server_info = str_field(&handshake["server_info_frame"], "plaintext_json");
+    add(
+        "info_json",
+        "vec-server-info".into(),
+        server_info.as_bytes().to_vec(),
+    );
+    add(
+        "info_json",
+        "hand-server-info-rates".into(),
+        br#"{"version":2,"TokenBucketBytesPerSecond":1000,"tokenbucketbytesburst":-5,"x":null}"#
+            .to_vec(),
+    );
+
+    // STUN datagrams.
+    let stun = load(&testdata, "stun.json");
+    for family in ["ipv4", "ipv6"] {
+        add(
+            "stun",
+            format!("vec-{family}-request"),
+            hex_field(&stun[family], "request_hex"),
+        );
+        add(
+            "stun",
+            format!("vec-{family}-response"),
+            hex_field(&stun[family], "response_hex"),
+        );
+    }
+    for r in stun["ignored_requests"]
+        .as_array()
+        .expect("ignored_requests")
+    {
+        add(
+            "stun",
+            format!("vec-ignored-{}", slug(str_field(r, "name"))),
+            hex_field(r, "request_hex"),
+        );
+    }
+
+    // Keys.
+    let keys = load(&testdata, "keys.json");
+    for k in keys["keys"].as_array().expect("keys") {
+        let name = slug(str_field(k, "name"));
+        for field in ["private_text", "public_text", "public_untyped_hex"] {
+            let text = str_field(k, field);
+            add(
+                "key_text",
+                format!("vec-{name}-{}", slug(field)),
+                text.as_bytes().to_vec(),
+            );
+        }
+    }
+    let mesh = str_field(&keys["mesh_key"], "text");
+    add("key_text", "vec-mesh".into(), mesh.as_bytes().to_vec());
+    add(
+        "key_text",
+        "hand-mesh-upper-padded".into(),
+        format!(" {}\n", mesh.to_uppercase()).into_bytes(),
+    );
+    let config = &keys["derper_config"];
+    add(
+        "key_file",
+        "vec-compact".into(),
+        str_field(config, "compact_json").as_bytes().to_vec(),
+    );
+    add(
+        "key_file",
+        "vec-as-derper-writes".into(),
+        hex_field(config, "file_contents_as_derper_writes_it_hex"),
+    );
+
+    let corpus = root.join("corpus");
+    let mut total = 0;
+    for (target, files) in &seeds {
+        assert!(
+            derp_fuzz::target(target).is_some(),
+            "no target named {target}"
+        );
+        let dir = corpus.join(target);
+        fs::create_dir_all(&dir).expect("create corpus dir");
+        for (name, bytes) in files {
+            fs::write(dir.join(name), bytes).expect("write seed");
+            total += 1;
+        }
+    }
+    for (name, _) in derp_fuzz::TARGETS {
+        assert!(seeds.contains_key(name), "no seeds for target {name}");
+    }
+    println!("wrote {total} seeds under {}", corpus.display());
+}

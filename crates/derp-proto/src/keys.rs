@@ -210,6 +210,14 @@ struct KeyFile {
 impl SecretKey {
     /// Parses a server key file in derper's format: `{"PrivateKey":"privkey:<hex>"}`.
     pub fn from_key_file(bytes: &[u8]) -> Result<Self, KeyFileError> {
+        // serde also reads a struct from a JSON array (`["privkey:…"]`); derper's
+        // json.Unmarshal into its config struct takes only an object, and so do we.
+        let first = bytes
+            .iter()
+            .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+        if first.is_some_and(|b| *b != b'{') {
+            return Err(KeyFileError::Json("expected a JSON object".to_owned()));
+        }
         let file: KeyFile =
             serde_json::from_slice(bytes).map_err(|e| KeyFileError::Json(e.to_string()))?;
         let text = file.private_key.ok_or(KeyFileError::MissingPrivateKey)?;
@@ -447,6 +455,22 @@ mod tests {
         }
         assert!(matches!(
             SecretKey::from_key_file(b"not json"),
+            Err(KeyFileError::Json(_))
+        ));
+        // Found by the key_file fuzz target: serde reads a struct from an array as well.
+        for not_object in [
+            format!("[\"{PRIV}\"]"),
+            format!(" \n[\"{PRIV}\"]"),
+            "[\"\"]".into(),
+        ] {
+            assert_eq!(
+                SecretKey::from_key_file(not_object.as_bytes()).unwrap_err(),
+                KeyFileError::Json("expected a JSON object".to_owned()),
+                "{not_object}"
+            );
+        }
+        assert!(matches!(
+            SecretKey::from_key_file(b""),
             Err(KeyFileError::Json(_))
         ));
         assert_eq!(

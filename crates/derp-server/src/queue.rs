@@ -22,6 +22,9 @@ pub(crate) struct Packet {
     pub(crate) src: PublicKey,
     pub(crate) data: Bytes,
     pub(crate) enqueued: Instant,
+    /// It came from a mesh peer (ForwardPacket): its source is on a sibling node, whose
+    /// PeerPresent may not have reached this node yet.
+    pub(crate) forwarded: bool,
 }
 
 /// Frames other than packets that a writer sends on another task's behalf.
@@ -37,6 +40,12 @@ pub(crate) enum Control {
     WsPong(Bytes),
     /// The periodic keepalive, timed by the read loop so a parked writer needs no timer.
     KeepAlive,
+    /// The server is shutting down: reconnect after this many milliseconds, keep trying
+    /// for that many.
+    Restarting {
+        reconnect_in_ms: u32,
+        try_for_ms: u32,
+    },
 }
 
 /// A writer parked while its connection has nothing to write. Enqueuing work resumes it.
@@ -72,6 +81,8 @@ struct State {
     /// Set when the writer has been woken and has not yet taken the batch; senders skip the
     /// wake-up then, so a burst costs one notification rather than one per packet.
     woken: bool,
+    /// The writer holds a batch it has not finished writing.
+    writing: bool,
 }
 
 /// A connection's outbound queues: two bounded packet queues (disco and other), control
@@ -101,6 +112,7 @@ impl SendQueue {
         src: PublicKey,
         data: Bytes,
         kind: PacketKind,
+        forwarded: bool,
         now: Instant,
         counts: &mut ReaderCounts,
     ) {
@@ -118,6 +130,7 @@ impl SendQueue {
             src,
             data,
             enqueued: now,
+            forwarded,
         });
         for _ in 0..3 {
             if queue.len() < self.depth {
@@ -175,7 +188,17 @@ impl SendQueue {
         let mut state = self.lock();
         state.woken = false;
         std::mem::swap(&mut state.pending, batch);
+        // The writer takes again once it has written a batch, so an empty take means the
+        // previous batch is out.
+        state.writing = !batch.is_empty();
         !state.closed
+    }
+
+    /// Nothing is queued and the writer is not in the middle of a batch: everything queued
+    /// so far has been handed to the socket (or the queue is closed).
+    pub(crate) fn is_drained(&self) -> bool {
+        let state = self.lock();
+        state.closed || (state.pending.is_empty() && !state.writing)
     }
 
     /// Marks the queue closed: later pushes are dropped as `gone_disconnected`. Returns what
@@ -184,6 +207,7 @@ impl SendQueue {
     pub(crate) fn close(&self) -> (Batch, Option<Box<dyn Resume>>) {
         let mut state = self.lock();
         state.closed = true;
+        state.writing = false;
         let rest = std::mem::take(&mut state.pending);
         let parked = state.parked.take();
         drop(state);
@@ -247,7 +271,7 @@ mod tests {
         let now = Instant::now();
         let src = PublicKey::from_bytes([9; 32]);
         for b in 0..5 {
-            h.push_packet(src, pkt(b), PacketKind::Other, now, &mut counts);
+            h.push_packet(src, pkt(b), PacketKind::Other, false, now, &mut counts);
         }
         let mut batch = Batch::default();
         assert!(h.take(&mut batch));
@@ -269,8 +293,8 @@ mod tests {
         let mut counts = ReaderCounts::default();
         let now = Instant::now();
         let src = PublicKey::from_bytes([9; 32]);
-        h.push_packet(src, pkt(1), PacketKind::Disco, now, &mut counts);
-        h.push_packet(src, pkt(2), PacketKind::Other, now, &mut counts);
+        h.push_packet(src, pkt(1), PacketKind::Disco, false, now, &mut counts);
+        h.push_packet(src, pkt(2), PacketKind::Other, false, now, &mut counts);
         let mut batch = Batch::default();
         h.take(&mut batch);
         assert_eq!(batch.disco.len(), 1);
@@ -283,11 +307,25 @@ mod tests {
         let h = handle(4);
         let mut counts = ReaderCounts::default();
         let src = PublicKey::from_bytes([9; 32]);
-        h.push_packet(src, pkt(1), PacketKind::Other, Instant::now(), &mut counts);
+        h.push_packet(
+            src,
+            pkt(1),
+            PacketKind::Other,
+            false,
+            Instant::now(),
+            &mut counts,
+        );
         let (rest, parked) = h.close();
         assert!(parked.is_none());
         assert_eq!(rest.other.len(), 1);
-        h.push_packet(src, pkt(2), PacketKind::Other, Instant::now(), &mut counts);
+        h.push_packet(
+            src,
+            pkt(2),
+            PacketKind::Other,
+            false,
+            Instant::now(),
+            &mut counts,
+        );
         assert_eq!(
             counts.dropped[DropReason::GoneDisconnected as usize][PacketKind::Other as usize],
             1

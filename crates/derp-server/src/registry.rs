@@ -107,6 +107,8 @@ struct State {
     forwarders: HashMap<PublicKey, Forwarders>,
     /// Keys reachable only through forwarders (not also local).
     remote_only: i64,
+    /// Set once the server announced a restart; connections registering later hear it too.
+    restarting: Option<Control>,
 }
 
 /// The server's client registry.
@@ -201,6 +203,9 @@ impl Registry {
             flags: conn.presence_flags,
         };
         broadcast(&state.watchers, || present.clone());
+        if let Some(restarting) = &state.restarting {
+            conn.queue.push_control(restarting.clone());
+        }
     }
 
     /// Removes a connection. When it was the key's last one, everyone who received from the
@@ -307,15 +312,23 @@ impl Registry {
     }
 
     /// Records that `receiver` got a packet from `src`, so it hears when `src` leaves.
-    pub(crate) fn watch_peer_gone(&self, src: PublicKey, receiver: &Arc<ConnHandle>) {
+    /// `forwarded` says the packet came from a mesh peer.
+    pub(crate) fn watch_peer_gone(
+        &self,
+        src: PublicKey,
+        forwarded: bool,
+        receiver: &Arc<ConnHandle>,
+    ) {
         let mut state = self.lock();
-        // The writer registers after it wrote the packet, so the source may have left the
+        // The writer registers after it wrote the packet, so a local source may have left the
         // region in between, its departure announced before this registration: the receiver
-        // is told at once instead. (A source whose arrival is not announced yet, such as one
-        // behind a mesh peer whose PeerPresent trails the packet it forwarded, is handled
-        // the same way; the writer forgets a source once it writes PeerGone for it, so that
-        // source's next packet registers again.)
-        if !state.clients.contains_key(&src) && !state.forwarders.contains_key(&src) {
+        // is told at once instead (the writer forgets a source once it writes PeerGone for
+        // it, so that source's next packet registers again). A source behind a mesh peer is
+        // different: the sibling forwards its packets as soon as it knows this node's
+        // clients, which can be before this node has heard the sibling's PeerPresent for the
+        // source. Telling the receiver it is gone would be false, so it is watched like any
+        // other and hears PeerGone when the source leaves the region, as in the reference.
+        if !forwarded && !state.clients.contains_key(&src) && !state.forwarders.contains_key(&src) {
             receiver
                 .queue
                 .push_control(Control::PeerGone(src, PeerGoneReason::Disconnected));
@@ -371,6 +384,35 @@ impl Registry {
         if state.watchers.remove(&conn_id).is_some() {
             self.metrics.watchers.dec();
         }
+    }
+
+    /// Queues a Restarting frame for every connection, and for every connection that
+    /// registers from now on. Under the lock, so each connection hears it exactly once.
+    pub(crate) fn announce_restart(&self, reconnect_in_ms: u32, try_for_ms: u32) {
+        let mut state = self.lock();
+        if state.restarting.is_some() {
+            return;
+        }
+        let restarting = Control::Restarting {
+            reconnect_in_ms,
+            try_for_ms,
+        };
+        for entry in state.clients.values() {
+            for member in &entry.members {
+                member.queue.push_control(restarting.clone());
+            }
+        }
+        state.restarting = Some(restarting);
+    }
+
+    /// Whether every registered connection has handed everything queued to its socket.
+    pub(crate) fn all_drained(&self) -> bool {
+        let state = self.lock();
+        state
+            .clients
+            .values()
+            .flat_map(|entry| &entry.members)
+            .all(|member| member.queue.is_drained())
     }
 
     /// Closes every connection of `key` (a mesh peer's ClosePeer request).

@@ -3,6 +3,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use derp_io::Transport;
 use derp_proto::PublicKey;
@@ -75,6 +76,7 @@ impl Server {
         loop {
             let accepted = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
+                _ = self.shared.draining.cancelled() => return Ok(()),
                 a = listener.accept() => a,
             };
             match accepted {
@@ -108,6 +110,12 @@ impl Server {
     /// A token cancelled when the server shuts down; for accept loops run by callers.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shared.shutdown.clone()
+    }
+
+    /// A token cancelled when a graceful shutdown begins ([`Server::shutdown_gracefully`]):
+    /// accept loops run by callers stop accepting then.
+    pub fn drain_token(&self) -> CancellationToken {
+        self.shared.draining.clone()
     }
 
     /// Serves Prometheus text at `/metrics` on `listener` until shutdown. Unlike
@@ -146,6 +154,41 @@ impl Server {
         conn::serve(self.shared.clone(), accepted).await;
     }
 
+    /// Shuts down without cutting clients off mid-stream: stops accepting ([`Server::serve`]
+    /// returns; callers' accept loops watch [`Server::drain_token`]), queues a Restarting
+    /// frame for every client telling it to reconnect after `reconnect_in` and to keep
+    /// trying for `try_for` (both sent in milliseconds, saturating at `u32::MAX`), stops
+    /// reading from clients, lets every writer send what is queued, then closes everything
+    /// as [`Server::shutdown`] does. Closing happens as soon as all queues are out, or at
+    /// `drain_deadline` with whatever is left counted as `gone_disconnected`.
+    pub async fn shutdown_gracefully(
+        &self,
+        reconnect_in: Duration,
+        try_for: Duration,
+        drain_deadline: Duration,
+    ) {
+        let deadline = tokio::time::Instant::now() + drain_deadline;
+        debug!("draining");
+        self.shared
+            .registry
+            .announce_restart(millis_u32(reconnect_in), millis_u32(try_for));
+        self.shared.draining.cancel();
+        let mut tick = tokio::time::interval(DRAIN_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if self.shared.registry.all_drained() {
+                debug!("every queue drained");
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                warn!("drain deadline passed with packets still queued");
+                break;
+            }
+        }
+        self.shutdown().await;
+    }
+
     /// Closes every connection and stops accepting. Returns once all connection tasks ended.
     pub async fn shutdown(&self) {
         debug!("shutting down");
@@ -155,4 +198,10 @@ impl Server {
     }
 }
 
-const ACCEPT_ERROR_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+/// How often a graceful shutdown checks whether the queues are out.
+const DRAIN_POLL: Duration = Duration::from_millis(5);
+
+fn millis_u32(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}

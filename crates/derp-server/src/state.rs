@@ -20,6 +20,9 @@ pub(crate) struct ServerState {
     pub(crate) metrics: Metrics,
     pub(crate) next_conn_id: AtomicU64,
     pub(crate) shutdown: CancellationToken,
+    /// Cancelled when a graceful shutdown begins: accept loops stop and read loops stop
+    /// reading, while writers drain what is queued.
+    pub(crate) draining: CancellationToken,
     /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
     pub(crate) prometheus: prometheus::Registry,
     /// Every connection task, so shutdown can wait for them.
@@ -41,6 +44,7 @@ impl ServerState {
             config,
             next_conn_id: AtomicU64::new(1),
             shutdown: CancellationToken::new(),
+            draining: CancellationToken::new(),
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
         })

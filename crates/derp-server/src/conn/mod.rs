@@ -148,6 +148,12 @@ async fn run(shared: Arc<ServerState>, accepted: Accepted) -> Result<(), ConnErr
                     if let Some(code) = read_loop.reader.ws_close {
                         handle.ws_close_code.store(code, Ordering::Relaxed);
                     }
+                    if read_loop.drained {
+                        // Stay registered while the writer drains the queue; the server
+                        // ends the connection once every queue is out or the drain
+                        // deadline passes.
+                        handle.cancel.cancelled().await;
+                    }
                     // Leaving the registry closes the queues; the writer (running, or
                     // resumed from its parked state by the close) then finishes the socket.
                     drop(registration);

@@ -187,6 +187,8 @@ pub(super) struct ReadLoop<'a> {
     /// connections that arrived together do not all send keepalives at once.
     keepalive_period: Duration,
     next_keepalive: Instant,
+    /// The loop stopped because the server is draining, not because the client left.
+    pub(super) drained: bool,
 }
 
 impl<'a> ReadLoop<'a> {
@@ -212,6 +214,7 @@ impl<'a> ReadLoop<'a> {
             copy_payloads: true,
             keepalive_period,
             next_keepalive: now + keepalive_period,
+            drained: false,
         }
     }
 
@@ -236,9 +239,15 @@ impl<'a> ReadLoop<'a> {
                 tokio::task::yield_now().await;
             }
             let cancel = self.handle.cancel.clone();
+            let draining = self.shared.draining.clone();
             let n = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
+                _ = draining.cancelled() => {
+                    // Graceful shutdown: nothing more is read, so what is queued can drain.
+                    self.drained = true;
+                    return Ok(());
+                }
                 _ = tokio::time::sleep_until(self.next_keepalive) => {
                     // Timed here rather than by the writer, which may be parked.
                     self.next_keepalive = Instant::now() + self.keepalive_period;
@@ -346,7 +355,10 @@ impl<'a> ReadLoop<'a> {
         let counts = &mut self.counts;
         let missing = self.router.route_with(registry, guard, &dst, now, |route| {
             match (route, origin) {
-                (Route::Local(conn), _) => conn.queue.push_packet(src, packet, kind, now, counts),
+                (Route::Local(conn), _) => {
+                    conn.queue
+                        .push_packet(src, packet, kind, origin == Origin::Mesh, now, counts)
+                }
                 (Route::Forward(route), Origin::Client) => {
                     counts.forwarded_out += 1;
                     route.forwarder.forward_packet(src, dst, packet);

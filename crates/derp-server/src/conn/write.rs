@@ -237,6 +237,17 @@ impl Writer {
                 Control::KeepAlive => {
                     push_frame(&mut self.headers, framing, &RelayToClient::KeepAlive)
                 }
+                Control::Restarting {
+                    reconnect_in_ms,
+                    try_for_ms,
+                } => push_frame(
+                    &mut self.headers,
+                    framing,
+                    &RelayToClient::Restarting {
+                        reconnect_in_ms,
+                        try_for_ms,
+                    },
+                ),
                 Control::WsPong(payload) => {
                     self.headers
                         .extend_from_slice(&ws::control_frame(ws::Opcode::Pong, &payload));
@@ -355,7 +366,9 @@ impl Writer {
         for p in self.batch.disco.iter().chain(self.batch.other.iter()) {
             if !self.sent_from.contains(&p.src) {
                 self.sent_from.insert(p.src);
-                self.shared.registry.watch_peer_gone(p.src, &self.handle);
+                self.shared
+                    .registry
+                    .watch_peer_gone(p.src, p.forwarded, &self.handle);
             }
         }
     }

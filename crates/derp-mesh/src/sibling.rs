@@ -1,0 +1,239 @@
+//! The siblings a node meshes with, as `--mesh-with` names them.
+//!
+//! An entry means what it means to derper: `host` is dialed as `https://host/derp`;
+//! `host/dialhost` connects to `dialhost` instead (on the URL's port) while `host` stays the
+//! URL's host, the TLS server name and the name the certificate must carry. An entry may also
+//! be a full `http://` or `https://` URL, for plain-HTTP meshes on private networks and for
+//! tests.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+
+use derp_client::{Scheme, ServerUrl};
+
+/// One sibling node of the region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sibling {
+    /// The entry as the operator wrote it; the `sibling` label of the mesh metrics.
+    pub label: String,
+    /// The URL dialed (its host is also the TLS name).
+    pub url: ServerUrl,
+    /// Where to connect instead of resolving the URL's host.
+    pub dial: Option<DialHost>,
+}
+
+/// The `dialhost` half of a `host/dialhost` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DialHost {
+    /// An address to connect to as is.
+    Addr(SocketAddr),
+    /// A name resolved at every connection attempt, with the port to use.
+    Name(String, u16),
+}
+
+impl DialHost {
+    /// Resolves to the address to connect to; names are looked up now, so a sibling whose
+    /// address changes is found again on the next reconnect.
+    pub async fn resolve(&self) -> std::io::Result<SocketAddr> {
+        match self {
+            Self::Addr(a) => Ok(*a),
+            Self::Name(name, port) => tokio::net::lookup_host((name.as_str(), *port))
+                .await?
+                .next()
+                .ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        format!("{name} resolves to no address"),
+                    )
+                }),
+        }
+    }
+}
+
+impl fmt::Display for Sibling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label)
+    }
+}
+
+/// Why a `--mesh-with` entry was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SiblingError {
+    /// The entry is not a usable host, `host/dialhost` pair or URL.
+    #[error("mesh entry {entry:?}: {reason}")]
+    Invalid {
+        /// The entry as written.
+        entry: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// Parses a comma-separated `--mesh-with` list. Empty entries are ignored; an entry whose host
+/// is `own_hostname` is skipped as derper does (the node's own key answering is caught later,
+/// for entries that name the node differently).
+pub fn parse_mesh_with(
+    list: &str,
+    own_hostname: Option<&str>,
+) -> Result<Vec<Sibling>, SiblingError> {
+    let mut out = Vec::new();
+    for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let sibling = parse_entry(entry)?;
+        if sibling
+            .dial_form_host()
+            .is_some_and(|h| Some(h) == own_hostname)
+        {
+            continue;
+        }
+        out.push(sibling);
+    }
+    Ok(out)
+}
+
+impl Sibling {
+    /// For `host` and `host/dialhost` entries, the host (without a port).
+    fn dial_form_host(&self) -> Option<&str> {
+        (!self.label.contains("://")).then(|| self.url.host())
+    }
+}
+
+fn parse_entry(entry: &str) -> Result<Sibling, SiblingError> {
+    let invalid = |reason: String| SiblingError::Invalid {
+        entry: entry.to_owned(),
+        reason,
+    };
+    if entry.contains("://") {
+        let url: ServerUrl = entry.parse().map_err(|e| invalid(format!("{e}")))?;
+        if !matches!(url.scheme(), Scheme::Http | Scheme::Https) {
+            return Err(invalid("mesh URLs must be http:// or https://".into()));
+        }
+        return Ok(Sibling {
+            label: entry.to_owned(),
+            url,
+            dial: None,
+        });
+    }
+    let (host, dial) = match entry.split_once('/') {
+        Some((host, dial)) => (host, Some(dial)),
+        None => (entry, None),
+    };
+    let url: ServerUrl = format!("https://{host}/derp")
+        .parse()
+        .map_err(|e| invalid(format!("{e}")))?;
+    let dial = match dial {
+        None => None,
+        Some(d) => Some(parse_dial_host(d, url.port()).map_err(invalid)?),
+    };
+    Ok(Sibling {
+        label: entry.to_owned(),
+        url,
+        dial,
+    })
+}
+
+/// `dialhost`: an IP, `ip:port`, `[v6]:port`, a name or `name:port`. Without a port the
+/// URL's is used, as derper's dialer keeps the port of the address it was asked for.
+fn parse_dial_host(s: &str, default_port: u16) -> Result<DialHost, String> {
+    if s.is_empty() {
+        return Err("empty dial host after '/'".into());
+    }
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(DialHost::Addr(addr));
+    }
+    let unbracketed = s
+        .strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .unwrap_or(s);
+    if let Ok(ip) = unbracketed.parse::<IpAddr>() {
+        return Ok(DialHost::Addr(SocketAddr::new(ip, default_port)));
+    }
+    let (name, port) = match s.rsplit_once(':') {
+        Some((name, port)) => {
+            let port = port
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| format!("bad port in dial host {s:?}"))?;
+            (name, port)
+        }
+        None => (s, default_port),
+    };
+    let valid = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
+    if !valid {
+        return Err(format!("dial host {s:?} is not a name or address"));
+    }
+    Ok(DialHost::Name(name.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_mean_what_they_mean_to_derper() {
+        let list = " derp1.example.com, derp2.example.com/10.0.0.2 ,,derp3.example.com:8443/derp3-internal,http://127.0.0.1:3340/derp,https://[::1]:8443";
+        let s = parse_mesh_with(list, None).expect("parses");
+        assert_eq!(s.len(), 5);
+        assert_eq!(s[0].url.to_string(), "https://derp1.example.com/derp");
+        assert_eq!(s[0].dial, None);
+        assert_eq!(s[0].label, "derp1.example.com");
+        assert_eq!(s[1].url.host(), "derp2.example.com");
+        assert_eq!(
+            s[1].dial,
+            Some(DialHost::Addr("10.0.0.2:443".parse().expect("addr")))
+        );
+        assert_eq!(s[2].url.port(), 8443);
+        assert_eq!(
+            s[2].dial,
+            Some(DialHost::Name("derp3-internal".into(), 8443))
+        );
+        assert_eq!(s[3].url.scheme(), Scheme::Http);
+        assert_eq!(s[3].url.port(), 3340);
+        assert_eq!(s[4].url.host(), "::1");
+        assert_eq!(s[4].url.path(), "/derp");
+    }
+
+    #[test]
+    fn own_hostname_is_skipped() {
+        let s = parse_mesh_with("a.example,b.example/10.0.0.2,c.example", Some("b.example"))
+            .expect("parses");
+        let labels: Vec<_> = s.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, ["a.example", "c.example"]);
+    }
+
+    #[test]
+    fn dial_hosts_take_ports_and_v6() {
+        assert_eq!(
+            parse_dial_host("[fd00::2]:7000", 443),
+            Ok(DialHost::Addr("[fd00::2]:7000".parse().expect("addr")))
+        );
+        assert_eq!(
+            parse_dial_host("fd00::2", 443),
+            Ok(DialHost::Addr("[fd00::2]:443".parse().expect("addr")))
+        );
+        assert_eq!(
+            parse_dial_host("internal:99", 443),
+            Ok(DialHost::Name("internal".into(), 99))
+        );
+    }
+
+    #[test]
+    fn bad_entries_are_refused() {
+        for bad in [
+            "ws://h/derp",
+            "ftp://h",
+            "h/",
+            "h/bad name",
+            "h/x:0",
+            "h/x:port",
+            "bad host",
+            "h:99999",
+        ] {
+            assert!(parse_mesh_with(bad, None).is_err(), "{bad}");
+        }
+        assert_eq!(parse_mesh_with(" , ,", None), Ok(Vec::new()));
+    }
+}

@@ -92,9 +92,37 @@ pub(crate) struct Cli {
           default_missing_value = "true", hide = true)]
     pub(crate) packet_metrics: bool,
 
-    /// File holding the 64-hex-digit mesh pre-shared key.
+    /// File holding the 64-hex-digit mesh pre-shared key (surrounding whitespace is
+    /// trimmed). Default, as derper's: /home/derp/keys/derp-mesh.key or
+    /// $HOME/keys/derp-mesh.key, whichever exists. In --dev mode the key comes only from
+    /// the TAILSCALE_DERPER_MESH_KEY environment variable.
     #[arg(long)]
     pub(crate) mesh_psk_file: Option<PathBuf>,
+
+    /// Siblings of this node's region to mesh with, comma separated. "host" dials
+    /// https://host/derp; "host/dialhost" connects to dialhost instead, keeping host as the
+    /// URL and TLS name; a full http:// or https:// URL is used as is. This node's own name
+    /// may be listed (it is skipped). Needs a mesh key.
+    #[arg(long, default_value = "")]
+    pub(crate) mesh_with: String,
+
+    /// PEM file of CA certificates trusted for https mesh links, besides the system's
+    /// store (which honours SSL_CERT_FILE and SSL_CERT_DIR).
+    #[arg(long)]
+    pub(crate) mesh_ca_file: Option<PathBuf>,
+
+    /// On SIGTERM or SIGINT, how long queued packets may take to reach their clients before
+    /// every connection is closed. A second signal exits at once.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub(crate) drain_timeout: Duration,
+
+    /// The Restarting frame sent to every client on shutdown: reconnect after this long.
+    #[arg(long, default_value = "2s", value_parser = parse_restart_duration)]
+    pub(crate) restart_reconnect_in: Duration,
+
+    /// The Restarting frame sent to every client on shutdown: keep trying for this long.
+    #[arg(long, default_value = "60s", value_parser = parse_restart_duration)]
+    pub(crate) restart_try_for: Duration,
 
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -102,6 +130,17 @@ pub(crate) struct Cli {
 
     #[command(flatten)]
     pub(crate) tls: crate::tls_setup::TlsArgs,
+}
+
+/// A duration the Restarting frame can carry: whole milliseconds in 32 bits.
+fn parse_restart_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.as_millis() > u128::from(u32::MAX) {
+        return Err(format!(
+            "{s:?} is longer than the Restarting frame can carry (49 days)"
+        ));
+    }
+    Ok(d)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -148,5 +187,32 @@ mod tests {
         assert_eq!(cli.debug_allow_cidr.len(), 2);
         assert!(Cli::try_parse_from(["derpd", "--peer-cache-max-entries", "-2"]).is_err());
         assert!(Cli::try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
+    }
+
+    #[test]
+    fn mesh_and_restart_flags_parse() {
+        let cli = Cli::try_parse_from([
+            "derpd",
+            "--mesh-with",
+            "a.example,b.example/10.0.0.2",
+            "--mesh-ca-file",
+            "/etc/derp/ca.pem",
+            "--drain-timeout",
+            "30s",
+            "--restart-reconnect-in",
+            "1500ms",
+            "--restart-try-for",
+            "5m",
+        ])
+        .expect("parses");
+        assert_eq!(cli.mesh_with, "a.example,b.example/10.0.0.2");
+        assert_eq!(cli.drain_timeout, Duration::from_secs(30));
+        assert_eq!(cli.restart_reconnect_in, Duration::from_millis(1500));
+        assert_eq!(cli.restart_try_for, Duration::from_secs(300));
+        let defaults = Cli::try_parse_from(["derpd"]).expect("parses");
+        assert_eq!(defaults.drain_timeout, Duration::from_secs(10));
+        assert_eq!(defaults.restart_reconnect_in, Duration::from_secs(2));
+        assert_eq!(defaults.restart_try_for, Duration::from_secs(60));
+        assert!(Cli::try_parse_from(["derpd", "--restart-try-for", "1200h"]).is_err());
     }
 }

@@ -77,12 +77,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let tls = cli.tls.tls_enabled(addrs[0].port());
     let home = parse_home(&cli.home)?;
     let secret_key = load_key(&cli)?;
-    let mesh_key = match &cli.mesh_psk_file {
-        Some(path) => Some(load_mesh_key(path)?),
+    let mesh_key = mesh_key(&cli)?;
+    let own_hostname = Some(cli.tls.hostname.as_str());
+    let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with, own_hostname)
+        .map_err(|e| anyhow::anyhow!("--mesh-with: {e}"))?;
+    let mesh_key_for_links = match (&mesh_key, cli.mesh_with.trim().is_empty()) {
+        (_, true) => None,
+        (Some(k), false) if !k.is_zero() => Some(*k),
+        (Some(_), false) => bail!("--mesh-with: the mesh key is all zeros, which never authorizes"),
+        (None, false) => bail!("--mesh-with needs a mesh key (--mesh-psk-file)"),
+    };
+    let mesh_tls = match &cli.mesh_ca_file {
+        Some(path) => Some(mesh_tls(path)?),
+        None if siblings.iter().any(|s| s.url.scheme().is_tls()) => Some(mesh_tls_system()?),
         None => None,
     };
 
-    let mut config = ServerConfig::new(secret_key);
+    let mut config = ServerConfig::new(secret_key.clone());
     config.home = home;
     config.derp_enabled = cli.derp;
     config.send_queue_depth = cli.send_queue_depth as usize;
@@ -105,6 +116,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if !tls {
         info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
     }
+
+    let mesh = match mesh_key_for_links {
+        Some(key) => {
+            let mut mesh_config = derp_mesh::MeshConfig::new(secret_key, key);
+            mesh_config.tls = mesh_tls;
+            info!(siblings = %cli.mesh_with, "meshing");
+            Some(
+                derp_mesh::Mesh::start(&server, mesh_config, siblings, &registry)
+                    .context("starting the mesh")?,
+            )
+        }
+        None => None,
+    };
 
     let mut background = tokio::task::JoinSet::new();
     if cli.stun {
@@ -131,19 +155,53 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         background.spawn(async move { server.serve_metrics(metrics_listener).await });
     }
 
-    let serve = async {
+    let mut signals = ShutdownSignals::new()?;
+    let mut serve = Box::pin(async {
         if tls {
             tls_setup::run_tls(&server, &registry, &cli.tls, listener).await
         } else {
             server.serve(listener).await.context("serving")
         }
-    };
-    tokio::pin!(serve);
+    });
     tokio::select! {
-        r = &mut serve => r?,
-        _ = shutdown_signal() => {
-            info!("shutting down");
+        r = &mut serve => {
+            r?;
+            // The listener ended without a signal: nothing left to drain for.
             server.shutdown().await;
+            if let Some(mesh) = &mesh {
+                mesh.shutdown().await;
+            }
+            return Ok(());
+        }
+        _ = signals.recv() => {}
+    }
+    // Stop accepting first: the listener (and, in TLS mode, its side tasks) goes with it.
+    drop(serve);
+    info!(
+        drain_timeout = ?cli.drain_timeout,
+        reconnect_in = ?cli.restart_reconnect_in,
+        try_for = ?cli.restart_try_for,
+        "shutting down: clients are told to reconnect elsewhere; a second signal exits at once"
+    );
+    let graceful = async {
+        server
+            .shutdown_gracefully(
+                cli.restart_reconnect_in,
+                cli.restart_try_for,
+                cli.drain_timeout,
+            )
+            .await;
+        // After the drain, so clients are not told their sibling-held peers are gone
+        // while they still hear from this node.
+        if let Some(mesh) = &mesh {
+            mesh.shutdown().await;
+        }
+    };
+    tokio::select! {
+        _ = graceful => info!("shut down"),
+        _ = signals.recv() => {
+            eprintln!("derpd: second signal: exiting without draining");
+            std::process::exit(SECOND_SIGNAL_EXIT);
         }
     }
     Ok(())
@@ -204,6 +262,72 @@ fn load_key(cli: &Cli) -> anyhow::Result<SecretKey> {
     keyfile::load_or_create(&path)
 }
 
+/// The mesh key, found as derper finds it: in --dev mode only from the environment,
+/// otherwise from --mesh-psk-file or, without it, the first default file that exists.
+fn mesh_key(cli: &Cli) -> anyhow::Result<Option<MeshKey>> {
+    if cli.dev && cli.mesh_psk_file.is_none() {
+        return match std::env::var(DEV_MESH_KEY_ENV) {
+            Ok(text) => text
+                .trim()
+                .parse::<MeshKey>()
+                .map(Some)
+                .map_err(|e| anyhow::anyhow!("{DEV_MESH_KEY_ENV}: {e}")),
+            Err(_) => Ok(None),
+        };
+    }
+    let path = match &cli.mesh_psk_file {
+        Some(p) => p.clone(),
+        None => {
+            let mut candidates = vec![PathBuf::from(DEFAULT_MESH_KEY_FILE)];
+            if let Some(home) = std::env::var_os("HOME") {
+                candidates.push(PathBuf::from(home).join("keys/derp-mesh.key"));
+            }
+            match candidates.into_iter().find(|p| p.exists()) {
+                Some(p) => p,
+                None => return Ok(None),
+            }
+        }
+    };
+    load_mesh_key(&path).map(Some)
+}
+
+/// Trust for https mesh links: the system's store plus the PEM file's certificates.
+fn mesh_tls(
+    path: &std::path::Path,
+) -> anyhow::Result<std::sync::Arc<derp_mesh::rustls::ClientConfig>> {
+    let pem = std::fs::read(path)
+        .with_context(|| format!("reading --mesh-ca-file {}", path.display()))?;
+    let extra = derp_tls::load_certs_pem(&pem)
+        .with_context(|| format!("--mesh-ca-file {}", path.display()))?;
+    let (config, summary) = derp_mesh::mesh_tls_config(&extra)
+        .with_context(|| format!("--mesh-ca-file {}", path.display()))?;
+    log_trust(&summary);
+    Ok(config)
+}
+
+fn mesh_tls_system() -> anyhow::Result<std::sync::Arc<derp_mesh::rustls::ClientConfig>> {
+    let (config, summary) = derp_mesh::mesh_tls_config(&[]).context("mesh trust store")?;
+    log_trust(&summary);
+    Ok(config)
+}
+
+fn log_trust(s: &derp_mesh::TrustSummary) {
+    if s.fallback {
+        tracing::warn!(
+            extra = s.extra,
+            "no system CA certificates found (SSL_CERT_FILE, SSL_CERT_DIR, the OS store): \
+             https mesh links trust Mozilla's roots and --mesh-ca-file"
+        );
+    } else {
+        info!(
+            system = s.system,
+            rejected = s.system_rejected,
+            extra = s.extra,
+            "mesh trust store"
+        );
+    }
+}
+
 fn load_mesh_key(path: &std::path::Path) -> anyhow::Result<MeshKey> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading mesh key file {}", path.display()))?;
@@ -244,28 +368,46 @@ fn ignore_sighup_by_default() {
     }
 }
 
-async fn shutdown_signal() {
+/// SIGTERM and SIGINT, listened for from startup on, so a second one is seen while the
+/// first one's drain runs.
+struct ShutdownSignals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn new() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                term: signal(SignalKind::terminate()).context("listening for SIGTERM")?,
+                int: signal(SignalKind::interrupt()).context("listening for SIGINT")?,
+            })
         }
+        #[cfg(not(unix))]
+        Ok(Self {})
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
+/// Exit status when a second signal cuts the drain short.
+const SECOND_SIGNAL_EXIT: i32 = 1;
+const DEFAULT_MESH_KEY_FILE: &str = "/home/derp/keys/derp-mesh.key";
+const DEV_MESH_KEY_ENV: &str = "TAILSCALE_DERPER_MESH_KEY";
 const DEFAULT_ROOT_CONFIG: &str = "/var/lib/derper/derper.key";
 
 #[cfg(test)]

@@ -37,6 +37,8 @@ use tokio_util::task::TaskTracker;
 
 pub use backoff::BackoffConfig;
 pub use metrics::ForwardDrop;
+/// The rustls version the mesh's TLS configuration is built with.
+pub use rustls;
 pub use sibling::{DialHost, Sibling, SiblingError, parse_mesh_with};
 pub use trust::{TrustError, TrustSummary, mesh_tls_config};
 

@@ -136,7 +136,11 @@ impl Mesh {
                 }
             })
             .collect();
-        let collector = LinkStateCollector::new(links.iter().map(|l| l.queue.clone()).collect())?;
+        let gauges = links
+            .iter()
+            .map(|l| l.queue.clone() as Arc<dyn metrics::LinkGauges>)
+            .collect();
+        let collector = LinkStateCollector::new(gauges)?;
         registry.register(Box::new(collector))?;
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();

@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::MeshConfig;
 use crate::backoff::Backoff;
-use crate::metrics::{ForwardDrop, LinkMetrics};
+use crate::metrics::{ForwardDrop, LinkGauges, LinkMetrics, LinkState};
 use crate::sibling::Sibling;
 
 /// A packet waiting to go to the sibling.
@@ -49,6 +49,8 @@ pub(crate) struct LinkQueue {
 struct QueueState {
     /// A connection to the sibling is established and watching.
     up: bool,
+    /// The entry turned out to name this node itself; the link stopped for good.
+    is_self: bool,
     packets: VecDeque<Forward>,
     bytes: usize,
     /// The writer was notified and has not taken the queue yet: a burst costs one wake-up.
@@ -81,6 +83,23 @@ impl PacketForwarder for LinkQueue {
     }
 }
 
+impl LinkGauges for LinkQueue {
+    fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Whether the link is up, whether it names this node itself, and how many packets
+    /// wait.
+    fn snapshot(&self) -> LinkState {
+        let state = self.lock();
+        LinkState {
+            up: state.up,
+            is_self: state.is_self,
+            depth: state.packets.len(),
+        }
+    }
+}
+
 impl LinkQueue {
     pub(crate) fn new(label: String, config: &MeshConfig, metrics: LinkMetrics) -> Self {
         Self {
@@ -93,14 +112,8 @@ impl LinkQueue {
         }
     }
 
-    pub(crate) fn label(&self) -> &str {
-        &self.label
-    }
-
-    /// Whether the link is up, and how many packets wait; for the scrape-time gauges.
-    pub(crate) fn snapshot(&self) -> (bool, usize) {
-        let state = self.lock();
-        (state.up, state.packets.len())
+    fn set_self(&self) {
+        self.lock().is_self = true;
     }
 
     fn set_up(&self) {
@@ -181,6 +194,7 @@ pub(crate) async fn run(
         match connected {
             Ok(client) if client.server_key() == server.public_key() => {
                 info!(sibling = %link.sibling, "mesh entry is this node itself; not meshing with it");
+                link.queue.set_self();
                 let _ = client.close().await;
                 return;
             }
@@ -401,11 +415,11 @@ mod tests {
             q.forward_packet(key(1), key(2), Bytes::from_static(b"x"));
         }
         assert_eq!(drops(ForwardDrop::QueueFull), 1);
-        assert_eq!(q.snapshot(), (true, 2));
+        assert_eq!((q.snapshot().up, q.snapshot().depth), (true, 2));
         let mut batch = VecDeque::new();
         q.take(&mut batch);
         assert_eq!(batch.len(), 2);
-        assert_eq!(q.snapshot(), (true, 0));
+        assert_eq!((q.snapshot().up, q.snapshot().depth), (true, 0));
         q.forward_packet(key(1), key(2), Bytes::from_static(b"y"));
         q.set_down();
         assert_eq!(
@@ -413,7 +427,7 @@ mod tests {
             2,
             "what was queued is dropped"
         );
-        assert_eq!(q.snapshot(), (false, 0));
+        assert_eq!((q.snapshot().up, q.snapshot().depth), (false, 0));
     }
 
     #[test]
@@ -425,7 +439,7 @@ mod tests {
         for _ in 0..fit + 1 {
             q.forward_packet(key(1), key(2), big.clone());
         }
-        assert_eq!(q.snapshot().1, fit);
+        assert_eq!(q.snapshot().depth, fit);
         assert_eq!(m.drops[ForwardDrop::QueueFull as usize].get(), 1);
     }
 

@@ -11,8 +11,6 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
-use crate::link::LinkQueue;
-
 /// Why the mesh dropped a packet instead of forwarding it; the `reason` label of
 /// `derp_mesh_forward_drops`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,16 +96,32 @@ impl MeshMetrics {
     }
 }
 
-/// `derp_mesh_links_up` and `derp_mesh_queue_depth{sibling}`, computed at scrape time.
+/// A link's state as the gauges show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LinkState {
+    pub(crate) up: bool,
+    pub(crate) is_self: bool,
+    pub(crate) depth: usize,
+}
+
+/// What the scrape-time gauges read from a link.
+pub(crate) trait LinkGauges: Send + Sync + std::fmt::Debug {
+    fn label(&self) -> &str;
+    fn snapshot(&self) -> LinkState;
+}
+
+/// `derp_mesh_links_up`, `derp_mesh_siblings` and `derp_mesh_queue_depth{sibling}`,
+/// computed at scrape time.
 #[derive(Debug)]
 pub(crate) struct LinkStateCollector {
-    links: Vec<Arc<LinkQueue>>,
+    links: Vec<Arc<dyn LinkGauges>>,
     up: IntGauge,
+    siblings: IntGauge,
     depth: IntGaugeVec,
 }
 
 impl LinkStateCollector {
-    pub(crate) fn new(links: Vec<Arc<LinkQueue>>) -> Result<Self, prometheus::Error> {
+    pub(crate) fn new(links: Vec<Arc<dyn LinkGauges>>) -> Result<Self, prometheus::Error> {
         let depth = IntGaugeVec::new(
             Opts::new(
                 "derp_mesh_queue_depth",
@@ -121,6 +135,10 @@ impl LinkStateCollector {
         Ok(Self {
             links,
             up: IntGauge::new("derp_mesh_links_up", "mesh links to siblings that are up")?,
+            siblings: IntGauge::new(
+                "derp_mesh_siblings",
+                "configured mesh siblings, not counting entries that name this node itself",
+            )?,
             depth,
         })
     }
@@ -129,21 +147,25 @@ impl LinkStateCollector {
 impl Collector for LinkStateCollector {
     fn desc(&self) -> Vec<&Desc> {
         let mut d = self.up.desc();
+        d.extend(self.siblings.desc());
         d.extend(self.depth.desc());
         d
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let mut up = 0;
+        let (mut up, mut siblings) = (0, 0);
         for link in &self.links {
-            let (is_up, depth) = link.snapshot();
-            up += i64::from(is_up);
+            let state = link.snapshot();
+            up += i64::from(state.up);
+            siblings += i64::from(!state.is_self);
             self.depth
                 .with_label_values(&[link.label()])
-                .set(depth as i64);
+                .set(state.depth as i64);
         }
         self.up.set(up);
+        self.siblings.set(siblings);
         let mut out = self.up.collect();
+        out.extend(self.siblings.collect());
         out.extend(self.depth.collect());
         out
     }

@@ -215,4 +215,40 @@ mod tests {
         assert_eq!(defaults.restart_try_for, Duration::from_secs(60));
         assert!(Cli::try_parse_from(["derpd", "--restart-try-for", "1200h"]).is_err());
     }
+
+    /// The value after `key` up to the next whitespace or quote, in a deploy file.
+    fn value_after<'a>(text: &'a str, key: &str) -> &'a str {
+        let start = text.find(key).unwrap_or_else(|| panic!("{key} not found")) + key.len();
+        let rest = text[start..].trim_start_matches([' ', '=', ':']);
+        let end = rest
+            .find(|c: char| c.is_whitespace() || c == '"' || c == '\\')
+            .unwrap_or(rest.len());
+        &rest[..end]
+    }
+
+    #[test]
+    fn deploy_stop_timeouts_cover_the_drain() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/");
+        let unit = std::fs::read_to_string(format!("{root}systemd/derpd.service")).expect("unit");
+        let k8s = std::fs::read_to_string(format!("{root}kubernetes/derpd.yaml")).expect("k8s");
+        for (what, drain, stop) in [
+            (
+                "systemd",
+                value_after(&unit, "    --drain-timeout"),
+                value_after(&unit, "TimeoutStopSec"),
+            ),
+            (
+                "kubernetes",
+                value_after(&k8s, "- --drain-timeout"),
+                value_after(&k8s, "terminationGracePeriodSeconds"),
+            ),
+        ] {
+            let drain = parse_duration(drain).expect("drain");
+            let stop = Duration::from_secs(stop.parse().expect("seconds"));
+            assert!(
+                stop >= drain + Duration::from_secs(3),
+                "{what}: stop timeout {stop:?} leaves no margin over the drain {drain:?}"
+            );
+        }
+    }
 }

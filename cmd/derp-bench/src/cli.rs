@@ -34,6 +34,12 @@ pub(crate) struct TargetArgs {
     #[arg(long, global = true, conflicts_with = "url")]
     pub(crate) spawn_server: bool,
 
+    /// A second server for the receiving half of every pair (the echoing half in latency
+    /// mode): senders connect to --url, receivers here, so every packet crosses between the
+    /// two, e.g. two meshed nodes of one region.
+    #[arg(long, global = true, conflicts_with = "spawn_server")]
+    pub(crate) peer_url: Option<String>,
+
     /// Prometheus text endpoint of the server (e.g. http://127.0.0.1:9090/metrics or
     /// http://127.0.0.1:3340/debug/varz), scraped before and after each run for drop counters,
     /// connection counts and process_resident_memory_bytes.
@@ -41,9 +47,10 @@ pub(crate) struct TargetArgs {
     pub(crate) metrics_url: Option<String>,
 
     /// Process id of the server when it runs on this machine: its CPU time and RSS are read
-    /// from /proc/PID (the honest per-packet CPU figure).
-    #[arg(long, global = true)]
-    pub(crate) server_pid: Option<u32>,
+    /// from /proc/PID (the honest per-packet CPU figure). Repeat (or comma-separate) for
+    /// several processes, e.g. both nodes with --peer-url: their CPU is added up.
+    #[arg(long, global = true, value_delimiter = ',')]
+    pub(crate) server_pid: Vec<u32>,
 
     /// Budget for each connection's dial, upgrade and handshake.
     #[arg(long, global = true, default_value = "5s", value_parser = parse_duration)]

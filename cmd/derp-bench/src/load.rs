@@ -128,7 +128,12 @@ impl Fleet {
         let public: Vec<PublicKey> = keys.iter().map(SecretKey::public_key).collect();
         let mut tasks = Vec::with_capacity(n);
         for (i, key) in keys.into_iter().enumerate() {
-            let config = target.client_config(key, sources.for_index(i));
+            // Even connections send, odd ones receive (or echo).
+            let config = if i % 2 == 0 {
+                target.client_config(key, sources.for_index(i))
+            } else {
+                target.peer_client_config(key, sources.for_index(i))
+            };
             let gate = gate.clone();
             tasks.push(tokio::spawn(async move {
                 let _permit = gate.acquire_owned().await;

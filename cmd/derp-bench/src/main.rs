@@ -146,7 +146,13 @@ impl Ctx {
                 url: self.target.url.to_string(),
                 spawned_server: self.target.spawned,
                 metrics_source: self.target.metrics.as_ref().map(|m| m.describe()),
-                server_pid: args.server_pid,
+                server_pid: args.server_pid.first().copied(),
+                server_pids: if args.server_pid.len() > 1 {
+                    args.server_pid.clone()
+                } else {
+                    Vec::new()
+                },
+                peer_url: self.target.peer_url.as_ref().map(ToString::to_string),
             },
             machine: Machine {
                 cores: self.cores,

@@ -37,6 +37,12 @@ pub(crate) struct TargetInfo {
     pub(crate) spawned_server: bool,
     pub(crate) metrics_source: Option<String>,
     pub(crate) server_pid: Option<u32>,
+    /// Every `--server-pid`, when more than one was given.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) server_pids: Vec<u32>,
+    /// Where the receiving halves of the pairs connected (`--peer-url`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) peer_url: Option<String>,
 }
 
 #[derive(Debug, Serialize)]

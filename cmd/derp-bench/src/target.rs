@@ -79,8 +79,8 @@ impl SpawnedServer {
 pub(crate) enum ServerProbe {
     /// Not observable from here.
     None,
-    /// A separate process on this machine.
-    Pid(u32),
+    /// Separate processes on this machine (their CPU is added up).
+    Pids(Vec<u32>),
     /// The spawned relay's threads in this process.
     InProcess,
 }
@@ -89,6 +89,8 @@ pub(crate) enum ServerProbe {
 #[derive(Debug)]
 pub(crate) struct Target {
     pub(crate) url: ServerUrl,
+    /// Where the receiving halves of pairs connect, when not to `url`.
+    pub(crate) peer_url: Option<ServerUrl>,
     pub(crate) metrics: Option<MetricsSource>,
     pub(crate) probe: ServerProbe,
     pub(crate) connect_timeout: Duration,
@@ -112,18 +114,26 @@ impl Target {
             (None, Some(s)) => Some(MetricsSource::InProcess(s.registry.clone())),
             (None, None) => None,
         };
-        let probe = match (args.server_pid, spawned) {
-            (Some(pid), _) => {
-                if !std::path::Path::new(&format!("/proc/{pid}/stat")).exists() {
-                    bail!("--server-pid {pid}: no such process (or /proc is not mounted)");
-                }
-                ServerProbe::Pid(pid)
+        let peer_url = match &args.peer_url {
+            Some(p) => Some(
+                p.parse::<ServerUrl>()
+                    .map_err(|e| anyhow!("bad --peer-url {p:?}: {e}"))?,
+            ),
+            None => None,
+        };
+        for pid in &args.server_pid {
+            if !std::path::Path::new(&format!("/proc/{pid}/stat")).exists() {
+                bail!("--server-pid {pid}: no such process (or /proc is not mounted)");
             }
-            (None, Some(_)) => ServerProbe::InProcess,
-            (None, None) => ServerProbe::None,
+        }
+        let probe = match (args.server_pid.is_empty(), spawned) {
+            (false, _) => ServerProbe::Pids(args.server_pid.clone()),
+            (true, Some(_)) => ServerProbe::InProcess,
+            (true, None) => ServerProbe::None,
         };
         Ok(Self {
             url,
+            peer_url,
             metrics,
             probe,
             connect_timeout: args.connect_timeout,
@@ -141,6 +151,22 @@ impl Target {
         self.template().config(secret, local)
     }
 
+    /// A client config for the receiving half of a pair: on `--peer-url` when given.
+    pub(crate) fn peer_client_config(
+        &self,
+        secret: SecretKey,
+        local: Option<SocketAddr>,
+    ) -> ClientConfig {
+        match &self.peer_url {
+            Some(url) => ClientTemplate {
+                url: url.clone(),
+                connect_timeout: self.connect_timeout,
+            }
+            .config(secret, local),
+            None => self.client_config(secret, local),
+        }
+    }
+
     /// What tasks need to build client configs, detached from the target.
     pub(crate) fn template(&self) -> ClientTemplate {
         ClientTemplate {
@@ -153,24 +179,39 @@ impl Target {
     /// server ends the run at once with a clear message.
     pub(crate) async fn preflight(&self) -> anyhow::Result<()> {
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
-        match Client::connect(&self.client_config(secret, None)).await {
-            Ok(client) => {
-                let _ = client.close().await;
-                Ok(())
-            }
-            Err(e) => Err(anyhow!(
-                "cannot use DERP server {}: {}",
-                self.url,
-                describe_connect_error(&e)
-            )),
+        let mut configs = vec![(self.url.clone(), self.client_config(secret.clone(), None))];
+        if let Some(peer) = &self.peer_url {
+            configs.push((peer.clone(), self.peer_client_config(secret, None)));
         }
+        for (url, config) in configs {
+            match Client::connect(&config).await {
+                Ok(client) => {
+                    let _ = client.close().await;
+                }
+                Err(e) => {
+                    return Err(anyhow!(
+                        "cannot use DERP server {url}: {}",
+                        describe_connect_error(&e)
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// CPU used so far by the server, if it can be observed.
     pub(crate) fn server_cpu(&self) -> Option<CpuTime> {
         match self.probe {
             ServerProbe::None => None,
-            ServerProbe::Pid(pid) => procfs::process_cpu(&pid.to_string(), self.ticks),
+            ServerProbe::Pids(ref pids) => {
+                let mut total = CpuTime::default();
+                for pid in pids {
+                    let cpu = procfs::process_cpu(&pid.to_string(), self.ticks)?;
+                    total.user_s += cpu.user_s;
+                    total.system_s += cpu.system_s;
+                }
+                Some(total)
+            }
             ServerProbe::InProcess => procfs::own_threads_cpu(SERVER_THREAD_PREFIX, self.ticks),
         }
     }

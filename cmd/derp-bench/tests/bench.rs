@@ -59,6 +59,10 @@ struct TargetInfo {
     spawned_server: bool,
     metrics_source: Option<String>,
     server_pid: Option<u32>,
+    #[serde(default)]
+    server_pids: Vec<u32>,
+    #[serde(default)]
+    peer_url: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -852,4 +856,95 @@ fn plot_is_refused_where_there_is_nothing_to_draw() {
     let out = bench(&["connect", "--spawn-server", "--plot", "/nonexistent/x.svg"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--plot"));
+}
+
+#[test]
+fn pairs_split_across_two_meshed_relays_with_peer_url() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mesh_key = derp_proto::MeshKey::from_bytes(rand::random());
+    let mut nodes = Vec::new();
+    for _ in 0..2 {
+        let registry = prometheus::Registry::new();
+        let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+        let mut config = derp_server::ServerConfig::new(secret.clone());
+        config.mesh_key = Some(mesh_key);
+        let server = derp_server::Server::new(config, &registry).unwrap();
+        let addr = rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let serving = server.clone();
+            tokio::spawn(async move { serving.serve(listener).await });
+            addr
+        });
+        nodes.push((server, registry, secret, format!("http://{addr}/derp")));
+    }
+    let _meshes: Vec<_> = (0..2)
+        .map(|i| {
+            let (server, registry, secret, _) = &nodes[i];
+            let other = &nodes[1 - i].3;
+            let _guard = rt.enter();
+            derp_mesh::Mesh::start(
+                server,
+                derp_mesh::MeshConfig::new(secret.clone(), mesh_key),
+                derp_mesh::parse_mesh_with(other, None).unwrap(),
+                registry,
+            )
+            .unwrap()
+        })
+        .collect();
+    let gauge = |registry: &prometheus::Registry, name: &str| {
+        registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric().iter().map(|m| m.get_gauge().get_value()))
+            .sum::<f64>()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while nodes
+        .iter()
+        .any(|n| gauge(&n.1, "derp_mesh_links_up") < 1.0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the two relays never meshed"
+        );
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
+    let pid = std::process::id().to_string();
+    let r: Report<ThroughputResult> = bench_json(&[
+        "throughput",
+        "--url",
+        &nodes[0].3,
+        "--peer-url",
+        &nodes[1].3,
+        "--server-pid",
+        &format!("{pid},{pid}"),
+        "--pairs",
+        "2",
+        "--rate",
+        "200",
+        "--warmup",
+        "300ms",
+        "--duration",
+        "500ms",
+    ]);
+    assert_eq!(r.target.peer_url.as_deref(), Some(nodes[1].3.as_str()));
+    assert_eq!(r.target.server_pids, [std::process::id(); 2]);
+    let run = &r.result.runs[0];
+    check_load_run(run, 2);
+    assert!(run.delivered_packets > 0);
+    // Every delivered packet crossed the mesh: the senders' relay forwarded it.
+    let forwarded = nodes[0]
+        .1
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "derp_packets_forwarded_out")
+        .map(|f| f.get_metric()[0].get_counter().get_value())
+        .sum::<f64>();
+    assert!(forwarded >= run.delivered_packets as f64, "{forwarded}");
 }

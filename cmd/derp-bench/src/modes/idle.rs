@@ -87,8 +87,12 @@ pub(crate) async fn run(
 /// The server's RSS and where it came from: `--server-pid`, then the metrics'
 /// process_resident_memory_bytes, then (for an in-process relay) this process.
 async fn server_rss(target: &Target) -> Option<(u64, &'static str, bool)> {
-    if let ServerProbe::Pid(pid) = target.probe {
-        return procfs::process_rss(&pid.to_string()).map(|r| (r, "server-pid", false));
+    if let ServerProbe::Pids(pids) = &target.probe {
+        let mut total = 0;
+        for pid in pids {
+            total += procfs::process_rss(&pid.to_string())?;
+        }
+        return Some((total, "server-pid", false));
     }
     if let Some(rss) = scrape(target)
         .await

@@ -374,7 +374,7 @@ async fn https_mesh_trusts_a_private_ca_from_the_flag_or_ssl_cert_file() {
     let a = start(
         0,
         &["--mesh-ca-file", &ca_file.display().to_string()],
-        &[no_system.clone()],
+        std::slice::from_ref(&no_system),
     );
     let b = start(
         1,

@@ -298,12 +298,14 @@ async fn watch(
             derp_client::ReceivedFrame::PeerPresent { peer, .. } => {
                 // Presence repeats for duplicate connections of a key; adding the same
                 // forwarder again would change nothing.
-                if present.insert(peer) {
+                let new = present.insert(peer);
+                if new {
                     server.add_packet_forwarder(peer, link.forwarder.clone());
                 }
             }
             derp_client::ReceivedFrame::PeerGone { peer, .. } => {
-                if present.remove(&peer) {
+                let known = present.remove(&peer);
+                if known {
                     server.remove_packet_forwarder(&peer, &link.forwarder);
                 }
             }

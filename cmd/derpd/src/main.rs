@@ -197,8 +197,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             mesh.shutdown().await;
         }
     };
+    // Closing after the drain waits for connection tasks, some of which (a handshake, an
+    // idle HTTP keep-alive) only end at their own timeouts: bound the whole, so the stop
+    // timeouts in the deploy files hold.
+    let bounded = tokio::time::timeout(cli.drain_timeout + CLOSE_GRACE, graceful);
     tokio::select! {
-        _ = graceful => info!("shut down"),
+        r = bounded => match r {
+            Ok(()) => info!("shut down"),
+            Err(_) => tracing::warn!("connections still closing after the drain; exiting"),
+        },
         _ = signals.recv() => {
             eprintln!("derpd: second signal: exiting without draining");
             std::process::exit(SECOND_SIGNAL_EXIT);
@@ -404,6 +411,8 @@ impl ShutdownSignals {
     }
 }
 
+/// How long closing may take after the drain deadline before derpd exits regardless.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 /// Exit status when a second signal cuts the drain short.
 const SECOND_SIGNAL_EXIT: i32 = 1;
 const DEFAULT_MESH_KEY_FILE: &str = "/home/derp/keys/derp-mesh.key";

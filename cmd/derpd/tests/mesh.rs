@@ -416,3 +416,61 @@ async fn https_mesh_trusts_a_private_ca_from_the_flag_or_ssl_cert_file() {
     cb.send_packet(ka, b"and back").await.expect("send");
     expect_packet(&mut ca, kb, b"and back").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_by_two_siblings_fails_over_without_peer_gone() {
+    let mut region = Region::start(3, &[]);
+    region.wait_meshed();
+    let (sa, sk) = (secret(), secret());
+    let (ka, kk) = (sa.public_key(), sk.public_key());
+    let mut a = client(&region.nodes[0].url(), sa).await;
+    // The same key on two siblings: the first claim is used, the second kept in reserve.
+    let mut k_on_b = client(&region.nodes[1].url(), sk.clone()).await;
+    region.nodes[0].wait_metric("derp_clients_total", &[], |v| v == 5.0);
+    // A's own key already reaches A through both siblings (its links to them are clients
+    // there): that is one multi-forwarder before k's second claim.
+    let created = |n: &Node| n.metric("derp_multiforwarder_created", &[]).unwrap_or(0.0);
+    let deleted = |n: &Node| n.metric("derp_multiforwarder_deleted", &[]).unwrap_or(0.0);
+    let (created_before, deleted_before) = (created(&region.nodes[0]), deleted(&region.nodes[0]));
+    let mut k_on_c = client(&region.nodes[2].url(), sk).await;
+    region.nodes[0].wait_metric("derp_multiforwarder_created", &[], |v| {
+        v == created_before + 1.0
+    });
+    a.send_packet(kk, b"first").await.expect("send");
+    expect_packet(&mut k_on_b, ka, b"first").await;
+    k_on_b.send_packet(ka, b"hi").await.expect("send");
+    expect_packet(&mut a, kk, b"hi").await;
+
+    region.nodes[1].kill();
+    // a keeps sending until the other sibling's claim takes over.
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    tokio::time::timeout(STEP, async {
+        loop {
+            tick.tick().await;
+            a.send_packet(kk, b"second").await.expect("send");
+            let got = tokio::time::timeout(Duration::from_millis(50), k_on_c.recv()).await;
+            if let Ok(Ok(ReceivedFrame::RecvPacket { src, .. })) = got
+                && src == ka
+            {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the remaining claim carries the key");
+    // Both of them lost B's claim: A's own key and k.
+    region.nodes[0].wait_metric("derp_multiforwarder_deleted", &[], |v| {
+        v == deleted_before + 2.0
+    });
+    // The key never left the region, so a was not told it did. A ping is a barrier: the
+    // pong is written after anything queued for a before it, and the frames read while
+    // waiting for it are kept for recv, which hands them out without waiting.
+    a.ping().await.expect("ping");
+    while let Ok(frame) = tokio::time::timeout(Duration::ZERO, a.recv()).await {
+        let frame = frame.expect("a's connection is fine");
+        assert!(
+            !matches!(frame, ReceivedFrame::PeerGone { peer, .. } if peer == kk),
+            "a was told k left, but k is still on C"
+        );
+    }
+}

@@ -111,6 +111,13 @@ pub(crate) struct Cli {
     #[arg(long)]
     pub(crate) mesh_ca_file: Option<PathBuf>,
 
+    /// How often each mesh link pings its sibling, and how long the pong may take: a
+    /// sibling whose host died or was cut off without closing its connections is dropped
+    /// from the region within twice this. 0 turns the pings off (the link then relies on the
+    /// sibling's keepalives and a 120 s read timeout, as derper's mesh does).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) mesh_ping_interval: Duration,
+
     /// On SIGTERM or SIGINT, how long queued packets may take to reach their clients before
     /// every connection is closed. A second signal exits at once.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]

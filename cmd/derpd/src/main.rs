@@ -121,6 +121,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Some(key) => {
             let mut mesh_config = derp_mesh::MeshConfig::new(secret_key, key);
             mesh_config.tls = mesh_tls;
+            mesh_config.ping_interval =
+                Some(cli.mesh_ping_interval).filter(|interval| !interval.is_zero());
             info!(siblings = %cli.mesh_with, "meshing");
             Some(
                 derp_mesh::Mesh::start(&server, mesh_config, siblings, &registry)

@@ -100,6 +100,33 @@ async fn killed_sibling_is_noticed_and_traffic_recovers_through_another_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_that_goes_silent_is_dropped_by_its_pings() {
+    // A stopped process keeps its sockets open and the kernel keeps acknowledging for it,
+    // as a hung node or a one-way partition would: only the links' pings can tell.
+    let region = Region::start(2, &["--mesh-ping-interval", "300ms"]);
+    region.wait_meshed();
+    let (sa, sb) = (secret(), secret());
+    let (ka, kb) = (sa.public_key(), sb.public_key());
+    let mut a = client(&region.nodes[0].url(), sa).await;
+    let mut b = client(&region.nodes[1].url(), sb).await;
+    region.wait_known(2);
+    b.send_packet(ka, b"hello a").await.expect("send");
+    expect_packet(&mut a, kb, b"hello a").await;
+
+    region.nodes[1].signal("STOP");
+    // Its clients leave the region for a: within two ping intervals, not the read timeout.
+    expect_gone(&mut a, kb).await;
+    region.nodes[0].wait_metric("derp_mesh_links_up", &[], |v| v == 0.0);
+
+    // Resumed, it is taken back without a manual step.
+    region.nodes[1].signal("CONT");
+    region.wait_meshed();
+    region.wait_known(2);
+    a.send_packet(kb, b"hello again").await.expect("send");
+    expect_packet(&mut b, ka, b"hello again").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sibling_that_restarts_gracefully_rejoins_and_the_region_heals() {
     let mut region = Region::start(3, &["--drain-timeout", "5s"]);
     region.wait_meshed();

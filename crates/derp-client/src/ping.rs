@@ -107,7 +107,13 @@ impl PendingPing {
 
     /// Like [`PendingPing::wait`] but borrows, so a select loop can poll it repeatedly.
     pub(crate) async fn wait_ref(&mut self) -> Result<Duration, ClientError> {
-        let deadline = self.sent_at + PING_TIMEOUT;
+        self.wait_within(PING_TIMEOUT).await
+    }
+
+    /// Waits until `timeout` after the ping was sent, borrowing, so a select loop can poll
+    /// it alongside other work. Fails as [`PendingPing::wait`] does.
+    pub async fn wait_within(&mut self, timeout: Duration) -> Result<Duration, ClientError> {
+        let deadline = self.sent_at + timeout;
         match tokio::time::timeout_at(deadline, &mut self.rx).await {
             Ok(Ok(received_at)) => Ok(received_at.saturating_duration_since(self.sent_at)),
             Ok(Err(_)) => Err(ClientError::Closed),

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
-use derp_client::{Client, ClientConfig, ClientError, ClientReader, ClientWriter, ConnectError};
+use derp_client::{
+    Client, ClientConfig, ClientError, ClientReader, ClientWriter, ConnectError, PendingPing,
+};
 use derp_proto::{ClientToRelay, PublicKey};
 use derp_server::{PacketForwarder, Server};
 use tokio::sync::Notify;
@@ -157,6 +159,8 @@ pub(crate) enum LinkError {
     Client(#[from] ClientError),
     #[error("a write to the sibling took longer than {0:?}")]
     WriteTimeout(Duration),
+    #[error("the sibling did not answer a ping within {0:?}")]
+    PingTimeout(Duration),
 }
 
 /// Everything one link's task needs.
@@ -323,15 +327,39 @@ async fn watch(
 }
 
 /// Writes the queue out: everything queued since the last batch as ForwardPacket frames,
-/// flushed once.
+/// flushed once. Between batches it pings the sibling now and then, so a sibling that went
+/// silent without closing the connection is noticed.
 async fn write_out(
     writer: &mut ClientWriter,
     link: &Link,
     config: &MeshConfig,
 ) -> Result<(), LinkError> {
     let mut batch = VecDeque::new();
+    let mut next_ping = config.ping_interval.map(|i| Instant::now() + i);
+    let mut pending: Option<PendingPing> = None;
     loop {
-        link.queue.notify.notified().await;
+        tokio::select! {
+            biased;
+            _ = link.queue.notify.notified() => {}
+            answer = wait_pong(&mut pending, config.ping_interval) => {
+                pending = None;
+                match answer {
+                    Ok(_) => next_ping = config.ping_interval.map(|i| Instant::now() + i),
+                    Err(ClientError::PingTimeout) => {
+                        let waited = config.ping_interval.unwrap_or_default();
+                        return Err(LinkError::PingTimeout(waited));
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                continue;
+            }
+            _ = sleep_until(next_ping), if pending.is_none() => {
+                next_ping = None;
+                let ping = tokio::time::timeout(config.write_timeout, writer.start_ping()).await;
+                pending = Some(ping.map_err(|_| LinkError::WriteTimeout(config.write_timeout))??);
+                continue;
+            }
+        }
         link.queue.take(&mut batch);
         let n = batch.len() as u64;
         if n == 0 {
@@ -361,6 +389,25 @@ async fn write_out(
         if batch.capacity() > MAX_IDLE_BATCH {
             batch = VecDeque::new();
         }
+    }
+}
+
+/// The answer to the outstanding ping, if there is one; never resolves otherwise.
+async fn wait_pong(
+    pending: &mut Option<PendingPing>,
+    within: Option<Duration>,
+) -> Result<Duration, ClientError> {
+    match (pending.as_mut(), within) {
+        (Some(ping), Some(within)) => ping.wait_within(within).await,
+        _ => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

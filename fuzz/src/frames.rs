@@ -224,6 +224,7 @@ fn client_rule(ty: u8, len: usize) -> Result<Plan, Broken> {
         0x08 => (32, 33),
         0x09 => (32, 51),
         0x12 | 0x13 | 0x15 => (8, 8),
+        0xf1 => (18, 18),
         _ => return Ok(Plan::Skip),
     };
     if len < min {
@@ -476,6 +477,15 @@ fn check_client_msg(msg: &RelayToClient, frame: &Frame<'_>) {
             assert_eq!(reconnect_in_ms.to_be_bytes(), body[..4]);
             assert_eq!(try_for_ms.to_be_bytes(), body[4..8]);
             canonical = frame.len == 8;
+        }
+        RelayToClient::ObservedAddr(addr) => {
+            let raw = &body[..18];
+            let mut octets = [0u8; 16];
+            octets.copy_from_slice(&raw[..16]);
+            let v6 = Ipv6Addr::from(octets);
+            let ip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
+            assert_eq!(*addr, SocketAddr::new(ip, u16::from_be_bytes([raw[16], raw[17]])));
+            canonical = frame.len == 18;
         }
         RelayToClient::Unknown { .. } => unreachable!("handled above"),
     }

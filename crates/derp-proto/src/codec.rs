@@ -13,7 +13,8 @@ use bytes::{Buf, BytesMut};
 use crate::frame::{
     CLIENT_MAX_FRAME_LEN, ClientToRelay, FRAME_HEADER_LEN, FrameType, KEY_LEN, MAGIC,
     MAX_CLIENT_INFO_LEN, MAX_INFO_LEN, MAX_PACKET_SIZE, MAX_PING_LEN, MAX_SERVER_KEY_LEN,
-    NONCE_LEN, PEER_PRESENT_LEN, PeerGoneReason, RelayToClient, parse_header, peer_present_addr,
+    NONCE_LEN, OBSERVED_ADDR_LEN, PEER_PRESENT_LEN, PeerGoneReason, RelayToClient, parse_header,
+    peer_present_addr,
 };
 use crate::keys::PublicKey;
 
@@ -326,6 +327,10 @@ impl ClientDecoder {
                 reconnect_in_ms: payload.get_u32(),
                 try_for_ms: payload.get_u32(),
             },
+            Some(FrameType::ObservedAddr) => match payload.first_chunk::<OBSERVED_ADDR_LEN>() {
+                Some(addr) => RelayToClient::ObservedAddr(peer_present_addr(addr)),
+                None => RelayToClient::Unknown { frame_type, len },
+            },
             // client_plan only reads the types above.
             _ => RelayToClient::Unknown { frame_type, len },
         };
@@ -360,6 +365,8 @@ fn client_plan(frame_type: u8, len: u32) -> Result<Plan, DecodeError> {
         FrameType::PeerGone => (KEY_LEN, KEY_LEN + 1),
         FrameType::PeerPresent => (KEY_LEN, PEER_PRESENT_LEN),
         FrameType::Ping | FrameType::Pong | FrameType::Restarting => (8, 8),
+        // Room for later fields: only the first 18 bytes are read, a shorter frame is skipped.
+        FrameType::ObservedAddr => (OBSERVED_ADDR_LEN, OBSERVED_ADDR_LEN),
         _ => return Ok(Plan::Skip),
     };
     if n < min {
@@ -792,6 +799,43 @@ mod tests {
         assert_eq!(at(50, &present), want("10.0.0.1:8080".parse().unwrap(), 0));
         assert_eq!(at(51, &present), want("10.0.0.1:8080".parse().unwrap(), 6));
         assert_eq!(at(52, &present), want("10.0.0.1:8080".parse().unwrap(), 6));
+    }
+
+    #[test]
+    fn client_observed_addr_reads_18_bytes_and_skips_short_frames() {
+        let mut body = vec![0u8; 10];
+        body.extend_from_slice(&[0xff, 0xff, 198, 51, 100, 7, 0xa2, 0xa9]);
+        assert_eq!(
+            client_one(&frame(0xf1, &body)),
+            Ok(Some(RelayToClient::ObservedAddr(
+                "198.51.100.7:41641".parse().unwrap()
+            )))
+        );
+        let mut longer = body.clone();
+        longer.extend_from_slice(b"later fields");
+        assert_eq!(
+            client_bytewise(&frame(0xf1, &longer)),
+            [RelayToClient::ObservedAddr(
+                "198.51.100.7:41641".parse().unwrap()
+            )]
+        );
+        assert_eq!(
+            client_one(&frame(0xf1, &body[..17])),
+            Ok(Some(RelayToClient::Unknown {
+                frame_type: 0xf1,
+                len: 17
+            }))
+        );
+        // A client sending it is skipped like any type the server does not handle.
+        let mut decoder = ServerDecoder::after_handshake();
+        let mut buf = BytesMut::from(&frame(0xf1, &body)[..]);
+        assert_eq!(
+            decoder.decode(&mut buf),
+            Ok(Some(ClientToRelay::Unknown {
+                frame_type: 0xf1,
+                len: 18
+            }))
+        );
     }
 
     #[test]

@@ -46,6 +46,11 @@ pub enum FrameType {
     Health = 0x14,
     /// S→C: the server is restarting; reconnect timing hints.
     Restarting = 0x15,
+    /// S→C, DERP over QUIC only (a derpd extension): the client's UDP address as the server
+    /// sees it. derpd numbers its own types down from 0xFF, away from Tailscale's, which
+    /// grow up from 0x01; 0xF0 is left unused because Tailscale's client uses it as a
+    /// local-only PeerGone reason.
+    ObservedAddr = 0xf1,
 }
 
 impl FrameType {
@@ -68,6 +73,7 @@ impl FrameType {
             0x13 => Self::Pong,
             0x14 => Self::Health,
             0x15 => Self::Restarting,
+            0xf1 => Self::ObservedAddr,
             _ => return None,
         })
     }
@@ -317,6 +323,9 @@ pub enum RelayToClient {
         /// Milliseconds to keep trying.
         try_for_ms: u32,
     },
+    /// DERP over QUIC only: the client's UDP source address as the server sees it, after
+    /// the handshake and after each validated migration.
+    ObservedAddr(SocketAddr),
     /// A frame the decoder skipped; decode-only, encodes to nothing.
     Unknown {
         /// The raw frame type byte.
@@ -328,6 +337,9 @@ pub enum RelayToClient {
 
 /// Payload length of a PeerPresent frame as the server always writes it.
 pub const PEER_PRESENT_LEN: usize = KEY_LEN + 16 + 2 + 1;
+/// Payload length of an ObservedAddr frame as the server always writes it: a 16-byte IPv6
+/// (or IPv4-mapped) address and a big-endian port.
+pub const OBSERVED_ADDR_LEN: usize = 18;
 
 impl RelayToClient {
     /// The frame type, or `None` for [`RelayToClient::Unknown`].
@@ -343,12 +355,14 @@ impl RelayToClient {
             Self::Pong(_) => FrameType::Pong,
             Self::Health(_) => FrameType::Health,
             Self::Restarting { .. } => FrameType::Restarting,
+            Self::ObservedAddr(_) => FrameType::ObservedAddr,
             Self::Unknown { .. } => return None,
         })
     }
 
     fn payload_len(&self) -> usize {
         match self {
+            Self::ObservedAddr(_) => OBSERVED_ADDR_LEN,
             Self::ServerKey(_) => MAGIC.len() + KEY_LEN,
             Self::ServerInfo { sealed } => sealed.len(),
             Self::RecvPacket { packet, .. } => KEY_LEN + packet.len(),
@@ -390,14 +404,10 @@ impl RelayToClient {
             }
             Self::PeerPresent { peer, addr, flags } => {
                 buf.put_slice(peer.as_bytes());
-                let ip = match addr.ip() {
-                    IpAddr::V4(v4) => v4.to_ipv6_mapped(),
-                    IpAddr::V6(v6) => v6,
-                };
-                buf.put_slice(&ip.octets());
-                buf.put_u16(addr.port());
+                put_addr(buf, addr);
                 buf.put_u8(*flags);
             }
+            Self::ObservedAddr(addr) => put_addr(buf, addr),
             Self::Ping(data) | Self::Pong(data) => buf.put_slice(data),
             Self::Health(text) => buf.put_slice(text.as_bytes()),
             Self::Restarting {
@@ -412,7 +422,18 @@ impl RelayToClient {
     }
 }
 
-/// Decodes the 18 address bytes of a PeerPresent frame, unmapping IPv4-mapped addresses as
+/// Writes the 18-byte address form of PeerPresent and ObservedAddr: IPv6, with IPv4 as
+/// IPv4-mapped, then the port, big-endian. Zone IDs are not carried.
+fn put_addr(buf: &mut impl BufMut, addr: &SocketAddr) {
+    let ip = match addr.ip() {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    buf.put_slice(&ip.octets());
+    buf.put_u16(addr.port());
+}
+
+/// Decodes the 18 address bytes of a PeerPresent or ObservedAddr frame, unmapping IPv4-mapped addresses as
 /// the Go client does.
 pub(crate) fn peer_present_addr(bytes: &[u8; 18]) -> SocketAddr {
     let mut octets = [0u8; 16];
@@ -508,10 +529,12 @@ mod tests {
                     known += 1;
                     assert_eq!(ty.as_u8(), byte);
                 }
-                None => assert!(byte == 0 || (0x0b..=0x0f).contains(&byte) || byte > 0x15),
+                None => assert!(
+                    byte == 0 || (0x0b..=0x0f).contains(&byte) || (byte > 0x15 && byte != 0xf1)
+                ),
             }
         }
-        assert_eq!(known, 16);
+        assert_eq!(known, 17);
     }
 
     #[test]
@@ -602,6 +625,29 @@ mod tests {
         assert_eq!(peer_present_addr(&v6), "[2001::1]:80".parse().unwrap());
     }
 
+    /// The byte-exact examples of docs/protocol.md's QUIC section.
+    #[test]
+    fn observed_addr_exact_bytes() {
+        let mut out = Vec::new();
+        RelayToClient::ObservedAddr("198.51.100.7:41641".parse().unwrap()).encode(&mut out);
+        assert_eq!(
+            out,
+            [
+                0xf1, 0, 0, 0, 0x12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xc6, 0x33, 0x64,
+                0x07, 0xa2, 0xa9
+            ]
+        );
+        out.clear();
+        RelayToClient::ObservedAddr("[2001:db8::1]:443".parse().unwrap()).encode(&mut out);
+        assert_eq!(
+            out,
+            [
+                0xf1, 0, 0, 0, 0x12, 0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1,
+                0x01, 0xbb
+            ]
+        );
+    }
+
     #[test]
     fn encoded_len_matches_encode() {
         let key = PublicKey::from_bytes([4; 32]);
@@ -664,6 +710,7 @@ mod tests {
                 reconnect_in_ms: 1,
                 try_for_ms: 2,
             },
+            RelayToClient::ObservedAddr("198.51.100.7:41641".parse().unwrap()),
             RelayToClient::Unknown {
                 frame_type: 0xff,
                 len: 1,

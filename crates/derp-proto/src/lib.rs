@@ -2,7 +2,8 @@
 //!
 //! What this crate does: node and mesh keys with their text forms and derper's key file; the
 //! NaCl box used in the handshake; the ClientInfo/ServerInfo JSON bodies with Go-compatible
-//! encoding and decoding; every frame type (0x01–0x15) as typed messages with encoders;
+//! encoding and decoding; every frame type (Tailscale's 0x01–0x15, and derpd's ObservedAddr 0xF1 for DERP over
+//! QUIC) as typed messages with encoders;
 //! incremental decoders for each direction that apply the reference implementation's size
 //! rules; handshake state machines for both sides; the HTTP upgrade that opens a connection
 //! ([`upgrade`]) and the WebSocket framing DERP can travel in ([`ws`]), for both sides; and a

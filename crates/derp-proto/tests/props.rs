@@ -86,6 +86,7 @@ fn arb_s2c() -> impl Strategy<Value = RelayToClient> {
                 try_for_ms,
             }
         }),
+        arb_addr().prop_map(RelayToClient::ObservedAddr),
     ]
 }
 

@@ -1,9 +1,10 @@
 //! The byte streams a DERP connection runs over, for the server and the client alike, split
 //! into independently owned halves so a reader and a writer can run as separate tasks.
 //!
-//! What it does: the [`Transport`] enum (plain TCP, or any boxed stream such as TLS or a
-//! hyper upgrade), its lock-free split into [`ReadHalf`] and [`WriteHalf`], and the socket
-//! options a relay connection wants ([`tune_socket`]).
+//! What it does: the [`Transport`] enum (plain TCP, any boxed stream such as TLS or a hyper
+//! upgrade, or a pair of separately owned halves such as a QUIC stream's), its lock-free
+//! split into [`ReadHalf`] and [`WriteHalf`], and the socket options a relay connection
+//! wants ([`tune_socket`]).
 //!
 //! What it does not do: framing, TLS, HTTP or anything else above the byte stream.
 //!
@@ -42,12 +43,25 @@ pub trait BoxedIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> BoxedIo for T {}
 
+/// The receiving half of a stream that comes already split (a QUIC stream).
+pub trait BoxedRead: AsyncRead + Send + Unpin + 'static {}
+
+impl<T: AsyncRead + Send + Unpin + 'static> BoxedRead for T {}
+
+/// The sending half of a stream that comes already split (a QUIC stream).
+pub trait BoxedWrite: AsyncWrite + Send + Unpin + 'static {}
+
+impl<T: AsyncWrite + Send + Unpin + 'static> BoxedWrite for T {}
+
 /// A connection's byte stream.
 pub enum Transport {
     /// Plain TCP.
     Tcp(TcpStream),
     /// Any other stream.
     Boxed(Box<dyn BoxedIo>),
+    /// A stream whose two directions are separate objects (a QUIC stream's receive and send
+    /// halves): split without a lock.
+    Halves(Box<dyn BoxedRead>, Box<dyn BoxedWrite>),
 }
 
 impl std::fmt::Debug for Transport {
@@ -55,6 +69,7 @@ impl std::fmt::Debug for Transport {
         match self {
             Self::Tcp(s) => f.debug_tuple("Tcp").field(s).finish(),
             Self::Boxed(_) => f.write_str("Boxed"),
+            Self::Halves(..) => f.write_str("Halves"),
         }
     }
 }
@@ -79,6 +94,7 @@ impl Transport {
                 let (r, w) = tokio::io::split(b);
                 (ReadHalf::Boxed(r), WriteHalf::Boxed(w))
             }
+            Self::Halves(r, w) => (ReadHalf::Halves(r), WriteHalf::Halves(w)),
         }
     }
 }
@@ -89,6 +105,8 @@ pub enum ReadHalf {
     Tcp(OwnedReadHalf),
     /// Any other stream, split through tokio's lock.
     Boxed(tokio::io::ReadHalf<Box<dyn BoxedIo>>),
+    /// The receiving half of a stream that came split.
+    Halves(Box<dyn BoxedRead>),
 }
 
 impl std::fmt::Debug for ReadHalf {
@@ -96,6 +114,7 @@ impl std::fmt::Debug for ReadHalf {
         f.write_str(match self {
             Self::Tcp(_) => "ReadHalf::Tcp",
             Self::Boxed(_) => "ReadHalf::Boxed",
+            Self::Halves(_) => "ReadHalf::Halves",
         })
     }
 }
@@ -105,7 +124,7 @@ impl ReadHalf {
     pub async fn ready(&mut self) -> io::Result<()> {
         match self {
             Self::Tcp(r) => r.readable().await,
-            Self::Boxed(_) => Ok(()),
+            Self::Boxed(_) | Self::Halves(_) => Ok(()),
         }
     }
 }
@@ -116,6 +135,8 @@ pub enum WriteHalf {
     Tcp(OwnedWriteHalf),
     /// Any other stream, split through tokio's lock.
     Boxed(tokio::io::WriteHalf<Box<dyn BoxedIo>>),
+    /// The sending half of a stream that came split.
+    Halves(Box<dyn BoxedWrite>),
 }
 
 impl std::fmt::Debug for WriteHalf {
@@ -123,13 +144,14 @@ impl std::fmt::Debug for WriteHalf {
         f.write_str(match self {
             Self::Tcp(_) => "WriteHalf::Tcp",
             Self::Boxed(_) => "WriteHalf::Boxed",
+            Self::Halves(_) => "WriteHalf::Halves",
         })
     }
 }
 
-/// Implements `AsyncRead` for an enum whose variants `Tcp` and `Boxed` both implement it.
+/// Implements `AsyncRead` for an enum by delegating to the stream each pattern binds to `$s`.
 macro_rules! delegate_async_read {
-    ($ty:ty) => {
+    ($ty:ty, $s:ident: $($p:pat),+) => {
         impl AsyncRead for $ty {
             fn poll_read(
                 self: Pin<&mut Self>,
@@ -137,18 +159,17 @@ macro_rules! delegate_async_read {
                 buf: &mut ReadBuf<'_>,
             ) -> Poll<io::Result<()>> {
                 match self.get_mut() {
-                    Self::Tcp(s) => Pin::new(s).poll_read(cx, buf),
-                    Self::Boxed(s) => Pin::new(s).poll_read(cx, buf),
+                    $($p => Pin::new($s).poll_read(cx, buf),)+
                 }
             }
         }
     };
 }
 
-/// Implements `AsyncWrite` (vectored writes included) for an enum whose variants `Tcp` and
-/// `Boxed` both implement it.
+/// Implements `AsyncWrite` (vectored writes included) for an enum by delegating to the
+/// stream each pattern binds to `$s`.
 macro_rules! delegate_async_write {
-    ($ty:ty) => {
+    ($ty:ty, $s:ident: $($p:pat),+) => {
         impl AsyncWrite for $ty {
             fn poll_write(
                 self: Pin<&mut Self>,
@@ -156,8 +177,7 @@ macro_rules! delegate_async_write {
                 buf: &[u8],
             ) -> Poll<io::Result<usize>> {
                 match self.get_mut() {
-                    Self::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-                    Self::Boxed(s) => Pin::new(s).poll_write(cx, buf),
+                    $($p => Pin::new($s).poll_write(cx, buf),)+
                 }
             }
 
@@ -167,36 +187,32 @@ macro_rules! delegate_async_write {
                 bufs: &[io::IoSlice<'_>],
             ) -> Poll<io::Result<usize>> {
                 match self.get_mut() {
-                    Self::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-                    Self::Boxed(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+                    $($p => Pin::new($s).poll_write_vectored(cx, bufs),)+
                 }
             }
 
             fn is_write_vectored(&self) -> bool {
                 match self {
-                    Self::Tcp(s) => s.is_write_vectored(),
-                    Self::Boxed(s) => s.is_write_vectored(),
+                    $($p => $s.is_write_vectored(),)+
                 }
             }
 
             fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
                 match self.get_mut() {
-                    Self::Tcp(s) => Pin::new(s).poll_flush(cx),
-                    Self::Boxed(s) => Pin::new(s).poll_flush(cx),
+                    $($p => Pin::new($s).poll_flush(cx),)+
                 }
             }
 
             fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
                 match self.get_mut() {
-                    Self::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-                    Self::Boxed(s) => Pin::new(s).poll_shutdown(cx),
+                    $($p => Pin::new($s).poll_shutdown(cx),)+
                 }
             }
         }
     };
 }
 
-delegate_async_read!(Transport);
-delegate_async_write!(Transport);
-delegate_async_read!(ReadHalf);
-delegate_async_write!(WriteHalf);
+delegate_async_read!(Transport, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(s, _));
+delegate_async_write!(Transport, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(_, s));
+delegate_async_read!(ReadHalf, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(s));
+delegate_async_write!(WriteHalf, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(s));

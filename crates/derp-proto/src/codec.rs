@@ -8,7 +8,7 @@
 //! bodies are then discarded as they arrive, whatever their size, without ever being held in
 //! memory. After an error the connection is to be closed; the decoder's state is unspecified.
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 
 use crate::frame::{
     CLIENT_MAX_FRAME_LEN, ClientToRelay, FRAME_HEADER_LEN, FrameType, KEY_LEN, MAGIC,
@@ -374,6 +374,39 @@ fn client_plan(frame_type: u8, len: u32) -> Result<Plan, DecodeError> {
         return Ok(Plan::Skip);
     }
     Ok(Plan::Read { keep })
+}
+
+/// DERP over QUIC: a SendPacket datagram as the server reads it, `(destination, packet)`.
+///
+/// A datagram holds exactly one whole frame: the 5-byte header, whose length field must equal
+/// the datagram's length minus 5, then the body. Anything else (another type, a length that
+/// disagrees, a body shorter than a key) is `None`: the caller drops it.
+pub fn decode_send_packet_datagram(datagram: &Bytes) -> Option<(PublicKey, Bytes)> {
+    keyed_datagram(datagram, FrameType::SendPacket)
+}
+
+/// DERP over QUIC: a RecvPacket datagram as the client reads it, `(source, packet)`, by the
+/// same rules as [`decode_send_packet_datagram`].
+pub fn decode_recv_packet_datagram(datagram: &Bytes) -> Option<(PublicKey, Bytes)> {
+    keyed_datagram(datagram, FrameType::RecvPacket)
+}
+
+fn keyed_datagram(datagram: &Bytes, want: FrameType) -> Option<(PublicKey, Bytes)> {
+    let header = datagram.first_chunk::<FRAME_HEADER_LEN>()?;
+    let (frame_type, len) = parse_header(header);
+    let body_len = datagram.len() - FRAME_HEADER_LEN;
+    if frame_type != want as u8
+        || len as usize != body_len
+        || !(KEY_LEN..=KEY_LEN + MAX_PACKET_SIZE).contains(&body_len)
+    {
+        return None;
+    }
+    let mut key = [0u8; KEY_LEN];
+    key.copy_from_slice(&datagram[FRAME_HEADER_LEN..FRAME_HEADER_LEN + KEY_LEN]);
+    Some((
+        PublicKey::from_bytes(key),
+        datagram.slice(FRAME_HEADER_LEN + KEY_LEN..),
+    ))
 }
 
 #[cfg(test)]
@@ -836,6 +869,38 @@ mod tests {
                 len: 18
             }))
         );
+    }
+
+    #[test]
+    fn datagrams_hold_exactly_one_packet_frame() {
+        // The example of docs/protocol.md: "hello" to key 00 01 .. 1f.
+        let dst: [u8; 32] = std::array::from_fn(|i| i as u8);
+        let mut d = vec![0x04, 0, 0, 0, 0x25];
+        d.extend_from_slice(&dst);
+        d.extend_from_slice(b"hello");
+        assert_eq!(d.len(), 42);
+        let d = Bytes::from(d);
+        let (key, packet) = decode_send_packet_datagram(&d).expect("valid");
+        assert_eq!(key, PublicKey::from_bytes(dst));
+        assert_eq!(&packet[..], b"hello");
+        // The payload is a slice of the datagram, not a copy.
+        assert_eq!(packet.as_ptr(), d[37..].as_ptr());
+        assert_eq!(decode_recv_packet_datagram(&d), None, "wrong type");
+        let mut recv = d.to_vec();
+        recv[0] = 0x05;
+        assert!(decode_recv_packet_datagram(&Bytes::from(recv)).is_some());
+
+        let bad = |bytes: &[u8]| decode_send_packet_datagram(&Bytes::copy_from_slice(bytes));
+        assert_eq!(bad(&d[..41]), None, "length field disagrees (short)");
+        let mut long = d.to_vec();
+        long.push(0);
+        assert_eq!(bad(&long), None, "length field disagrees (long)");
+        assert_eq!(bad(&[0x04, 0, 0, 0, 0]), None, "no key");
+        assert_eq!(bad(&[0x04, 0, 0]), None, "no header");
+        assert_eq!(bad(&[]), None);
+        let mut empty_packet = vec![0x04, 0, 0, 0, 0x20];
+        empty_packet.extend_from_slice(&dst);
+        assert_eq!(bad(&empty_packet).map(|(_, p)| p.len()), Some(0));
     }
 
     #[test]

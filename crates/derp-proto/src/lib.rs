@@ -34,7 +34,10 @@ pub mod stun;
 pub mod upgrade;
 pub mod ws;
 
-pub use codec::{ClientDecoder, DecodeError, ServerDecoder};
+pub use codec::{
+    ClientDecoder, DecodeError, ServerDecoder, decode_recv_packet_datagram,
+    decode_send_packet_datagram,
+};
 pub use crypto::BoxError;
 pub use frame::{ClientToRelay, FrameType, PeerGoneReason, RelayToClient};
 pub use handshake::{ClientHandshake, HandshakeError, ServerHandshake};

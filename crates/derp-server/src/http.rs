@@ -112,6 +112,7 @@ async fn take_over(
         preamble,
         framing,
         not_ideal: up.not_ideal,
+        quic: None,
     };
     conn::serve(shared, accepted).await;
 }
@@ -342,6 +343,7 @@ fn derp_via_hyper(
                     preamble: Vec::new(),
                     framing,
                     not_ideal: up.not_ideal,
+                    quic: None,
                 };
                 conn::serve(shared, accepted).await;
             }

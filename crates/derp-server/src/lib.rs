@@ -9,7 +9,10 @@
 //!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
 //!   handling and the receiving side of mesh frames;
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
-//! - answers STUN binding requests on a UDP socket it is given.
+//! - answers STUN binding requests on a UDP socket it is given;
+//! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
+//!   given: one stream per client runs the same handshake, registration and relay as TCP,
+//!   and QUIC datagrams carry packets both ways.
 //!
 //! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
 //! or a global metrics registry (`derpd` does those); terminate TLS or obtain certificates
@@ -24,6 +27,7 @@ mod http;
 mod lookup;
 mod metrics;
 mod queue;
+pub mod quic;
 mod registry;
 mod server;
 mod state;
@@ -41,7 +45,8 @@ pub use lookup::bench as lookup_bench;
 pub use lookup::{
     DEFAULT_PEER_CACHE_MAX_ENTRIES, DEFAULT_PEER_CACHE_MAX_IDLE, LookupConfig, PeerCacheConfig,
 };
-pub use metrics::{DropReason, Metrics, PacketKind};
+pub use metrics::{DropReason, FallbackReason, Metrics, PacketKind, TransportLabel};
+pub use quic::{QuicConfig, QuicError, QuicListener};
 pub use registry::PacketForwarder;
 pub use server::{ServeError, Server};
 pub use stun::{StunConfig, StunMetrics, bind_stun, serve_stun};

@@ -85,6 +85,50 @@ impl PacketKind {
     }
 }
 
+/// What a DERP connection runs over; the `transport` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportLabel {
+    /// The HTTP upgrade on TCP (plain or TLS).
+    Tcp = 0,
+    /// WebSocket on TCP (plain or TLS).
+    WebSocket = 1,
+    /// DERP over QUIC.
+    Quic = 2,
+}
+
+impl TransportLabel {
+    /// Every transport, in label order.
+    pub const ALL: [Self; 3] = [Self::Tcp, Self::WebSocket, Self::Quic];
+
+    /// The Prometheus label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::WebSocket => "websocket",
+            Self::Quic => "quic",
+        }
+    }
+}
+
+/// Why a RecvPacket over QUIC went on the stream rather than in a datagram; the `reason`
+/// label of `derp_quic_stream_fallbacks`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FallbackReason {
+    /// The client did not enable datagrams.
+    NoDatagrams = 0,
+    /// The frame was larger than the current datagram limit.
+    TooLarge = 1,
+}
+
+impl FallbackReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::NoDatagrams => "no_datagrams",
+            Self::TooLarge => "too_large",
+        }
+    }
+}
+
 /// The relay's metrics, registered on a registry the caller owns.
 ///
 /// Fields are public so the server's modules can update them; they double as the metrics
@@ -176,6 +220,30 @@ pub struct Metrics {
     /// by whose fault: `class="peer_misbehaved"` (reason `malformed_frame`, `handshake`,
     /// `websocket`, `not_mesh_peer`) or `class="local"` (reason `io`, `timeout`).
     pub connection_errors: IntCounterVec,
+    /// `derp_accepts_by_transport{transport}`: `derp_accepts` split by transport, indexed by
+    /// [`TransportLabel`].
+    pub accepts_by_transport: [IntCounter; 3],
+    /// `derp_current_connections_by_transport{transport}`: registered connections by
+    /// transport, indexed by [`TransportLabel`].
+    pub current_connections_by_transport: [IntGauge; 3],
+    /// `derp_quic_handshakes{result}`: QUIC handshakes by result: `ok`, `error`, `timeout`
+    /// (not finished within the handshake deadline), `retry` (address validation asked for
+    /// because too many were in flight) or `refused` (still too many).
+    pub quic_handshakes: IntCounterVec,
+    /// `derp_quic_datagrams_received`: SendPacket frames that arrived in QUIC datagrams
+    /// (also counted in `derp_packets_received`).
+    pub quic_datagrams_received: IntCounter,
+    /// `derp_quic_datagrams_sent`: RecvPacket frames sent in QUIC datagrams (also counted
+    /// in `derp_packets_sent`).
+    pub quic_datagrams_sent: IntCounter,
+    /// `derp_quic_stream_fallbacks{reason}`: RecvPacket frames to QUIC clients that went on
+    /// the stream instead of a datagram, indexed by [`FallbackReason`].
+    pub quic_stream_fallbacks: [IntCounter; 2],
+    /// `derp_quic_garbage_datagrams`: client datagrams that were not one well-formed
+    /// SendPacket frame (dropped).
+    pub quic_garbage_datagrams: IntCounter,
+    /// `derp_quic_migrations`: QUIC clients seen, and validated, at a new address.
+    pub quic_migrations: IntCounter,
 }
 
 impl Metrics {
@@ -228,6 +296,24 @@ impl Metrics {
             "moving average of the time packets wait in send queues",
         )?;
         registry.register(Box::new(average_queue_duration_ms.clone()))?;
+        let accepts_by_transport = r.counter_vec(
+            "derp_accepts_by_transport",
+            "connections accepted for DERP, before the handshake, by transport",
+            &["transport"],
+        )?;
+        let current_by_transport = IntGaugeVec::new(
+            Opts::new(
+                "derp_current_connections_by_transport",
+                "registered connections, by transport",
+            ),
+            &["transport"],
+        )?;
+        registry.register(Box::new(current_by_transport.clone()))?;
+        let fallbacks = r.counter_vec(
+            "derp_quic_stream_fallbacks",
+            "RecvPacket frames to QUIC clients sent on the stream instead of a datagram, by reason",
+            &["reason"],
+        )?;
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
@@ -331,6 +417,33 @@ impl Metrics {
                 "DERP connections that ended with an error, by class (peer_misbehaved or local) and reason",
                 &["class", "reason"],
             )?,
+            accepts_by_transport: TransportLabel::ALL
+                .map(|t| accepts_by_transport.with_label_values(&[t.as_str()])),
+            current_connections_by_transport: TransportLabel::ALL
+                .map(|t| current_by_transport.with_label_values(&[t.as_str()])),
+            quic_handshakes: r.counter_vec(
+                "derp_quic_handshakes",
+                "QUIC handshakes by result (ok, error, timeout, retry, refused)",
+                &["result"],
+            )?,
+            quic_datagrams_received: r.counter(
+                "derp_quic_datagrams_received",
+                "SendPacket frames received in QUIC datagrams",
+            )?,
+            quic_datagrams_sent: r.counter(
+                "derp_quic_datagrams_sent",
+                "RecvPacket frames sent in QUIC datagrams",
+            )?,
+            quic_stream_fallbacks: [FallbackReason::NoDatagrams, FallbackReason::TooLarge]
+                .map(|f| fallbacks.with_label_values(&[f.as_str()])),
+            quic_garbage_datagrams: r.counter(
+                "derp_quic_garbage_datagrams",
+                "client datagrams that were not one well-formed SendPacket frame",
+            )?,
+            quic_migrations: r.counter(
+                "derp_quic_migrations",
+                "QUIC clients validated at a new address",
+            )?,
         })
     }
 
@@ -365,6 +478,8 @@ impl Metrics {
         add(&self.packets_forwarded_in, counts.forwarded_in);
         add(&self.peer_lookup_mirror_misses, counts.mirror_misses);
         add(&self.peer_lookup_cache_misses, counts.cache_misses);
+        add(&self.quic_datagrams_received, counts.datagrams_in);
+        add(&self.quic_garbage_datagrams, counts.garbage_datagrams);
         *counts = ReaderCounts::default();
     }
 
@@ -395,6 +510,10 @@ pub(crate) struct ReaderCounts {
     pub(crate) forwarded_in: u64,
     pub(crate) mirror_misses: u64,
     pub(crate) cache_misses: u64,
+    /// SendPacket frames that came in QUIC datagrams.
+    pub(crate) datagrams_in: u64,
+    /// QUIC datagrams that were not a well-formed SendPacket frame.
+    pub(crate) garbage_datagrams: u64,
     /// Frames handled since the last fold; used to fold at least this often on long bursts.
     pub(crate) frames: u64,
 }

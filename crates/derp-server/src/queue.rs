@@ -46,6 +46,8 @@ pub(crate) enum Control {
         reconnect_in_ms: u32,
         try_for_ms: u32,
     },
+    /// DERP over QUIC: the client's validated UDP address.
+    ObservedAddr(SocketAddr),
 }
 
 /// A writer parked while its connection has nothing to write. Enqueuing work resumes it.
@@ -201,6 +203,18 @@ impl SendQueue {
         state.closed || (state.pending.is_empty() && !state.writing)
     }
 
+    /// Like [`SendQueue::take`], but leaves the packets queued: only control frames and the
+    /// pending pong are taken. For a QUIC connection whose client address is not validated
+    /// yet, whose packets must wait (see `quic::gate`).
+    pub(crate) fn take_control(&self, batch: &mut Batch) -> bool {
+        let mut state = self.lock();
+        state.woken = false;
+        std::mem::swap(&mut state.pending.control, &mut batch.control);
+        batch.pong = state.pending.pong.take();
+        state.writing = !batch.is_empty();
+        !state.closed
+    }
+
     /// Marks the queue closed: later pushes are dropped as `gone_disconnected`. Returns what
     /// is still queued, so the caller can count it, and the parked writer, if any, which the
     /// caller must resume so it can close the socket.
@@ -349,6 +363,25 @@ mod tests {
         h.take(&mut batch);
         assert_eq!(batch.control.len(), 2);
         assert!(matches!(&batch.control[0], Control::WsPong(b) if b[..] == [99]));
+    }
+
+    #[test]
+    fn take_control_leaves_packets_queued() {
+        let h = handle(4);
+        let mut counts = ReaderCounts::default();
+        let src = PublicKey::from_bytes([9; 32]);
+        h.push_packet(src, pkt(1), PacketKind::Other, Instant::now(), &mut counts);
+        h.push_control(Control::KeepAlive);
+        h.push_pong([3; 8]);
+        let mut batch = Batch::default();
+        assert!(h.take_control(&mut batch));
+        assert_eq!(batch.control.len(), 1);
+        assert_eq!(batch.pong, Some([3; 8]));
+        assert!(batch.other.is_empty());
+        let mut rest = Batch::default();
+        h.take(&mut rest);
+        assert_eq!(rest.other.len(), 1);
+        assert!(rest.control.is_empty() && rest.pong.is_none());
     }
 
     #[test]

@@ -14,6 +14,7 @@ use tracing::{debug, warn};
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
 use crate::metrics::Metrics;
+use crate::quic::QuicListener;
 use crate::registry::PacketForwarder;
 use crate::state::ServerState;
 
@@ -107,6 +108,14 @@ impl Server {
             .spawn(crate::http::serve_conn(shared, transport, remote));
     }
 
+    /// Serves DERP over QUIC on `listener` until [`Server::shutdown`] is called, sharing the
+    /// relay (clients, queues, metrics) with the TCP listeners. QUIC handshakes run under the
+    /// listener's deadline and in-flight cap; each connection is then served exactly as a TCP
+    /// one is, plus its datagrams.
+    pub async fn serve_quic(&self, listener: QuicListener) {
+        conn::quic::accept_loop(self.shared.clone(), listener).await;
+    }
+
     /// A token cancelled when the server shuts down; for accept loops run by callers.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shared.shutdown.clone()
@@ -150,6 +159,7 @@ impl Server {
             preamble: Vec::new(),
             framing: conn::Framing::Raw,
             not_ideal: false,
+            quic: None,
         };
         conn::serve(self.shared.clone(), accepted).await;
     }

@@ -116,25 +116,30 @@ struct CertState {
 }
 
 #[derive(Debug)]
-struct Resolver(Arc<CertState>);
+struct Resolver {
+    certs: Arc<CertState>,
+    /// Answer TLS-ALPN-01 validation handshakes (the TCP listener only: ACME validates over
+    /// TCP, and QUIC's ALPN is `derp` alone).
+    acme: bool,
+}
 
 impl ResolvesServerCert for Resolver {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         let sni = hello.server_name();
-        if offers_alpn(&hello, ACME_TLS_ALPN) {
+        if self.acme && offers_alpn(&hello, ACME_TLS_ALPN) {
             let name = sni?.trim_end_matches('.').to_ascii_lowercase();
             let challenges = self
-                .0
+                .certs
                 .alpn_challenges
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             return challenges.get(&name).cloned();
         }
-        if !self.0.host.accepts_sni(sni) {
+        if !self.certs.host.accepts_sni(sni) {
             debug!(sni, "refusing tls handshake for another name");
             return None;
         }
-        self.0.current.load_full()
+        self.certs.current.load_full()
     }
 }
 
@@ -201,6 +206,8 @@ struct Inner {
     config_plain: Arc<ServerConfig>,
     /// For TLS-ALPN-01 validation.
     config_acme: Arc<ServerConfig>,
+    /// For DERP over QUIC: TLS 1.3 only, ALPN `derp`, no ACME answers.
+    config_quic: Arc<ServerConfig>,
     http01_tokens: Mutex<HashMap<String, String>>,
     generation: AtomicU64,
     updates: watch::Sender<CertInfo>,
@@ -235,14 +242,23 @@ impl TlsFront {
             current: ArcSwapOption::empty(),
             alpn_challenges: Mutex::new(HashMap::new()),
         });
-        let config = |alpn: &[&[u8]]| -> Result<Arc<ServerConfig>, TlsError> {
+        let build = |alpn: &[&[u8]], quic: bool| -> Result<Arc<ServerConfig>, TlsError> {
+            let versions: &[&rustls::SupportedProtocolVersion] = if quic {
+                &[&rustls::version::TLS13]
+            } else {
+                &[&rustls::version::TLS13, &rustls::version::TLS12]
+            };
             let mut config = ServerConfig::builder_with_provider(provider.clone())
-                .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
+                .with_protocol_versions(versions)?
                 .with_no_client_auth()
-                .with_cert_resolver(Arc::new(Resolver(certs.clone())));
+                .with_cert_resolver(Arc::new(Resolver {
+                    certs: certs.clone(),
+                    acme: !quic,
+                }));
             config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
             Ok(Arc::new(config))
         };
+        let config = |alpn: &[&[u8]]| build(alpn, false);
         let (updates, _) = watch::channel(CertInfo {
             generation: 0,
             origin: CertOrigin::Other,
@@ -256,6 +272,7 @@ impl TlsFront {
                 config_http11: config(&[HTTP11_ALPN])?,
                 config_plain: config(&[])?,
                 config_acme: config(&[ACME_TLS_ALPN])?,
+                config_quic: build(&[derp_server::quic::ALPN], true)?,
                 certs,
                 provider,
                 http01_tokens: Mutex::new(HashMap::new()),
@@ -315,6 +332,14 @@ impl TlsFront {
         self.inner.metrics.not_after.set(expiry);
         self.inner.updates.send_replace(info.clone());
         Ok(info)
+    }
+
+    /// The rustls config for DERP over QUIC
+    /// ([`QuicListener::bind`](derp_server::QuicListener::bind)): the same certificates as
+    /// this front (hot reload, ACME, the meta certificate), TLS 1.3 only, ALPN `derp`, and no
+    /// early data.
+    pub fn quic_server_config(&self) -> Arc<ServerConfig> {
+        self.inner.config_quic.clone()
     }
 
     /// The chain served right now (leaf first, meta certificate last), if any.

@@ -15,6 +15,8 @@
 //! - [`AcmeManager`] gets and renews certificates from any RFC 8555 server (Let's Encrypt by
 //!   default), answering TLS-ALPN-01 on the TLS listener and HTTP-01 on the port-80 listener,
 //!   caching account and certificate in the cert directory and backing off on failure.
+//! - [`TlsFront::quic_server_config`] gives the same certificates to DERP over QUIC (TLS 1.3,
+//!   ALPN `derp`, no TLS-ALPN-01 answers) for `derp_server::QuicListener`.
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
 //!   HTTP-01 answers, and redirects to HTTPS. It never serves DERP.
 //!

@@ -32,6 +32,8 @@ pub(crate) enum PeerMisbehaved {
     NotMeshPeer(u8),
     #[error("frame {0:?} where ClientInfo was expected")]
     UnexpectedFrame(Option<derp_proto::FrameType>),
+    #[error("DERP over QUIC stream did not start with the preamble")]
+    Preamble,
 }
 
 /// Something failed on this side of the connection, or under it.
@@ -56,6 +58,7 @@ impl ConnError {
                     PeerMisbehaved::WebSocket(_) => "websocket",
                     PeerMisbehaved::NotMeshPeer(_) => "not_mesh_peer",
                     PeerMisbehaved::UnexpectedFrame(_) => "malformed_frame",
+                    PeerMisbehaved::Preamble => "handshake",
                 },
             ],
             Self::Local(l) => [

@@ -6,6 +6,7 @@
 //! `write.rs` (take the queue, frame it, one vectored write, account).
 
 mod error;
+pub(crate) mod quic;
 mod read;
 mod write;
 
@@ -26,8 +27,9 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use crate::handle::ConnHandle;
-use crate::metrics::{DropReason, PacketKind};
-use crate::queue::Batch;
+use crate::metrics::{DropReason, PacketKind, TransportLabel};
+use crate::queue::{Batch, Control};
+use crate::quic::QuicLink;
 use crate::state::ServerState;
 pub(crate) use error::{ConnError, LocalError, PeerMisbehaved};
 use read::{FrameReader, ReadLoop};
@@ -47,17 +49,40 @@ pub(crate) struct Accepted {
     pub(crate) framing: Framing,
     /// The request carried a non-empty `Ideal-Node` header.
     pub(crate) not_ideal: bool,
+    /// DERP over QUIC: the connection's datagrams and migration gate.
+    pub(crate) quic: Option<Arc<QuicLink>>,
+}
+
+impl Accepted {
+    fn transport_label(&self) -> TransportLabel {
+        match (&self.quic, self.framing) {
+            (Some(_), _) => TransportLabel::Quic,
+            (None, Framing::WebSocket) => TransportLabel::WebSocket,
+            (None, Framing::Raw) => TransportLabel::Tcp,
+        }
+    }
 }
 
 /// Runs a DERP connection to completion. Never panics on peer input; every error closes only
 /// this connection.
 pub(crate) async fn serve(shared: Arc<ServerState>, accepted: Accepted) {
+    let _ = serve_counted(shared, accepted).await;
+}
+
+/// [`serve`], returning how the connection ended (already logged and counted).
+pub(crate) async fn serve_counted(
+    shared: Arc<ServerState>,
+    accepted: Accepted,
+) -> Result<(), ConnError> {
+    let label = accepted.transport_label();
     shared.metrics.accepts.inc();
+    shared.metrics.accepts_by_transport[label as usize].inc();
     if accepted.framing == Framing::WebSocket {
         shared.metrics.websocket_accepts.inc();
     }
     let remote = accepted.remote;
-    if let Err(e) = run(shared.clone(), accepted).await {
+    let result = run(shared.clone(), accepted, label).await;
+    if let Err(e) = &result {
         shared
             .metrics
             .connection_errors
@@ -65,9 +90,14 @@ pub(crate) async fn serve(shared: Arc<ServerState>, accepted: Accepted) {
             .inc();
         debug!(%remote, error = %e, "derp connection ended");
     }
+    result
 }
 
-async fn run(shared: Arc<ServerState>, accepted: Accepted) -> Result<(), ConnError> {
+async fn run(
+    shared: Arc<ServerState>,
+    accepted: Accepted,
+    label: TransportLabel,
+) -> Result<(), ConnError> {
     let Accepted {
         transport,
         initial,
@@ -75,6 +105,7 @@ async fn run(shared: Arc<ServerState>, accepted: Accepted) -> Result<(), ConnErr
         preamble,
         framing,
         not_ideal,
+        quic,
     } = accepted;
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
@@ -112,7 +143,11 @@ async fn run(shared: Arc<ServerState>, accepted: Accepted) -> Result<(), ConnErr
         shared.shutdown.child_token(),
     ));
 
-    let registration = Registration::new(&shared, &handle, not_ideal);
+    if let Some(link) = &quic {
+        let early = reader.attach_quic(link.clone());
+        shared.metrics.quic_garbage_datagrams.inc_by(early);
+    }
+    let registration = Registration::new(&shared, &handle, not_ideal, label);
     let write_timeout = if can_mesh {
         config.mesh_write_timeout
     } else {
@@ -136,15 +171,31 @@ async fn run(shared: Arc<ServerState>, accepted: Accepted) -> Result<(), ConnErr
             match write_with_timeout(&mut write_half, &out, Some(config.handshake_timeout)).await {
                 Ok(()) => {
                     debug!(%remote, key = %client_key.short(), id, "client connected");
+                    if let Some(link) = &quic {
+                        // The first frame after ServerInfo: where the client's packets come
+                        // from, as the server sees it.
+                        handle
+                            .queue
+                            .push_control(Control::ObservedAddr(link.trusted_addr()));
+                    }
                     Writer::start(
                         shared.clone(),
                         handle.clone(),
                         write_half,
                         framing,
                         write_timeout,
+                        quic.clone(),
                     );
                     let mut read_loop = ReadLoop::new(&shared, &handle, reader);
-                    let result = read_loop.run().await;
+                    let result = match &quic {
+                        None => read_loop.run().await,
+                        // The path watcher runs on the connection's own task, beside its
+                        // read loop, and stops with it.
+                        Some(link) => tokio::select! {
+                            r = read_loop.run() => r,
+                            never = link.watch_path(&handle, &shared.metrics) => match never {},
+                        },
+                    };
                     if let Some(code) = read_loop.reader.ws_close {
                         handle.ws_close_code.store(code, Ordering::Relaxed);
                     }
@@ -152,7 +203,13 @@ async fn run(shared: Arc<ServerState>, accepted: Accepted) -> Result<(), ConnErr
                         // Stay registered while the writer drains the queue; the server
                         // ends the connection once every queue is out or the drain
                         // deadline passes.
-                        handle.cancel.cancelled().await;
+                        match &quic {
+                            None => handle.cancel.cancelled().await,
+                            Some(link) => tokio::select! {
+                                _ = handle.cancel.cancelled() => {}
+                                never = link.watch_path(&handle, &shared.metrics) => match never {},
+                            },
+                        }
                     }
                     // Leaving the registry closes the queues; the writer (running, or
                     // resumed from its parked state by the close) then finishes the socket.
@@ -176,11 +233,18 @@ struct Registration<'a> {
     shared: &'a ServerState,
     handle: &'a Arc<ConnHandle>,
     not_ideal: bool,
+    label: TransportLabel,
 }
 
 impl<'a> Registration<'a> {
-    fn new(shared: &'a ServerState, handle: &'a Arc<ConnHandle>, not_ideal: bool) -> Self {
+    fn new(
+        shared: &'a ServerState,
+        handle: &'a Arc<ConnHandle>,
+        not_ideal: bool,
+        label: TransportLabel,
+    ) -> Self {
         shared.registry.register(handle);
+        shared.metrics.current_connections_by_transport[label as usize].inc();
         if not_ideal {
             shared.metrics.current_notideal_connections.inc();
         }
@@ -188,6 +252,7 @@ impl<'a> Registration<'a> {
             shared,
             handle,
             not_ideal,
+            label,
         }
     }
 }
@@ -197,6 +262,7 @@ impl Drop for Registration<'_> {
         self.handle.cancel.cancel();
         self.shared.registry.unregister(self.handle);
         self.shared.registry.remove_watcher(self.handle.id);
+        self.shared.metrics.current_connections_by_transport[self.label as usize].dec();
         if self.not_ideal {
             self.shared.metrics.current_notideal_connections.dec();
         }

@@ -25,6 +25,7 @@ use crate::handle::ConnHandle;
 use crate::lookup::{Route, Router};
 use crate::metrics::{DropReason, PacketKind, ReaderCounts};
 use crate::queue::Control;
+use crate::quic::QuicLink;
 use crate::state::ServerState;
 
 /// The read side: raw bytes from the socket, unwrapped from WebSocket messages when needed,
@@ -35,6 +36,14 @@ pub(super) struct FrameReader {
     ws: Option<WsIn>,
     /// The close code to answer with, once the WebSocket layer has one.
     pub(super) ws_close: Option<u16>,
+    /// A QUIC connection's datagrams, once its handshake is done.
+    quic: Option<QuicIn>,
+}
+
+struct QuicIn {
+    link: Arc<QuicLink>,
+    /// Datagrams read and not yet handled.
+    datagrams: Vec<Bytes>,
 }
 
 struct WsIn {
@@ -53,14 +62,33 @@ impl FrameReader {
                     raw: initial,
                 }),
                 ws_close: None,
+                quic: None,
             },
             Framing::Raw => Self {
                 half,
                 buf: initial,
                 ws: None,
                 ws_close: None,
+                quic: None,
             },
         }
+    }
+
+    /// From now on, reads also take the QUIC connection's datagrams. Datagrams the client
+    /// sent before its handshake completed are dropped; returns how many.
+    pub(super) fn attach_quic(&mut self, link: Arc<QuicLink>) -> u64 {
+        let early = link.registered();
+        self.quic = Some(QuicIn {
+            link,
+            datagrams: Vec::new(),
+        });
+        early
+    }
+
+    /// Datagrams read since the last call (QUIC only).
+    fn take_datagrams(&mut self) -> Option<Vec<Bytes>> {
+        let q = self.quic.as_mut()?;
+        (!q.datagrams.is_empty()).then(|| std::mem::take(&mut q.datagrams))
     }
 
     /// Reads once from the socket and appends what it yields to `buf`. Returns 0 at EOF.
@@ -70,6 +98,23 @@ impl FrameReader {
         handle: Option<&ConnHandle>,
         chunk: usize,
     ) -> Result<usize, ConnError> {
+        if let Some(q) = &mut self.quic {
+            if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
+                self.buf.reserve(chunk);
+            }
+            // Stream bytes or datagrams, whichever come first (unbiased: a busy stream must
+            // not starve the datagrams).
+            return tokio::select! {
+                n = self.half.read_buf(&mut self.buf) => {
+                    let n = n?;
+                    if n == 0 {
+                        q.link.note_client_finished();
+                    }
+                    Ok(n)
+                }
+                n = q.link.read_datagrams(&mut q.datagrams) => Ok(n?),
+            };
+        }
         let Some(ws_in) = &mut self.ws else {
             self.half.ready().await?;
             if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
@@ -291,12 +336,7 @@ impl<'a> ReadLoop<'a> {
             match frame {
                 ClientToRelay::SendPacket { dst, packet } => {
                     let packet = self.own_payload(packet);
-                    let kind = PacketKind::of(&packet);
-                    self.counts.packets_received += 1;
-                    self.counts.bytes_received += packet.len() as u64;
-                    self.counts.packets_received_kind[kind as usize] += 1;
-                    let src = self.handle.key;
-                    self.route(&guard, Origin::Client, src, dst, packet, kind, now);
+                    self.client_packet(&guard, dst, packet, now);
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
                     self.require_mesh(FrameType::ForwardPacket)?;
@@ -329,10 +369,56 @@ impl<'a> ReadLoop<'a> {
                 }
             }
         }
+        if let Some(mut datagrams) = self.reader.take_datagrams() {
+            self.handle_datagrams(&guard, &mut datagrams, now);
+            if let Some(q) = &mut self.reader.quic {
+                // Hand the emptied vector back so its capacity is reused.
+                q.datagrams = datagrams;
+            }
+        }
         let misses = std::mem::take(&mut self.router.misses);
         self.counts.mirror_misses += misses.mirror;
         self.counts.cache_misses += misses.cache;
         Ok(())
+    }
+
+    /// A packet the client sent, on the stream or in a datagram.
+    fn client_packet(
+        &mut self,
+        guard: &impl papaya::Guard,
+        dst: PublicKey,
+        packet: Bytes,
+        now: Instant,
+    ) {
+        let kind = PacketKind::of(&packet);
+        self.counts.packets_received += 1;
+        self.counts.bytes_received += packet.len() as u64;
+        self.counts.packets_received_kind[kind as usize] += 1;
+        let src = self.handle.key;
+        self.route(guard, Origin::Client, src, dst, packet, kind, now);
+    }
+
+    /// QUIC datagrams: each one SendPacket frame, routed like one from the stream. Anything
+    /// else is dropped and counted; a datagram is never a reason to close the connection.
+    fn handle_datagrams(
+        &mut self,
+        guard: &impl papaya::Guard,
+        datagrams: &mut Vec<Bytes>,
+        now: Instant,
+    ) {
+        for datagram in datagrams.drain(..) {
+            self.counts.frames += 1;
+            if self.handle.is_dup.load(Ordering::Relaxed) {
+                self.shared.registry.note_activity(self.handle);
+            }
+            match derp_proto::decode_send_packet_datagram(&datagram) {
+                Some((dst, packet)) => {
+                    self.counts.datagrams_in += 1;
+                    self.client_packet(guard, dst, packet, now);
+                }
+                None => self.counts.garbage_datagrams += 1,
+            }
+        }
     }
 
     /// Hands one packet to where its destination is: a local connection's queue, or (for a

@@ -14,16 +14,19 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use bytes::BytesMut;
 use derp_io::WriteHalf;
 use derp_proto::{PeerGoneReason, PublicKey, RelayToClient, frame, ws};
+use quinn::SendDatagramError;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 use tracing::debug;
 
 use super::{Framing, count_gone};
 use crate::handle::ConnHandle;
-use crate::metrics::{DropReason, PacketKind};
+use crate::metrics::{DropReason, FallbackReason, PacketKind};
 use crate::queue::{Batch, Control, Resume};
+use crate::quic::QuicLink;
 use crate::state::ServerState;
 
 /// A connection's writer. It runs as a task only while there is something to write (and
@@ -40,6 +43,10 @@ pub(super) struct Writer {
     headers: Vec<u8>,
     /// Sources this connection has received from; each is registered once for PeerGone.
     sent_from: HashSet<PublicKey, foldhash::fast::RandomState>,
+    /// A QUIC connection's datagram side and migration gate.
+    quic: Option<Arc<QuicLink>>,
+    /// Packets of the current batch that go in QUIC datagrams rather than on the stream.
+    datagrams: Vec<(PacketKind, usize)>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -73,6 +80,7 @@ impl Writer {
         w: WriteHalf,
         framing: Framing,
         write_timeout: Option<Duration>,
+        quic: Option<Arc<QuicLink>>,
     ) {
         let writer = Box::new(Self {
             shared,
@@ -83,6 +91,8 @@ impl Writer {
             batch: Batch::default(),
             headers: Vec::new(),
             sent_from: HashSet::default(),
+            quic,
+            datagrams: Vec::new(),
         });
         if let Err(writer) = handle.queue.park(writer) {
             writer.resume();
@@ -129,6 +139,9 @@ impl Writer {
         if let Some(e) = error {
             if e.kind() == io::ErrorKind::TimedOut {
                 shared.metrics.write_timeouts.inc();
+                if let Some(link) = &self.quic {
+                    link.note_write_timeout();
+                }
             }
             debug!(id = handle.id, error = %e, "write failed");
         }
@@ -167,13 +180,28 @@ struct Framed {
     gone: [u64; 2],
     /// The moving average of queueing time with this batch's packets folded in.
     average_wait_ms: f64,
+    /// Packets sent in QUIC datagrams.
+    datagrams: u64,
+    /// Packets to QUIC clients that went on the stream, indexed by [`FallbackReason`].
+    fallbacks: [u64; 2],
 }
 
 impl Writer {
     /// Writes batches until nothing is pending. Returns false once the connection is closed.
     async fn drain(&mut self) -> io::Result<bool> {
         loop {
-            let open = self.handle.queue.take(&mut self.batch);
+            let open = match &self.quic {
+                None => self.handle.queue.take(&mut self.batch),
+                Some(link) => {
+                    if link.check_path(&self.handle, &self.shared.metrics) {
+                        self.handle.queue.take(&mut self.batch)
+                    } else {
+                        // The client's address is not validated: its packets wait in the
+                        // queue (the path watcher wakes this writer until it is).
+                        self.handle.queue.take_control(&mut self.batch)
+                    }
+                }
+            };
             if self.batch.is_empty() {
                 return Ok(open);
             }
@@ -196,10 +224,63 @@ impl Writer {
         let mut segs = Vec::with_capacity(
             2 * (self.batch.disco.len() + self.batch.other.len()) + self.batch.control.len() + 1,
         );
-        let framed = self.frame_batch(&mut segs);
-        let result = self.write_segments(&segs).await;
+        let mut framed = self.frame_batch(&mut segs);
+        let mut result = Ok(());
+        if !self.datagrams.is_empty() {
+            result = self.send_datagrams(&mut segs, &mut framed).await;
+        }
+        if result.is_ok() {
+            result = self.write_segments(&segs).await;
+        }
         self.account(&framed, result.is_ok());
         result.map(|()| framed.frames)
+    }
+
+    /// Sends the batch's datagram packets, each under the write deadline. A frame that no
+    /// longer fits (the path MTU shrank since it was framed) goes on the stream instead.
+    async fn send_datagrams(&mut self, segs: &mut Vec<Seg>, framed: &mut Framed) -> io::Result<()> {
+        let Some(link) = self.quic.clone() else {
+            return Ok(());
+        };
+        let cancel = self.handle.cancel.clone();
+        let far = Duration::from_secs(86_400);
+        let deadline = tokio::time::sleep(self.write_timeout.unwrap_or(far));
+        tokio::pin!(deadline);
+        for n in 0..self.datagrams.len() {
+            let (kind, i) = self.datagrams[n];
+            let p = match kind {
+                PacketKind::Disco => &self.batch.disco[i],
+                PacketKind::Other => &self.batch.other[i],
+            };
+            let mut out = BytesMut::with_capacity(frame::FRAME_HEADER_LEN + 32 + p.data.len());
+            out.extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
+            out.extend_from_slice(&p.data);
+            let sent = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "connection closed while writing",
+                )),
+                _ = &mut deadline => return Err(io::ErrorKind::TimedOut.into()),
+                r = link.send_datagram(out.freeze()) => r,
+            };
+            match sent {
+                Ok(()) => framed.datagrams += 1,
+                Err(SendDatagramError::TooLarge) => {
+                    let start = self.headers.len();
+                    self.headers
+                        .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
+                    segs.push(Seg::Header(start..self.headers.len()));
+                    segs.push(Seg::Payload(kind, i));
+                    framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
+                }
+                Err(e) => return Err(io::Error::other(e)),
+            }
+            if let Some(t) = self.write_timeout {
+                deadline.as_mut().reset(Instant::now() + t);
+            }
+        }
+        Ok(())
     }
 
     /// Lays the batch out as frames: control frames and headers go into the scratch buffer,
@@ -252,6 +333,11 @@ impl Writer {
                     self.headers
                         .extend_from_slice(&ws::control_frame(ws::Opcode::Pong, &payload));
                 }
+                Control::ObservedAddr(addr) => push_frame(
+                    &mut self.headers,
+                    framing,
+                    &RelayToClient::ObservedAddr(addr),
+                ),
             }
             segs.push(Seg::Header(start..self.headers.len()));
             framed.frames += 1;
@@ -264,11 +350,29 @@ impl Writer {
             framed.pongs += 1;
         }
         let now = Instant::now();
+        // QUIC: `Some(limit)`, where the limit is `None` when the client takes no datagrams.
+        let datagram_limit = self.quic.as_ref().map(|link| link.max_datagram_frame());
+        self.datagrams.clear();
         for (kind, queue) in [
             (PacketKind::Disco, &self.batch.disco),
             (PacketKind::Other, &self.batch.other),
         ] {
             for (i, p) in queue.iter().enumerate() {
+                let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
+                framed.average_wait_ms = framed.average_wait_ms * 0.9 + waited * 0.1;
+                framed.packets += 1;
+                framed.packet_bytes += p.data.len() as u64;
+                framed.frames += 1;
+                if let Some(limit) = datagram_limit {
+                    match limit {
+                        Some(max) if frame::FRAME_HEADER_LEN + 32 + p.data.len() <= max => {
+                            self.datagrams.push((kind, i));
+                            continue;
+                        }
+                        Some(_) => framed.fallbacks[FallbackReason::TooLarge as usize] += 1,
+                        None => framed.fallbacks[FallbackReason::NoDatagrams as usize] += 1,
+                    }
+                }
                 let start = self.headers.len();
                 if framing == Framing::WebSocket {
                     let (hdr, n) = ws::binary_header(frame::FRAME_HEADER_LEN + 32 + p.data.len());
@@ -278,11 +382,6 @@ impl Writer {
                     .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
                 segs.push(Seg::Header(start..self.headers.len()));
                 segs.push(Seg::Payload(kind, i));
-                framed.packets += 1;
-                framed.packet_bytes += p.data.len() as u64;
-                let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
-                framed.average_wait_ms = framed.average_wait_ms * 0.9 + waited * 0.1;
-                framed.frames += 1;
             }
         }
         framed
@@ -352,6 +451,14 @@ impl Writer {
         }
         if framed.pongs > 0 {
             m.sent_pong.inc_by(framed.pongs);
+        }
+        if framed.datagrams > 0 {
+            m.quic_datagrams_sent.inc_by(framed.datagrams);
+        }
+        for (counter, n) in m.quic_stream_fallbacks.iter().zip(framed.fallbacks) {
+            if n > 0 {
+                counter.inc_by(n);
+            }
         }
         if framed.gone[0] > 0 {
             m.peer_gone_disconnected_frames.inc_by(framed.gone[0]);

@@ -1,0 +1,177 @@
+//! How a QUIC connection enters the relay: its QUIC handshake under a deadline and a cap,
+//! its DERP stream and preamble, then the same [`serve`](super::serve_counted) as every
+//! TCP connection, and finally a CONNECTION_CLOSE with the code that says why it ended.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use derp_io::Transport;
+use quinn::{Connection, Incoming, VarInt};
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::debug;
+
+use super::{Accepted, ConnError, Framing, LocalError, PeerMisbehaved};
+use crate::metrics::TransportLabel;
+use crate::quic::{PREAMBLE, QuicLink, QuicListener, close_code};
+use crate::state::ServerState;
+
+/// Accepts QUIC connections until the server shuts down, then closes the endpoint. While
+/// the server drains (graceful shutdown) new connections are refused and established ones
+/// keep their connection until the drain is over.
+pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener) {
+    let QuicListener {
+        endpoint,
+        config,
+        handshakes,
+    } = listener;
+    let mut draining = false;
+    loop {
+        let incoming = tokio::select! {
+            _ = shared.shutdown.cancelled() => break,
+            _ = shared.draining.cancelled(), if !draining => {
+                draining = true;
+                endpoint.set_server_config(None);
+                continue;
+            }
+            i = endpoint.accept() => match i {
+                Some(i) => i,
+                None => break,
+            },
+        };
+        let results = &shared.metrics.quic_handshakes;
+        let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+            // Over the cap: make an unproven source prove its address first (a Retry costs
+            // the server no state), and refuse one that already did.
+            if !incoming.remote_address_validated() && incoming.may_retry() {
+                results.with_label_values(&["retry"]).inc();
+                let _ = incoming.retry();
+            } else {
+                results.with_label_values(&["refused"]).inc();
+                incoming.refuse();
+            }
+            continue;
+        };
+        shared.tasks.spawn(serve_incoming(
+            shared.clone(),
+            incoming,
+            permit,
+            config.handshake_timeout,
+        ));
+    }
+    endpoint.close(VarInt::from_u32(close_code::SHUTDOWN), b"");
+    // Give the CONNECTION_CLOSE frames a moment to leave before the socket goes away.
+    let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
+}
+
+/// Runs one QUIC handshake, holding a slot of the in-flight cap until it is done, then the
+/// DERP connection.
+async fn serve_incoming(
+    shared: Arc<ServerState>,
+    incoming: Incoming,
+    permit: OwnedSemaphorePermit,
+    timeout: Duration,
+) {
+    let remote = incoming.remote_address();
+    let results = &shared.metrics.quic_handshakes;
+    let connecting = match incoming.accept() {
+        Ok(c) => c,
+        Err(e) => {
+            results.with_label_values(&["error"]).inc();
+            debug!(%remote, error = %e, "quic handshake refused");
+            return;
+        }
+    };
+    let conn = tokio::select! {
+        _ = shared.shutdown.cancelled() => return,
+        r = tokio::time::timeout(timeout, connecting) => match r {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                results.with_label_values(&["error"]).inc();
+                debug!(%remote, error = %e, "quic handshake failed");
+                return;
+            }
+            Err(_) => {
+                // Dropping the half-done connection abandons it.
+                results.with_label_values(&["timeout"]).inc();
+                debug!(%remote, "quic handshake timed out");
+                return;
+            }
+        },
+    };
+    results.with_label_values(&["ok"]).inc();
+    drop(permit);
+    let code = serve_connection(&shared, &conn).await;
+    conn.close(VarInt::from_u32(code), b"");
+}
+
+/// Takes the DERP stream and its preamble, then serves DERP on it. Returns the close code.
+async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
+    let remote = conn.remote_address();
+    let opened = tokio::select! {
+        _ = shared.shutdown.cancelled() => return close_code::SHUTDOWN,
+        r = tokio::time::timeout(shared.config.handshake_timeout, async {
+            let (send, mut recv) = conn.accept_bi().await?;
+            let mut preamble = [0u8; PREAMBLE.len()];
+            recv.read_exact(&mut preamble).await.map_err(std::io::Error::other)?;
+            Ok::<_, std::io::Error>((send, recv, preamble))
+        }) => r,
+    };
+    let (send, recv) = match opened {
+        Ok(Ok((send, recv, preamble))) if preamble == PREAMBLE => (send, recv),
+        Ok(Ok(_)) => {
+            early_failure(shared, PeerMisbehaved::Preamble.into());
+            return close_code::HANDSHAKE_FAILED;
+        }
+        Ok(Err(e)) => {
+            early_failure(shared, e.into());
+            return close_code::NO_ERROR;
+        }
+        Err(_) => {
+            early_failure(shared, LocalError::HandshakeTimeout.into());
+            return close_code::HANDSHAKE_TIMEOUT;
+        }
+    };
+    let link = QuicLink::new(conn.clone());
+    let accepted = Accepted {
+        transport: Transport::Halves(Box::new(recv), Box::new(send)),
+        initial: BytesMut::new(),
+        remote,
+        preamble: Vec::new(),
+        framing: Framing::Raw,
+        not_ideal: false,
+        quic: Some(link.clone()),
+    };
+    let result = super::serve_counted(shared.clone(), accepted).await;
+    close_code_for(shared, &link, &result)
+}
+
+/// Counts a connection that failed before it reached the DERP handshake proper, as
+/// [`super::serve_counted`] counts every other.
+fn early_failure(shared: &ServerState, error: ConnError) {
+    let m = &shared.metrics;
+    m.accepts.inc();
+    m.accepts_by_transport[TransportLabel::Quic as usize].inc();
+    m.connection_errors.with_label_values(&error.labels()).inc();
+    debug!(error = %error, "quic connection ended before the derp handshake");
+}
+
+/// The application close code that says why a DERP-over-QUIC connection ended.
+fn close_code_for(shared: &ServerState, link: &QuicLink, result: &Result<(), ConnError>) -> u32 {
+    if shared.shutdown.is_cancelled() {
+        return close_code::SHUTDOWN;
+    }
+    if link.write_timed_out() {
+        return close_code::WRITE_TIMEOUT;
+    }
+    match result {
+        Err(ConnError::Local(LocalError::HandshakeTimeout)) => close_code::HANDSHAKE_TIMEOUT,
+        Err(ConnError::Peer(_)) if !link.was_registered() => close_code::HANDSHAKE_FAILED,
+        Err(ConnError::Peer(_)) => close_code::PROTOCOL_ERROR,
+        // The client's stream or connection went away under us.
+        Err(ConnError::Local(_)) => close_code::NO_ERROR,
+        Ok(()) if link.client_finished() => close_code::NO_ERROR,
+        // Ended from this side: a mesh peer's ClosePeer, or the writer gave up.
+        Ok(()) => close_code::CLOSED,
+    }
+}

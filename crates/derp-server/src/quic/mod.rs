@@ -1,0 +1,169 @@
+//! DERP over QUIC: the UDP endpoint and its transport settings, and what a QUIC connection
+//! adds to a DERP connection (datagrams, the migration gate). The mapping itself is in
+//! `docs/protocol.md` ("DERP over QUIC").
+//!
+//! The caller binds the UDP socket and supplies the rustls server config (TLS 1.3, ALPN
+//! `derp`; `derp-tls` builds it with the same certificates as the TCP listener). A QUIC
+//! connection's one bidirectional stream runs the very same handshake, registration, read
+//! loop and writer as a TCP connection; its datagrams enter the same routing and leave from
+//! the same writer (`conn`).
+
+mod gate;
+mod link;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub(crate) use link::QuicLink;
+use quinn::crypto::rustls::QuicServerConfig;
+use quinn::{EndpointConfig, IdleTimeout, TransportConfig, VarInt};
+use tokio::sync::Semaphore;
+
+/// The ALPN protocol of DERP over QUIC.
+pub const ALPN: &[u8] = b"derp";
+
+/// The 8 bytes a client writes first on its DERP stream ("DERP🔑", the ServerKey magic):
+/// a QUIC stream does not exist for the server until data arrives on it.
+pub const PREAMBLE: [u8; 8] = derp_proto::frame::MAGIC;
+
+/// Application error codes of DERP over QUIC (CONNECTION_CLOSE, RESET_STREAM, STOP_SENDING).
+pub mod close_code {
+    /// Normal end: the client finished or reset its stream.
+    pub const NO_ERROR: u32 = 0x0;
+    /// A frame broke its rule after the handshake (where TCP closes the connection).
+    pub const PROTOCOL_ERROR: u32 = 0x1;
+    /// Wrong preamble, bad ClientInfo, box or JSON failure, refused mesh key.
+    pub const HANDSHAKE_FAILED: u32 = 0x2;
+    /// Stream, preamble or ClientInfo not there in time.
+    pub const HANDSHAKE_TIMEOUT: u32 = 0x3;
+    /// A write to the client blocked past the write deadline.
+    pub const WRITE_TIMEOUT: u32 = 0x4;
+    /// Closed by server policy (a mesh peer's ClosePeer, a newer connection's takeover).
+    pub const CLOSED: u32 = 0x5;
+    /// The server is shutting down.
+    pub const SHUTDOWN: u32 = 0x6;
+}
+
+/// Settings of the QUIC listener.
+#[derive(Clone, Debug)]
+pub struct QuicConfig {
+    /// Deadline for the QUIC (TLS) handshake, from the client's first packet. The DERP
+    /// handshake that follows has [`ServerConfig::handshake_timeout`](crate::ServerConfig).
+    pub handshake_timeout: Duration,
+    /// QUIC handshakes in progress at once; beyond it, a client whose address is not yet
+    /// validated is sent a Retry, and one that is validated is refused.
+    pub max_handshakes: usize,
+    /// The idle timeout advertised (`max_idle_timeout`); the smaller of both sides' applies.
+    pub idle_timeout: Duration,
+    /// The server sends a PING after this long without hearing from the client, which keeps
+    /// NAT bindings open and detects a vanished client.
+    pub keep_alive: Duration,
+}
+
+impl Default for QuicConfig {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: DEFAULT_QUIC_HANDSHAKE_TIMEOUT,
+            max_handshakes: DEFAULT_MAX_QUIC_HANDSHAKES,
+            idle_timeout: QUIC_IDLE_TIMEOUT,
+            keep_alive: QUIC_KEEP_ALIVE,
+        }
+    }
+}
+
+/// Default deadline for a QUIC handshake.
+pub const DEFAULT_QUIC_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default cap on QUIC handshakes in progress.
+pub const DEFAULT_MAX_QUIC_HANDSHAKES: usize = 1024;
+/// Idle timeout the server advertises.
+pub const QUIC_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The server's keep-alive interval.
+pub const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// Why the QUIC listener could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum QuicError {
+    /// The TLS config cannot serve QUIC (it needs TLS 1.3 and TLS13_AES_128_GCM_SHA256).
+    #[error("tls config unusable for QUIC: {0}")]
+    Tls(String),
+    /// A setting is out of range.
+    #[error("invalid QUIC setting: {0}")]
+    Config(String),
+    /// The socket could not be used.
+    #[error("udp socket: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// A bound QUIC endpoint ready for [`Server::serve_quic`](crate::Server::serve_quic).
+#[derive(Debug)]
+pub struct QuicListener {
+    pub(crate) endpoint: quinn::Endpoint,
+    pub(crate) config: QuicConfig,
+    pub(crate) handshakes: Arc<Semaphore>,
+}
+
+impl QuicListener {
+    /// Serves QUIC on `socket` with `tls` (whose ALPN list must be exactly `derp`: QUIC
+    /// refuses clients that offer nothing in common). Must run inside a tokio runtime.
+    pub fn bind(
+        socket: std::net::UdpSocket,
+        tls: Arc<rustls::ServerConfig>,
+        config: QuicConfig,
+    ) -> Result<Self, QuicError> {
+        if tls.alpn_protocols != [ALPN] {
+            return Err(QuicError::Tls("ALPN must be exactly \"derp\"".into()));
+        }
+        let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Tls(e.to_string()))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        server.transport_config(Arc::new(transport_config(&config)?));
+        let mut endpoint = EndpointConfig::default();
+        endpoint.supported_versions(vec![QUIC_V1]);
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| QuicError::Config("no tokio runtime".into()))?;
+        let endpoint = quinn::Endpoint::new(endpoint, Some(server), socket, runtime)?;
+        Ok(Self {
+            endpoint,
+            handshakes: Arc::new(Semaphore::new(config.max_handshakes.max(1))),
+            config,
+        })
+    }
+
+    /// The address the endpoint is bound to.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+}
+
+/// QUIC version 1 (RFC 9000), the only one served.
+const QUIC_V1: u32 = 1;
+
+/// The transport parameters and timers of `docs/protocol.md`'s table. Congestion control
+/// is quinn's default, CUBIC (paced, initial window 12 000 bytes), as the TCP path runs under
+/// Linux's default; migration is allowed (quinn's default).
+fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
+    let mut t = TransportConfig::default();
+    // One DERP stream, opened by the client; the server never opens one.
+    t.max_concurrent_bidi_streams(VarInt::from_u32(1));
+    t.max_concurrent_uni_streams(VarInt::from_u32(0));
+    let idle = IdleTimeout::try_from(config.idle_timeout)
+        .map_err(|_| QuicError::Config("idle timeout out of range".into()))?;
+    t.max_idle_timeout(Some(idle));
+    t.keep_alive_interval(Some(config.keep_alive));
+    // quinn refuses (PROTOCOL_VIOLATION) any datagram larger than this buffer, and
+    // advertises max_datagram_frame_size = min(this, 65535); keep it above 65535 + its
+    // per-datagram overhead so the advertised limit is the real one.
+    t.datagram_receive_buffer_size(Some(DATAGRAM_RECEIVE_BUFFER));
+    t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
+    // What one client can make the server buffer, and have in flight towards it.
+    t.stream_receive_window(VarInt::from_u32(STREAM_WINDOW));
+    t.receive_window(VarInt::from_u32(STREAM_WINDOW));
+    t.send_window(u64::from(STREAM_WINDOW));
+    Ok(t)
+}
+
+const DATAGRAM_RECEIVE_BUFFER: usize = 128 * 1024;
+/// About 46 full-size packets, 1.4 times one of derpd's per-client queues.
+const DATAGRAM_SEND_BUFFER: usize = 64 * 1024;
+const STREAM_WINDOW: u32 = 1024 * 1024;

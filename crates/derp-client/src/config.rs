@@ -76,7 +76,14 @@ pub struct ClientConfig {
     pub extra_roots: Vec<CertificateDer<'static>>,
     /// TLS only: a complete rustls client config to use as is, replacing the one built from
     /// `cert_name` and `extra_roots`. Fast start from the meta certificate still applies.
+    /// Over QUIC its ALPN list is replaced with `derp`, and it must allow TLS 1.3.
     pub tls_config: Option<Arc<rustls::ClientConfig>>,
+    /// Connect to an `https://` server over QUIC, to this UDP port, instead of over TCP (a
+    /// TLS node's `--quic-port`). `quic://` URLs always use QUIC, on the URL's port.
+    pub quic_port: Option<u16>,
+    /// QUIC only: accept and send packets in QUIC datagrams (on by default). Off, every
+    /// packet travels on the stream, reliably and in order.
+    pub quic_datagrams: bool,
 }
 
 impl ClientConfig {
@@ -90,7 +97,7 @@ impl ClientConfig {
     pub fn with_url(url: ServerUrl, secret_key: SecretKey) -> Self {
         let transport = match url.scheme() {
             Scheme::Ws | Scheme::Wss => TransportKind::WebSocket,
-            Scheme::Http | Scheme::Https => TransportKind::Upgrade,
+            Scheme::Http | Scheme::Https | Scheme::Quic => TransportKind::Upgrade,
         };
         Self {
             url,
@@ -109,6 +116,38 @@ impl ClientConfig {
             cert_name: None,
             extra_roots: Vec::new(),
             tls_config: None,
+            quic_port: None,
+            quic_datagrams: true,
+        }
+    }
+
+    /// Sets [`ClientConfig::quic_port`].
+    pub fn with_quic_port(mut self, port: u16) -> Self {
+        self.quic_port = Some(port);
+        self
+    }
+
+    /// Sets [`ClientConfig::quic_datagrams`].
+    pub fn with_quic_datagrams(mut self, on: bool) -> Self {
+        self.quic_datagrams = on;
+        self
+    }
+
+    /// Whether this config connects over QUIC: a `quic://` URL, or an `https://` one with
+    /// [`ClientConfig::quic_port`].
+    pub fn uses_quic(&self) -> bool {
+        match self.url.scheme() {
+            Scheme::Quic => true,
+            Scheme::Https => self.quic_port.is_some(),
+            _ => false,
+        }
+    }
+
+    /// The UDP port a QUIC connection goes to.
+    pub(crate) fn quic_dial_port(&self) -> u16 {
+        match (self.url.scheme(), self.quic_port) {
+            (Scheme::Https, Some(port)) => port,
+            _ => self.url.port(),
         }
     }
 
@@ -219,12 +258,14 @@ pub enum Scheme {
     Ws,
     /// WebSocket over TLS, default port 443.
     Wss,
+    /// DERP over QUIC (always TLS 1.3), default port 443/udp. The path is not used.
+    Quic,
 }
 
 impl Scheme {
     /// Whether this scheme runs over TLS.
     pub fn is_tls(self) -> bool {
-        matches!(self, Self::Https | Self::Wss)
+        matches!(self, Self::Https | Self::Wss | Self::Quic)
     }
 
     /// The port used when the URL names none.
@@ -238,6 +279,7 @@ impl Scheme {
             Self::Https => "https",
             Self::Ws => "ws",
             Self::Wss => "wss",
+            Self::Quic => "quic",
         }
     }
 }
@@ -317,6 +359,7 @@ impl FromStr for ServerUrl {
             "https" => Scheme::Https,
             "ws" => Scheme::Ws,
             "wss" => Scheme::Wss,
+            "quic" => Scheme::Quic,
             _ => return Err(UrlError::UnsupportedScheme),
         };
         let rest = rest.split_once('#').map_or(rest, |(before, _)| before);
@@ -456,6 +499,30 @@ mod tests {
         for (s, want) in cases {
             assert_eq!(s.parse::<ServerUrl>(), Err(want), "{s}");
         }
+    }
+
+    #[test]
+    fn quic_urls_and_quic_ports() {
+        let secret = SecretKey::from_bytes([7; 32]);
+        let u = url("quic://127.0.0.1:8443");
+        assert_eq!(u.scheme(), Scheme::Quic);
+        assert!(u.scheme().is_tls());
+        assert_eq!(u.port(), 8443);
+        assert_eq!(url("quic://derp.example.com").port(), 443);
+        assert_eq!(u.to_string(), "quic://127.0.0.1:8443/derp");
+        let c = ClientConfig::new("quic://h:9", secret.clone()).unwrap();
+        assert!(c.uses_quic() && c.quic_datagrams);
+        assert_eq!(c.quic_dial_port(), 9);
+        let c = ClientConfig::new("https://h/derp", secret.clone()).unwrap();
+        assert!(!c.uses_quic());
+        let c = c.with_quic_port(4433);
+        assert!(c.uses_quic());
+        assert_eq!(c.quic_dial_port(), 4433);
+        // Only a TLS node's https URL takes a QUIC port.
+        let c = ClientConfig::new("http://h/derp", secret)
+            .unwrap()
+            .with_quic_port(1);
+        assert!(!c.uses_quic());
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::Client;
 use crate::config::{ClientConfig, TransportKind};
 use crate::error::ConnectError;
 use crate::ping::PingTracker;
+use crate::quic::{self, QuicPath};
 use crate::reader::ClientReader;
 use crate::tls;
 use crate::transport::{FrameReader, FrameWriter, WsShared};
@@ -24,6 +25,9 @@ use crate::writer::ClientWriter;
 /// Dials the configured URL and runs the upgrade and handshake within the connect budget.
 pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
     validate(config)?;
+    if config.uses_quic() {
+        return with_budget(config, quic::connect(config)).await;
+    }
     let tls = if config.url.scheme().is_tls() {
         // Built before dialing so a bad cert name or root fails without network traffic.
         Some(tls::client_config(config)?)
@@ -34,7 +38,7 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
         let tcp = dial(config).await?;
         let local = tcp.local_addr().ok();
         let Some(tls) = tls else {
-            return establish(config, Transport::Tcp(tcp), local).await;
+            return establish(config, Transport::Tcp(tcp), local, Opening::Http).await;
         };
         let (stream, meta_key) = tls::handshake(tls, config.url.host(), tcp).await?;
         match meta_key {
@@ -44,9 +48,23 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
             {
                 let mut fast = config.clone();
                 fast.fast_start_key = Some(key);
-                establish(&fast, Transport::Boxed(Box::new(stream)), local).await
+                establish(
+                    &fast,
+                    Transport::Boxed(Box::new(stream)),
+                    local,
+                    Opening::Http,
+                )
+                .await
             }
-            _ => establish(config, Transport::Boxed(Box::new(stream)), local).await,
+            _ => {
+                establish(
+                    config,
+                    Transport::Boxed(Box::new(stream)),
+                    local,
+                    Opening::Http,
+                )
+                .await
+            }
         }
     })
     .await
@@ -59,7 +77,7 @@ pub(crate) async fn connect_stream(
     stream: Transport,
 ) -> Result<Client, ConnectError> {
     validate(config)?;
-    with_budget(config, establish(config, stream, None)).await
+    with_budget(config, establish(config, stream, None, Opening::Http)).await
 }
 
 async fn with_budget(
@@ -77,6 +95,11 @@ fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
             "fast start is not available over websocket",
         ));
     }
+    if config.uses_quic() && config.transport == TransportKind::WebSocket {
+        return Err(ConnectError::InvalidConfig(
+            "websocket is not available over quic",
+        ));
+    }
     if let Some(node) = &config.ideal_node
         && !upgrade::valid_header_value(node)
     {
@@ -87,6 +110,26 @@ fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
     Ok(())
 }
 
+/// The addresses to try for `port`, in resolver order: the configured dial address's IP, or
+/// the URL host's addresses of the local address's family. (A QUIC port may differ from the
+/// TCP port a dial address names.)
+pub(crate) async fn resolve(
+    config: &ClientConfig,
+    port: u16,
+) -> Result<Vec<SocketAddr>, ConnectError> {
+    if let Some(addr) = config.dial_addr {
+        return Ok(vec![SocketAddr::new(addr.ip(), port)]);
+    }
+    let addrs = tokio::net::lookup_host((config.url.host(), port)).await?;
+    Ok(addrs
+        .filter(|addr| {
+            config
+                .local_addr
+                .is_none_or(|local| local.is_ipv4() == addr.is_ipv4())
+        })
+        .collect())
+}
+
 /// Resolves the host and connects to the first address that accepts, from the configured
 /// local address if there is one.
 async fn dial(config: &ClientConfig) -> Result<TcpStream, ConnectError> {
@@ -94,14 +137,9 @@ async fn dial(config: &ClientConfig) -> Result<TcpStream, ConnectError> {
         return Ok(dial_one(addr, config.local_addr).await?);
     }
     let host = config.url.host();
-    let addrs = tokio::net::lookup_host((host, config.url.port())).await?;
+    let addrs = resolve(config, config.url.port()).await?;
     let mut last_err = None;
     for addr in addrs {
-        if let Some(local) = config.local_addr
-            && local.is_ipv4() != addr.is_ipv4()
-        {
-            continue;
-        }
         match dial_one(addr, config.local_addr).await {
             Ok(stream) => return Ok(stream),
             Err(e) => {
@@ -133,31 +171,48 @@ async fn dial_one(addr: SocketAddr, local: Option<SocketAddr>) -> io::Result<Tcp
     Ok(stream)
 }
 
-/// HTTP upgrade plus DERP handshake over a connected stream.
-async fn establish(
+/// How the DERP byte stream opens.
+pub(crate) enum Opening {
+    /// An HTTP upgrade request (and, unless fast start, its 101 response).
+    Http,
+    /// DERP over QUIC: the preamble on the connection's stream, no HTTP.
+    Quic(QuicPath),
+}
+
+/// HTTP upgrade (or QUIC preamble) plus DERP handshake over a connected stream.
+pub(crate) async fn establish(
     config: &ClientConfig,
     stream: Transport,
     local_addr: Option<SocketAddr>,
+    opening: Opening,
 ) -> Result<Client, ConnectError> {
     let (mut read_half, write_half) = stream.split();
-    let websocket = config.transport == TransportKind::WebSocket;
+    let quic = match opening {
+        Opening::Http => None,
+        Opening::Quic(path) => Some(path),
+    };
+    let websocket = config.transport == TransportKind::WebSocket && quic.is_none();
     let ws_shared = websocket.then(|| Arc::new(WsShared::default()));
     let mut writer = FrameWriter::new(write_half, ws_shared.clone());
 
     let ws_key = websocket.then(|| ws::new_key(rand::random()));
-    let mut head = BytesMut::new();
-    upgrade::write_request(
-        &RequestOptions {
-            path: config.url.path(),
-            host: &config.url.host_header(),
-            user_agent: USER_AGENT,
-            fast_start: config.fast_start_key.is_some(),
-            ideal_node: config.ideal_node.as_deref(),
-            websocket_key: ws_key.as_deref(),
-        },
-        &mut head,
-    );
-    writer.queue_raw(&head);
+    if quic.is_some() {
+        writer.queue_raw(&quic::PREAMBLE);
+    } else {
+        let mut head = BytesMut::new();
+        upgrade::write_request(
+            &RequestOptions {
+                path: config.url.path(),
+                host: &config.url.host_header(),
+                user_agent: USER_AGENT,
+                fast_start: config.fast_start_key.is_some(),
+                ideal_node: config.ideal_node.as_deref(),
+                websocket_key: ws_key.as_deref(),
+            },
+            &mut head,
+        );
+        writer.queue_raw(&head);
+    }
 
     let info = config.client_info();
     let secret = config.secret_key.clone();
@@ -175,7 +230,11 @@ async fn establish(
         (reader, server_key)
     } else {
         writer.flush().await?;
-        let leftover = read_response(&mut read_half, ws_key.as_deref()).await?;
+        let leftover = if quic.is_some() {
+            BytesMut::new()
+        } else {
+            read_response(&mut read_half, ws_key.as_deref()).await?
+        };
         let mut reader = FrameReader::new(read_half, leftover, ws_shared, config.read_timeout);
         let server_key = match reader.next_frame().await? {
             RelayToClient::ServerKey(key) => key,
@@ -205,6 +264,11 @@ async fn establish(
     };
     tracing::debug!(server = %server_key, ?server_info, "derp handshake complete");
 
+    if let Some(path) = &quic {
+        // Datagrams from here on: the server sends none before ServerInfo.
+        reader.attach_quic(path.connection().clone());
+        writer.attach_quic(path.connection().clone());
+    }
     let pings = Arc::new(PingTracker::default());
     Ok(Client::from_parts(
         config.fast_start_key.is_some(),
@@ -215,8 +279,9 @@ async fn establish(
             server_key,
             server_info,
             local_addr,
+            quic.clone(),
         ),
-        ClientWriter::new(writer, pings, server_key, local_addr),
+        ClientWriter::new(writer, pings, server_key, local_addr, quic),
     ))
 }
 

@@ -15,8 +15,8 @@ pub enum UrlError {
     /// There was no `scheme://` prefix.
     #[error("url has no scheme")]
     MissingScheme,
-    /// The scheme is not http, https, ws or wss.
-    #[error("url scheme must be http, https, ws or wss")]
+    /// The scheme is not http, https, ws, wss or quic.
+    #[error("url scheme must be http, https, ws, wss or quic")]
     UnsupportedScheme,
     /// The host part was empty.
     #[error("url has an empty host")]
@@ -44,6 +44,10 @@ pub enum ConnectError {
     /// The TLS handshake failed (certificate not trusted, wrong name or pin, protocol error).
     #[error("tls: {0}")]
     Tls(String),
+    /// The QUIC connection could not be set up (handshake refused or failed, no common ALPN,
+    /// the server closed it with an error code).
+    #[error("quic: {0}")]
+    Quic(String),
     /// A config value cannot be used (the reason says which).
     #[error("invalid client config: {0}")]
     InvalidConfig(&'static str),

@@ -3,6 +3,11 @@
 //! What it does:
 //! - **Dial**: resolves the server URL (`http://host:port/derp`, or `ws://` for WebSocket),
 //!   connects over TCP within a time budget, optionally from a chosen local address.
+//! - **DERP over QUIC** for `quic://host:port` URLs (or an `https://` URL with
+//!   [`ClientConfig::quic_port`]): TLS 1.3 with the same verification options as https, ALPN
+//!   `derp`, the DERP stream opened with its preamble, packets in QUIC datagrams when they
+//!   fit (on by default), [`ReceivedFrame::ObservedAddr`] surfaced, and [`QuicPath::rebind`]
+//!   to move the connection to a new local socket (migration).
 //! - **TLS** for `https://` and `wss://` URLs (module [`tls`] has the details): SNI, Mozilla's
 //!   roots plus any extra ones, `sha256-raw:` pinning and expected-name overrides as in a DERP
 //!   map's `CertName`, and fast start when a TLS 1.3 server presents the DERP meta certificate.
@@ -52,6 +57,7 @@ mod config;
 mod connect;
 mod error;
 mod ping;
+mod quic;
 mod reader;
 #[cfg(test)]
 mod tests;
@@ -70,6 +76,7 @@ pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind};
 pub use crate::error::UrlError;
 pub use crate::error::{ClientError, ConnectError};
 pub use crate::ping::PendingPing;
+pub use crate::quic::{PREAMBLE as QUIC_PREAMBLE, QuicPath};
 pub use crate::reader::{ClientReader, ReceivedFrame};
 pub use crate::tls::CertName;
 pub use crate::writer::ClientWriter;
@@ -129,6 +136,12 @@ impl Client {
     /// The local socket address, or `None` for [`Client::connect_stream`] clients.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.reader.local_addr()
+    }
+
+    /// The QUIC path (datagram limit, addresses, [`QuicPath::rebind`]) of a client connected
+    /// over QUIC; `None` over TCP.
+    pub fn quic_path(&self) -> Option<&QuicPath> {
+        self.reader.quic_path()
     }
 
     /// The ServerInfo from the handshake (or a later one the server sent).

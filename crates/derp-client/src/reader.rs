@@ -10,6 +10,7 @@ use derp_proto::{PeerGoneReason, PublicKey, RelayToClient, SecretKey, ServerInfo
 
 use crate::error::ClientError;
 use crate::ping::PingTracker;
+use crate::quic::QuicPath;
 use crate::transport::FrameReader;
 
 /// A frame from the server, as [`ClientReader::recv`] hands it out.
@@ -61,6 +62,10 @@ pub enum ReceivedFrame {
     },
     /// A further ServerInfo (the handshake's is in [`ClientReader::server_info`]).
     ServerInfo(ServerInfo),
+    /// DERP over QUIC only: this client's UDP address as the server sees it, right after
+    /// the handshake and again after each migration the server has validated. Use it as
+    /// STUN's answer.
+    ObservedAddr(SocketAddr),
 }
 
 /// The receiving half of a connection, from [`Client::split`](crate::Client::split).
@@ -78,6 +83,7 @@ pub struct ClientReader {
     server_key: PublicKey,
     server_info: ServerInfo,
     local_addr: Option<SocketAddr>,
+    quic: Option<QuicPath>,
 }
 
 impl ClientReader {
@@ -88,6 +94,7 @@ impl ClientReader {
         server_key: PublicKey,
         server_info: ServerInfo,
         local_addr: Option<SocketAddr>,
+        quic: Option<QuicPath>,
     ) -> Self {
         Self {
             frames,
@@ -98,7 +105,13 @@ impl ClientReader {
             server_key,
             server_info,
             local_addr,
+            quic,
         }
+    }
+
+    /// The QUIC path, for a client connected over QUIC.
+    pub fn quic_path(&self) -> Option<&QuicPath> {
+        self.quic.as_ref()
     }
 
     /// Receives the next frame.
@@ -123,7 +136,8 @@ impl ClientReader {
         self.server_info
     }
 
-    /// The local socket address, or `None` over a caller-supplied stream.
+    /// The local socket address (at connect time, for QUIC), or `None` over a
+    /// caller-supplied stream.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.local_addr
     }
@@ -189,6 +203,7 @@ impl ClientReader {
                 self.server_info = info;
                 ReceivedFrame::ServerInfo(info)
             }
+            RelayToClient::ObservedAddr(addr) => ReceivedFrame::ObservedAddr(addr),
             // A fast-start client never waited for ServerKey, so it arrives here; the Go client
             // skips it like any unknown frame.
             RelayToClient::ServerKey(_) | RelayToClient::Unknown { .. } => return Ok(None),

@@ -128,6 +128,26 @@ pub(crate) fn client_config(
     if let Some(custom) = &config.tls_config {
         return Ok(custom.clone());
     }
+    build(config, false)
+}
+
+/// The rustls config for DERP over QUIC: the same verification as [`client_config`], TLS 1.3
+/// only and ALPN `derp`. A caller's own `tls_config` gets that ALPN.
+pub(crate) fn quic_client_config(
+    config: &ClientConfig,
+) -> Result<Arc<rustls::ClientConfig>, ConnectError> {
+    if let Some(custom) = &config.tls_config {
+        let mut tls = (**custom).clone();
+        tls.alpn_protocols = vec![QUIC_ALPN.to_vec()];
+        return Ok(Arc::new(tls));
+    }
+    build(config, true)
+}
+
+/// The ALPN protocol of DERP over QUIC.
+pub const QUIC_ALPN: &[u8] = b"derp";
+
+fn build(config: &ClientConfig, quic: bool) -> Result<Arc<rustls::ClientConfig>, ConnectError> {
     let cert_name = match &config.cert_name {
         Some(s) => CertName::parse(s)?,
         None => None,
@@ -163,12 +183,20 @@ pub(crate) fn client_config(
             }
         }
     };
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
+    let builder = rustls::ClientConfig::builder_with_provider(provider);
+    let builder = if quic {
+        builder.with_protocol_versions(&[&rustls::version::TLS13])
+    } else {
+        builder.with_safe_default_protocol_versions()
+    };
+    let mut tls = builder
         .map_err(|e| ConnectError::Tls(format!("tls versions: {e}")))?
         .dangerous()
         .with_custom_certificate_verifier(verifier)
         .with_no_client_auth();
+    if quic {
+        tls.alpn_protocols = vec![QUIC_ALPN.to_vec()];
+    }
     Ok(Arc::new(tls))
 }
 

@@ -16,6 +16,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::ClientError;
 
+/// Bytes of a DERP frame header plus the key of a SendPacket or RecvPacket.
+const PACKET_OVERHEAD: usize = derp_proto::frame::FRAME_HEADER_LEN + derp_proto::frame::KEY_LEN;
+
 /// WebSocket control work the reader hands to the writer (only the writer may write).
 #[derive(Debug, Default)]
 pub(crate) struct WsShared {
@@ -47,6 +50,8 @@ pub(crate) struct FrameReader {
     decoder: ClientDecoder,
     ws: Option<WsRead>,
     read_timeout: Option<Duration>,
+    /// DERP over QUIC: RecvPacket frames may also come in datagrams.
+    quic: Option<quinn::Connection>,
 }
 
 #[derive(Debug)]
@@ -82,18 +87,47 @@ impl FrameReader {
             decoder: ClientDecoder::new(),
             ws,
             read_timeout,
+            quic: None,
         }
+    }
+
+    /// From now on, also read the QUIC connection's datagrams.
+    pub(crate) fn attach_quic(&mut self, conn: quinn::Connection) {
+        self.quic = Some(conn);
     }
 
     /// The next frame, including ones the caller may skip (ServerKey, Unknown).
     ///
-    /// Cancel safe: bytes read before a cancellation stay buffered.
+    /// Cancel safe: bytes read before a cancellation stay buffered, and a datagram is taken
+    /// only when it is returned.
     pub(crate) async fn next_frame(&mut self) -> Result<RelayToClient, ClientError> {
         loop {
             if let Some(frame) = self.decoder.decode(&mut self.buf)? {
                 return Ok(frame);
             }
-            self.fill().await?;
+            let Some(conn) = self.quic.clone() else {
+                self.fill().await?;
+                continue;
+            };
+            let next = async {
+                tokio::select! {
+                    r = read_some(&mut self.io, &mut self.buf, None) => r.map(|_| None),
+                    d = conn.read_datagram() => match d {
+                        Ok(d) => Ok(derp_proto::decode_recv_packet_datagram(&d)),
+                        Err(e) => Err(ClientError::from(io::Error::from(e))),
+                    },
+                }
+            };
+            let got = match self.read_timeout {
+                None => next.await?,
+                Some(limit) => tokio::time::timeout(limit, next)
+                    .await
+                    .map_err(|_| ClientError::ReadTimeout(limit))??,
+            };
+            // A datagram that is not one RecvPacket frame is dropped.
+            if let Some((src, packet)) = got {
+                return Ok(RelayToClient::RecvPacket { src, packet });
+            }
         }
     }
 
@@ -156,6 +190,15 @@ pub(crate) struct FrameWriter {
     sticky: Option<ClientError>,
     /// A close frame went out (or the server's close was echoed): no more data frames.
     closed: bool,
+    /// DERP over QUIC with datagrams: the connection, and packets queued to go in datagrams.
+    quic: Option<QuicOut>,
+}
+
+#[derive(Debug)]
+struct QuicOut {
+    conn: quinn::Connection,
+    datagrams: std::collections::VecDeque<Bytes>,
+    datagram_bytes: usize,
 }
 
 impl FrameWriter {
@@ -166,7 +209,17 @@ impl FrameWriter {
             ws,
             sticky: None,
             closed: false,
+            quic: None,
         }
+    }
+
+    /// From now on, send packets in datagrams when the connection allows and they fit.
+    pub(crate) fn attach_quic(&mut self, conn: quinn::Connection) {
+        self.quic = Some(QuicOut {
+            conn,
+            datagrams: std::collections::VecDeque::new(),
+            datagram_bytes: 0,
+        });
     }
 
     /// Queues bytes outside any DERP or WebSocket framing (the HTTP request head).
@@ -204,6 +257,23 @@ impl FrameWriter {
     ) -> Result<(), ClientError> {
         self.check_open()?;
         let body = derp_proto::frame::KEY_LEN + packet.len();
+        if let Some(q) = &mut self.quic
+            && q.conn
+                .max_datagram_size()
+                .is_some_and(|max| PACKET_OVERHEAD + packet.len() <= max)
+        {
+            let mut frame = BytesMut::with_capacity(PACKET_OVERHEAD + packet.len());
+            derp_proto::frame::write_header(
+                &mut frame,
+                derp_proto::FrameType::SendPacket,
+                body as u32,
+            );
+            frame.extend_from_slice(dst.as_bytes());
+            frame.extend_from_slice(packet);
+            q.datagram_bytes += frame.len();
+            q.datagrams.push_back(frame.freeze());
+            return Ok(());
+        }
         let (start, mask) = self.begin(derp_proto::frame::FRAME_HEADER_LEN + body);
         // `body` is at most 32 + 64 KiB: callers check the packet size first.
         derp_proto::frame::write_header(
@@ -219,7 +289,7 @@ impl FrameWriter {
 
     /// Bytes queued and not yet written.
     pub(crate) fn buffered_len(&self) -> usize {
-        self.buf.len()
+        self.buf.len() + self.quic.as_ref().map_or(0, |q| q.datagram_bytes)
     }
 
     /// Writes everything queued (plus any WebSocket pong or close echo the reader asked for).
@@ -230,10 +300,14 @@ impl FrameWriter {
             return Err(e.clone());
         }
         self.queue_ws_control();
-        if self.buf.is_empty() {
-            return Ok(());
+        let mut result = self.send_datagrams().await;
+        if self.buf.is_empty() || result.is_err() {
+            if let Err(e) = &result {
+                self.sticky = Some(e.clone());
+            }
+            return result;
         }
-        let result = self.write_out().await;
+        result = self.write_out().await;
         if let Err(e) = &result {
             self.sticky = Some(e.clone());
         }
@@ -256,6 +330,30 @@ impl FrameWriter {
         }
         self.flush().await?;
         self.io.shutdown().await.map_err(ClientError::from)
+    }
+
+    /// Sends the queued datagrams, waiting while quinn's datagram buffer is full. One that no
+    /// longer fits (the path MTU shrank) goes on the stream.
+    ///
+    /// Cancel safe: a datagram leaves the queue only once quinn has taken it.
+    async fn send_datagrams(&mut self) -> Result<(), ClientError> {
+        let Some(q) = &mut self.quic else {
+            return Ok(());
+        };
+        while let Some(frame) = q.datagrams.front().cloned() {
+            let len = frame.len();
+            match q.conn.send_datagram_wait(frame.clone()).await {
+                Ok(()) => {}
+                Err(quinn::SendDatagramError::TooLarge) => self.buf.extend_from_slice(&frame),
+                Err(quinn::SendDatagramError::ConnectionLost(e)) => {
+                    return Err(io::Error::from(e).into());
+                }
+                Err(e) => return Err(io::Error::other(e).into()),
+            }
+            q.datagrams.pop_front();
+            q.datagram_bytes -= len;
+        }
+        Ok(())
     }
 
     async fn write_out(&mut self) -> Result<(), ClientError> {

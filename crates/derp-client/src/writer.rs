@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use crate::error::ClientError;
 use crate::ping::{PendingPing, PingTracker};
+use crate::quic::QuicPath;
 use crate::transport::FrameWriter;
 
 /// The sending half of a connection, from [`Client::split`](crate::Client::split).
@@ -28,6 +29,7 @@ pub struct ClientWriter {
     pings: Arc<PingTracker>,
     server_key: PublicKey,
     local_addr: Option<SocketAddr>,
+    quic: Option<QuicPath>,
 }
 
 impl ClientWriter {
@@ -36,13 +38,20 @@ impl ClientWriter {
         pings: Arc<PingTracker>,
         server_key: PublicKey,
         local_addr: Option<SocketAddr>,
+        quic: Option<QuicPath>,
     ) -> Self {
         Self {
             frames,
             pings,
             server_key,
             local_addr,
+            quic,
         }
+    }
+
+    /// The QUIC path, for a client connected over QUIC.
+    pub fn quic_path(&self) -> Option<&QuicPath> {
+        self.quic.as_ref()
     }
 
     /// The server's public key.

@@ -1,0 +1,166 @@
+//! DERP over QUIC, the client side: the UDP endpoint, the QUIC handshake, the DERP stream
+//! and its preamble, and [`QuicPath`] for the connection's datagrams and address.
+
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use derp_io::Transport;
+use quinn::crypto::rustls::QuicClientConfig;
+use quinn::{Connection, Endpoint, EndpointConfig, IdleTimeout, TransportConfig, VarInt};
+use rustls::pki_types::CertificateDer;
+
+use crate::Client;
+use crate::config::ClientConfig;
+use crate::connect::{Opening, establish, resolve};
+use crate::error::ConnectError;
+use crate::tls;
+
+/// The 8 bytes a client writes first on the DERP stream ("DERP🔑", the ServerKey magic).
+pub const PREAMBLE: [u8; 8] = derp_proto::frame::MAGIC;
+
+/// A QUIC connection's path: its datagrams' current size limit, its addresses, and moving
+/// it to a new local socket (connection migration). Cheap to clone; every clone is the same
+/// connection.
+#[derive(Clone, Debug)]
+pub struct QuicPath {
+    endpoint: Endpoint,
+    conn: Connection,
+}
+
+impl QuicPath {
+    /// Moves the connection to a new UDP socket bound to `local` (port 0 lets the kernel
+    /// choose), as a network change would: the registration, queues and stream carry on,
+    /// and the server reports the new address with an ObservedAddr frame once it has
+    /// validated it. Returns the new local address.
+    pub fn rebind(&self, local: SocketAddr) -> io::Result<SocketAddr> {
+        let socket = std::net::UdpSocket::bind(local)?;
+        let addr = socket.local_addr()?;
+        self.endpoint.rebind(socket)?;
+        Ok(addr)
+    }
+
+    /// The local UDP address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// The server's address.
+    pub fn remote_addr(&self) -> SocketAddr {
+        self.conn.remote_address()
+    }
+
+    /// The largest DERP frame a datagram can carry now, or `None` when datagrams are off on
+    /// either side.
+    pub fn max_datagram_frame(&self) -> Option<usize> {
+        self.conn.max_datagram_size()
+    }
+
+    /// The underlying quinn connection (statistics, close reason).
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+/// Connects over QUIC and runs the DERP handshake on the connection's stream.
+pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
+    let tls = tls::quic_client_config(config)?;
+    let crypto = QuicClientConfig::try_from(tls).map_err(|e| ConnectError::Tls(e.to_string()))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+    client.transport_config(Arc::new(transport_config(config.quic_datagrams)));
+    let addrs = resolve(config, config.quic_dial_port()).await?;
+    let mut last_err = None;
+    for addr in addrs {
+        match connect_one(config, &client, addr).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                tracing::debug!(%addr, error = %e, "quic dial failed");
+                last_err = Some(e);
+            }
+        }
+    }
+    Err(last_err.unwrap_or_else(|| ConnectError::NoAddress {
+        host: config.url.host().to_owned(),
+    }))
+}
+
+async fn connect_one(
+    config: &ClientConfig,
+    client: &quinn::ClientConfig,
+    addr: SocketAddr,
+) -> Result<Client, ConnectError> {
+    let local = config.local_addr.unwrap_or_else(|| {
+        if addr.is_ipv4() {
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0))
+        } else {
+            SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0))
+        }
+    });
+    let socket = std::net::UdpSocket::bind(local)?;
+    let runtime =
+        quinn::default_runtime().ok_or_else(|| ConnectError::Quic("no tokio runtime".into()))?;
+    let mut endpoint_config = EndpointConfig::default();
+    endpoint_config.supported_versions(vec![QUIC_V1]);
+    let endpoint = Endpoint::new(endpoint_config, None, socket, runtime)?;
+    let local_addr = endpoint.local_addr().ok();
+    let connecting = endpoint
+        .connect_with(client.clone(), addr, config.url.host())
+        .map_err(|e| ConnectError::Quic(e.to_string()))?;
+    let conn = connecting.await.map_err(quic_error)?;
+    let meta_key = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .and_then(|chain| tls::meta_certificate_key(&chain));
+    let (send, recv) = conn.open_bi().await.map_err(quic_error)?;
+    let path = QuicPath {
+        endpoint,
+        conn: conn.clone(),
+    };
+    let fast;
+    let config = match meta_key {
+        // QUIC is always TLS 1.3: the meta certificate's key allows fast start.
+        Some(key) if config.fast_start_key.is_none() => {
+            fast = ClientConfig {
+                fast_start_key: Some(key),
+                ..config.clone()
+            };
+            &fast
+        }
+        _ => config,
+    };
+    establish(
+        config,
+        Transport::Halves(Box::new(recv), Box::new(send)),
+        local_addr,
+        Opening::Quic(path),
+    )
+    .await
+}
+
+/// A QUIC error as a connect error; an application close carries the server's reason code.
+fn quic_error(e: quinn::ConnectionError) -> ConnectError {
+    ConnectError::Quic(e.to_string())
+}
+
+/// QUIC version 1 (RFC 9000), the only one spoken.
+const QUIC_V1: u32 = 1;
+
+/// The client's transport parameters (docs/protocol.md): no streams opened by the server,
+/// datagrams accepted unless turned off, the same idle timeout and keep-alive as the server.
+fn transport_config(datagrams: bool) -> TransportConfig {
+    let mut t = TransportConfig::default();
+    t.max_concurrent_bidi_streams(VarInt::from_u32(0));
+    t.max_concurrent_uni_streams(VarInt::from_u32(0));
+    t.max_idle_timeout(IdleTimeout::try_from(IDLE_TIMEOUT).ok());
+    t.keep_alive_interval(Some(KEEP_ALIVE));
+    // quinn refuses datagrams larger than this buffer; above 65535 plus overhead, the
+    // advertised max_datagram_frame_size is the full 65535. None turns datagrams off in
+    // both directions.
+    t.datagram_receive_buffer_size(datagrams.then_some(DATAGRAM_RECEIVE_BUFFER));
+    t
+}
+
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+const DATAGRAM_RECEIVE_BUFFER: usize = 128 * 1024;

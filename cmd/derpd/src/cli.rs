@@ -47,6 +47,13 @@ pub(crate) struct Cli {
     #[arg(long, default_value_t = 3478)]
     pub(crate) stun_port: u16,
 
+    /// UDP port for DERP over QUIC, on the same IP as --addr; TLS only (QUIC needs the
+    /// certificate). Default: the TLS listener's port (443/udp), except with --dev, where
+    /// QUIC is off unless this is given. -1 disables QUIC; 0 picks a free port.
+    #[arg(long, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-1..=65535))]
+    pub(crate) quic_port: Option<i32>,
+
     /// Also answer generic RFC 5389/8489 binding requests, not only Tailscale's.
     #[arg(long)]
     pub(crate) stun_answer_generic: bool,

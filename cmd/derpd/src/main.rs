@@ -75,6 +75,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let addrs = parse_listen_addr(&addr_text)?;
     let tls = cli.tls.tls_enabled(addrs[0].port());
+    let quic_port = quic_port(&cli, tls, addrs[0].port())?;
     let home = parse_home(&cli.home)?;
     let secret_key = load_key(&cli)?;
     let mesh_key = mesh_key(&cli)?;
@@ -160,7 +161,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            tls_setup::run_tls(&server, &registry, &cli.tls, listener).await
+            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port).await
         } else {
             server.serve(listener).await.context("serving")
         }
@@ -214,6 +215,27 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The UDP port DERP over QUIC listens on, if any: given, or by default the TLS port on a
+/// TLS node that is not in --dev mode.
+fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u16>> {
+    let port = match cli.quic_port {
+        Some(-1) => return Ok(None),
+        Some(p) => u16::try_from(p).context("invalid --quic-port")?,
+        None if tls && !cli.dev => listen_port,
+        None => return Ok(None),
+    };
+    if !tls {
+        bail!(
+            "--quic-port needs TLS (QUIC always encrypts): listen on port 443 or use \
+             --certmode manual, or leave QUIC off"
+        );
+    }
+    if cli.stun && port != 0 && port == cli.stun_port {
+        bail!("--quic-port {port} is also the STUN port; they need different UDP ports");
+    }
+    Ok(Some(port))
 }
 
 /// Parses derper-style listen addresses. ":port" means every address; IPv6's unspecified
@@ -435,6 +457,28 @@ mod tests {
         assert!(parse_listen_addr("[::1]:80").is_ok());
         assert!(parse_listen_addr("nonsense").is_err());
         assert!(parse_listen_addr(":99999").is_err());
+    }
+
+    #[test]
+    fn quic_port_defaults_to_the_tls_port_and_needs_tls() {
+        let cli = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
+                .expect("parses")
+        };
+        assert_eq!(quic_port(&cli(&[]), true, 443).expect("ok"), Some(443));
+        assert_eq!(quic_port(&cli(&["--dev"]), true, 8443).expect("ok"), None);
+        assert_eq!(
+            quic_port(&cli(&["--dev", "--quic-port", "0"]), true, 8443).expect("ok"),
+            Some(0)
+        );
+        assert_eq!(
+            quic_port(&cli(&["--quic-port=-1"]), true, 443).expect("ok"),
+            None
+        );
+        assert_eq!(quic_port(&cli(&[]), false, 3340).expect("ok"), None);
+        assert!(quic_port(&cli(&["--quic-port", "4433"]), false, 3340).is_err());
+        assert!(quic_port(&cli(&["--quic-port", "3478"]), true, 443).is_err());
+        assert!(Cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());
     }
 
     #[test]

@@ -121,6 +121,7 @@ pub(crate) async fn run_tls(
     registry: &prometheus::Registry,
     args: &TlsArgs,
     listener: TcpListener,
+    quic_port: Option<u16>,
 ) -> anyhow::Result<()> {
     let listen = listener.local_addr()?;
     let front = TlsFront::new(
@@ -196,6 +197,21 @@ pub(crate) async fn run_tls(
                 warn!(error = %e, "http port listener stopped");
             }
         });
+    }
+
+    if let Some(port) = quic_port {
+        let addr = SocketAddr::new(listen.ip(), port);
+        let socket = derp_server::quic::bind_udp(addr)
+            .with_context(|| format!("binding QUIC on {addr}/udp (--quic-port; -1 disables it)"))?;
+        let quic = derp_server::QuicListener::bind(
+            socket,
+            front.quic_server_config(),
+            derp_server::QuicConfig::default(),
+        )
+        .context("setting up QUIC")?;
+        info!(addr = %quic.local_addr()?, "QUIC listening (DERP over QUIC)");
+        let server = server.clone();
+        tasks.spawn(async move { server.serve_quic(quic).await });
     }
 
     info!(addr = %listen, key = %server.public_key(), hostname = %args.hostname, mode = ?args.certmode, "derpd listening (TLS)");

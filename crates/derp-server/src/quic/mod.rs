@@ -136,6 +136,24 @@ impl QuicListener {
     }
 }
 
+/// Binds the UDP socket for [`QuicListener::bind`], asking for large kernel buffers (best
+/// effort; the kernel caps them at `net.core.rmem_max` / `wmem_max`): one socket carries
+/// every QUIC client, and a burst that overflows it is lost.
+pub fn bind_udp(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
+    let domain = if addr.is_ipv4() {
+        socket2::Domain::IPV4
+    } else {
+        socket2::Domain::IPV6
+    };
+    let socket = socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    let _ = socket.set_recv_buffer_size(UDP_BUFFER);
+    let _ = socket.set_send_buffer_size(UDP_BUFFER);
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+const UDP_BUFFER: usize = 8 << 20;
+
 /// QUIC version 1 (RFC 9000), the only one served.
 const QUIC_V1: u32 = 1;
 

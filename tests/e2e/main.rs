@@ -6,6 +6,7 @@ mod hostile;
 mod layout;
 mod load;
 mod metrics;
+mod quic;
 mod relay;
 mod tls;
 mod vectors;

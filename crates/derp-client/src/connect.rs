@@ -267,7 +267,9 @@ pub(crate) async fn establish(
     if let Some(path) = &quic {
         // Datagrams from here on: the server sends none before ServerInfo.
         reader.attach_quic(path.connection().clone());
-        writer.attach_quic(path.connection().clone());
+        if path.datagrams() {
+            writer.attach_quic(path.connection().clone());
+        }
     }
     let pings = Arc::new(PingTracker::default());
     Ok(Client::from_parts(

@@ -27,6 +27,8 @@ pub const PREAMBLE: [u8; 8] = derp_proto::frame::MAGIC;
 pub struct QuicPath {
     endpoint: Endpoint,
     conn: Connection,
+    /// This client accepts and sends datagrams ([`ClientConfig::quic_datagrams`]).
+    datagrams: bool,
 }
 
 impl QuicPath {
@@ -54,7 +56,12 @@ impl QuicPath {
     /// The largest DERP frame a datagram can carry now, or `None` when datagrams are off on
     /// either side.
     pub fn max_datagram_frame(&self) -> Option<usize> {
-        self.conn.max_datagram_size()
+        self.conn.max_datagram_size().filter(|_| self.datagrams)
+    }
+
+    /// Whether this client uses datagrams at all.
+    pub(crate) fn datagrams(&self) -> bool {
+        self.datagrams
     }
 
     /// The underlying quinn connection (statistics, close reason).
@@ -116,6 +123,7 @@ async fn connect_one(
     let path = QuicPath {
         endpoint,
         conn: conn.clone(),
+        datagrams: config.quic_datagrams,
     };
     let fast;
     let config = match meta_key {

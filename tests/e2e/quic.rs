@@ -1,0 +1,665 @@
+//! DERP over QUIC end to end: a relay serving plain TCP and QUIC (with a self-signed
+//! certificate for 127.0.0.1 through `derp-tls`) on one registry, and clients of both kinds.
+
+use std::net::{SocketAddr, UdpSocket as StdUdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use derp_client::{Client, ClientConfig, QUIC_PREAMBLE, ReceivedFrame};
+use derp_proto::{PublicKey, SecretKey};
+use derp_server::quic::close_code;
+use derp_server::{QuicConfig, QuicListener, Server, ServerConfig};
+use derp_tls::{CertOrigin, TlsFront, TlsOptions, cert_pin, load_certs_pem, load_key_pem};
+use tokio::task::JoinHandle;
+
+use crate::harness::STEP;
+
+async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(STEP, fut)
+        .await
+        .unwrap_or_else(|_| panic!("timed out: {what}"))
+}
+
+/// A relay with a plain TCP listener and a QUIC listener, sharing one registry.
+pub(crate) struct QuicRelay {
+    pub(crate) server: Server,
+    pub(crate) tcp: SocketAddr,
+    pub(crate) quic: SocketAddr,
+    pub(crate) pin: String,
+    pub(crate) registry: prometheus::Registry,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl QuicRelay {
+    pub(crate) async fn start() -> Self {
+        Self::start_with(
+            ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng)),
+            QuicConfig::default(),
+        )
+        .await
+    }
+
+    pub(crate) async fn start_with(config: ServerConfig, quic: QuicConfig) -> Self {
+        derp_testkit::init_tracing();
+        let registry = prometheus::Registry::new();
+        let server = Server::new(config, &registry).expect("server");
+        let front = TlsFront::new(
+            &server.public_key(),
+            TlsOptions::new("127.0.0.1"),
+            &registry,
+        )
+        .expect("tls front");
+        let (cert, key) =
+            derp_tls::generate_self_signed("127.0.0.1".parse().expect("ip")).expect("cert");
+        let chain = load_certs_pem(cert.as_bytes()).expect("chain");
+        let pin = cert_pin(&chain[0]);
+        front
+            .install(
+                chain,
+                load_key_pem(key.as_bytes()).expect("key"),
+                CertOrigin::SelfSigned,
+            )
+            .expect("install");
+        let socket =
+            derp_server::quic::bind_udp("127.0.0.1:0".parse().expect("addr")).expect("udp");
+        let listener =
+            QuicListener::bind(socket, front.quic_server_config(), quic).expect("quic listener");
+        let quic = listener.local_addr().expect("quic addr");
+        let tcp_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let tcp = tcp_listener.local_addr().expect("tcp addr");
+        let (s1, s2) = (server.clone(), server.clone());
+        let tasks = vec![
+            tokio::spawn(async move { s1.serve_quic(listener).await }),
+            tokio::spawn(async move { s2.serve(tcp_listener).await.expect("serve") }),
+        ];
+        Self {
+            server,
+            tcp,
+            quic,
+            pin,
+            registry,
+            tasks,
+        }
+    }
+
+    /// A QUIC client config for this relay, trusting its certificate by pin.
+    pub(crate) fn quic_config(&self, secret: SecretKey) -> ClientConfig {
+        ClientConfig::new(&format!("quic://{}", self.quic), secret)
+            .expect("config")
+            .with_cert_name(self.pin.clone())
+            .with_local_addr("127.0.0.1:0".parse().expect("addr"))
+            .with_connect_timeout(STEP)
+    }
+
+    /// A connected QUIC client and its public key.
+    pub(crate) async fn quic_client(&self) -> (Client, PublicKey) {
+        let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+        let key = secret.public_key();
+        let config = self.quic_config(secret);
+        let client = within("quic connect", Client::connect(&config))
+            .await
+            .expect("quic connect");
+        (client, key)
+    }
+
+    /// A connected plain TCP client and its public key.
+    pub(crate) async fn tcp_client(&self) -> (Client, PublicKey) {
+        let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+        let key = secret.public_key();
+        let config =
+            ClientConfig::new(&format!("http://{}/derp", self.tcp), secret).expect("config");
+        let client = within("tcp connect", Client::connect(&config))
+            .await
+            .expect("tcp connect");
+        (client, key)
+    }
+
+    /// Sum of a metric's samples whose labels include `labels`.
+    pub(crate) fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .filter(|m| {
+                labels.iter().all(|(k, v)| {
+                    m.get_label()
+                        .iter()
+                        .any(|l| l.name() == *k && l.value() == *v)
+                })
+            })
+            .map(|m| m.get_counter().get_value() + m.get_gauge().get_value())
+            .sum()
+    }
+
+    pub(crate) async fn eventually(&self, what: &str, mut cond: impl FnMut(&Self) -> bool) {
+        let deadline = tokio::time::Instant::now() + STEP;
+        let mut tick = tokio::time::interval(Duration::from_millis(5));
+        while !cond(self) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}"
+            );
+            tick.tick().await;
+        }
+    }
+
+    pub(crate) async fn stop(self) {
+        self.server.shutdown().await;
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The next frame that is not a keepalive.
+async fn next(c: &mut Client) -> ReceivedFrame {
+    loop {
+        match within("frame", c.recv()).await.expect("recv") {
+            ReceivedFrame::KeepAlive => continue,
+            f => return f,
+        }
+    }
+}
+
+/// The next relayed packet, skipping keepalives and ObservedAddr.
+async fn next_packet(c: &mut Client) -> (PublicKey, Bytes) {
+    loop {
+        match next(c).await {
+            ReceivedFrame::RecvPacket { src, packet } => return (src, packet),
+            ReceivedFrame::ObservedAddr(_) => continue,
+            other => panic!("expected a packet, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn quic_handshake_observed_addr_and_relay_both_ways_in_datagrams() {
+    let relay = QuicRelay::start().await;
+    let (mut a, ka) = relay.quic_client().await;
+    let (mut b, kb) = relay.quic_client().await;
+    // QUIC is TLS 1.3 and the chain carries the meta certificate: fast start.
+    assert!(a.used_fast_start());
+    assert_eq!(a.server_key(), relay.server.public_key());
+    // The first frame after ServerInfo is the address the server sees.
+    let local = a.quic_path().expect("quic").local_addr().expect("local");
+    assert_eq!(next(&mut a).await, ReceivedFrame::ObservedAddr(local));
+    let b_local = b.quic_path().expect("quic").local_addr().expect("local");
+    assert_eq!(next(&mut b).await, ReceivedFrame::ObservedAddr(b_local));
+    relay
+        .eventually("both registered", |r| r.server.local_clients() == 2)
+        .await;
+
+    assert_eq!(a.server_info().version, 2);
+    for i in 0..20u8 {
+        a.send_packet(kb, [i; 100]).await.expect("send");
+        let (src, packet) = next_packet(&mut b).await;
+        assert_eq!(src, ka);
+        assert_eq!(&packet[..], &[i; 100]);
+        b.send_packet(ka, [i; 200]).await.expect("send back");
+        let (src, packet) = next_packet(&mut a).await;
+        assert_eq!(src, kb);
+        assert_eq!(&packet[..], &[i; 200]);
+    }
+    // Every packet went in a datagram, both ways.
+    assert_eq!(relay.metric("derp_quic_datagrams_received", &[]), 40.0);
+    assert_eq!(relay.metric("derp_quic_datagrams_sent", &[]), 40.0);
+    assert_eq!(relay.metric("derp_quic_stream_fallbacks", &[]), 0.0);
+    assert_eq!(
+        relay.metric("derp_accepts_by_transport", &[("transport", "quic")]),
+        2.0
+    );
+    assert_eq!(
+        relay.metric(
+            "derp_current_connections_by_transport",
+            &[("transport", "quic")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        relay.metric("derp_quic_handshakes", &[("result", "ok")]),
+        2.0
+    );
+    a.ping().await.expect("ping over the stream");
+    a.close().await.expect("close");
+    relay
+        .eventually("a unregistered", |r| {
+            r.metric(
+                "derp_current_connections_by_transport",
+                &[("transport", "quic")],
+            ) == 1.0
+        })
+        .await;
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn frames_over_the_datagram_limit_and_clients_without_datagrams_use_the_stream() {
+    let relay = QuicRelay::start().await;
+    let (mut a, ka) = relay.quic_client().await;
+    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+    let kn = secret.public_key();
+    let config = relay.quic_config(secret).with_quic_datagrams(false);
+    let mut no_dgram = within("connect", Client::connect(&config))
+        .await
+        .expect("connect");
+    assert_eq!(
+        no_dgram.quic_path().expect("quic").max_datagram_frame(),
+        None
+    );
+    let (mut b, kb) = relay.quic_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 3)
+        .await;
+
+    // Larger than any datagram: the client sends it on the stream, and so does the relay.
+    let big: Vec<u8> = (0..4000u32).map(|i| i as u8).collect();
+    a.send_packet(kb, &big).await.expect("send");
+    let (src, packet) = next_packet(&mut b).await;
+    assert_eq!(src, ka);
+    assert_eq!(&packet[..], &big[..]);
+    assert_eq!(
+        relay.metric("derp_quic_stream_fallbacks", &[("reason", "too_large")]),
+        1.0
+    );
+    assert_eq!(relay.metric("derp_quic_datagrams_received", &[]), 0.0);
+
+    // A small packet to a client that takes no datagrams also goes on the stream.
+    a.send_packet(kn, b"small").await.expect("send");
+    let (_, packet) = next_packet(&mut no_dgram).await;
+    assert_eq!(&packet[..], b"small");
+    assert_eq!(
+        relay.metric("derp_quic_stream_fallbacks", &[("reason", "no_datagrams")]),
+        1.0
+    );
+    assert_eq!(relay.metric("derp_quic_datagrams_received", &[]), 1.0);
+    // ... and such a client sends on the stream.
+    no_dgram
+        .send_packet(kb, b"from the stream")
+        .await
+        .expect("send");
+    let (_, packet) = next_packet(&mut b).await;
+    assert_eq!(&packet[..], b"from the stream");
+    assert_eq!(relay.metric("derp_quic_datagrams_received", &[]), 1.0);
+    assert_eq!(relay.metric("derp_quic_datagrams_sent", &[]), 1.0);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn tcp_and_quic_clients_reach_each_other() {
+    let relay = QuicRelay::start().await;
+    let (mut q, kq) = relay.quic_client().await;
+    let (mut t, kt) = relay.tcp_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    q.send_packet(kt, b"quic to tcp").await.expect("send");
+    let (src, packet) = next_packet(&mut t).await;
+    assert_eq!((src, &packet[..]), (kq, &b"quic to tcp"[..]));
+    t.send_packet(kq, b"tcp to quic").await.expect("send");
+    let (src, packet) = next_packet(&mut q).await;
+    assert_eq!((src, &packet[..]), (kt, &b"tcp to quic"[..]));
+    assert_eq!(
+        relay.metric("derp_accepts_by_transport", &[("transport", "tcp")]),
+        1.0
+    );
+    assert_eq!(
+        relay.metric("derp_accepts_by_transport", &[("transport", "quic")]),
+        1.0
+    );
+    assert_eq!(relay.metric("derp_packets_received", &[]), 2.0);
+    assert_eq!(relay.metric("derp_packets_sent", &[]), 2.0);
+    // PeerGone reaches a QUIC client like any other.
+    drop(t);
+    loop {
+        match next(&mut q).await {
+            ReceivedFrame::PeerGone { peer, .. } => {
+                assert_eq!(peer, kt);
+                break;
+            }
+            ReceivedFrame::ObservedAddr(_) => {}
+            other => panic!("expected PeerGone, got {other:?}"),
+        }
+    }
+    relay.stop().await;
+}
+
+/// Accepts any certificate (handshake signatures are still checked): for raw QUIC clients
+/// that test what happens after the TLS handshake.
+#[derive(Debug)]
+struct AcceptAny(Arc<derp_client::rustls::crypto::CryptoProvider>);
+
+impl derp_client::rustls::client::danger::ServerCertVerifier for AcceptAny {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &derp_client::rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[derp_client::rustls::pki_types::CertificateDer<'_>],
+        _server_name: &derp_client::rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: derp_client::rustls::pki_types::UnixTime,
+    ) -> Result<derp_client::rustls::client::danger::ServerCertVerified, derp_client::rustls::Error>
+    {
+        Ok(derp_client::rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &derp_client::rustls::pki_types::CertificateDer<'_>,
+        dss: &derp_client::rustls::DigitallySignedStruct,
+    ) -> Result<
+        derp_client::rustls::client::danger::HandshakeSignatureValid,
+        derp_client::rustls::Error,
+    > {
+        derp_client::rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &derp_client::rustls::pki_types::CertificateDer<'_>,
+        dss: &derp_client::rustls::DigitallySignedStruct,
+    ) -> Result<
+        derp_client::rustls::client::danger::HandshakeSignatureValid,
+        derp_client::rustls::Error,
+    > {
+        derp_client::rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<derp_client::rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A raw quinn client endpoint offering `alpn` and trusting any certificate.
+fn raw_endpoint(alpn: &[&[u8]]) -> (quinn::Endpoint, quinn::ClientConfig) {
+    let provider = Arc::new(derp_client::rustls::crypto::ring::default_provider());
+    let mut tls = derp_client::rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&derp_client::rustls::version::TLS13])
+        .expect("tls 1.3")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AcceptAny(provider)))
+        .with_no_client_auth();
+    tls.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).expect("quic tls");
+    let config = quinn::ClientConfig::new(Arc::new(crypto));
+    let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("client");
+    (endpoint, config)
+}
+
+#[tokio::test]
+async fn a_client_offering_another_alpn_is_refused() {
+    let relay = QuicRelay::start().await;
+    let (endpoint, config) = raw_endpoint(&[b"h3"]);
+    let result = within(
+        "handshake",
+        endpoint
+            .connect_with(config, relay.quic, "127.0.0.1")
+            .expect("connect"),
+    )
+    .await;
+    let err = result.expect_err("a wrong ALPN must fail the handshake");
+    // TLS alert no_application_protocol (120) in a CONNECTION_CLOSE.
+    assert!(err.to_string().contains("120"), "{err}");
+    relay
+        .eventually("counted", |r| {
+            r.metric("derp_quic_handshakes", &[("result", "error")]) == 1.0
+        })
+        .await;
+    assert_eq!(relay.server.local_clients(), 0);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn garbage_datagrams_are_dropped_and_counted() {
+    let relay = QuicRelay::start().await;
+    let (mut a, _) = relay.quic_client().await;
+    let (mut b, kb) = relay.quic_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    let conn = a.quic_path().expect("quic").connection().clone();
+    let mut wrong_len = vec![0x04, 0, 0, 0, 40];
+    wrong_len.extend_from_slice(kb.as_bytes());
+    wrong_len.extend_from_slice(b"abc");
+    let mut ping = vec![0x12, 0, 0, 0, 8];
+    ping.extend_from_slice(&[1; 8]);
+    for garbage in [
+        &b""[..],
+        &b"\x04\x00"[..],
+        &[0x04, 0, 0, 0, 0][..],
+        &wrong_len[..],
+        &ping[..],
+    ] {
+        conn.send_datagram(Bytes::copy_from_slice(garbage))
+            .expect("send datagram");
+    }
+    // The connection carries on: the next good packet is relayed.
+    a.send_packet(kb, b"still here").await.expect("send");
+    let (_, packet) = next_packet(&mut b).await;
+    assert_eq!(&packet[..], b"still here");
+    relay
+        .eventually("garbage counted", |r| {
+            r.metric("derp_quic_garbage_datagrams", &[]) == 5.0
+        })
+        .await;
+    a.ping().await.expect("connection alive");
+    assert_eq!(
+        relay.metric("derp_connection_errors", &[("class", "peer_misbehaved")]),
+        0.0
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_the_derp_handshake_is_closed_on_time() {
+    let mut config = ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng));
+    config.handshake_timeout = Duration::from_millis(300);
+    let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
+    let (endpoint, client) = raw_endpoint(&[derp_server::quic::ALPN]);
+
+    // Half a preamble, then nothing.
+    let conn = within(
+        "handshake",
+        endpoint
+            .connect_with(client.clone(), relay.quic, "127.0.0.1")
+            .expect("connect"),
+    )
+    .await
+    .expect("quic handshake");
+    let (mut send, _recv) = conn.open_bi().await.expect("stream");
+    send.write_all(&QUIC_PREAMBLE[..3]).await.expect("write");
+    let closed = within("close", conn.closed()).await;
+    assert_eq!(
+        closed,
+        quinn::ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+            error_code: quinn::VarInt::from_u32(close_code::HANDSHAKE_TIMEOUT),
+            reason: Bytes::new(),
+        })
+    );
+
+    // A wrong preamble fails the handshake at once.
+    let conn = within(
+        "handshake",
+        endpoint
+            .connect_with(client.clone(), relay.quic, "127.0.0.1")
+            .expect("connect"),
+    )
+    .await
+    .expect("quic handshake");
+    let (mut send, _recv) = conn.open_bi().await.expect("stream");
+    send.write_all(b"GET / HTTP/1.1\r\n").await.expect("write");
+    let closed = within("close", conn.closed()).await;
+    assert!(
+        matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
+            if c.error_code == quinn::VarInt::from_u32(close_code::HANDSHAKE_FAILED)),
+        "{closed:?}"
+    );
+
+    // The preamble but no ClientInfo: the DERP handshake deadline.
+    let conn = within(
+        "handshake",
+        endpoint
+            .connect_with(client, relay.quic, "127.0.0.1")
+            .expect("connect"),
+    )
+    .await
+    .expect("quic handshake");
+    let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+    send.write_all(&QUIC_PREAMBLE).await.expect("write");
+    // ServerKey comes back first.
+    let mut server_key = [0u8; 45];
+    recv.read_exact(&mut server_key).await.expect("server key");
+    assert_eq!(server_key[0], 0x01);
+    assert_eq!(&server_key[13..], relay.server.public_key().as_bytes());
+    let closed = within("close", conn.closed()).await;
+    assert!(
+        matches!(&closed, quinn::ConnectionError::ApplicationClosed(c)
+            if c.error_code == quinn::VarInt::from_u32(close_code::HANDSHAKE_TIMEOUT)),
+        "{closed:?}"
+    );
+    assert_eq!(
+        relay.metric(
+            "derp_connection_errors",
+            &[("class", "local"), ("reason", "timeout")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        relay.metric(
+            "derp_connection_errors",
+            &[("class", "peer_misbehaved"), ("reason", "handshake")]
+        ),
+        1.0
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_the_quic_handshake_is_dropped_on_time() {
+    let quic = QuicConfig {
+        handshake_timeout: Duration::from_millis(300),
+        ..QuicConfig::default()
+    };
+    let relay = QuicRelay::start_with(
+        ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng)),
+        quic,
+    )
+    .await;
+    // Catch a real client's first Initial packet on a socket of ours...
+    let catcher = StdUdpSocket::bind("127.0.0.1:0").expect("bind");
+    catcher.set_read_timeout(Some(STEP)).expect("read timeout");
+    let (endpoint, client) = raw_endpoint(&[derp_server::quic::ALPN]);
+    let connecting = endpoint
+        .connect_with(client, catcher.local_addr().expect("addr"), "127.0.0.1")
+        .expect("connect");
+    let mut initial = vec![0u8; 2048];
+    let n = tokio::task::spawn_blocking(move || {
+        let n = catcher.recv(&mut initial).expect("initial packet");
+        initial.truncate(n);
+        initial
+    })
+    .await
+    .expect("join");
+    drop(connecting);
+    // ... and hand it to the relay from a socket that never answers its reply.
+    let mute = StdUdpSocket::bind("127.0.0.1:0").expect("bind");
+    mute.send_to(&n, relay.quic).expect("send initial");
+    relay
+        .eventually("handshake timed out", |r| {
+            r.metric("derp_quic_handshakes", &[("result", "timeout")]) == 1.0
+        })
+        .await;
+    assert_eq!(relay.server.local_clients(), 0);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_rebound_client_keeps_its_registration_and_its_packets_keep_flowing() {
+    let relay = QuicRelay::start().await;
+    let (mut a, ka) = relay.quic_client().await;
+    let (b, kb) = relay.tcp_client().await;
+    let first = a.quic_path().expect("quic").local_addr().expect("local");
+    assert_eq!(next(&mut a).await, ReceivedFrame::ObservedAddr(first));
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    let path = a.quic_path().expect("quic").clone();
+    let (mut a_rx, mut a_tx) = a.split();
+    let (mut b_rx, mut b_tx) = b.split();
+    // B echoes everything back to A.
+    let echo = tokio::spawn(async move {
+        loop {
+            match b_rx.recv().await {
+                Ok(ReceivedFrame::RecvPacket { packet, .. }) => {
+                    if b_tx.send_packet(ka, &packet).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    });
+    // A sends numbered packets one at a time and waits for each echo, resending after a
+    // loss (datagrams are unreliable); halfway it moves to a new local port.
+    let mut new_addr = None;
+    let mut observed = Vec::new();
+    for i in 0..200u32 {
+        if i == 100 {
+            new_addr = Some(
+                path.rebind("127.0.0.1:0".parse().expect("addr"))
+                    .expect("rebind"),
+            );
+        }
+        let payload = i.to_be_bytes();
+        'resend: loop {
+            a_tx.send_packet(kb, payload).await.expect("send");
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+            loop {
+                match tokio::time::timeout_at(deadline, a_rx.recv()).await {
+                    Err(_) => continue 'resend,
+                    Ok(Ok(ReceivedFrame::RecvPacket { packet, .. })) if packet[..] == payload => {
+                        break 'resend;
+                    }
+                    Ok(Ok(ReceivedFrame::ObservedAddr(addr))) => observed.push(addr),
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => panic!("connection died at packet {i}: {e}"),
+                }
+            }
+        }
+    }
+    let new_addr = new_addr.expect("rebound");
+    assert_ne!(new_addr, first);
+    // The server validated the new address and said so.
+    let deadline = tokio::time::Instant::now() + STEP;
+    while !observed.contains(&new_addr) {
+        match tokio::time::timeout_at(deadline, a_rx.recv()).await {
+            Ok(Ok(ReceivedFrame::ObservedAddr(addr))) => observed.push(addr),
+            Ok(Ok(_)) => {}
+            other => panic!("no ObservedAddr for {new_addr}: {other:?} (saw {observed:?})"),
+        }
+    }
+    assert_eq!(relay.metric("derp_quic_migrations", &[]), 1.0);
+    // Still the one registration: no new connection, no reconnect.
+    assert_eq!(
+        relay.metric("derp_accepts_by_transport", &[("transport", "quic")]),
+        1.0
+    );
+    assert_eq!(relay.server.local_clients(), 2);
+    echo.abort();
+    relay.stop().await;
+}

@@ -24,10 +24,29 @@ pub(crate) struct Cli {
 /// Which server to test and how to observe it.
 #[derive(Debug, Args)]
 pub(crate) struct TargetArgs {
-    /// DERP URL: http://host:port/derp, or ws://host:port/derp for WebSocket. https:// and
-    /// wss:// are passed to the client, which reports whether it can speak TLS.
+    /// DERP URL: http://host:port/derp, ws://host:port/derp for WebSocket, https:// or
+    /// wss:// over TLS, or quic://host:port for DERP over QUIC.
     #[arg(long, global = true)]
     pub(crate) url: Option<String>,
+
+    /// TLS and QUIC: how to check the server's certificate, as a DERP map's CertName: a
+    /// `sha256-raw:<hex>` pin (self-signed nodes; derpd prints it) or the name the
+    /// certificate must be valid for.
+    #[arg(long, global = true)]
+    pub(crate) cert_name: Option<String>,
+
+    /// TLS and QUIC: PEM file of extra CA certificates to trust.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub(crate) ca_cert: Option<PathBuf>,
+
+    /// With an https:// URL: connect over QUIC to this UDP port of the same host instead
+    /// (the node's --quic-port).
+    #[arg(long, global = true)]
+    pub(crate) quic_port: Option<u16>,
+
+    /// QUIC: send and accept packets on the stream only, no datagrams.
+    #[arg(long, global = true)]
+    pub(crate) quic_no_datagrams: bool,
 
     /// Start an in-process derpd relay on 127.0.0.1 (random port) and test it. Its CPU is
     /// measured per thread; its memory is shared with the bench's.

@@ -4,6 +4,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{Context, anyhow, bail};
+use derp_client::rustls::pki_types::CertificateDer;
 use derp_client::{Client, ClientConfig, ConnectError, ServerUrl};
 use derp_proto::SecretKey;
 use derp_server::{Server, ServerConfig};
@@ -96,6 +97,16 @@ pub(crate) struct Target {
     pub(crate) connect_timeout: Duration,
     pub(crate) spawned: bool,
     ticks: f64,
+    tls: TlsOptions,
+}
+
+/// Certificate checks and transport choices for TLS and QUIC targets.
+#[derive(Clone, Debug, Default)]
+struct TlsOptions {
+    cert_name: Option<String>,
+    extra_roots: Vec<CertificateDer<'static>>,
+    quic_port: Option<u16>,
+    quic_datagrams: bool,
 }
 
 impl Target {
@@ -131,6 +142,18 @@ impl Target {
             (true, Some(_)) => ServerProbe::InProcess,
             (true, None) => ServerProbe::None,
         };
+        let extra_roots = match &args.ca_cert {
+            None => Vec::new(),
+            Some(path) => {
+                let pem = std::fs::read(path)
+                    .with_context(|| format!("reading --ca-cert {}", path.display()))?;
+                read_pem_certs(&pem)
+                    .with_context(|| format!("--ca-cert {}: no certificate", path.display()))?
+            }
+        };
+        if args.quic_port.is_some() && url.scheme() != derp_client::Scheme::Https {
+            bail!("--quic-port goes with an https:// URL (a quic:// URL names its own port)");
+        }
         Ok(Self {
             url,
             peer_url,
@@ -139,6 +162,12 @@ impl Target {
             connect_timeout: args.connect_timeout,
             spawned: spawned.is_some(),
             ticks: procfs::clock_ticks_per_second(),
+            tls: TlsOptions {
+                cert_name: args.cert_name.clone(),
+                extra_roots,
+                quic_port: args.quic_port,
+                quic_datagrams: !args.quic_no_datagrams,
+            },
         })
     }
 
@@ -161,6 +190,7 @@ impl Target {
             Some(url) => ClientTemplate {
                 url: url.clone(),
                 connect_timeout: self.connect_timeout,
+                tls: self.tls.clone(),
             }
             .config(secret, local),
             None => self.client_config(secret, local),
@@ -172,6 +202,7 @@ impl Target {
         ClientTemplate {
             url: self.url.clone(),
             connect_timeout: self.connect_timeout,
+            tls: self.tls.clone(),
         }
     }
 
@@ -257,19 +288,47 @@ impl Target {
 pub(crate) struct ClientTemplate {
     url: ServerUrl,
     connect_timeout: Duration,
+    tls: TlsOptions,
 }
 
 impl ClientTemplate {
     pub(crate) fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         let mut config = ClientConfig::with_url(self.url.clone(), secret)
             .with_connect_timeout(self.connect_timeout)
-            .with_app_name("derp-bench");
+            .with_app_name("derp-bench")
+            .with_quic_datagrams(self.tls.quic_datagrams);
+        config.extra_roots = self.tls.extra_roots.clone();
+        config.cert_name = self.tls.cert_name.clone();
+        config.quic_port = self.tls.quic_port;
         if let Some(local) = local {
             config = config.with_local_addr(local);
         }
         config
     }
 }
+
+/// The certificates in a PEM file.
+fn read_pem_certs(pem: &[u8]) -> anyhow::Result<Vec<CertificateDer<'static>>> {
+    let text = std::str::from_utf8(pem).context("not UTF-8 PEM")?;
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(PEM_BEGIN) {
+        let body = &rest[start + PEM_BEGIN.len()..];
+        let end = body.find(PEM_END).context("unterminated certificate")?;
+        let b64: String = body[..end].split_whitespace().collect();
+        let der = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, &b64)
+            .context("bad base64 in certificate")?;
+        out.push(CertificateDer::from(der));
+        rest = &body[end + PEM_END.len()..];
+    }
+    if out.is_empty() {
+        bail!("no certificate");
+    }
+    Ok(out)
+}
+
+const PEM_BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+const PEM_END: &str = "-----END CERTIFICATE-----";
 
 /// Assigns source addresses to connection indexes.
 #[derive(Clone, Copy, Debug)]
@@ -312,10 +371,13 @@ pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
             )
         }
         ConnectError::Timeout(_) => format!("{e} (server unreachable or overloaded)"),
-        // TLS support in the client is still changing; whatever it reports is passed on.
         other if other.to_string().to_ascii_lowercase().contains("tls") => format!(
-            "{other} (an https:// or wss:// URL needs TLS support in derp-client and a \
-             certificate it trusts; http:// and ws:// test the plain listener)"
+            "{other} (https://, wss:// and quic:// need a certificate the client trusts: \
+             --cert-name sha256-raw:<pin> for a self-signed node, or --ca-cert FILE)"
+        ),
+        ConnectError::Quic(_) => format!(
+            "{e} (is QUIC enabled on the server, and is that its UDP port? derpd serves it on \
+             TLS nodes with --quic-port)"
         ),
         other => other.to_string(),
     }
@@ -336,6 +398,7 @@ pub(crate) fn connect_error_kind(e: &ConnectError) -> String {
         ConnectError::Decode(_) | ConnectError::UnexpectedFrame { .. } => "bad_frame".into(),
         ConnectError::Handshake(_) => "handshake".into(),
         ConnectError::Connection(_) => "connection".into(),
+        ConnectError::Quic(_) => "quic".into(),
         other if other.to_string().to_ascii_lowercase().contains("tls") => "tls".into(),
         _ => "other".into(),
     }

@@ -948,3 +948,131 @@ fn pairs_split_across_two_meshed_relays_with_peer_url() {
         .sum::<f64>();
     assert!(forwarded >= run.delivered_packets as f64, "{forwarded}");
 }
+
+// ---- DERP over QUIC: every mode takes a quic:// URL ----
+
+/// An in-process relay serving QUIC with a self-signed certificate for 127.0.0.1. Returns
+/// the server, its quic:// URL and the certificate pin.
+fn quic_relay(rt: &tokio::runtime::Runtime) -> (derp_server::Server, String, String) {
+    let registry = prometheus::Registry::new();
+    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+    let server =
+        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
+    let front = derp_tls::TlsFront::new(
+        &server.public_key(),
+        derp_tls::TlsOptions::new("127.0.0.1"),
+        &registry,
+    )
+    .unwrap();
+    let (cert, key) = derp_tls::generate_self_signed("127.0.0.1".parse().unwrap()).unwrap();
+    let chain = derp_tls::load_certs_pem(cert.as_bytes()).unwrap();
+    let pin = derp_tls::cert_pin(&chain[0]);
+    front
+        .install(
+            chain,
+            derp_tls::load_key_pem(key.as_bytes()).unwrap(),
+            derp_tls::CertOrigin::SelfSigned,
+        )
+        .unwrap();
+    let addr = rt.block_on(async {
+        let socket = derp_server::quic::bind_udp("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = derp_server::QuicListener::bind(
+            socket,
+            front.quic_server_config(),
+            derp_server::QuicConfig::default(),
+        )
+        .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = server.clone();
+        tokio::spawn(async move { serving.serve_quic(listener).await });
+        addr
+    });
+    (server, format!("quic://{addr}"), pin)
+}
+
+#[test]
+fn every_mode_takes_a_quic_url() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, url, pin) = quic_relay(&rt);
+    let target = ["--url", url.as_str(), "--cert-name", pin.as_str()];
+    let with = |mode: &[&str]| -> Vec<String> {
+        mode.iter()
+            .chain(target.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+
+    let args = with(&[
+        "throughput",
+        "--pairs",
+        "2",
+        "--rate",
+        "200",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "500ms",
+    ]);
+    let r: Report<ThroughputResult> =
+        bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(r.target.url, format!("{url}/derp"));
+    let load = &r.result.runs[0];
+    check_load_run(load, 2);
+    assert!(load.delivered_packets > 0, "{load:?}");
+
+    let args = with(&[
+        "latency",
+        "--probe-rate",
+        "200",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "500ms",
+    ]);
+    let r: Report<LatencyResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let lat = &r.result.runs[0];
+    assert!(lat.probes_received > 0, "{lat:?}");
+
+    let args = with(&["connect", "--connections", "20", "--concurrency", "4"]);
+    let r: Report<ConnectResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let c = &r.result.runs[0];
+    assert_eq!((c.attempted, c.succeeded, c.failed), (20, 20, 0), "{c:?}");
+
+    let args = with(&["idle", "--connections", "20", "--hold", "50ms"]);
+    let r: Report<IdleResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(r.result.runs[0].opened, 20);
+
+    let args = with(&[
+        "sweep",
+        "--pairs",
+        "1",
+        "--start-mbps",
+        "1",
+        "--factor",
+        "2",
+        "--max-steps",
+        "2",
+        "--warmup",
+        "100ms",
+        "--step-duration",
+        "300ms",
+    ]);
+    let r: Report<SweepResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!r.result.steps.is_empty());
+
+    // Without the pin the self-signed certificate is refused, with a hint.
+    let out = bench(&["connect", "--url", &url, "--connections", "1"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--cert-name"), "{stderr}");
+
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
+            .await
+            .unwrap()
+    });
+}

@@ -146,9 +146,19 @@ async fn connect_one(
     .await
 }
 
-/// A QUIC error as a connect error; an application close carries the server's reason code.
+/// A QUIC error as a connect error: a failed TLS handshake (a CRYPTO_ERROR, 0x100-0x1ff:
+/// untrusted certificate, no common ALPN) is [`ConnectError::Tls`], as over TCP; the rest,
+/// including the server's application close codes, [`ConnectError::Quic`].
 fn quic_error(e: quinn::ConnectionError) -> ConnectError {
-    ConnectError::Quic(e.to_string())
+    let code = match &e {
+        quinn::ConnectionError::TransportError(t) => Some(u64::from(t.code)),
+        quinn::ConnectionError::ConnectionClosed(c) => Some(u64::from(c.error_code)),
+        _ => None,
+    };
+    match code {
+        Some(code) if (0x100..0x200).contains(&code) => ConnectError::Tls(e.to_string()),
+        _ => ConnectError::Quic(e.to_string()),
+    }
 }
 
 /// QUIC version 1 (RFC 9000), the only one spoken.

@@ -808,3 +808,35 @@ async fn packets_are_never_relayed_to_an_address_that_was_not_validated() {
     assert_eq!(relay.metric("derp_quic_migrations", &[]), 0.0);
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn a_mesh_peer_can_use_quic() {
+    let mesh_key: derp_proto::MeshKey = "ab".repeat(32).parse().expect("mesh key");
+    let mut config = ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng));
+    config.mesh_key = Some(mesh_key);
+    let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
+    let mesh = relay
+        .quic_config(SecretKey::generate(&mut rand::rngs::OsRng))
+        .with_mesh_key(mesh_key);
+    let mut peer = within("connect", Client::connect(&mesh))
+        .await
+        .expect("mesh peer over quic");
+    peer.watch_conns().await.expect("watch");
+    let (mut local, kl) = relay.tcp_client().await;
+    // Presence of a client of this node reaches the peer over the QUIC stream...
+    loop {
+        match next(&mut peer).await {
+            ReceivedFrame::PeerPresent { peer: key, .. } if key == kl => break,
+            _ => {}
+        }
+    }
+    // ... and a packet forwarded on behalf of a client of the peer's node is delivered.
+    let remote = SecretKey::generate(&mut rand::rngs::OsRng).public_key();
+    peer.forward_packet(remote, kl, Bytes::from_static(b"via the mesh"))
+        .await
+        .expect("forward");
+    let (src, packet) = next_packet(&mut local).await;
+    assert_eq!((src, &packet[..]), (remote, &b"via the mesh"[..]));
+    assert_eq!(relay.metric("derp_packets_forwarded_in", &[]), 1.0);
+    relay.stop().await;
+}

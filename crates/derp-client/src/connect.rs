@@ -15,8 +15,8 @@ use tokio::net::{TcpSocket, TcpStream};
 use crate::Client;
 use crate::config::{ClientConfig, TransportKind};
 use crate::error::ConnectError;
+use crate::path::{PREAMBLE, QuicPath};
 use crate::ping::PingTracker;
-use crate::quic::{self, QuicPath};
 use crate::reader::ClientReader;
 use crate::tls;
 use crate::transport::{FrameReader, FrameWriter, WsShared};
@@ -25,9 +25,6 @@ use crate::writer::ClientWriter;
 /// Dials the configured URL and runs the upgrade and handshake within the connect budget.
 pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
     validate(config)?;
-    if config.uses_quic() {
-        return with_budget(config, quic::connect(config)).await;
-    }
     let tls = if config.url.scheme().is_tls() {
         // Built before dialing so a bad cert name or root fails without network traffic.
         Some(tls::client_config(config)?)
@@ -80,7 +77,7 @@ pub(crate) async fn connect_stream(
     with_budget(config, establish(config, stream, None, Opening::Http)).await
 }
 
-async fn with_budget(
+pub(crate) async fn with_budget(
     config: &ClientConfig,
     fut: impl Future<Output = Result<Client, ConnectError>>,
 ) -> Result<Client, ConnectError> {
@@ -89,7 +86,7 @@ async fn with_budget(
         .map_err(|_| ConnectError::Timeout(config.connect_timeout))?
 }
 
-fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
+pub(crate) fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
     if config.fast_start_key.is_some() && config.transport == TransportKind::WebSocket {
         return Err(ConnectError::InvalidConfig(
             "fast start is not available over websocket",
@@ -197,7 +194,7 @@ pub(crate) async fn establish(
 
     let ws_key = websocket.then(|| ws::new_key(rand::random()));
     if quic.is_some() {
-        writer.queue_raw(&quic::PREAMBLE);
+        writer.queue_raw(&PREAMBLE);
     } else {
         let mut head = BytesMut::new();
         upgrade::write_request(

@@ -56,6 +56,7 @@
 mod config;
 mod connect;
 mod error;
+mod path;
 mod ping;
 mod quic;
 mod reader;
@@ -75,8 +76,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind};
 pub use crate::error::UrlError;
 pub use crate::error::{ClientError, ConnectError};
+pub use crate::path::{PREAMBLE as QUIC_PREAMBLE, QuicPath};
 pub use crate::ping::PendingPing;
-pub use crate::quic::{PREAMBLE as QUIC_PREAMBLE, QuicPath};
 pub use crate::reader::{ClientReader, ReceivedFrame};
 pub use crate::tls::CertName;
 pub use crate::writer::ClientWriter;
@@ -100,7 +101,11 @@ impl Client {
     /// Dials `config.url`, upgrades the connection and completes the DERP handshake (up to and
     /// including ServerInfo), all within `config.connect_timeout`.
     pub async fn connect(config: &ClientConfig) -> Result<Self, ConnectError> {
-        connect::connect(config).await
+        if config.uses_quic() {
+            quic::connect(config).await
+        } else {
+            connect::connect(config).await
+        }
     }
 
     /// Like [`Client::connect`] over a stream the caller already connected, for example a TLS

@@ -1,77 +1,30 @@
-//! DERP over QUIC, the client side: the UDP endpoint, the QUIC handshake, the DERP stream
-//! and its preamble, and [`QuicPath`] for the connection's datagrams and address.
+//! DERP over QUIC, the client side: the UDP endpoint, the QUIC handshake and the DERP
+//! stream, then the same handshake code as over TCP.
 
-use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use derp_io::Transport;
 use quinn::crypto::rustls::QuicClientConfig;
-use quinn::{Connection, Endpoint, EndpointConfig, IdleTimeout, TransportConfig, VarInt};
+use quinn::{Endpoint, EndpointConfig, IdleTimeout, TransportConfig, VarInt};
 use rustls::pki_types::CertificateDer;
 
 use crate::Client;
 use crate::config::ClientConfig;
-use crate::connect::{Opening, establish, resolve};
+use crate::connect::{Opening, establish, resolve, validate, with_budget};
 use crate::error::ConnectError;
+use crate::path::QuicPath;
 use crate::tls;
 
-/// The 8 bytes a client writes first on the DERP stream ("DERP🔑", the ServerKey magic).
-pub const PREAMBLE: [u8; 8] = derp_proto::frame::MAGIC;
-
-/// A QUIC connection's path: its datagrams' current size limit, its addresses, and moving
-/// it to a new local socket (connection migration). Cheap to clone; every clone is the same
-/// connection.
-#[derive(Clone, Debug)]
-pub struct QuicPath {
-    endpoint: Endpoint,
-    conn: Connection,
-    /// This client accepts and sends datagrams ([`ClientConfig::quic_datagrams`]).
-    datagrams: bool,
-}
-
-impl QuicPath {
-    /// Moves the connection to a new UDP socket bound to `local` (port 0 lets the kernel
-    /// choose), as a network change would: the registration, queues and stream carry on,
-    /// and the server reports the new address with an ObservedAddr frame once it has
-    /// validated it. Returns the new local address.
-    pub fn rebind(&self, local: SocketAddr) -> io::Result<SocketAddr> {
-        let socket = std::net::UdpSocket::bind(local)?;
-        let addr = socket.local_addr()?;
-        self.endpoint.rebind(socket)?;
-        Ok(addr)
-    }
-
-    /// The local UDP address.
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.endpoint.local_addr()
-    }
-
-    /// The server's address.
-    pub fn remote_addr(&self) -> SocketAddr {
-        self.conn.remote_address()
-    }
-
-    /// The largest DERP frame a datagram can carry now, or `None` when datagrams are off on
-    /// either side.
-    pub fn max_datagram_frame(&self) -> Option<usize> {
-        self.conn.max_datagram_size().filter(|_| self.datagrams)
-    }
-
-    /// Whether this client uses datagrams at all.
-    pub(crate) fn datagrams(&self) -> bool {
-        self.datagrams
-    }
-
-    /// The underlying quinn connection (statistics, close reason).
-    pub fn connection(&self) -> &Connection {
-        &self.conn
-    }
-}
-
-/// Connects over QUIC and runs the DERP handshake on the connection's stream.
+/// Connects over QUIC and runs the DERP handshake on the connection's stream, all within
+/// the connect budget.
 pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectError> {
+    validate(config)?;
+    with_budget(config, connect_inner(config)).await
+}
+
+async fn connect_inner(config: &ClientConfig) -> Result<Client, ConnectError> {
     let tls = tls::quic_client_config(config)?;
     let crypto = QuicClientConfig::try_from(tls).map_err(|e| ConnectError::Tls(e.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
@@ -120,11 +73,7 @@ async fn connect_one(
         .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
         .and_then(|chain| tls::meta_certificate_key(&chain));
     let (send, recv) = conn.open_bi().await.map_err(quic_error)?;
-    let path = QuicPath {
-        endpoint,
-        conn: conn.clone(),
-        datagrams: config.quic_datagrams,
-    };
+    let path = QuicPath::new(endpoint, conn.clone(), config.quic_datagrams);
     let fast;
     let config = match meta_key {
         // QUIC is always TLS 1.3: the meta certificate's key allows fast start.

@@ -9,8 +9,8 @@ use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey, RelayToClient, SecretKey, ServerInfo};
 
 use crate::error::ClientError;
+use crate::path::QuicPath;
 use crate::ping::PingTracker;
-use crate::quic::QuicPath;
 use crate::transport::FrameReader;
 
 /// A frame from the server, as [`ClientReader::recv`] hands it out.

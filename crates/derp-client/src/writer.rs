@@ -10,8 +10,8 @@ use derp_proto::{ClientToRelay, PublicKey};
 use tokio::time::Instant;
 
 use crate::error::ClientError;
+use crate::path::QuicPath;
 use crate::ping::{PendingPing, PingTracker};
-use crate::quic::QuicPath;
 use crate::transport::FrameWriter;
 
 /// The sending half of a connection, from [`Client::split`](crate::Client::split).

@@ -1,0 +1,68 @@
+//! A QUIC connection's path as the client's halves share it: datagram limit, addresses, and
+//! migration to a new local socket.
+
+use std::io;
+use std::net::SocketAddr;
+
+use quinn::{Connection, Endpoint};
+
+/// The 8 bytes a client writes first on the DERP stream ("DERP🔑", the ServerKey magic).
+pub const PREAMBLE: [u8; 8] = derp_proto::frame::MAGIC;
+
+/// A QUIC connection's path: its datagrams' current size limit, its addresses, and moving
+/// it to a new local socket (connection migration). Cheap to clone; every clone is the same
+/// connection.
+#[derive(Clone, Debug)]
+pub struct QuicPath {
+    endpoint: Endpoint,
+    conn: Connection,
+    /// This client accepts and sends datagrams ([`ClientConfig::quic_datagrams`](crate::ClientConfig::quic_datagrams)).
+    datagrams: bool,
+}
+
+impl QuicPath {
+    pub(crate) fn new(endpoint: Endpoint, conn: Connection, datagrams: bool) -> Self {
+        Self {
+            endpoint,
+            conn,
+            datagrams,
+        }
+    }
+
+    /// Moves the connection to a new UDP socket bound to `local` (port 0 lets the kernel
+    /// choose), as a network change would: the registration, queues and stream carry on,
+    /// and the server reports the new address with an ObservedAddr frame once it has
+    /// validated it. Returns the new local address.
+    pub fn rebind(&self, local: SocketAddr) -> io::Result<SocketAddr> {
+        let socket = std::net::UdpSocket::bind(local)?;
+        let addr = socket.local_addr()?;
+        self.endpoint.rebind(socket)?;
+        Ok(addr)
+    }
+
+    /// The local UDP address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// The server's address.
+    pub fn remote_addr(&self) -> SocketAddr {
+        self.conn.remote_address()
+    }
+
+    /// The largest DERP frame a datagram can carry now, or `None` when datagrams are off on
+    /// either side.
+    pub fn max_datagram_frame(&self) -> Option<usize> {
+        self.conn.max_datagram_size().filter(|_| self.datagrams)
+    }
+
+    /// Whether this client uses datagrams at all.
+    pub(crate) fn datagrams(&self) -> bool {
+        self.datagrams
+    }
+
+    /// The underlying quinn connection (statistics, close reason).
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+}

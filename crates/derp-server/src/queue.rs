@@ -370,7 +370,14 @@ mod tests {
         let h = handle(4);
         let mut counts = ReaderCounts::default();
         let src = PublicKey::from_bytes([9; 32]);
-        h.push_packet(src, pkt(1), PacketKind::Other, Instant::now(), &mut counts);
+        h.push_packet(
+            src,
+            pkt(1),
+            PacketKind::Other,
+            false,
+            Instant::now(),
+            &mut counts,
+        );
         h.push_control(Control::KeepAlive);
         h.push_pong([3; 8]);
         let mut batch = Batch::default();

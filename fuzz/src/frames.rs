@@ -484,7 +484,10 @@ fn check_client_msg(msg: &RelayToClient, frame: &Frame<'_>) {
             octets.copy_from_slice(&raw[..16]);
             let v6 = Ipv6Addr::from(octets);
             let ip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
-            assert_eq!(*addr, SocketAddr::new(ip, u16::from_be_bytes([raw[16], raw[17]])));
+            assert_eq!(
+                *addr,
+                SocketAddr::new(ip, u16::from_be_bytes([raw[16], raw[17]]))
+            );
             canonical = frame.len == 18;
         }
         RelayToClient::Unknown { .. } => unreachable!("handled above"),

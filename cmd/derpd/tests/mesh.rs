@@ -501,3 +501,96 @@ async fn a_key_held_by_two_siblings_fails_over_without_peer_gone() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mesh_links_can_run_over_quic() {
+    let dir = TempDir::new("quicmesh");
+    let pki = Pki::new();
+    let ca_file = dir.path("ca.pem");
+    std::fs::write(&ca_file, &pki.ca_pem).expect("write ca");
+    let mesh_key = dir.path("mesh.key");
+    write_mesh_key(&mesh_key);
+    let tcp_ports = [free_port(), free_port()];
+    let quic_ports = [free_udp_port(), free_udp_port()];
+    // Every node lists both by QUIC URL; its own entry is recognised by the key answering.
+    let mesh_with = quic_ports
+        .iter()
+        .map(|p| format!("quic://127.0.0.1:{p}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let nodes: Vec<Node> = (0..2)
+        .map(|i| {
+            let certdir = dir.path(&format!("certs{i}"));
+            std::fs::create_dir_all(&certdir).expect("certdir");
+            pki.issue("127.0.0.1", &certdir);
+            let args: Vec<String> = vec![
+                "-a".into(),
+                format!("127.0.0.1:{}", tcp_ports[i]),
+                "-c".into(),
+                dir.path(&format!("{i}.key")).display().to_string(),
+                "--certmode".into(),
+                "manual".into(),
+                "--certdir".into(),
+                certdir.display().to_string(),
+                "--hostname".into(),
+                "127.0.0.1".into(),
+                "--http-port".into(),
+                "-1".into(),
+                "--quic-port".into(),
+                quic_ports[i].to_string(),
+                "--metrics-addr".into(),
+                "127.0.0.1:0".into(),
+                "--mesh-psk-file".into(),
+                mesh_key.display().to_string(),
+                "--mesh-ca-file".into(),
+                ca_file.display().to_string(),
+                "--mesh-with".into(),
+                mesh_with.clone(),
+            ];
+            Node::start(&args)
+        })
+        .collect();
+    for node in &nodes {
+        node.wait_metric("derp_mesh_links_up", &[], |v| v == 1.0);
+        // The sibling's link arrived over QUIC.
+        node.wait_metric(
+            "derp_current_connections_by_transport",
+            &[("transport", "quic")],
+            |v| v == 1.0,
+        );
+    }
+    let tls_client = |i: usize, s: derp_proto::SecretKey| {
+        ClientConfig::new(&format!("https://127.0.0.1:{}/derp", tcp_ports[i]), s)
+            .expect("config")
+            .with_extra_root(pki.ca_der.clone())
+            .with_connect_timeout(STEP)
+    };
+    let (sa, sb) = (secret(), secret());
+    let (ka, kb) = (sa.public_key(), sb.public_key());
+    let mut a = derp_client::Client::connect(&tls_client(0, sa))
+        .await
+        .expect("a");
+    let mut b = derp_client::Client::connect(&tls_client(1, sb))
+        .await
+        .expect("b");
+    for node in &nodes {
+        node.wait_metric("derp_clients_total", &[], |v| v == 4.0);
+    }
+    a.send_packet(kb, b"across a quic link")
+        .await
+        .expect("send");
+    expect_packet(&mut b, ka, b"across a quic link").await;
+    b.send_packet(ka, b"and back").await.expect("send");
+    expect_packet(&mut a, kb, b"and back").await;
+    for node in &nodes {
+        node.wait_metric("derp_packets_forwarded_in", &[], |v| v == 1.0);
+    }
+}
+
+/// A UDP port nothing is bound to right now.
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("udp port")
+        .port()
+}

@@ -104,8 +104,10 @@ fn parse_entry(entry: &str) -> Result<Sibling, SiblingError> {
     };
     if entry.contains("://") {
         let url: ServerUrl = entry.parse().map_err(|e| invalid(format!("{e}")))?;
-        if !matches!(url.scheme(), Scheme::Http | Scheme::Https) {
-            return Err(invalid("mesh URLs must be http:// or https://".into()));
+        if !matches!(url.scheme(), Scheme::Http | Scheme::Https | Scheme::Quic) {
+            return Err(invalid(
+                "mesh URLs must be http://, https:// or quic://".into(),
+            ));
         }
         return Ok(Sibling {
             label: entry.to_owned(),
@@ -174,9 +176,9 @@ mod tests {
 
     #[test]
     fn entries_mean_what_they_mean_to_derper() {
-        let list = " derp1.example.com, derp2.example.com/10.0.0.2 ,,derp3.example.com:8443/derp3-internal,http://127.0.0.1:3340/derp,https://[::1]:8443";
+        let list = " derp1.example.com, derp2.example.com/10.0.0.2 ,,derp3.example.com:8443/derp3-internal,http://127.0.0.1:3340/derp,https://[::1]:8443,quic://derp4.example.com:443";
         let s = parse_mesh_with(list, None).expect("parses");
-        assert_eq!(s.len(), 5);
+        assert_eq!(s.len(), 6);
         assert_eq!(s[0].url.to_string(), "https://derp1.example.com/derp");
         assert_eq!(s[0].dial, None);
         assert_eq!(s[0].label, "derp1.example.com");
@@ -194,6 +196,8 @@ mod tests {
         assert_eq!(s[3].url.port(), 3340);
         assert_eq!(s[4].url.host(), "::1");
         assert_eq!(s[4].url.path(), "/derp");
+        assert_eq!(s[5].url.scheme(), Scheme::Quic);
+        assert_eq!(s[5].url.host(), "derp4.example.com");
     }
 
     #[test]

@@ -122,9 +122,20 @@ pub enum Request {
 pub fn request_head_len(buf: &[u8]) -> Result<Option<usize>, UpgradeError> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_REQUEST_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
-    match req.parse(buf)? {
+    head_len(req.parse(buf)?, buf.len())
+}
+
+/// Applies [`MAX_HEAD_LEN`] to a parse of `buffered` bytes. A complete head over the limit is
+/// refused too: otherwise the same bytes would pass when they arrive in one read and fail
+/// when they arrive in several.
+fn head_len(
+    status: httparse::Status<usize>,
+    buffered: usize,
+) -> Result<Option<usize>, UpgradeError> {
+    match status {
+        httparse::Status::Complete(n) if n > MAX_HEAD_LEN => Err(UpgradeError::HeadTooLong),
         httparse::Status::Complete(n) => Ok(Some(n)),
-        httparse::Status::Partial if buf.len() >= MAX_HEAD_LEN => Err(UpgradeError::HeadTooLong),
+        httparse::Status::Partial if buffered >= MAX_HEAD_LEN => Err(UpgradeError::HeadTooLong),
         httparse::Status::Partial => Ok(None),
     }
 }
@@ -319,12 +330,8 @@ pub struct ResponseHead {
 pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, UpgradeError> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
     let mut resp = httparse::Response::new(&mut headers);
-    let len = match resp.parse(buf)? {
-        httparse::Status::Complete(len) => len,
-        httparse::Status::Partial if buf.len() >= MAX_HEAD_LEN => {
-            return Err(UpgradeError::HeadTooLong);
-        }
-        httparse::Status::Partial => return Ok(None),
+    let Some(len) = head_len(resp.parse(buf)?, buf.len())? else {
+        return Ok(None);
     };
     let status = resp.code.ok_or(UpgradeError::MissingStatus)?;
     let header = |name: &str| {
@@ -479,6 +486,41 @@ mod tests {
         );
         let endless = [b"GET / HTTP/1.1\r\nX: ".as_slice(), &[b'a'; MAX_HEAD_LEN]].concat();
         assert_eq!(request_head_len(&endless), Err(UpgradeError::HeadTooLong));
+    }
+
+    /// A head is refused over the limit whether it arrives in one piece or in many (found by
+    /// the upgrade_request fuzz target: a complete 16.5 KiB head in one buffer was accepted).
+    #[test]
+    fn head_limit_holds_for_complete_heads() {
+        let head_of = |len: usize| {
+            let start = b"GET /derp HTTP/1.1\r\nX-Pad: ";
+            let end = b"\r\nUpgrade: DERP\r\n\r\n";
+            let pad = len - start.len() - end.len();
+            [start.as_slice(), &vec![b'a'; pad], end].concat()
+        };
+        let at_limit = head_of(MAX_HEAD_LEN);
+        assert_eq!(request_head_len(&at_limit), Ok(Some(MAX_HEAD_LEN)));
+        let over = head_of(MAX_HEAD_LEN + 1);
+        assert_eq!(request_head_len(&over), Err(UpgradeError::HeadTooLong));
+        assert_eq!(
+            request_head_len(&over[..MAX_HEAD_LEN]),
+            Err(UpgradeError::HeadTooLong)
+        );
+
+        let response = |len: usize| {
+            let start = b"HTTP/1.1 101 Switching Protocols\r\nX-Pad: ";
+            let pad = len - start.len() - 4;
+            [start.as_slice(), &vec![b'a'; pad], b"\r\n\r\n"].concat()
+        };
+        let at_limit = response(MAX_HEAD_LEN);
+        assert_eq!(
+            parse_response(&at_limit).map(|h| h.map(|h| h.len)),
+            Ok(Some(MAX_HEAD_LEN))
+        );
+        assert_eq!(
+            parse_response(&response(MAX_HEAD_LEN + 1)),
+            Err(UpgradeError::HeadTooLong)
+        );
     }
 
     #[test]

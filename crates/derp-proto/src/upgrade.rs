@@ -173,7 +173,7 @@ pub fn classify_request(head: &[u8], derp_enabled: bool) -> Request {
 pub fn classify_headers<'h>(
     header: impl Fn(&str) -> Option<&'h str>,
 ) -> Result<DerpUpgrade, NotUpgrade> {
-    let header = |name| header(name).map(str::trim);
+    let header = |name| header(name).map(trim_value);
     let upgrade = header("upgrade").ok_or(NotUpgrade::Missing)?;
     let not_ideal = header("ideal-node").is_some_and(|v| !v.is_empty());
     let protocols = header("sec-websocket-protocol");
@@ -196,6 +196,13 @@ pub fn classify_headers<'h>(
         return Err(NotUpgrade::Unsupported(upgrade.to_owned()));
     };
     Ok(DerpUpgrade { kind, not_ideal })
+}
+
+/// A header value without surrounding spaces and tabs, which is all Go's textproto trims (so
+/// `Upgrade: \u{a0}DERP` is no upgrade, as for derper). Not `str::trim`, which also takes
+/// Unicode spaces and control characters.
+fn trim_value(value: &str) -> &str {
+    value.trim_matches([' ', '\t'])
 }
 
 /// The path of a request target, for both origin form (`/derp?x`) and absolute form
@@ -339,7 +346,7 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, UpgradeError> 
             .iter()
             .find(|h| h.name.eq_ignore_ascii_case(name))
             .and_then(|h| std::str::from_utf8(h.value).ok())
-            .map(|v| v.trim().to_owned())
+            .map(|v| trim_value(v).to_owned())
     };
     Ok(Some(ResponseHead {
         status,
@@ -454,6 +461,36 @@ mod tests {
         }
         let up = "GET /derp HTTP/1.1\r\nUpgrade: DERP\r\n\r\n";
         assert_eq!(classify_request(up.as_bytes(), false), Request::Other);
+    }
+
+    /// Only spaces and tabs around a value are ignored, as in Go's textproto (found by the
+    /// upgrade_request fuzz target: `str::trim` also dropped U+00A0 and CR).
+    #[test]
+    fn header_values_lose_spaces_and_tabs_only() {
+        assert_eq!(
+            classify("GET /derp HTTP/1.1\r\nUpgrade: \t DERP \r\nDerp-Fast-Start:  1\t\r\n\r\n"),
+            derp(true, false)
+        );
+        assert_eq!(
+            classify("GET /derp HTTP/1.1\r\nUpgrade: \u{a0}DERP\r\n\r\n"),
+            Request::Other
+        );
+        assert_eq!(
+            classify("GET /derp HTTP/1.1\r\nUpgrade: DERP\r\nDerp-Fast-Start: 1\u{a0}\r\n\r\n"),
+            derp(false, false)
+        );
+        let cr = |n: &str| (n == "upgrade").then_some("DERP\r");
+        assert_eq!(
+            classify_headers(cr),
+            Err(NotUpgrade::Unsupported("DERP\r".into()))
+        );
+        let head = "HTTP/1.1 101 Switching Protocols\r\nSec-WebSocket-Accept: \tabc \r\n\
+                    Sec-WebSocket-Protocol: derp\u{a0}\r\n\r\n";
+        let parsed = parse_response(head.as_bytes())
+            .expect("valid")
+            .expect("complete");
+        assert_eq!(parsed.ws_accept.as_deref(), Some("abc"));
+        assert_eq!(parsed.ws_protocol.as_deref(), Some("derp\u{a0}"));
     }
 
     #[test]

@@ -87,10 +87,11 @@ pub mod close_code {
 
 /// The `Sec-WebSocket-Accept` value for a client's `Sec-WebSocket-Key` (RFC 6455 §4.2.2).
 ///
-/// Surrounding whitespace in the header value is ignored, as Go's header parser does.
+/// Surrounding spaces and tabs in the header value are ignored, as Go's header parser does;
+/// other whitespace (such as U+00A0) is part of the key there, and so it is here.
 pub fn accept_key(sec_websocket_key: &str) -> String {
     let mut hasher = Sha1::new();
-    hasher.update(sec_websocket_key.trim().as_bytes());
+    hasher.update(sec_websocket_key.trim_matches([' ', '\t']).as_bytes());
     hasher.update(ACCEPT_GUID.as_bytes());
     BASE64.encode(hasher.finalize())
 }
@@ -1189,6 +1190,16 @@ mod tests {
                 accept_key("dGhlIHNhbXBsZSBub25jZQ=="),
                 "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
             );
+        }
+
+        #[test]
+        fn accept_key_trims_spaces_and_tabs_only() {
+            let key = "dGhlIHNhbXBsZSBub25jZQ==";
+            assert_eq!(accept_key(&format!(" \t{key} ")), accept_key(key));
+            // Go keeps a no-break space, so the hash covers it (found by the
+            // upgrade_response fuzz target).
+            assert_ne!(accept_key(&format!("{key}\u{a0}")), accept_key(key));
+            assert_ne!(accept_key(&format!("{key}\r")), accept_key(key));
         }
 
         #[test]

@@ -14,6 +14,7 @@ pub mod handshake;
 pub mod info;
 pub mod keys;
 pub mod stun;
+pub mod upgrade;
 
 /// A fuzz target: panics if `data` breaks an invariant.
 pub type Target = fn(&[u8]);
@@ -28,6 +29,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("stun", stun::stun),
     ("key_text", keys::key_text),
     ("key_file", keys::key_file),
+    ("upgrade_request", upgrade::upgrade_request),
+    ("upgrade_response", upgrade::upgrade_response),
 ];
 
 /// Looks a target up by name.

@@ -276,6 +276,101 @@ fn main() {
         hex_field(config, "file_contents_as_derper_writes_it_hex"),
     );
 
+    // HTTP upgrade heads, relay side: `flags | bytes` (flags 0x40 pads the head to near the
+    // limit, 0x80 makes the bytes a `name:value` list).
+    let http = load(&testdata, "http.json");
+    for exchange in ["plain_upgrade", "fast_start", "websocket"] {
+        let ex = &http[exchange];
+        let name = slug(exchange);
+        // The client's first write: the head, and with fast start its ClientInfo too.
+        let first = hex_field(&ex["transcript"][0], "hex");
+        add(
+            "upgrade_request",
+            format!("vec-{name}"),
+            with_prefix(&[0], &first),
+        );
+        add(
+            "upgrade_request",
+            format!("vec-{name}-padded"),
+            with_prefix(&[0x40 | 0x20], &first),
+        );
+        let head = str_field(ex, "request_text");
+        let list: String = head
+            .lines()
+            .skip(1)
+            .filter(|l| !l.is_empty())
+            .map(|l| format!("{l}\n"))
+            .collect();
+        add(
+            "upgrade_request",
+            format!("vec-{name}-headers"),
+            with_prefix(&[0x80], list.as_bytes()),
+        );
+    }
+    for (name, head) in [
+        (
+            "absolute-form",
+            "GET http://relay.test/derp?x=1 HTTP/1.1\r\nUpgrade: DERP\r\n\r\n",
+        ),
+        ("probe", "GET /derp/probe HTTP/1.1\r\nUpgrade: DERP\r\n\r\n"),
+        (
+            "h2c",
+            "GET /derp HTTP/1.1\r\nUpgrade: h2c\r\nIdeal-Node: n2\r\n\r\n",
+        ),
+        (
+            "ws-no-key",
+            "GET /derp/x HTTP/1.1\r\nUpgrade: websocket\r\nSec-WebSocket-Protocol: derp\r\n\r\n",
+        ),
+        (
+            "ws-notderp",
+            "GET /derp HTTP/1.1\r\nupgrade:  WebSocket \r\nsec-websocket-protocol: notderp, chat\r\n\
+             Sec-WebSocket-Key:\tdGhlIHNhbXBsZSBub25jZQ== \r\n\r\n",
+        ),
+        (
+            "lf-only-fast-start",
+            "GET /derp HTTP/1.1\nUpgrade: derp\nDerp-Fast-Start:  1\nIdeal-Node:\n\n\x02\x00",
+        ),
+    ] {
+        add(
+            "upgrade_request",
+            format!("hand-{name}"),
+            with_prefix(&[0], head.as_bytes()),
+        );
+    }
+
+    // Upgrade responses, client side: `key length | Sec-WebSocket-Key | response`.
+    let ws_request = str_field(&http["websocket"], "request_text");
+    let ws_key = ws_request
+        .lines()
+        .find_map(|l| l.strip_prefix("Sec-Websocket-Key: "))
+        .expect("recorded WebSocket key");
+    for exchange in ["plain_upgrade", "websocket"] {
+        // The relay's first write: the 101 head and, for plain DERP, ServerKey.
+        let first = hex_field(&http[exchange]["transcript"][1], "hex");
+        let key = if exchange == "websocket" { ws_key } else { "" };
+        let mut seed = vec![key.len() as u8];
+        seed.extend_from_slice(key.as_bytes());
+        seed.extend_from_slice(&first);
+        add("upgrade_response", format!("vec-{}", slug(exchange)), seed);
+    }
+    for (name, response) in [
+        (
+            "not-found",
+            "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n",
+        ),
+        (
+            "wrong-subprotocol",
+            "HTTP/1.1 101 Switching Protocols\r\nSec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\
+             Sec-WebSocket-Protocol: chat\r\n\r\n",
+        ),
+    ] {
+        let key = "dGhlIHNhbXBsZSBub25jZQ==";
+        let mut seed = vec![key.len() as u8];
+        seed.extend_from_slice(key.as_bytes());
+        seed.extend_from_slice(response.as_bytes());
+        add("upgrade_response", format!("hand-{name}"), seed);
+    }
+
     let corpus = root.join("corpus");
     let mut total = 0;
     for (target, files) in &seeds {

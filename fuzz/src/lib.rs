@@ -15,6 +15,7 @@ pub mod info;
 pub mod keys;
 pub mod stun;
 pub mod upgrade;
+pub mod ws;
 
 /// A fuzz target: panics if `data` breaks an invariant.
 pub type Target = fn(&[u8]);
@@ -31,6 +32,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("key_file", keys::key_file),
     ("upgrade_request", upgrade::upgrade_request),
     ("upgrade_response", upgrade::upgrade_response),
+    ("ws_server", ws::ws_server),
+    ("ws_client", ws::ws_client),
 ];
 
 /// Looks a target up by name.

@@ -371,6 +371,65 @@ fn main() {
         add("upgrade_response", format!("hand-{name}"), seed);
     }
 
+    // WebSocket decoders: `flags | chunk seed | body`; flags bit 0 = program, bits 1-2 =
+    // chunk size. Raw seeds are the recorded streams after the 101.
+    let ws_exchange = &http["websocket"];
+    let mut c2s = Vec::new();
+    let mut s2c = Vec::new();
+    for (i, chunk) in ws_exchange["transcript"]
+        .as_array()
+        .expect("transcript")
+        .iter()
+        .enumerate()
+    {
+        // Chunks 0 and 1 are the two heads.
+        if i < 2 {
+            continue;
+        }
+        if chunk["dir"] == "c2s" {
+            &mut c2s
+        } else {
+            &mut s2c
+        }
+        .extend(hex_field(chunk, "hex"));
+    }
+    for (flags, seed) in [(2, 0), (6, 3)] {
+        add(
+            "ws_server",
+            format!("vec-client-stream-{flags}"),
+            with_prefix(&[flags, seed], &c2s),
+        );
+        add(
+            "ws_client",
+            format!("vec-server-stream-{flags}"),
+            with_prefix(&[flags, seed], &s2c),
+        );
+    }
+    // Programs: a message, a fragmented one with a ping inside, a pong, a ping, then a
+    // close with a reason; once masked (bit 7 of the op) and with a long frame.
+    let program: &[u8] = &[
+        0x00, 0, 0, 5, // binary, 5 bytes
+        0x01, 1, 0, 0, 3, 1, 7, 0, 0, 2, 0, 0, 0, 9, // 3 fragments, ping after the first
+        0x03, 30, 1, 2, 3, 4, // pong
+        0x02, 150, 5, 6, 7, 8, // ping (over 125: cut by control_frame)
+        0x04, 0, 12, b'g', b'o', b'i', b'n', b'g', b' ', b'a', b'w', b'a', b'y', 0xc3,
+        0xa9, // close
+        0x82, 0x00, 0x00, 0x00, // trailing bytes after the close
+    ];
+    let long: &[u8] = &[0x80, 9, 9, 9, 9, 2, 0, 3, 0x00, 1, 0, 0, 0x05, 1, 2, 3, 4];
+    for (target, role) in [("ws_server", "server"), ("ws_client", "client")] {
+        add(
+            target,
+            format!("hand-program-{role}"),
+            with_prefix(&[3, 1], program),
+        );
+        add(
+            target,
+            format!("hand-program-long-{role}"),
+            with_prefix(&[7, 2], long),
+        );
+    }
+
     let corpus = root.join("corpus");
     let mut total = 0;
     for (target, files) in &seeds {

@@ -1,4 +1,5 @@
-//! Fuzz target bodies for derp-proto, in one place.
+//! Fuzz target bodies, in one place: derp-proto's parsers, and (in [`relay`]) a live
+//! derp-server fed a hostile connection's bytes.
 //!
 //! Each target is a plain `fn(&[u8])` that panics when an invariant breaks. The libFuzzer
 //! binary (`src/bin/derp-fuzz.rs`) runs the one named by `DERP_FUZZ_TARGET`; the replay test
@@ -6,13 +7,16 @@
 //! through the same functions without a fuzzer.
 //!
 //! Adding a target: write `pub fn name(data: &[u8])` in a module here, add one line to
-//! [`TARGETS`], and put at least one seed in `corpus/<name>/` (the replay test insists).
+//! [`TARGETS`], and put at least one seed in `corpus/<name>/` (the replay test insists);
+//! scripts/fuzz, its CI run and its long runs pick the new target up from there. The code
+//! under test must be in a library crate this one can depend on.
 #![forbid(unsafe_code)]
 
 pub mod frames;
 pub mod handshake;
 pub mod info;
 pub mod keys;
+pub mod relay;
 pub mod stun;
 pub mod upgrade;
 pub mod ws;
@@ -34,6 +38,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("upgrade_response", upgrade::upgrade_response),
     ("ws_server", ws::ws_server),
     ("ws_client", ws::ws_client),
+    ("server_stream", relay::server_stream),
 ];
 
 /// Looks a target up by name.

@@ -430,6 +430,110 @@ fn main() {
         );
     }
 
+    // The live relay: `mode | seed | bytes` (see fuzz/src/relay.rs for the mode bits).
+    let a_key = hex::decode(str_field(&session, "client_a_public_hex")).expect("hex");
+    let hostile = derp_fuzz::relay::hostile_key().0;
+    for (i, client) in session["clients"]
+        .as_array()
+        .expect("clients")
+        .iter()
+        .enumerate()
+    {
+        let mut frames = Vec::new();
+        let mut after_info = Vec::new();
+        for entry in client["transcript"].as_array().expect("transcript") {
+            if entry["dir"] != "c2s"
+                || entry["kind"] != "derp_frame"
+                || entry["hex_is_truncated"] == true
+            {
+                continue;
+            }
+            let bytes = hex_field(entry, "hex");
+            if entry["frame"] != "ClientInfo" {
+                after_info.extend_from_slice(&bytes);
+            }
+            frames.extend_from_slice(&bytes);
+        }
+        for (mode, what) in [
+            (0x04, "accept"),
+            (0x46, "derp-upgrade-2-pieces"),
+            (0x26 | 0x08, "fast-start-prober"),
+            (0x27 | 0x10, "websocket-wrapped-mesh-key"),
+            (0xc4 | 0x18, "accept-4-pieces"),
+        ] {
+            add(
+                "server_stream",
+                format!("vec-session-{i}-{what}"),
+                with_prefix(&[mode, 5], &after_info),
+            );
+        }
+        // As recorded, ClientInfo included: sealed to another relay key, so refused.
+        add(
+            "server_stream",
+            format!("vec-session-{i}-replayed"),
+            with_prefix(&[0x00, 0], &frames),
+        );
+    }
+    for exchange in ["plain_upgrade", "fast_start", "websocket"] {
+        let mut sent = Vec::new();
+        for chunk in http[exchange]["transcript"].as_array().expect("transcript") {
+            if chunk["dir"] == "c2s" {
+                sent.extend(hex_field(chunk, "hex"));
+            }
+        }
+        add(
+            "server_stream",
+            format!("vec-http-{}", slug(exchange)),
+            with_prefix(&[0x01, 0], &sent),
+        );
+    }
+    // The recorded WebSocket close, after a valid handshake over WebSocket.
+    add(
+        "server_stream",
+        "vec-websocket-close".into(),
+        with_prefix(&[0x07, 0], &hex::decode("8882884ed9cc8ba6").expect("hex")),
+    );
+    // Hand-made: what a hostile client can do after authenticating.
+    let disco = [b"TS\xf0\x9f\x92\xac".as_slice(), &[7; 40]].concat();
+    let mut after = frame(0x04, &[[9; 32].as_slice(), &disco].concat()); // disco to nobody
+    after.extend(frame(0x04, &[hostile.as_slice(), b"to myself"].concat()));
+    after.extend(frame(0x04, &[a_key.as_slice(), &disco].concat())); // disco to A
+    after.extend(frame(0x07, &[1])); // NotePreferred
+    after.extend(frame(0x12, &[1, 2, 3, 4, 5, 6, 7, 8])); // Ping
+    after.extend(frame(0x0b, &[1; 20])); // unassigned type
+    add(
+        "server_stream",
+        "hand-after-handshake".into(),
+        with_prefix(&[0x84, 9], &after),
+    );
+    add(
+        "server_stream",
+        "hand-watch-conns-refused".into(),
+        with_prefix(&[0x14, 0], &frame(0x10, &[])),
+    );
+    // Raw HTTP: pipelined requests, then a DERP upgrade on the same connection (hyper's
+    // path) carrying the hostile's own ClientInfo and a packet to A.
+    let mut http_raw = b"GET / HTTP/1.1\r\nHost: relay.test\r\n\r\n\
+        HEAD /derp/probe HTTP/1.1\r\n\r\n\
+        GET /generate_204 HTTP/1.1\r\nX-Tailscale-Challenge: abc\r\n\r\n\
+        GET /derp HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\r\n"
+        .to_vec();
+    http_raw.extend(derp_fuzz::relay::hostile_client_info(0));
+    http_raw.extend(frame(0x04, &[a_key.as_slice(), b"hello A"].concat()));
+    add(
+        "server_stream",
+        "hand-http-keepalive-then-upgrade".into(),
+        with_prefix(&[0x01, 0], &http_raw),
+    );
+    let mut fast = b"GET /derp HTTP/1.1\r\nUpgrade: DERP\r\nDerp-Fast-Start: 1\r\n\r\n".to_vec();
+    fast.extend(derp_fuzz::relay::hostile_client_info(1));
+    fast.extend(frame(0x04, &[a_key.as_slice(), b"hello A"].concat()));
+    add(
+        "server_stream",
+        "hand-http-fast-start".into(),
+        with_prefix(&[0x01, 0], &fast),
+    );
+
     let corpus = root.join("corpus");
     let mut total = 0;
     for (target, files) in &seeds {

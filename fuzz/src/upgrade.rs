@@ -284,10 +284,10 @@ fn check_head_len(
         }
         Err(UpgradeError::HeadTooLong) => {
             assert!(buf.len() >= MAX_HEAD_LEN, "too long at {} bytes", buf.len());
-            assert_eq!(
-                head_len(&extended),
-                Err(UpgradeError::HeadTooLong),
-                "more bytes"
+            // Still refused, though more bytes may show it malformed as well.
+            assert!(
+                head_len(&extended).is_err(),
+                "more bytes made a long head acceptable"
             );
             for k in prefixes.into_iter().filter(|&k| k < MAX_HEAD_LEN) {
                 assert_eq!(head_len(&buf[..k]), Ok(None), "prefix of {k} bytes");

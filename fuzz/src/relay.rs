@@ -337,13 +337,16 @@ impl Relay {
         };
         let reader = async {
             let mut out = Vec::new();
-            tokio::time::timeout(PATIENCE, rd.read_to_end(&mut out))
+            rd.read_to_end(&mut out)
                 .await
-                .expect("the relay did not close the hostile connection after its input ended")
                 .expect("reading what the relay wrote to the hostile connection");
             out
         };
-        let ((), out) = tokio::join!(writer, reader);
+        // Each honest wait has its own limit; what is left over is the relay's to close.
+        let limit = PATIENCE * (2 * pieces.len() as u32 + 1);
+        let ((), out) = tokio::time::timeout(limit, async { tokio::join!(writer, reader) })
+            .await
+            .expect("the relay did not close the hostile connection after its input ended");
         if let Some(task) = accept {
             let ended = tokio::time::timeout(PATIENCE, task)
                 .await

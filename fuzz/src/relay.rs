@@ -23,7 +23,7 @@
 //!
 //! - every honest packet arrives once, unchanged and in order, and the honest clients receive
 //!   nothing but packets from each other or the hostile key, keepalives, and PeerGone for
-//!   keys other than each other's;
+//!   the hostile key (the only one that can send to them and leave);
 //! - the relay closes the hostile connection once its input ends, no relay task panics, and
 //!   afterwards exactly the two honest keys are connected and still exchange packets;
 //! - whenever the hostile's stream has a known shape (fronts 0, 2 and 3), what the relay
@@ -604,7 +604,11 @@ impl Honest {
                     assert_eq!(src, hostile, "a packet from a key nobody authenticated");
                 }
                 RelayToClient::PeerGone { peer: gone, .. } => {
-                    assert_ne!(gone, peer, "told an honest client its peer left");
+                    // Only the hostile key ever sent it anything and left.
+                    assert_eq!(
+                        gone, hostile,
+                        "told an honest client of the wrong key leaving"
+                    );
                 }
                 RelayToClient::KeepAlive => {}
                 other => panic!("an honest client got {other:?}"),

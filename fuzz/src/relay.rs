@@ -53,6 +53,7 @@ use derp_proto::{
 use derp_server::{Server, ServerConfig, Transport};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
 use tokio::runtime::Runtime;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::Rng;
@@ -327,6 +328,7 @@ impl Relay {
         };
         let (mut rd, mut wr) = tokio::io::split(client);
 
+        let input_ended = Notify::new();
         let writer = async {
             let mut open = wr.write_all(&prefix).await.is_ok();
             for piece in &pieces {
@@ -334,19 +336,23 @@ impl Relay {
                 self.round_trip().await;
             }
             let _ = wr.shutdown().await;
+            input_ended.notify_one();
         };
+        // Honest waits have their own limits; once the input has ended, the relay has
+        // PATIENCE to close the connection (well inside libFuzzer's -timeout=10).
         let reader = async {
             let mut out = Vec::new();
-            rd.read_to_end(&mut out)
-                .await
-                .expect("reading what the relay wrote to the hostile connection");
+            let closed = tokio::select! {
+                read = rd.read_to_end(&mut out) => read,
+                () = async {
+                    input_ended.notified().await;
+                    tokio::time::sleep(PATIENCE).await;
+                } => panic!("the relay did not close the hostile connection after its input ended"),
+            };
+            closed.expect("reading what the relay wrote to the hostile connection");
             out
         };
-        // Each honest wait has its own limit; what is left over is the relay's to close.
-        let limit = PATIENCE * (2 * pieces.len() as u32 + 1);
-        let ((), out) = tokio::time::timeout(limit, async { tokio::join!(writer, reader) })
-            .await
-            .expect("the relay did not close the hostile connection after its input ended");
+        let ((), out) = tokio::join!(writer, reader);
         if let Some(task) = accept {
             let ended = tokio::time::timeout(PATIENCE, task)
                 .await

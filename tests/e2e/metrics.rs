@@ -236,3 +236,25 @@ async fn every_metric_the_dashboard_and_alerts_query_exists_in_a_real_scrape() {
     mesh.shutdown().await;
     srv.stop().await;
 }
+
+#[tokio::test]
+async fn metrics_listener_answers_readiness_and_liveness() {
+    let srv = TestServer::start_default().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let maddr = listener.local_addr().expect("addr");
+    let server = srv.server.clone();
+    let task = tokio::spawn(async move { server.serve_metrics(listener).await });
+    // Not ready until the embedder says so (derpd: listening, and a certificate with TLS);
+    // alive all along.
+    assert_eq!(http_get(maddr, "/derp/probe", "").await.0, 503);
+    assert_eq!(http_get(maddr, "/healthz", "").await.0, 200);
+    srv.server.set_ready(true);
+    assert_eq!(http_get(maddr, "/derp/probe", "").await.0, 200);
+    assert_eq!(http_get(maddr, "/healthz", "").await.0, 200);
+    srv.server.set_ready(false);
+    assert_eq!(http_get(maddr, "/derp/probe", "").await.0, 503);
+    srv.stop().await;
+    task.await.expect("join").expect("metrics listener");
+}

@@ -228,7 +228,9 @@ fn prometheus_text(shared: &ServerState) -> Response<Body> {
     resp
 }
 
-/// One connection to the `--metrics-addr` listener: `/metrics` and nothing else.
+/// One connection to the `--metrics-addr` listener: `/metrics`, and the health checks an
+/// orchestrator runs, which cannot use the main listener (in TLS mode it refuses a handshake
+/// without the node's hostname as SNI, and kubelet and Docker send none).
 pub(crate) async fn serve_metrics_conn(
     shared: Arc<ServerState>,
     stream: tokio::net::TcpStream,
@@ -239,6 +241,10 @@ pub(crate) async fn serve_metrics_conn(
         async move {
             Ok::<_, Infallible>(match req.uri().path() {
                 "/metrics" => prometheus_text(&shared),
+                "/derp/probe" => readiness(&shared, req.method()),
+                // Liveness: answered whenever the runtime is, whatever the load or the
+                // certificate, so a busy node is never restarted for being busy.
+                "/healthz" => probe(req.method()),
                 _ => text(StatusCode::NOT_FOUND, "not found\n"),
             })
         }
@@ -251,6 +257,19 @@ pub(crate) async fn serve_metrics_conn(
     if let Err(e) = result {
         debug!(%remote, error = %e, "metrics connection ended");
     }
+}
+
+/// `/derp/probe` on the metrics listener: what the main listener's probe would tell a
+/// client. 503 before the embedder reports the node ready (no certificate yet) and from the
+/// start of a graceful shutdown, when the main listener is closed.
+fn readiness(shared: &ServerState, method: &Method) -> Response<Body> {
+    if shared.draining.is_cancelled() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "draining\n");
+    }
+    if !shared.ready.load(std::sync::atomic::Ordering::Relaxed) {
+        return text(StatusCode::SERVICE_UNAVAILABLE, "not serving yet\n");
+    }
+    probe(method)
 }
 
 fn probe(method: &Method) -> Response<Body> {
@@ -525,5 +544,19 @@ mod tests {
         assert!(!valid_challenge(b"nul\0"));
         assert!(!valid_challenge(&[b'a'; 65]));
         assert!(valid_challenge(&[b'a'; 64]));
+    }
+
+    #[test]
+    fn readiness_follows_the_embedder_then_drops_when_draining() {
+        let config = crate::ServerConfig::new(derp_testkit::server_secret());
+        let state = ServerState::new(config, &prometheus::Registry::new()).expect("state");
+        let status = |s: &ServerState| readiness(s, &Method::GET).status();
+        assert_eq!(status(&state), StatusCode::SERVICE_UNAVAILABLE);
+        state
+            .ready
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(status(&state), StatusCode::OK);
+        state.draining.cancel();
+        assert_eq!(status(&state), StatusCode::SERVICE_UNAVAILABLE);
     }
 }

@@ -64,6 +64,16 @@ impl Server {
         self.shared.registry.remove_forwarder(key, forwarder);
     }
 
+    /// Reports whether a client could be served right now: the embedder sets it once its
+    /// listener accepts and, with TLS, a certificate is in service. It is what `/derp/probe`
+    /// on the metrics listener answers (200, or 503 while not ready), so an orchestrator's
+    /// readiness check sees what a client would. A draining server is never ready.
+    pub fn set_ready(&self, ready: bool) {
+        self.shared
+            .ready
+            .store(ready, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Number of distinct keys connected right now.
     pub fn local_clients(&self) -> usize {
         self.shared.registry.local_keys()

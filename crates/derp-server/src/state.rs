@@ -1,7 +1,7 @@
 //! The state every connection shares. Its own module, imported by the server, the HTTP front
 //! and the connections, so that dependencies between those point one way.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use derp_proto::PublicKey;
 use tokio_util::sync::CancellationToken;
@@ -27,6 +27,8 @@ pub(crate) struct ServerState {
     pub(crate) prometheus: prometheus::Registry,
     /// Every connection task, so shutdown can wait for them.
     pub(crate) tasks: TaskTracker,
+    /// Whether clients can be served, as the embedder reports it (see `Server::set_ready`).
+    pub(crate) ready: AtomicBool,
 }
 
 impl ServerState {
@@ -47,6 +49,7 @@ impl ServerState {
             draining: CancellationToken::new(),
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
+            ready: AtomicBool::new(false),
         })
     }
 

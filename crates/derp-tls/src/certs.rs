@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::TlsError;
-use super::front::{CertOrigin, TlsFront};
+use super::front::{CertInfo, CertOrigin, TlsFront};
 use super::x509::{Host, check_valid_for};
 
 /// Parses every `CERTIFICATE` block of a PEM file, leaf first.
@@ -134,6 +134,16 @@ pub struct SelfSigned {
     pub key_path: PathBuf,
 }
 
+/// What [`ManualCerts::check`] found.
+#[derive(Debug, Clone)]
+pub enum ManualCheck {
+    /// The files hold a usable pair for the hostname; this is it.
+    Loaded(CertInfo),
+    /// Both files are missing and the hostname is this IP: a start would generate a
+    /// self-signed certificate for it.
+    WouldGenerate(IpAddr),
+}
+
 /// Manual certificate mode: `<certdir>/<hostname>.crt` and `.key`, reloaded when they change.
 ///
 /// A reload swaps the certificate for new handshakes only; established connections keep the
@@ -174,10 +184,9 @@ impl ManualCerts {
     /// new self-signed certificate first and returns its pin. Fails if the files are missing
     /// for a DNS hostname or do not hold a usable pair for the hostname.
     pub fn load_or_generate(&self) -> Result<Option<SelfSigned>, TlsError> {
-        let missing = !self.cert_path.exists() && !self.key_path.exists();
         let mut generated = None;
-        if missing && let Host::Ip(ip) = self.front.hostname() {
-            let (cert_pem, key_pem) = generate_self_signed(*ip)?;
+        if let Some(ip) = self.would_generate() {
+            let (cert_pem, key_pem) = generate_self_signed(ip)?;
             write_atomic(&self.key_path, key_pem.as_bytes(), true)?;
             write_atomic(&self.cert_path, cert_pem.as_bytes(), false)?;
             let leaf = load_certs_pem(cert_pem.as_bytes())?.remove(0);
@@ -189,6 +198,29 @@ impl ManualCerts {
         }
         self.install_from_disk(true)?;
         Ok(generated)
+    }
+
+    /// What [`ManualCerts::load_or_generate`] would do, without writing anything: load and
+    /// check the files (putting them into service on this front only), or report that a
+    /// self-signed certificate would be generated. Fails where it would fail.
+    pub fn check(&self) -> Result<ManualCheck, TlsError> {
+        if let Some(ip) = self.would_generate() {
+            return Ok(ManualCheck::WouldGenerate(ip));
+        }
+        self.install_from_disk(true)?;
+        Ok(ManualCheck::Loaded(
+            self.front.cert_updates().borrow().clone(),
+        ))
+    }
+
+    /// The IP address to generate a self-signed certificate for: both files are missing and
+    /// the hostname is an IP.
+    fn would_generate(&self) -> Option<IpAddr> {
+        let missing = !self.cert_path.exists() && !self.key_path.exists();
+        match self.front.hostname() {
+            Host::Ip(ip) if missing => Some(*ip),
+            _ => None,
+        }
     }
 
     /// Re-reads the files and installs them if their contents changed. Returns whether a new

@@ -37,8 +37,8 @@ use std::path::PathBuf;
 
 pub use acme::{AcmeConfig, AcmeManager, ChallengeKind, LETS_ENCRYPT_PRODUCTION};
 pub use certs::{
-    ManualCerts, SelfSigned, cert_pin, generate_self_signed, load_certs_pem, load_key_pem,
-    sanitize_hostname,
+    ManualCerts, ManualCheck, SelfSigned, cert_pin, generate_self_signed, load_certs_pem,
+    load_key_pem, sanitize_hostname,
 };
 pub use front::{
     CertInfo, CertOrigin, DEFAULT_MAX_HANDSHAKES, DEFAULT_TLS_HANDSHAKE_TIMEOUT,

@@ -10,7 +10,7 @@ use crate::duration::parse_duration;
 
 /// DERP relay server, wire-compatible with Tailscale's derper.
 #[derive(Debug, Parser)]
-#[command(name = "derpd", version, about, long_about = None)]
+#[command(name = "derpd", version, about, long_about = None, args_override_self = true)]
 pub(crate) struct Cli {
     /// Development mode: plain HTTP on 127.0.0.1:3340 (unless --addr is given) with a fresh
     /// key and no config file.
@@ -143,6 +143,12 @@ pub(crate) struct Cli {
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub(crate) log_format: LogFormat,
 
+    /// Check the configuration and exit: parse the flags, read the key file, certificates,
+    /// mesh key and CA files, print what would run, and exit 1 on any error. Binds no socket,
+    /// writes no file and contacts nobody.
+    #[arg(long)]
+    pub(crate) check: bool,
+
     #[command(flatten)]
     pub(crate) tls: crate::tls_setup::TlsArgs,
 }
@@ -201,6 +207,27 @@ mod tests {
         assert!(!cli.peer_mirror);
         assert_eq!(cli.debug_allow_cidr.len(), 2);
         assert!(Cli::try_parse_from(["derpd", "--peer-cache-max-entries", "-2"]).is_err());
+        // As with derper's Go flags, a later value wins: an image's entrypoint can carry
+        // defaults that the operator's arguments override.
+        let cli = Cli::try_parse_from([
+            "derpd",
+            "--metrics-addr",
+            "127.0.0.1:9090",
+            "--debug-allow-cidr",
+            "10.0.0.0/8",
+            "--metrics-addr",
+            "10.1.2.3:9090",
+            "--debug-allow-cidr",
+            "192.168.0.0/16",
+            "--check",
+            "--check",
+        ])
+        .expect("parses");
+        assert_eq!(
+            cli.metrics_addr,
+            Some("10.1.2.3:9090".parse().expect("addr"))
+        );
+        assert_eq!(cli.debug_allow_cidr.len(), 2, "repeated lists still add up");
         assert!(Cli::try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
     }
 

@@ -1,5 +1,6 @@
 //! derpd: a DERP relay server that Tailscale clients can use in place of derper.
 
+mod check;
 mod cli;
 mod duration;
 mod keyfile;
@@ -33,6 +34,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.check {
+        return check::run(&cli);
+    }
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -68,12 +72,7 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     ignore_sighup_by_default();
-    let addr_text = if cli.dev && cli.addr == ":443" {
-        "127.0.0.1:3340".to_owned()
-    } else {
-        cli.addr.clone()
-    };
-    let addrs = parse_listen_addr(&addr_text)?;
+    let addrs = parse_listen_addr(&listen_addr_text(&cli))?;
     let tls = cli.tls.tls_enabled(addrs[0].port());
     let quic_port = quic_port(&cli, tls, addrs[0].port())?;
     let home = parse_home(&cli.home)?;
@@ -82,12 +81,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let own_hostname = Some(cli.tls.hostname.as_str());
     let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with, own_hostname)
         .map_err(|e| anyhow::anyhow!("--mesh-with: {e}"))?;
-    let mesh_key_for_links = match (&mesh_key, cli.mesh_with.trim().is_empty()) {
-        (_, true) => None,
-        (Some(k), false) if !k.is_zero() => Some(*k),
-        (Some(_), false) => bail!("--mesh-with: the mesh key is all zeros, which never authorizes"),
-        (None, false) => bail!("--mesh-with needs a mesh key (--mesh-psk-file)"),
-    };
+    let mesh_key_for_links = mesh_link_key(&cli, mesh_key.as_ref())?;
     let mesh_tls = match &cli.mesh_ca_file {
         Some(path) => Some(mesh_tls(path)?),
         None if siblings.iter().any(|s| s.url.scheme().is_tls()) => Some(mesh_tls_system()?),
@@ -163,6 +157,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         if tls {
             tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port).await
         } else {
+            server.set_ready(true);
             server.serve(listener).await.context("serving")
         }
     });
@@ -238,6 +233,26 @@ fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u1
     Ok(Some(port))
 }
 
+/// `--addr`, with --dev's own default.
+fn listen_addr_text(cli: &Cli) -> String {
+    if cli.dev && cli.addr == ":443" {
+        "127.0.0.1:3340".to_owned()
+    } else {
+        cli.addr.clone()
+    }
+}
+
+/// The key the mesh links present: the mesh key, required (and non-zero) when there are
+/// siblings to mesh with.
+fn mesh_link_key(cli: &Cli, mesh_key: Option<&MeshKey>) -> anyhow::Result<Option<MeshKey>> {
+    Ok(match (mesh_key, cli.mesh_with.trim().is_empty()) {
+        (_, true) => None,
+        (Some(k), false) if !k.is_zero() => Some(*k),
+        (Some(_), false) => bail!("--mesh-with: the mesh key is all zeros, which never authorizes"),
+        (None, false) => bail!("--mesh-with needs a mesh key (--mesh-psk-file)"),
+    })
+}
+
 /// Parses derper-style listen addresses. ":port" means every address; IPv6's unspecified
 /// address is tried first because on Linux it also accepts IPv4.
 fn parse_listen_addr(s: &str) -> anyhow::Result<Vec<SocketAddr>> {
@@ -282,15 +297,22 @@ fn parse_home(home: &str) -> anyhow::Result<HomePage> {
 }
 
 fn load_key(cli: &Cli) -> anyhow::Result<SecretKey> {
-    if cli.dev && cli.config.is_none() {
-        return Ok(SecretKey::generate(&mut rand::rngs::OsRng));
+    match key_path(cli)? {
+        Some(path) => keyfile::load_or_create(&path),
+        None => Ok(SecretKey::generate(&mut rand::rngs::OsRng)),
     }
-    let path = match &cli.config {
+}
+
+/// The key file, or `None` in --dev mode without -c (a fresh key for each run).
+fn key_path(cli: &Cli) -> anyhow::Result<Option<PathBuf>> {
+    if cli.dev && cli.config.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(match &cli.config {
         Some(p) => p.clone(),
         None if is_root() => PathBuf::from(DEFAULT_ROOT_CONFIG),
         None => bail!("-c/--config is required when not running as root (or use --dev)"),
-    };
-    keyfile::load_or_create(&path)
+    }))
 }
 
 /// The mesh key, found as derper finds it: in --dev mode only from the environment,
@@ -326,14 +348,23 @@ fn mesh_key(cli: &Cli) -> anyhow::Result<Option<MeshKey>> {
 fn mesh_tls(
     path: &std::path::Path,
 ) -> anyhow::Result<std::sync::Arc<derp_mesh::rustls::ClientConfig>> {
+    let (config, summary) = mesh_tls_with_file(path)?;
+    log_trust(&summary);
+    Ok(config)
+}
+
+/// The system's trust store plus the PEM file's certificates, and what went into it.
+fn mesh_tls_with_file(
+    path: &std::path::Path,
+) -> anyhow::Result<(
+    std::sync::Arc<derp_mesh::rustls::ClientConfig>,
+    derp_mesh::TrustSummary,
+)> {
     let pem = std::fs::read(path)
         .with_context(|| format!("reading --mesh-ca-file {}", path.display()))?;
     let extra = derp_tls::load_certs_pem(&pem)
         .with_context(|| format!("--mesh-ca-file {}", path.display()))?;
-    let (config, summary) = derp_mesh::mesh_tls_config(&extra)
-        .with_context(|| format!("--mesh-ca-file {}", path.display()))?;
-    log_trust(&summary);
-    Ok(config)
+    derp_mesh::mesh_tls_config(&extra).with_context(|| format!("--mesh-ca-file {}", path.display()))
 }
 
 fn mesh_tls_system() -> anyhow::Result<std::sync::Arc<derp_mesh::rustls::ClientConfig>> {
@@ -368,15 +399,36 @@ fn load_mesh_key(path: &std::path::Path) -> anyhow::Result<MeshKey> {
 }
 
 fn is_root() -> bool {
-    // The effective uid is not in std; /proc is enough on the platforms derpd targets.
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
-        })
-        .unwrap_or(false)
+    effective_ids().is_some_and(|ids| ids.uid == 0)
+}
+
+/// The process's effective user and group ids and its supplementary groups.
+#[derive(Debug)]
+struct Ids {
+    uid: u32,
+    gid: u32,
+    groups: Vec<u32>,
+}
+
+fn effective_ids() -> Option<Ids> {
+    // Not in std; /proc is enough on the platforms derpd targets.
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|rest| {
+                rest.split_whitespace()
+                    .filter_map(|v| v.parse::<u32>().ok())
+                    .collect::<Vec<_>>()
+            })
+    };
+    Some(Ids {
+        // Real, effective, saved, filesystem: the second is the effective one.
+        uid: *field("Uid:")?.get(1)?,
+        gid: *field("Gid:")?.get(1)?,
+        groups: field("Groups:").unwrap_or_default(),
+    })
 }
 
 /// SIGHUP's default action ends the process, and init systems send it for "reload" (the

@@ -98,7 +98,7 @@ impl TlsArgs {
         listen_port == 443 || self.certmode == CertMode::Manual
     }
 
-    fn certdir(&self) -> anyhow::Result<PathBuf> {
+    pub(crate) fn certdir(&self) -> anyhow::Result<PathBuf> {
         if let Some(dir) = &self.certdir {
             return Ok(dir.clone());
         }
@@ -160,19 +160,7 @@ pub(crate) async fn run_tls(
             tasks.spawn(reload_on_sighup(manual, shutdown.clone()));
         }
         CertMode::Letsencrypt => {
-            let mut config = AcmeConfig::new(&certdir);
-            config.directory_url = args.acme_directory.clone();
-            config.contact_email = args.acme_email.clone();
-            if let Some(path) = &args.acme_ca_cert {
-                let pem = std::fs::read(path)
-                    .with_context(|| format!("reading --acme-ca-cert {}", path.display()))?;
-                config.extra_roots = load_certs_pem(&pem)
-                    .with_context(|| format!("--acme-ca-cert {}", path.display()))?;
-            }
-            config.challenges = challenges(args.acme_challenge, listen.port(), args.http_port >= 0);
-            if config.challenges.is_empty() {
-                bail!("--acme-challenge http-01 needs the port-80 listener (--http-port is -1)");
-            }
+            let config = acme_config(args, &certdir, listen.port())?;
             let manager = AcmeManager::new(front.clone(), config).context("acme")?;
             info!(
                 hostname = %args.hostname,
@@ -214,11 +202,46 @@ pub(crate) async fn run_tls(
         tasks.spawn(async move { server.serve_quic(quic).await });
     }
 
+    // Until a certificate is in service every handshake fails: not ready before that.
+    let mut certs = front.cert_updates();
+    let (ready, s) = (server.clone(), shutdown.clone());
+    tasks.spawn(async move {
+        while certs.borrow_and_update().generation == 0 {
+            tokio::select! {
+                _ = s.cancelled() => return,
+                changed = certs.changed() => if changed.is_err() { return },
+            }
+        }
+        ready.set_ready(true);
+    });
+
     info!(addr = %listen, key = %server.public_key(), hostname = %args.hostname, mode = ?args.certmode, "derpd listening (TLS)");
     let result = front.serve(server, listener).await.context("serving tls");
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}
     result
+}
+
+/// The ACME settings the flags ask for, with the extra CA file read.
+pub(crate) fn acme_config(
+    args: &TlsArgs,
+    certdir: &std::path::Path,
+    listen_port: u16,
+) -> anyhow::Result<AcmeConfig> {
+    let mut config = AcmeConfig::new(certdir);
+    config.directory_url = args.acme_directory.clone();
+    config.contact_email = args.acme_email.clone();
+    if let Some(path) = &args.acme_ca_cert {
+        let pem = std::fs::read(path)
+            .with_context(|| format!("reading --acme-ca-cert {}", path.display()))?;
+        config.extra_roots =
+            load_certs_pem(&pem).with_context(|| format!("--acme-ca-cert {}", path.display()))?;
+    }
+    config.challenges = challenges(args.acme_challenge, listen_port, args.http_port >= 0);
+    if config.challenges.is_empty() {
+        bail!("--acme-challenge http-01 needs the port-80 listener (--http-port is -1)");
+    }
+    Ok(config)
 }
 
 /// The challenge order for `--acme-challenge`.

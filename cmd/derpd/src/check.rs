@@ -1,0 +1,607 @@
+//! `derpd --check`: what a start would read and decide, without doing any of it.
+//!
+//! Each step calls the same functions the start does (listen address, home page, key file,
+//! certificates, mesh key and siblings, CA files), stopping short of their side effects: no
+//! socket is bound, no file is written (a missing key file or self-signed certificate is
+//! reported as "would create"), and nothing is contacted (no DNS lookup, no ACME order).
+//! Every problem is reported, not only the first, and any one makes the exit status 1.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use derp_proto::SecretKey;
+use derp_tls::{AcmeManager, CertInfo, ManualCerts, ManualCheck, TlsFront, TlsOptions};
+
+use crate::cli::Cli;
+use crate::tls_setup::CertMode;
+
+/// Certificates closer than this to expiry are reported as a warning.
+const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 86_400);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Level {
+    Ok,
+    Warn,
+    Error,
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    lines: Vec<(Level, String, String)>,
+}
+
+impl Report {
+    fn ok(&mut self, what: &str, text: impl Into<String>) {
+        self.lines.push((Level::Ok, what.to_owned(), text.into()));
+    }
+
+    fn warn(&mut self, what: &str, text: impl Into<String>) {
+        self.lines.push((Level::Warn, what.to_owned(), text.into()));
+    }
+
+    fn error(&mut self, what: &str, err: impl std::fmt::Display) {
+        self.lines
+            .push((Level::Error, what.to_owned(), format!("{err:#}")));
+    }
+
+    fn errors(&self) -> usize {
+        self.lines.iter().filter(|l| l.0 == Level::Error).count()
+    }
+
+    fn print(&self) {
+        for (level, what, text) in &self.lines {
+            let tag = match level {
+                Level::Ok => "ok   ",
+                Level::Warn => "warn ",
+                Level::Error => "ERROR",
+            };
+            println!("{tag} {what:<9} {text}");
+        }
+    }
+}
+
+/// Runs the check, prints the report on stdout and returns the exit status.
+pub(crate) fn run(cli: &Cli) -> ExitCode {
+    let mut r = Report::default();
+    check(cli, &mut r);
+    r.print();
+    match r.errors() {
+        0 => {
+            println!("derpd --check: the configuration is usable (nothing was bound or written)");
+            ExitCode::SUCCESS
+        }
+        n => {
+            println!("derpd --check: {n} error(s); derpd would not start");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check(cli: &Cli, r: &mut Report) {
+    if cli.dev {
+        r.ok(
+            "mode",
+            "--dev: plain HTTP on 127.0.0.1:3340 unless --addr says otherwise",
+        );
+    }
+
+    // The listeners.
+    let addr_text = crate::listen_addr_text(cli);
+    let listen = match crate::parse_listen_addr(&addr_text) {
+        Ok(addrs) => Some(addrs[0]),
+        Err(e) => {
+            r.error("listen", e);
+            None
+        }
+    };
+    let tls = listen.is_some_and(|a| cli.tls.tls_enabled(a.port()));
+    if let Some(addr) = listen {
+        let proto = if tls {
+            format!("TLS for {}", cli.tls.hostname)
+        } else {
+            "plain HTTP".to_owned()
+        };
+        r.ok(
+            "listen",
+            format!("{addr}/tcp ({proto}; --addr {addr_text}), would bind"),
+        );
+        match crate::quic_port(cli, tls, addr.port()) {
+            Ok(Some(port)) => r.ok(
+                "quic",
+                format!(
+                    "{}:{port}/udp (DERP over QUIC), would bind",
+                    ip_text(addr.ip())
+                ),
+            ),
+            Ok(None) => r.ok("quic", "off"),
+            Err(e) => r.error("quic", e),
+        }
+        if cli.stun {
+            r.ok(
+                "stun",
+                format!("{}:{}/udp, would bind", ip_text(addr.ip()), cli.stun_port),
+            );
+        } else {
+            r.ok("stun", "off (--stun=false)");
+        }
+        if tls {
+            match u16::try_from(cli.tls.http_port) {
+                Ok(port) => r.ok(
+                    "http",
+                    format!(
+                        "{}:{port}/tcp: /generate_204, ACME HTTP-01, redirects, would bind",
+                        ip_text(addr.ip())
+                    ),
+                ),
+                Err(_) => r.ok("http", "port-80 listener off (--http-port -1)"),
+            }
+        }
+    }
+    match cli.metrics_addr {
+        Some(addr) => r.ok(
+            "metrics",
+            format!("{addr}/tcp: /metrics, /derp/probe (readiness), /healthz, would bind"),
+        ),
+        None => r.ok(
+            "metrics",
+            "no --metrics-addr: /debug/varz on the main listener only",
+        ),
+    }
+    if let Err(e) = crate::parse_home(&cli.home) {
+        r.error("home", e);
+    }
+
+    // The key: the node's identity.
+    let key = check_key(cli, r);
+
+    if tls {
+        check_tls(cli, &key, listen.map_or(443, |a| a.port()), r);
+    } else if cli.tls.certmode == CertMode::Manual {
+        // tls_enabled is true for manual mode; only a bad --addr gets here.
+    } else {
+        r.ok(
+            "tls",
+            "off: the port is not 443 and --certmode is not manual",
+        );
+    }
+
+    check_mesh(cli, r);
+
+    r.ok(
+        "relay",
+        format!(
+            "DERP {}, send queues {} deep, write timeout {}, lookup mirror {}",
+            if cli.derp { "on" } else { "off (--derp=false)" },
+            cli.send_queue_depth,
+            if cli.tcp_write_timeout.is_zero() {
+                "none".to_owned()
+            } else {
+                format!("{:?}", cli.tcp_write_timeout)
+            },
+            if cli.peer_mirror { "on" } else { "off" },
+        ),
+    );
+    r.ok(
+        "shutdown",
+        format!(
+            "SIGTERM: Restarting frame (reconnect in {:?}, try for {:?}), drain up to {:?}, \
+             exit within {:?}: stop timeouts must be longer",
+            cli.restart_reconnect_in,
+            cli.restart_try_for,
+            cli.drain_timeout,
+            cli.drain_timeout + crate::CLOSE_GRACE,
+        ),
+    );
+}
+
+fn ip_text(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        v4 => v4.to_string(),
+    }
+}
+
+/// Reads the key file as a start would, without creating it. Returns the key to check the
+/// rest with (a throwaway one when the start would create or generate it).
+fn check_key(cli: &Cli, r: &mut Report) -> SecretKey {
+    let fresh = || SecretKey::generate(&mut rand::rngs::OsRng);
+    let path = match crate::key_path(cli) {
+        Ok(Some(path)) => path,
+        Ok(None) => {
+            r.ok("key", "a fresh key for this run (--dev without -c)");
+            return fresh();
+        }
+        Err(e) => {
+            r.error("key", e);
+            return fresh();
+        }
+    };
+    match std::fs::read(&path) {
+        Ok(bytes) => match SecretKey::from_key_file(&bytes) {
+            Ok(key) => {
+                r.ok(
+                    "key",
+                    format!("{}: public key {}", path.display(), key.public_key()),
+                );
+                check_private(&path, r);
+                key
+            }
+            Err(e) => {
+                r.error("key", format!("config file {}: {e}", path.display()));
+                fresh()
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            match creatable(&path) {
+                Ok(()) => r.ok(
+                    "key",
+                    format!(
+                        "{} does not exist: would create it with a new key (mode 0600)",
+                        path.display()
+                    ),
+                ),
+                Err(why) => r.error(
+                    "key",
+                    format!(
+                        "{} does not exist and cannot be created: {why}",
+                        path.display()
+                    ),
+                ),
+            }
+            fresh()
+        }
+        Err(e) => {
+            r.error(
+                "key",
+                format!("reading config file {}: {e}", path.display()),
+            );
+            fresh()
+        }
+    }
+}
+
+/// Warns when the key file can be read by others than its owner.
+fn check_private(path: &Path, r: &mut Report) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        r.warn(
+            "key",
+            format!(
+                "{} is readable by group or others (mode {:o}); chmod 600 it",
+                path.display(),
+                meta.permissions().mode() & 0o777
+            ),
+        );
+    }
+}
+
+/// Whether a start could create `path`: the nearest directory that exists on the way to it
+/// must be a directory this process may write to (by its mode bits; a read-only mount or an
+/// access control list is found only by the start itself).
+fn creatable(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf();
+    let meta = loop {
+        match std::fs::metadata(&dir) {
+            Ok(meta) => break meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if !dir.pop() {
+                    return Err(format!("no existing directory above {}", path.display()));
+                }
+                if dir.as_os_str().is_empty() {
+                    dir.push(".");
+                }
+            }
+            Err(e) => return Err(format!("{}: {e}", dir.display())),
+        }
+    };
+    if !meta.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    let Some(ids) = crate::effective_ids() else {
+        return Ok(());
+    };
+    let mode = meta.mode();
+    let writable = ids.uid == 0
+        || if meta.uid() == ids.uid {
+            mode & 0o200 != 0
+        } else if meta.gid() == ids.gid || ids.groups.contains(&meta.gid()) {
+            mode & 0o020 != 0
+        } else {
+            mode & 0o002 != 0
+        };
+    if writable {
+        Ok(())
+    } else {
+        Err(format!("{} is not writable by this user", dir.display()))
+    }
+}
+
+fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
+    let args = &cli.tls;
+    // The front only holds certificates in memory; its metrics go to a throwaway registry.
+    let front = match TlsFront::new(
+        &key.public_key(),
+        TlsOptions::new(args.hostname.clone()),
+        &prometheus::Registry::new(),
+    ) {
+        Ok(front) => front,
+        Err(e) => {
+            r.error("tls", format!("--hostname {:?}: {e}", args.hostname));
+            return;
+        }
+    };
+    let certdir = match args.certdir() {
+        Ok(dir) => dir,
+        Err(e) => {
+            r.error("tls", e);
+            return;
+        }
+    };
+    match args.certmode {
+        CertMode::Manual => {
+            let manual = ManualCerts::new(front, &certdir);
+            match manual.check() {
+                Ok(ManualCheck::Loaded(info)) => {
+                    cert_expiry(&info, &manual.cert_path().display().to_string(), r);
+                }
+                Ok(ManualCheck::WouldGenerate(ip)) => match creatable(manual.cert_path()) {
+                    Ok(()) => r.ok(
+                        "tls",
+                        format!(
+                            "no certificate in {}: would generate a self-signed one for {ip} \
+                             and print its CertName pin",
+                            certdir.display()
+                        ),
+                    ),
+                    Err(why) => r.error(
+                        "tls",
+                        format!("would generate a certificate for {ip} but cannot: {why}"),
+                    ),
+                },
+                Err(e) => r.error(
+                    "tls",
+                    format!(
+                        "manual certificate ({} and {}): {e}",
+                        manual.cert_path().display(),
+                        manual.key_path().display()
+                    ),
+                ),
+            }
+        }
+        CertMode::Letsencrypt => {
+            let config = match crate::tls_setup::acme_config(args, &certdir, listen_port) {
+                Ok(config) => config,
+                Err(e) => {
+                    r.error("tls", e);
+                    return;
+                }
+            };
+            let challenges = config
+                .challenges
+                .iter()
+                .map(|c| match c {
+                    derp_tls::ChallengeKind::TlsAlpn01 => "tls-alpn-01",
+                    derp_tls::ChallengeKind::Http01 => "http-01",
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            let manager = match AcmeManager::new(front, config) {
+                Ok(m) => m,
+                Err(e) => {
+                    r.error("tls", format!("acme: {e}"));
+                    return;
+                }
+            };
+            match manager.load_cached() {
+                Ok(Some(info)) => {
+                    cert_expiry(&info, &manager.cert_path().display().to_string(), r);
+                    r.ok(
+                        "acme",
+                        format!(
+                            "renews from {} (challenges {challenges})",
+                            args.acme_directory
+                        ),
+                    );
+                }
+                Ok(None) => r.ok(
+                    "acme",
+                    format!(
+                        "no cached certificate in {}: would order one from {} \
+                         (challenges {challenges}); not ready until it is issued",
+                        certdir.display(),
+                        args.acme_directory
+                    ),
+                ),
+                Err(e) => r.warn(
+                    "acme",
+                    format!(
+                        "the cached certificate {} is unusable and would be replaced: {e}",
+                        manager.cert_path().display()
+                    ),
+                ),
+            }
+            if args.acme_email.is_none() {
+                r.warn(
+                    "acme",
+                    "no --acme-email: the CA cannot warn you about expiry or revocation",
+                );
+            }
+        }
+    }
+}
+
+/// Reports a certificate that would be served: an error when it has expired (every client
+/// would refuse it), a warning when it expires soon.
+fn cert_expiry(info: &CertInfo, path: &str, r: &mut Report) {
+    let now = SystemTime::now();
+    let Some(not_after) = info.not_after else {
+        r.ok(
+            "tls",
+            format!("{path}: {:?}, pin {}", info.origin, info.pin()),
+        );
+        return;
+    };
+    let what = format!(
+        "{path}: valid until {} ({:?}, pin {})",
+        utc_date(not_after),
+        info.origin,
+        info.pin()
+    );
+    match not_after.duration_since(now) {
+        Err(_) => r.error("tls", format!("{what}: expired")),
+        Ok(left) if left < EXPIRY_WARNING => r.warn(
+            "tls",
+            format!("{what}: expires in {} days", left.as_secs() / 86_400),
+        ),
+        Ok(_) => r.ok("tls", what),
+    }
+    if info.not_before.is_some_and(|t| t > now) {
+        r.error("tls", format!("{path}: not valid yet"));
+    }
+}
+
+/// `YYYY-MM-DD` in UTC (days to civil date, after Howard Hinnant's algorithm).
+fn utc_date(t: SystemTime) -> String {
+    let secs = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+fn check_mesh(cli: &Cli, r: &mut Report) {
+    let mesh_key = match crate::mesh_key(cli) {
+        Ok(k) => k,
+        Err(e) => {
+            r.error("mesh", e);
+            return;
+        }
+    };
+    let link_key = crate::mesh_link_key(cli, mesh_key.as_ref());
+    let siblings = match derp_mesh::parse_mesh_with(&cli.mesh_with, Some(cli.tls.hostname.as_str()))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            r.error("mesh", format!("--mesh-with: {e}"));
+            return;
+        }
+    };
+    if let Err(e) = link_key {
+        r.error("mesh", e);
+        return;
+    }
+    let entries = cli
+        .mesh_with
+        .split(',')
+        .filter(|e| !e.trim().is_empty())
+        .count();
+    if entries == 0 {
+        r.ok(
+            "mesh",
+            match mesh_key {
+                Some(_) => "no --mesh-with: not meshing (the mesh key lets siblings in)",
+                None => "off (no --mesh-with, no mesh key)",
+            },
+        );
+    } else {
+        let list = siblings
+            .iter()
+            .map(|s| match &s.dial {
+                Some(dial) => format!("{} via {}", s.url, dial_text(dial)),
+                None => s.url.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        r.ok(
+            "mesh",
+            format!(
+                "{} sibling(s) ({} entry skipped as this node's --hostname): {list}",
+                siblings.len(),
+                entries - siblings.len()
+            ),
+        );
+    }
+    let needs_tls = siblings.iter().any(|s| s.url.scheme().is_tls());
+    match &cli.mesh_ca_file {
+        Some(path) => match crate::mesh_tls_with_file(path) {
+            Ok((_, summary)) => r.ok(
+                "mesh",
+                format!(
+                    "trust: {} system CA certificate(s){} and {} from {}",
+                    summary.system,
+                    if summary.fallback {
+                        " (none found: Mozilla's roots stand in)"
+                    } else {
+                        ""
+                    },
+                    summary.extra,
+                    path.display()
+                ),
+            ),
+            Err(e) => r.error("mesh", e),
+        },
+        None if needs_tls => match derp_mesh::mesh_tls_config(&[]) {
+            Ok((_, summary)) if summary.fallback => r.warn(
+                "mesh",
+                "no system CA certificates found: https links would trust Mozilla's roots",
+            ),
+            Ok((_, summary)) => r.ok(
+                "mesh",
+                format!(
+                    "trust: {} system CA certificate(s) for https links",
+                    summary.system
+                ),
+            ),
+            Err(e) => r.error("mesh", format!("mesh trust store: {e}")),
+        },
+        None => {}
+    }
+}
+
+fn dial_text(dial: &derp_mesh::DialHost) -> String {
+    match dial {
+        derp_mesh::DialHost::Addr(a) => a.to_string(),
+        derp_mesh::DialHost::Name(name, port) => format!("{name}:{port} (resolved when dialing)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_civil_utc() {
+        let at = |secs: u64| utc_date(SystemTime::UNIX_EPOCH + Duration::from_secs(secs));
+        assert_eq!(at(0), "1970-01-01");
+        assert_eq!(at(951_782_400), "2000-02-29");
+        assert_eq!(at(1_798_761_599), "2026-12-31");
+        assert_eq!(at(4_102_444_800), "2100-01-01");
+    }
+
+    #[test]
+    fn creatable_walks_up_to_an_existing_directory() {
+        let dir = std::env::temp_dir().join(format!("derpd-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        assert!(creatable(&dir.join("a/b/derper.key")).is_ok());
+        let file = dir.join("file");
+        std::fs::write(&file, b"x").expect("file");
+        assert!(creatable(&file.join("derper.key")).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,350 @@
+//! `derpd --check`: it validates what a start would (flags, key file, certificates, mesh key
+//! and siblings, CA files), prints what would run, exits 1 on any error, and binds and
+//! writes nothing.
+
+use std::net::{TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("derpd-check-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("temp dir");
+        Self(path)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    fn file(&self, name: &str, contents: &str) -> String {
+        let path = self.path(name);
+        std::fs::write(&path, contents).expect("write");
+        path.display().to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs derpd to completion: (exit success, stdout, stderr).
+fn derpd(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(DERPD)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run derpd");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn check(args: &[&str]) -> (bool, String) {
+    let mut all = vec!["--check"];
+    all.extend_from_slice(args);
+    let (ok, stdout, _) = derpd(&all);
+    (ok, stdout)
+}
+
+const MESH_KEY: &str = "f00dfeedf00dfeedf00dfeedf00dfeedf00dfeedf00dfeedf00dfeedf00dfeed\n";
+
+/// A certificate and key for `name` (a DNS name or an IP), valid from `from` to `until`
+/// (years), self-signed.
+fn cert_pair(name: &str, from: i32, until: i32) -> (String, String) {
+    let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).expect("params");
+    params.not_before = rcgen::date_time_ymd(from, 1, 1);
+    params.not_after = rcgen::date_time_ymd(until, 1, 1);
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = params.self_signed(&key).expect("cert");
+    (cert.pem(), key.serialize_pem())
+}
+
+#[test]
+fn check_binds_nothing_writes_nothing_and_says_what_would_run() {
+    let dir = TempDir::new("binds");
+    // Every port the configuration names is taken by this test, so a start must fail...
+    let tcp = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let metrics = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let udp = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let addr = tcp.local_addr().expect("addr").to_string();
+    let metrics_addr = metrics.local_addr().expect("addr").to_string();
+    let stun_port = udp.local_addr().expect("addr").port().to_string();
+    let key = dir.path("state/derper.key");
+    let key_text = key.display().to_string();
+    let mesh_key = dir.file("mesh.key", MESH_KEY);
+    let args = [
+        "-a",
+        &addr,
+        "--stun-port",
+        &stun_port,
+        "--metrics-addr",
+        &metrics_addr,
+        "-c",
+        &key_text,
+        "--mesh-psk-file",
+        &mesh_key,
+        "--mesh-with",
+        "derp1.example.com,derp2.example.com/10.0.0.2:8443,http://127.0.0.1:9/derp",
+        "--hostname",
+        "derp1.example.com",
+    ];
+    let (ok, _, stderr) = derpd(&args);
+    assert!(!ok, "a start with every port taken must fail");
+    assert!(stderr.contains("listening on"), "{stderr}");
+    // The failed start created the key: remove it, so the check's "would create" shows.
+    std::fs::remove_dir_all(dir.path("state")).expect("rm");
+
+    // ...while the check passes, and leaves the key file uncreated.
+    let (ok, out) = check(&args);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!("{addr}/tcp (plain HTTP")),
+        "listen line: {out}"
+    );
+    assert!(out.contains(&format!("127.0.0.1:{stun_port}/udp")), "{out}");
+    assert!(out.contains(&format!("{metrics_addr}/tcp")), "{out}");
+    assert!(out.contains("would create it with a new key"), "{out}");
+    assert!(
+        out.contains("2 sibling(s) (1 entry skipped as this node's --hostname)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("https://derp2.example.com/derp via 10.0.0.2:8443"),
+        "{out}"
+    );
+    assert!(out.contains("drain up to 10s"), "{out}");
+    assert!(
+        out.ends_with(
+            "derpd --check: the configuration is usable (nothing was bound or written)\n"
+        ),
+        "{out}"
+    );
+    assert!(
+        !dir.path("state").exists(),
+        "--check created the key's directory"
+    );
+    // The ports are still this test's.
+    drop((tcp, metrics, udp));
+}
+
+#[test]
+fn check_reads_an_existing_key_and_a_valid_manual_certificate() {
+    let dir = TempDir::new("manual");
+    let key = dir.file(
+        "derper.key",
+        "{\"PrivateKey\":\"privkey:1050eb254dc4ff1e762df3c9944e7960f36440775958a35cea4eb88b130ee34c\"}",
+    );
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .expect("chmod");
+    let certs = dir.path("certs");
+    std::fs::create_dir_all(&certs).expect("certs");
+    let (cert, cert_key) = cert_pair("derp.test", 2020, 2090);
+    std::fs::write(certs.join("derp.test.crt"), cert).expect("write");
+    std::fs::write(certs.join("derp.test.key"), cert_key).expect("write");
+    let certdir = certs.display().to_string();
+    let (ok, out) = check(&[
+        "-a",
+        "127.0.0.1:0",
+        "-c",
+        &key,
+        "--certmode",
+        "manual",
+        "--hostname",
+        "derp.test",
+        "--certdir",
+        &certdir,
+    ]);
+    assert!(ok, "{out}");
+    // The public key of derper's reference key file.
+    assert!(out.contains("public key nodekey:"), "{out}");
+    assert!(out.contains("TLS for derp.test"), "{out}");
+    assert!(out.contains("valid until 2090-01-01"), "{out}");
+    assert!(out.contains("pin sha256-raw:"), "{out}");
+    assert!(!out.contains("warn "), "{out}");
+
+    // An IP hostname without files: a start would generate a certificate; the check only
+    // says so.
+    let empty = dir.path("empty").display().to_string();
+    let (ok, out) = check(&[
+        "-a",
+        "127.0.0.1:0",
+        "-c",
+        &key,
+        "--certmode",
+        "manual",
+        "--hostname",
+        "127.0.0.1",
+        "--certdir",
+        &empty,
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("would generate a self-signed one for 127.0.0.1"),
+        "{out}"
+    );
+    assert!(!Path::new(&empty).exists(), "--check wrote the certificate");
+}
+
+#[test]
+fn check_fails_on_every_error_a_start_would_hit() {
+    let dir = TempDir::new("errors");
+    let good_key = dir.path("good.key").display().to_string();
+    let bad_key = dir.file("bad.key", "{\"PrivateKey\":\"nodekey:00\"}");
+    let bad_mesh = dir.file("bad-mesh.key", "not hex\n");
+    let zero_mesh = dir.file("zero-mesh.key", &"0".repeat(64));
+    let mesh = dir.file("mesh.key", MESH_KEY);
+    let garbage_pem = dir.file("garbage.pem", "-----BEGIN CERTIFICATE-----\nnope\n");
+    let certs = dir.path("certs");
+    std::fs::create_dir_all(&certs).expect("certs");
+    let (cert, key) = cert_pair("other.test", 2020, 2090);
+    std::fs::write(certs.join("derp.test.crt"), cert).expect("write");
+    std::fs::write(certs.join("derp.test.key"), key).expect("write");
+    let (cert, key) = cert_pair("old.test", 2000, 2001);
+    std::fs::write(certs.join("old.test.crt"), cert).expect("write");
+    std::fs::write(certs.join("old.test.key"), key).expect("write");
+    let certdir = certs.display().to_string();
+    let base = ["-a", "127.0.0.1:0", "-c", &good_key];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["-a", "nonsense"], "invalid --addr"),
+        (vec!["--home", "ftp://x"], "invalid --home"),
+        (vec!["--quic-port", "4433"], "--quic-port needs TLS"),
+        (vec!["-c", &bad_key], "bad.key"),
+        (vec!["--mesh-psk-file", &bad_mesh], "bad-mesh.key"),
+        (
+            vec!["--mesh-psk-file", &zero_mesh, "--mesh-with", "a.example"],
+            "all zeros",
+        ),
+        (
+            vec!["--mesh-with", "a.example"],
+            "--mesh-with needs a mesh key",
+        ),
+        (
+            vec![
+                "--mesh-psk-file",
+                &mesh,
+                "--mesh-with",
+                "ftp://a.example/derp",
+            ],
+            "--mesh-with",
+        ),
+        (
+            vec![
+                "--mesh-psk-file",
+                &mesh,
+                "--mesh-with",
+                "a.example",
+                "--mesh-ca-file",
+                &garbage_pem,
+            ],
+            "--mesh-ca-file",
+        ),
+        (
+            vec![
+                "--certmode",
+                "manual",
+                "--hostname",
+                "missing.test",
+                "--certdir",
+                &certdir,
+            ],
+            "missing.test.crt",
+        ),
+        (
+            vec![
+                "--certmode",
+                "manual",
+                "--hostname",
+                "derp.test",
+                "--certdir",
+                &certdir,
+            ],
+            "derp.test",
+        ),
+        (
+            vec![
+                "--certmode",
+                "manual",
+                "--hostname",
+                "old.test",
+                "--certdir",
+                &certdir,
+            ],
+            "expired",
+        ),
+        (
+            vec!["-a", "127.0.0.1:443", "--acme-ca-cert", &garbage_pem],
+            "--acme-ca-cert",
+        ),
+        (
+            vec![
+                "-a",
+                "127.0.0.1:443",
+                "--acme-challenge",
+                "http-01",
+                "--http-port",
+                "-1",
+            ],
+            "needs the port-80 listener",
+        ),
+        (
+            vec!["-a", "127.0.0.1:443", "--hostname", "192.0.2.1"],
+            "ACME certificates need a DNS name",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend(extra.iter().copied());
+        let (ok, out) = check(&args);
+        assert!(!ok, "{extra:?} passed the check:\n{out}");
+        let error = out
+            .lines()
+            .find(|l| l.starts_with("ERROR"))
+            .unwrap_or_else(|| panic!("{extra:?}: no ERROR line:\n{out}"));
+        assert!(
+            error.contains(want),
+            "{extra:?}: want {want:?} in {error:?}"
+        );
+        assert!(
+            out.ends_with("derpd would not start\n"),
+            "{extra:?}: no verdict:\n{out}"
+        );
+    }
+    assert!(!Path::new(&good_key).exists(), "--check created the key");
+
+    // Every problem is reported, not only the first.
+    let (ok, out) = check(&["-a", "nonsense", "-c", &bad_key, "--mesh-with", "a.example"]);
+    assert!(!ok);
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("ERROR")).count(),
+        3,
+        "{out}"
+    );
+    assert!(out.contains("3 error(s)"), "{out}");
+}
+
+#[test]
+fn check_warns_about_a_key_file_others_can_read() {
+    let dir = TempDir::new("perm");
+    let key = dir.file(
+        "derper.key",
+        "{\"PrivateKey\":\"privkey:1050eb254dc4ff1e762df3c9944e7960f36440775958a35cea4eb88b130ee34c\"}",
+    );
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .expect("chmod");
+    let (ok, out) = check(&["-a", "127.0.0.1:0", "-c", &key]);
+    assert!(ok, "a warning is not an error: {out}");
+    assert!(
+        out.contains("readable by group or others (mode 644)"),
+        "{out}"
+    );
+}

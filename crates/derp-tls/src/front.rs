@@ -181,6 +181,11 @@ impl TlsMetrics {
             "derp_tls_cert_not_after_seconds",
             "Expiry of the certificate in service, as a Unix timestamp (0 if none)",
         )?;
+        // Every outcome from the start, at zero, so a rate or an alert over one of them
+        // sees a series before the first such handshake.
+        for result in ["ok", "error", "timeout", "rejected", "acme_validation"] {
+            handshakes.with_label_values(&[result]);
+        }
         registry.register(Box::new(handshakes.clone()))?;
         registry.register(Box::new(versions.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;

@@ -2,7 +2,6 @@
 //! its pin, fast start from the meta certificate (and its absence on TLS 1.2), WebSocket over
 //! TLS, handshake limits, the port-80 listener, and ACME against a local Pebble server.
 
-use std::io::Write;
 use std::net::{SocketAddr, TcpListener as StdTcpListener, UdpSocket as StdUdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -702,23 +701,13 @@ fn pebble_installed() -> bool {
     found("pebble") && found("pebble-challtestsrv")
 }
 
-/// Whether to run the Pebble tests. CI must have Pebble (`.ci/run` installs it); elsewhere a
-/// missing Pebble skips with a message.
-fn pebble_or_skip(test: &str) -> bool {
-    if pebble_installed() {
-        return true;
-    }
+/// Fails the test unless Pebble is installed: an ACME test that cannot run must not pass.
+fn require_pebble() {
     assert!(
-        std::env::var_os("CI").is_none(),
-        "pebble and pebble-challtestsrv are required in CI (apt-get install pebble)"
+        pebble_installed(),
+        "pebble and pebble-challtestsrv are not installed: `apt-get install pebble`, or run \
+         `scripts/test-tools install` (scripts/test does it when it can)"
     );
-    // Straight to the stderr handle, which the test harness does not capture, so the skip
-    // is visible in a passing run.
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIPPED {test}: pebble is not installed (apt-get install pebble to run the ACME tests)"
-    );
-    false
 }
 
 async fn wait_for_port(addr: SocketAddr, proc: &Proc) {
@@ -851,9 +840,7 @@ async fn wait_cert(relay: &TlsRelay, pebble: &Pebble) -> CertInfo {
 
 #[tokio::test]
 async fn acme_tls_alpn_01_issues_verifies_and_restarts_from_the_cache() {
-    if !pebble_or_skip("acme_tls_alpn_01_issues_verifies_and_restarts_from_the_cache") {
-        return;
-    }
+    require_pebble();
     let dir = TempDir::new("acme-alpn");
     let cache = dir.0.join("certs");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -901,9 +888,7 @@ async fn acme_tls_alpn_01_issues_verifies_and_restarts_from_the_cache() {
 
 #[tokio::test]
 async fn acme_http_01_is_answered_on_the_port_80_listener() {
-    if !pebble_or_skip("acme_http_01_is_answered_on_the_port_80_listener") {
-        return;
-    }
+    require_pebble();
     let dir = TempDir::new("acme-http");
     let http_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let http_port = http_listener.local_addr().expect("addr").port();

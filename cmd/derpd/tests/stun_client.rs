@@ -1,6 +1,6 @@
 //! A third-party STUN client (coturn's `turnutils_stunclient`) gets an answer from derpd when
-//! generic STUN is enabled. CI installs the tool (`.ci/run`); elsewhere the test says it is
-//! skipping, and fails when `CI` is set so a missing install step cannot pass silently.
+//! generic STUN is enabled. `scripts/test` installs the tool (or says how); without it the
+//! test fails rather than pass without having run.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -65,14 +65,11 @@ fn start_derpd() -> (Running, u16) {
 
 #[test]
 fn third_party_stun_client_is_answered_in_generic_mode() {
-    if !tool_available() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{STUNCLIENT} is missing in CI: .ci/run must install coturn"
-        );
-        eprintln!("skipping: {STUNCLIENT} (Debian package coturn) is not installed");
-        return;
-    }
+    assert!(
+        tool_available(),
+        "{STUNCLIENT} is not installed: `apt-get install --no-install-recommends coturn`, or \
+         run `scripts/test-tools install` (scripts/test does it when it can)"
+    );
     let (_derpd, port) = start_derpd();
     let mut client = Running(
         Command::new(STUNCLIENT)

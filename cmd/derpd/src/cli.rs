@@ -272,7 +272,8 @@ mod tests {
     fn deploy_stop_timeouts_cover_the_drain() {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/");
         let unit = std::fs::read_to_string(format!("{root}systemd/derpd.service")).expect("unit");
-        let k8s = std::fs::read_to_string(format!("{root}kubernetes/derpd.yaml")).expect("k8s");
+        let k8s = std::fs::read_to_string(format!("{root}kubernetes/base/statefulset.yaml"))
+            .expect("k8s");
         for (what, drain, stop) in [
             (
                 "systemd",

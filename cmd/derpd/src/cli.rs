@@ -153,6 +153,30 @@ pub(crate) struct Cli {
     pub(crate) tls: crate::tls_setup::TlsArgs,
 }
 
+/// derper's Go flags take long names after one dash (`-hostname`): rewrites those to two
+/// dashes, so a derper command line runs unchanged. Only names of derpd's own long flags are
+/// rewritten, so short flags (`-a`, `-c`) and values such as `-1` pass as they are.
+pub(crate) fn derper_style_args(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    use clap::CommandFactory;
+    let command = Cli::command();
+    let long: Vec<&str> = command
+        .get_arguments()
+        .filter_map(|a| a.get_long())
+        .collect();
+    let mut out: Vec<std::ffi::OsString> = Vec::new();
+    for (i, arg) in args.into_iter().enumerate() {
+        let rewritten = arg.to_str().and_then(|text| {
+            let body = text.strip_prefix('-').filter(|b| !b.starts_with('-'))?;
+            let name = body.split_once('=').map_or(body, |(n, _)| n);
+            (i > 0 && name.len() > 1 && long.contains(&name)).then(|| format!("-{text}").into())
+        });
+        out.push(rewritten.unwrap_or(arg));
+    }
+    out
+}
+
 /// A duration the Restarting frame can carry: whole milliseconds in 32 bits.
 fn parse_restart_duration(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
@@ -229,6 +253,33 @@ mod tests {
         );
         assert_eq!(cli.debug_allow_cidr.len(), 2, "repeated lists still add up");
         assert!(Cli::try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
+    }
+
+    #[test]
+    fn derper_single_dash_long_flags_parse() {
+        let args = [
+            "derpd",
+            "-hostname",
+            "derp.example.com",
+            "-a",
+            ":443",
+            "-http-port",
+            "-1",
+            "-stun=false",
+            "-c",
+            "/tmp/k",
+            "-mesh-with=a.example",
+        ]
+        .map(std::ffi::OsString::from);
+        let cli = Cli::try_parse_from(derper_style_args(args)).expect("parses");
+        assert_eq!(cli.tls.hostname, "derp.example.com");
+        assert_eq!(cli.addr, ":443");
+        assert_eq!(cli.tls.http_port, -1);
+        assert!(!cli.stun);
+        assert_eq!(cli.mesh_with, "a.example");
+        // Not a derpd flag: left alone, and refused by the parser.
+        let args = ["derpd", "-nosuchflag"].map(std::ffi::OsString::from);
+        assert_eq!(derper_style_args(args.clone()), args);
     }
 
     #[test]

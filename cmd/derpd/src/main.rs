@@ -20,7 +20,7 @@ use tracing::info;
 use crate::cli::{Cli, LogFormat};
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(cli::derper_style_args(std::env::args_os())) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {

@@ -803,9 +803,9 @@ fn kubernetes_manifests_render_and_validate_against_the_schemas() {
         "typo.yaml",
         "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\nmetadata:\n  name: t\nspec:\n  selector: {}\n  endpoints:\n    - port: metrics\n      intervall: 30s\n",
     );
-    let mut crd_files = files.clone();
+    let mut crd_files = files;
     crd_files.retain(|f| f != &broken);
-    crd_files.push(typo.clone());
+    crd_files.push(typo);
     let (ok, out) = run(check_py().arg("crds").args(&crd_files));
     assert!(!ok, "the typo passed:\n{out}");
     let errors: Vec<&str> = out.lines().filter(|l| l.starts_with("ERROR")).collect();

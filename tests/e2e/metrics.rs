@@ -166,6 +166,13 @@ async fn every_metric_the_dashboard_and_alerts_query_exists_in_a_real_scrape() {
     let srv = TestServer::start_default().await;
     // STUN counters live on the same registry in derpd; register them as derpd does.
     let _stun = derp_server::StunMetrics::new(&srv.registry).expect("stun metrics");
+    // And the TLS front's, on a TLS node.
+    let _tls = derp_tls::TlsFront::new(
+        &srv.server.public_key(),
+        derp_tls::TlsOptions::new("127.0.0.1"),
+        &srv.registry,
+    )
+    .expect("tls metrics");
     // So do the mesh's, with one link (here to the node itself, which it recognises).
     let mesh = derp_mesh::Mesh::start(
         &srv.server,

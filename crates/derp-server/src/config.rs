@@ -10,6 +10,7 @@ use std::time::Duration;
 use derp_proto::{MeshKey, SecretKey};
 
 use crate::lookup::LookupConfig;
+use crate::ratelimit::RateLimit;
 
 /// Everything the relay needs to run, independent of how it was configured.
 #[derive(Clone, Debug)]
@@ -41,6 +42,10 @@ pub struct ServerConfig {
     /// Fold per-connection packet counters into the registry. Turning this off leaves the
     /// packet and drop counters at zero; it exists to measure what counting costs.
     pub packet_metrics: bool,
+    /// Per-client receive rate limit. `None`: not configured (its metrics are not published);
+    /// `Some` with a zero rate: configured but off, changeable with
+    /// [`Server::set_rate_limit`](crate::Server::set_rate_limit).
+    pub rate_limit: Option<RateLimit>,
 }
 
 impl ServerConfig {
@@ -59,6 +64,7 @@ impl ServerConfig {
             lookup: LookupConfig::default(),
             debug_allow: Vec::new(),
             packet_metrics: true,
+            rate_limit: None,
         }
     }
 }

@@ -8,6 +8,7 @@
 //!   the packet path, bounded per-destination queues with the reference's drop policy, batched
 //!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
 //!   handling and the receiving side of mesh frames;
+//! - limits each client's receive rate by reading more slowly (nothing is dropped);
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
 //! - answers STUN binding requests on a UDP socket it is given;
 //! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
@@ -28,6 +29,7 @@ mod lookup;
 mod metrics;
 mod queue;
 pub mod quic;
+mod ratelimit;
 mod registry;
 mod server;
 mod state;
@@ -47,6 +49,7 @@ pub use lookup::{
 };
 pub use metrics::{DropReason, FallbackReason, Metrics, PacketKind, TransportLabel};
 pub use quic::{QuicConfig, QuicError, QuicListener};
+pub use ratelimit::{MIN_RATE_BURST, RateLimit};
 pub use registry::PacketForwarder;
 pub use server::{ServeError, Server};
 pub use stun::{StunConfig, StunMetrics, bind_stun, serve_stun};

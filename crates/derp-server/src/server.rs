@@ -15,6 +15,7 @@ use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
 use crate::metrics::Metrics;
 use crate::quic::QuicListener;
+use crate::ratelimit::RateLimit;
 use crate::registry::PacketForwarder;
 use crate::state::ServerState;
 
@@ -124,6 +125,19 @@ impl Server {
     /// one is, plus its datagrams.
     pub async fn serve_quic(&self, listener: QuicListener) {
         conn::quic::accept_loop(self.shared.clone(), listener).await;
+    }
+
+    /// Puts a new per-client receive limit in force for every connection, existing ones
+    /// (duplicates included) at their next read. Mesh peers are never limited. Has an effect
+    /// only when the server was created with [`ServerConfig::rate_limit`] set (possibly to
+    /// [`RateLimit::OFF`]); otherwise connections carry no bucket at all.
+    pub fn set_rate_limit(&self, limit: RateLimit) {
+        self.shared.rate_limits.set(limit);
+    }
+
+    /// The per-client receive limit in force.
+    pub fn rate_limit(&self) -> RateLimit {
+        self.shared.rate_limits.get()
     }
 
     /// A token cancelled when the server shuts down; for accept loops run by callers.

@@ -9,6 +9,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
 use crate::metrics::{Metrics, ReaderCounts};
+use crate::ratelimit::RateLimits;
 use crate::registry::Registry;
 
 /// State every connection shares.
@@ -29,6 +30,8 @@ pub(crate) struct ServerState {
     pub(crate) tasks: TaskTracker,
     /// Whether clients can be served, as the embedder reports it (see `Server::set_ready`).
     pub(crate) ready: AtomicBool,
+    /// The per-client receive limit in force.
+    pub(crate) rate_limits: RateLimits,
 }
 
 impl ServerState {
@@ -40,6 +43,7 @@ impl ServerState {
         let metrics = Metrics::new(prometheus)?;
         let public_key = config.secret_key.public_key();
         Ok(Self {
+            rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             registry: Registry::new(metrics.clone(), public_key),
             public_key,
             metrics,

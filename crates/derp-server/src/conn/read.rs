@@ -26,6 +26,7 @@ use crate::lookup::{Route, Router};
 use crate::metrics::{DropReason, PacketKind, ReaderCounts};
 use crate::queue::Control;
 use crate::quic::QuicLink;
+use crate::ratelimit::ClientLimiter;
 use crate::state::ServerState;
 
 /// The read side: raw bytes from the socket, unwrapped from WebSocket messages when needed,
@@ -234,6 +235,9 @@ pub(super) struct ReadLoop<'a> {
     next_keepalive: Instant,
     /// The loop stopped because the server is draining, not because the client left.
     pub(super) drained: bool,
+    /// The receive rate limit's bucket; `None` for mesh peers and when no limit is
+    /// configured.
+    limiter: Option<ClientLimiter>,
 }
 
 impl<'a> ReadLoop<'a> {
@@ -260,6 +264,8 @@ impl<'a> ReadLoop<'a> {
             keepalive_period,
             next_keepalive: now + keepalive_period,
             drained: false,
+            limiter: (shared.config.rate_limit.is_some() && !handle.can_mesh)
+                .then(|| ClientLimiter::new(&shared.rate_limits, now)),
         }
     }
 
@@ -285,6 +291,25 @@ impl<'a> ReadLoop<'a> {
             }
             let cancel = self.handle.cancel.clone();
             let draining = self.shared.draining.clone();
+            // Over its rate: neither handle what is buffered nor read more until the bucket
+            // has paid its debt; TCP pushes back on the sender meanwhile.
+            let resume_at = self
+                .limiter
+                .as_ref()
+                .and_then(|l| l.resume_at(&self.shared.rate_limits));
+            if let Some(at) = resume_at {
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return Ok(()),
+                    _ = draining.cancelled() => {
+                        self.drained = true;
+                        return Ok(());
+                    }
+                    _ = tokio::time::sleep_until(self.next_keepalive) => self.keepalive(),
+                    _ = tokio::time::sleep_until(at) => {}
+                }
+                continue;
+            }
             let n = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
@@ -294,9 +319,7 @@ impl<'a> ReadLoop<'a> {
                     return Ok(());
                 }
                 _ = tokio::time::sleep_until(self.next_keepalive) => {
-                    // Timed here rather than by the writer, which may be parked.
-                    self.next_keepalive = Instant::now() + self.keepalive_period;
-                    self.handle.queue.push_control(Control::KeepAlive);
+                    self.keepalive();
                     continue;
                 }
                 n = self.reader.read_more(Some(self.handle), self.chunk) => n?,
@@ -306,6 +329,12 @@ impl<'a> ReadLoop<'a> {
             }
             self.adapt_to_read(n);
         }
+    }
+
+    /// Queues a keepalive. Timed here rather than by the writer, which may be parked.
+    fn keepalive(&mut self) {
+        self.next_keepalive = Instant::now() + self.keepalive_period;
+        self.handle.queue.push_control(Control::KeepAlive);
     }
 
     /// Sizes reads to the traffic. Queued packets are slices of the buffer they were read
@@ -322,13 +351,27 @@ impl<'a> ReadLoop<'a> {
         self.copy_payloads = n < COPY_READS_BELOW;
     }
 
-    /// Handles every complete frame in the buffer. Synchronous: the lookup guard and the
-    /// batch timestamp never cross an await.
+    /// Handles every complete frame in the buffer, or as many as the rate limit allows.
+    /// Synchronous: the lookup guard and the batch timestamp never cross an await.
     fn process_buffered(&mut self) -> Result<(), ConnError> {
         let now = Instant::now();
+        if let Some(limiter) = &mut self.limiter {
+            limiter.begin_batch(&self.shared.rate_limits, now);
+        }
         let registry = &self.shared.registry;
         let guard = registry.mirror().guard();
-        while let Some(frame) = self.decoder.decode(&mut self.reader.buf)? {
+        let mut buffered = self.reader.buf.len();
+        loop {
+            if self.limiter.as_ref().is_some_and(ClientLimiter::in_debt) {
+                break;
+            }
+            let frame = self.decoder.decode(&mut self.reader.buf)?;
+            if let Some(limiter) = &mut self.limiter {
+                // The bytes the frame took, header and any skipped body included.
+                limiter.charge(buffered - self.reader.buf.len());
+                buffered = self.reader.buf.len();
+            }
+            let Some(frame) = frame else { break };
             self.counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
                 self.shared.registry.note_activity(self.handle);

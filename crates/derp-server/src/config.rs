@@ -5,10 +5,12 @@
 
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use derp_proto::{MeshKey, SecretKey};
 
+use crate::admission::Admission;
 use crate::lookup::LookupConfig;
 use crate::ratelimit::RateLimit;
 
@@ -42,6 +44,9 @@ pub struct ServerConfig {
     /// Fold per-connection packet counters into the registry. Turning this off leaves the
     /// packet and drop counters at zero; it exists to measure what counting costs.
     pub packet_metrics: bool,
+    /// Checks every client (mesh peers excepted) must pass, in order, after its ClientInfo
+    /// opens and before it is registered. A refused client is closed with nothing sent.
+    pub admission: Vec<Arc<dyn Admission>>,
     /// Per-client receive rate limit. `None`: not configured (its metrics are not published);
     /// `Some` with a zero rate: configured but off, changeable with
     /// [`Server::set_rate_limit`](crate::Server::set_rate_limit).
@@ -64,6 +69,7 @@ impl ServerConfig {
             lookup: LookupConfig::default(),
             debug_allow: Vec::new(),
             packet_metrics: true,
+            admission: Vec::new(),
             rate_limit: None,
         }
     }

@@ -8,7 +8,8 @@
 //!   the packet path, bounded per-destination queues with the reference's drop policy, batched
 //!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
 //!   handling and the receiving side of mesh frames;
-//! - limits each client's receive rate by reading more slowly (nothing is dropped);
+//! - limits each client's receive rate by reading more slowly (nothing is dropped); runs the
+//!   admission checks it is given ([`Admission`]) on every client before registering it;
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
 //! - answers STUN binding requests on a UDP socket it is given;
 //! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
@@ -17,10 +18,13 @@
 //!
 //! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
 //! or a global metrics registry (`derpd` does those); terminate TLS or obtain certificates
-//! (`derp-tls` does, and hands the decrypted streams to [`Server::spawn_connection`]). The
-//! wire protocol, including the HTTP upgrade and WebSocket framing, lives in `derp-proto`.
+//! (`derp-tls` does, and hands the decrypted streams to [`Server::spawn_connection`]);
+//! implement admission checks that need an HTTP client, a Unix socket or files
+//! (`derp-admission` does). The wire protocol, including the HTTP upgrade and WebSocket
+//! framing, lives in `derp-proto`.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod admission;
 mod config;
 mod conn;
 mod handle;
@@ -35,6 +39,9 @@ mod server;
 mod state;
 mod stun;
 
+pub use admission::{
+    Admission, AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict, VerdictFuture,
+};
 pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,

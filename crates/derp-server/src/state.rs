@@ -32,6 +32,8 @@ pub(crate) struct ServerState {
     pub(crate) ready: AtomicBool,
     /// The per-client receive limit in force.
     pub(crate) rate_limits: RateLimits,
+    /// `derp_admission_refused{reason}`.
+    pub(crate) admission_refused: prometheus::IntCounterVec,
 }
 
 impl ServerState {
@@ -42,8 +44,17 @@ impl ServerState {
     ) -> Result<Self, prometheus::Error> {
         let metrics = Metrics::new(prometheus)?;
         let public_key = config.secret_key.public_key();
+        let admission_refused = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "derp_admission_refused",
+                "clients refused by an admission check after their handshake, by reason",
+            ),
+            &["reason"],
+        )?;
+        prometheus.register(Box::new(admission_refused.clone()))?;
         Ok(Self {
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
+            admission_refused,
             registry: Registry::new(metrics.clone(), public_key),
             public_key,
             metrics,

@@ -26,6 +26,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 use tracing::debug;
 
+use crate::admission::{AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict};
 use crate::handle::ConnHandle;
 use crate::metrics::{DropReason, PacketKind, TransportLabel};
 use crate::queue::{Batch, Control};
@@ -131,6 +132,15 @@ async fn run(
     };
     drop(preamble);
     let can_mesh = is_mesh_peer(&shared, &info);
+    // Mesh peers proved themselves with the mesh key; everyone else asks the checks.
+    if !can_mesh && let Err(refused) = admit(&shared, client_key, remote).await {
+        shared
+            .admission_refused
+            .with_label_values(&[refused.reason])
+            .inc();
+        debug!(%remote, key = %client_key.short(), %refused, "client refused");
+        return Ok(());
+    }
     let flags = presence_flags(&info, can_mesh, not_ideal);
     let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let handle = Arc::new(ConnHandle::new(
@@ -268,6 +278,33 @@ impl Drop for Registration<'_> {
         }
         count_gone(self.shared, self.handle.close());
     }
+}
+
+/// Runs the configured admission checks in order, the first refusal winning, all within the
+/// handshake deadline.
+async fn admit(shared: &ServerState, key: PublicKey, remote: SocketAddr) -> Verdict {
+    let checks = &shared.config.admission;
+    if checks.is_empty() {
+        return Ok(());
+    }
+    let request = AdmissionRequest {
+        key,
+        source: remote.ip().to_canonical(),
+    };
+    let all = async {
+        for check in checks {
+            check.check(request).await?;
+        }
+        Ok(())
+    };
+    tokio::time::timeout(shared.config.handshake_timeout, all)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Refused::new(
+                REFUSED_TIMEOUT,
+                "admission checks took longer than the handshake deadline",
+            ))
+        })
 }
 
 /// Sends ServerKey (after the 101 head, if any, in the same write) and reads and opens the

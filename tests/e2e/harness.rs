@@ -398,3 +398,124 @@ pub(crate) fn parse_http_response(raw: &[u8]) -> HttpResponse {
         body: raw[end + 4..].to_vec(),
     }
 }
+
+/// Opens a TCP connection to `addr` from `source` (any 127.0.0.0/8 address works on
+/// loopback), so that tests can play many distinct hosts.
+pub(crate) async fn connect_from(addr: SocketAddr, source: std::net::Ipv4Addr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(SocketAddr::from((source, 0)))
+        .expect("bind to a loopback source");
+    socket.connect(addr).await.expect("connect")
+}
+
+/// The `i`th of a round of flood sources: 127.<round+1>.<i / 250>.<i % 250 + 2>, never
+/// 127.0.0.1, which the good clients use.
+pub(crate) fn flood_source(round: u8, i: usize) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, round + 1, (i / 250) as u8, (i % 250) as u8 + 2)
+}
+
+/// Reads until EOF or reset; fails if the server keeps the connection open past [`STEP`].
+pub(crate) async fn read_until_closed(s: &mut TcpStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(STEP, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return got,
+            Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
+            Err(_) => panic!("server kept the connection open"),
+        }
+    }
+}
+
+impl RawClient {
+    /// Runs the handshake like [`RawClient::handshake`], but tells whether the server let the
+    /// client in (answered with ServerInfo) or closed the connection after ClientInfo with
+    /// nothing else said.
+    pub(crate) async fn try_handshake(&mut self, info: ClientInfo) -> bool {
+        let mut hs = ClientHandshake::new(self.secret.clone(), info);
+        match self.recv().await {
+            RelayToClient::ServerKey(k) => hs.handle_server_key(k).expect("server key"),
+            other => panic!("expected ServerKey, got {other:?}"),
+        }
+        let mut nonce = [0u8; 24];
+        rand::rngs::OsRng.fill_bytes(&mut nonce);
+        let mut out = BytesMut::new();
+        hs.client_info_frame(nonce, &mut out).expect("client info");
+        self.stream
+            .write_all(&out)
+            .await
+            .expect("write client info");
+        loop {
+            match self.decoder.decode(&mut self.buf).expect("decode") {
+                Some(RelayToClient::ServerInfo { sealed }) => {
+                    self.server_info = Some(hs.handle_server_info(&sealed).expect("server info"));
+                    return true;
+                }
+                Some(other) => panic!("expected ServerInfo or a close, got {other:?}"),
+                None => {}
+            }
+            self.buf.reserve(4096);
+            match tokio::time::timeout(STEP, self.stream.read_buf(&mut self.buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return false,
+                Ok(Ok(_)) => {}
+                Err(_) => panic!("server neither admitted nor closed the client"),
+            }
+        }
+    }
+
+    /// Connects with `secret` and `info`; `None` when the server refused the client after
+    /// its ClientInfo.
+    pub(crate) async fn try_connect(
+        addr: SocketAddr,
+        secret: SecretKey,
+        info: ClientInfo,
+    ) -> Option<Self> {
+        let mut c = Self::upgrade(addr, secret, "").await;
+        c.try_handshake(info).await.then_some(c)
+    }
+}
+
+/// The ClientInfo ordinary test clients send.
+pub(crate) fn plain_info() -> ClientInfo {
+    ClientInfo {
+        version: 2,
+        can_ack_pings: true,
+        ..ClientInfo::default()
+    }
+}
+
+impl RawClient {
+    /// Like [`RawClient::upgrade`] with a fresh key, but `None` when the server closes the
+    /// connection instead of answering (refused at accept).
+    pub(crate) async fn try_upgrade(addr: SocketAddr) -> Option<Self> {
+        let mut stream = TcpStream::connect(addr).await.ok()?;
+        stream.set_nodelay(true).ok()?;
+        let req = format!(
+            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\r\n"
+        );
+        stream.write_all(req.as_bytes()).await.ok()?;
+        let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+        let mut c = Self {
+            stream,
+            buf: BytesMut::new(),
+            decoder: ClientDecoder::new(),
+            key: secret.public_key(),
+            secret,
+            server_info: None,
+        };
+        loop {
+            if let Some(i) = c.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = c.buf.split_to(i + 4);
+                assert!(head.starts_with(b"HTTP/1.1 101 "), "{head:?}");
+                return Some(c);
+            }
+            c.buf.reserve(4096);
+            match tokio::time::timeout(STEP, c.stream.read_buf(&mut c.buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return None,
+                Ok(Ok(_)) => {}
+                Err(_) => panic!("no answer to the upgrade"),
+            }
+        }
+    }
+}

@@ -10,11 +10,11 @@ use std::time::Duration;
 use derp_proto::{ClientToRelay, RelayToClient, SecretKey};
 use derp_server::ServerConfig;
 use rand::{Rng, SeedableRng};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::task::JoinSet;
 
-use crate::harness::{RawClient, STEP, TestServer, raw_frame};
+use crate::harness::{RawClient, STEP, TestServer, raw_frame, read_until_closed};
 
 fn config() -> ServerConfig {
     ServerConfig::new(derp_testkit::server_secret())
@@ -45,19 +45,6 @@ async fn pair_still_works(a: &mut RawClient, b: &mut RawClient, tag: &str) {
         (b.key, tag.as_bytes().to_vec()),
         "{tag}"
     );
-}
-
-/// Reads until EOF or reset; fails if the server keeps the connection open past [`STEP`].
-async fn read_until_closed(s: &mut TcpStream) -> Vec<u8> {
-    let mut got = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match tokio::time::timeout(STEP, s.read(&mut chunk)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return got,
-            Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
-            Err(_) => panic!("server kept the connection open"),
-        }
-    }
 }
 
 /// Opens a connection, upgrades it, and reads the ServerKey frame.

@@ -4,6 +4,7 @@ mod client;
 mod harness;
 mod hostile;
 mod layout;
+mod limits;
 mod load;
 mod metrics;
 mod quic;

@@ -11,6 +11,7 @@ use std::time::Duration;
 use derp_proto::{MeshKey, SecretKey};
 
 use crate::admission::Admission;
+use crate::listen::ConnLimits;
 use crate::lookup::LookupConfig;
 use crate::ratelimit::RateLimit;
 
@@ -51,6 +52,8 @@ pub struct ServerConfig {
     /// `Some` with a zero rate: configured but off, changeable with
     /// [`Server::set_rate_limit`](crate::Server::set_rate_limit).
     pub rate_limit: Option<RateLimit>,
+    /// What [`Server::serve`](crate::Server::serve) (and a TLS front) lets in.
+    pub limits: ConnLimits,
 }
 
 impl ServerConfig {
@@ -71,6 +74,7 @@ impl ServerConfig {
             packet_metrics: true,
             admission: Vec::new(),
             rate_limit: None,
+            limits: ConnLimits::default(),
         }
     }
 }

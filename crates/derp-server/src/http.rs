@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -29,20 +29,30 @@ use derp_proto::ws;
 
 use crate::config::HomePage;
 use crate::conn::{self, Accepted, Framing};
+use crate::listen::ConnGuard;
 use crate::state::ServerState;
 
 /// Serves one accepted connection (plain TCP, or TLS after its handshake).
+///
+/// Until its DERP client is registered, the connection may be evicted from the unproven
+/// budget (see `listen.rs`); `guard` says when, and is held until the connection ends.
 pub(crate) async fn serve_conn(
     shared: Arc<ServerState>,
     mut stream: Transport,
     remote: SocketAddr,
+    guard: ConnGuard,
 ) {
     let mut buf = BytesMut::with_capacity(1024);
-    let head = tokio::time::timeout(
-        shared.config.handshake_timeout,
-        read_head(&mut stream, &mut buf),
-    )
-    .await;
+    let head = tokio::select! {
+        _ = guard.evicted() => {
+            debug!(%remote, "evicted while sending its request head");
+            return;
+        }
+        head = tokio::time::timeout(
+            shared.config.handshake_timeout,
+            read_head(&mut stream, &mut buf),
+        ) => head,
+    };
     let head_len = match head {
         Ok(Ok(Some(n))) => n,
         Ok(Ok(None)) => {
@@ -63,10 +73,10 @@ pub(crate) async fn serve_conn(
         upgrade::Request::Upgrade(up) => {
             stream.set_nodelay();
             buf.advance(head_len);
-            take_over(shared, stream, buf, remote, up).await;
+            take_over(shared, stream, buf, remote, up, guard).await;
         }
         upgrade::Request::Other => {
-            serve_hyper(shared, Rewind::new(buf.freeze(), stream), remote).await;
+            serve_hyper(shared, Rewind::new(buf.freeze(), stream), remote, guard).await;
         }
     }
 }
@@ -80,6 +90,7 @@ async fn take_over(
     initial: BytesMut,
     remote: SocketAddr,
     up: DerpUpgrade,
+    guard: ConnGuard,
 ) {
     let (preamble, framing) = match up.kind {
         UpgradeKind::Derp { fast_start: true } => (Vec::new(), Framing::Raw),
@@ -113,6 +124,7 @@ async fn take_over(
         framing,
         not_ideal: up.not_ideal,
         quic: None,
+        guard,
     };
     conn::serve(shared, accepted).await;
 }
@@ -154,22 +166,37 @@ async fn read_head(stream: &mut Transport, buf: &mut BytesMut) -> io::Result<Opt
     }
 }
 
-async fn serve_hyper<S>(shared: Arc<ServerState>, io: S, remote: SocketAddr)
+/// The connection's guard while hyper serves it: a `/derp` request upgraded through hyper
+/// takes it along to its DERP task.
+type GuardCell = Arc<Mutex<Option<ConnGuard>>>;
+
+async fn serve_hyper<S>(shared: Arc<ServerState>, io: S, remote: SocketAddr, guard: ConnGuard)
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
+    // Plain HTTP exchanges stay unproven: probes and pages are short, and a connection that
+    // lingers on them is the first to make room under pressure.
+    let evicted = guard.eviction_token();
+    let guard: GuardCell = Arc::new(Mutex::new(Some(guard)));
     // Later requests on the connection get the same deadline as the first one's head.
     let header_timeout = shared.config.handshake_timeout;
     let service = hyper::service::service_fn(move |req| {
         let shared = shared.clone();
-        async move { Ok::<_, Infallible>(route(&shared, req, remote)) }
+        let guard = guard.clone();
+        async move { Ok::<_, Infallible>(route(&shared, req, remote, &guard)) }
     });
-    let result = hyper::server::conn::http1::Builder::new()
+    let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
         .serve_connection(TokioIo::new(io), service)
-        .with_upgrades()
-        .await;
+        .with_upgrades();
+    let result = tokio::select! {
+        _ = evicted.cancelled() => {
+            debug!(%remote, "http connection evicted");
+            return;
+        }
+        r = conn => r,
+    };
     if let Err(e) = result {
         debug!(%remote, error = %e, "http connection ended");
     }
@@ -177,13 +204,18 @@ where
 
 type Body = Full<Bytes>;
 
-fn route(shared: &Arc<ServerState>, req: Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+fn route(
+    shared: &Arc<ServerState>,
+    req: Request<Incoming>,
+    remote: SocketAddr,
+    guard: &GuardCell,
+) -> Response<Body> {
     let path = req.uri().path();
     if upgrade::is_probe_path(path) {
         return probe(req.method());
     }
     if upgrade::is_derp_path(path) {
-        return derp_via_hyper(shared, req, remote);
+        return derp_via_hyper(shared, req, remote, guard);
     }
     match path {
         "/debug/varz" => debug_varz(shared, &req, remote),
@@ -292,6 +324,7 @@ fn derp_via_hyper(
     shared: &Arc<ServerState>,
     mut req: Request<Incoming>,
     remote: SocketAddr,
+    guard: &GuardCell,
 ) -> Response<Body> {
     if !shared.config.derp_enabled {
         return text(StatusCode::NOT_FOUND, "derp server disabled\n");
@@ -346,6 +379,11 @@ fn derp_via_hyper(
     let on_upgrade = hyper::upgrade::on(&mut req);
     let tracker = shared.tasks.clone();
     let shared = shared.clone();
+    let guard = guard
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .unwrap_or_default();
     tracker.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) if refuse => {
@@ -363,6 +401,7 @@ fn derp_via_hyper(
                     framing,
                     not_ideal: up.not_ideal,
                     quic: None,
+                    guard,
                 };
                 conn::serve(shared, accepted).await;
             }

@@ -8,8 +8,10 @@
 //!   the packet path, bounded per-destination queues with the reference's drop policy, batched
 //!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
 //!   handling and the receiving side of mesh frames;
-//! - limits each client's receive rate by reading more slowly (nothing is dropped); runs the
-//!   admission checks it is given ([`Admission`]) on every client before registering it;
+//! - limits what it accepts: an accept rate, a cap on open connections, a budget of unproven
+//!   connections that evicts the oldest when full, and a per-client receive rate enforced by
+//!   reading more slowly; runs the admission checks it is given ([`Admission`]) on every
+//!   client before registering it;
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
 //! - answers STUN binding requests on a UDP socket it is given;
 //! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
@@ -29,6 +31,7 @@ mod config;
 mod conn;
 mod handle;
 mod http;
+mod listen;
 mod lookup;
 mod metrics;
 mod queue;
@@ -48,6 +51,10 @@ pub use config::{
 };
 pub use derp_io::{BoxedIo, Transport, tune_socket};
 pub use http::generate_204;
+pub use listen::{
+    AcceptErrors, AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,
+    DEFAULT_MAX_UNPROVEN_PER_SOURCE, Refusal, Unproven, UnprovenBudget,
+};
 /// Benchmark scaffolding over the real lookup path; only with the `bench` feature.
 #[cfg(feature = "bench")]
 pub use lookup::bench as lookup_bench;

@@ -13,6 +13,7 @@ use tracing::{debug, warn};
 
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
+use crate::listen::{AcceptErrors, ConnGuard};
 use crate::metrics::Metrics;
 use crate::quic::QuicListener;
 use crate::ratelimit::RateLimit;
@@ -82,9 +83,13 @@ impl Server {
 
     /// Accepts HTTP connections on `listener` until [`Server::shutdown`] is called.
     ///
-    /// Errors on individual connections (including resource exhaustion on accept) are logged
-    /// and the loop carries on: one bad connection must never stop the listener.
+    /// Each connection passes the configured [`ConnLimits`](crate::ConnLimits) first (over the
+    /// accept rate or the connection cap it is closed at once). Errors on individual
+    /// connections, and failures of accept itself (such as running out of file descriptors),
+    /// are counted and the loop carries on, backing off while accept keeps failing: one bad
+    /// connection must never stop the listener.
     pub async fn serve(&self, listener: TcpListener) -> Result<(), ServeError> {
+        let mut errors = AcceptErrors::new("main", self.accept_error_counter("main"));
         loop {
             let accepted = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
@@ -93,15 +98,19 @@ impl Server {
             };
             match accepted {
                 Ok((stream, remote)) => {
+                    errors.succeeded();
+                    let Some(guard) = self.admit_connection(remote) else {
+                        continue;
+                    };
                     derp_io::tune_socket(&stream);
-                    self.spawn_connection(Transport::Tcp(stream), remote);
+                    self.spawn_guarded(Transport::Tcp(stream), remote, guard);
                 }
                 Err(e) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    warn!(error = %e, "accept failed");
+                    let wait = errors.failed(&e);
                     tokio::select! {
                         _ = self.shared.shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => {}
+                        _ = self.shared.draining.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(wait) => {}
                     }
                 }
             }
@@ -109,14 +118,46 @@ impl Server {
     }
 
     /// Serves one already-accepted connection through the HTTP front, as [`Server::serve`]
-    /// does for each connection it accepts. For listeners the server does not own (TLS is
-    /// terminated by the caller, then the stream is handed over). The task is tracked, so
-    /// [`Server::shutdown`] waits for it.
+    /// does for each connection it accepts, but without the accept limits. For listeners
+    /// the server does not own (TLS is terminated by the caller, then the stream is handed
+    /// over). The task is tracked, so [`Server::shutdown`] waits for it.
     pub fn spawn_connection(&self, transport: Transport, remote: SocketAddr) {
+        self.spawn_guarded(transport, remote, ConnGuard::none());
+    }
+
+    /// Applies the accept limits to a connection just accepted from `remote` by a listener
+    /// the caller runs: `None` when it must be closed at once (counted), otherwise the guard
+    /// to pass to [`Server::spawn_guarded`] once the caller's own handshake (TLS) is done.
+    /// Meanwhile the caller must give up the connection when [`ConnGuard::evicted`]
+    /// completes.
+    pub fn admit_connection(&self, remote: SocketAddr) -> Option<ConnGuard> {
+        match self.shared.gate.admit(remote) {
+            Ok(guard) => Some(guard),
+            Err(why) => {
+                debug!(%remote, ?why, "connection refused at accept");
+                None
+            }
+        }
+    }
+
+    /// Like [`Server::spawn_connection`] for a connection admitted by
+    /// [`Server::admit_connection`]: it stays in the unproven budget until its DERP client is
+    /// registered, and counts against the connection cap until it ends.
+    pub fn spawn_guarded(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
         let shared = self.shared.clone();
         self.shared
             .tasks
-            .spawn(crate::http::serve_conn(shared, transport, remote));
+            .spawn(crate::http::serve_conn(shared, transport, remote, guard));
+    }
+
+    /// `derp_accept_errors{listener}`, for an accept loop the caller runs for this server
+    /// (such as a TLS front on the main listener, `listener = "main"`).
+    pub fn accept_error_counter(&self, listener: &str) -> prometheus::IntCounter {
+        self.shared
+            .gate
+            .metrics
+            .accept_errors
+            .with_label_values(&[listener])
     }
 
     /// Serves DERP over QUIC on `listener` until [`Server::shutdown`] is called, sharing the
@@ -155,16 +196,27 @@ impl Server {
     /// `/debug/varz` on the main listener, this has no access control: it is meant for a
     /// listener the operator binds to a private address.
     pub async fn serve_metrics(&self, listener: TcpListener) -> Result<(), ServeError> {
+        let mut errors = AcceptErrors::new("metrics", self.accept_error_counter("metrics"));
         loop {
-            let (stream, remote) = tokio::select! {
+            let accepted = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
-                a = listener.accept() => match a {
-                    Ok(a) => a,
-                    Err(e) => {
-                        warn!(error = %e, "metrics accept failed");
-                        continue;
+                a = listener.accept() => a,
+            };
+            let (stream, remote) = match accepted {
+                Ok(a) => {
+                    errors.succeeded();
+                    a
+                }
+                Err(e) => {
+                    // Without a pause, a failure that persists (no file descriptors left)
+                    // would spin this loop on a full core.
+                    let wait = errors.failed(&e);
+                    tokio::select! {
+                        _ = self.shared.shutdown.cancelled() => return Ok(()),
+                        _ = tokio::time::sleep(wait) => {}
                     }
-                },
+                    continue;
+                }
             };
             let shared = self.shared.clone();
             self.shared
@@ -184,6 +236,7 @@ impl Server {
             framing: conn::Framing::Raw,
             not_ideal: false,
             quic: None,
+            guard: ConnGuard::none(),
         };
         conn::serve(self.shared.clone(), accepted).await;
     }
@@ -232,7 +285,6 @@ impl Server {
     }
 }
 
-const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
 /// How often a graceful shutdown checks whether the queues are out.
 const DRAIN_POLL: Duration = Duration::from_millis(5);
 

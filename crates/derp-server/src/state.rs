@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
+use crate::listen::Gate;
 use crate::metrics::{Metrics, ReaderCounts};
 use crate::ratelimit::RateLimits;
 use crate::registry::Registry;
@@ -30,6 +31,8 @@ pub(crate) struct ServerState {
     pub(crate) tasks: TaskTracker,
     /// Whether clients can be served, as the embedder reports it (see `Server::set_ready`).
     pub(crate) ready: AtomicBool,
+    /// What the listeners let in.
+    pub(crate) gate: Gate,
     /// The per-client receive limit in force.
     pub(crate) rate_limits: RateLimits,
     /// `derp_admission_refused{reason}`.
@@ -53,6 +56,7 @@ impl ServerState {
         )?;
         prometheus.register(Box::new(admission_refused.clone()))?;
         Ok(Self {
+            gate: Gate::new(&config.limits, prometheus)?,
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             admission_refused,
             registry: Registry::new(metrics.clone(), public_key),

@@ -44,6 +44,9 @@ pub(crate) enum LocalError {
     Io(#[from] io::Error),
     #[error("handshake timed out")]
     HandshakeTimeout,
+    /// Still unproven when newer connections needed its place in the budget.
+    #[error("evicted from the unproven-connection budget")]
+    Evicted,
 }
 
 impl ConnError {
@@ -66,6 +69,7 @@ impl ConnError {
                 match l {
                     LocalError::Io(_) => "io",
                     LocalError::HandshakeTimeout => "timeout",
+                    LocalError::Evicted => "evicted",
                 },
             ],
         }

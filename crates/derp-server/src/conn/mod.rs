@@ -28,6 +28,7 @@ use tracing::debug;
 
 use crate::admission::{AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict};
 use crate::handle::ConnHandle;
+use crate::listen::ConnGuard;
 use crate::metrics::{DropReason, PacketKind, TransportLabel};
 use crate::queue::{Batch, Control};
 use crate::quic::QuicLink;
@@ -52,6 +53,8 @@ pub(crate) struct Accepted {
     pub(crate) not_ideal: bool,
     /// DERP over QUIC: the connection's datagrams and migration gate.
     pub(crate) quic: Option<Arc<QuicLink>>,
+    /// The connection's place among the open and the unproven connections.
+    pub(crate) guard: ConnGuard,
 }
 
 impl Accepted {
@@ -107,33 +110,48 @@ async fn run(
         framing,
         not_ideal,
         quic,
+        mut guard,
     } = accepted;
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
     let config = &shared.config;
     let mut hs = ServerHandshake::new(config.secret_key.clone());
-    let (client_key, info) = match handshake(
-        &mut hs,
-        &mut reader,
-        &mut write_half,
-        framing,
-        &preamble,
-        config.handshake_timeout,
-    )
-    .await
-    {
-        Ok(done) => done,
-        Err(e) => {
-            if matches!(e, ConnError::Peer(PeerMisbehaved::Handshake(_))) {
-                shared.metrics.handshake_failures.inc();
+    // Until the client is admitted it is unproven: a newer connection may evict it.
+    let proven = async {
+        let (client_key, info) = match handshake(
+            &mut hs,
+            &mut reader,
+            &mut write_half,
+            framing,
+            &preamble,
+            config.handshake_timeout,
+        )
+        .await
+        {
+            Ok(done) => done,
+            Err(e) => {
+                if matches!(e, ConnError::Peer(PeerMisbehaved::Handshake(_))) {
+                    shared.metrics.handshake_failures.inc();
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
+        let can_mesh = is_mesh_peer(&shared, &info);
+        // Mesh peers proved themselves with the mesh key; everyone else asks the checks.
+        let verdict = if can_mesh {
+            Ok(())
+        } else {
+            admit(&shared, client_key, remote).await
+        };
+        Ok((client_key, info, can_mesh, verdict))
+    };
+    let (client_key, info, can_mesh, verdict) = tokio::select! {
+        biased;
+        _ = guard.evicted() => return Err(LocalError::Evicted.into()),
+        r = proven => r?,
     };
     drop(preamble);
-    let can_mesh = is_mesh_peer(&shared, &info);
-    // Mesh peers proved themselves with the mesh key; everyone else asks the checks.
-    if !can_mesh && let Err(refused) = admit(&shared, client_key, remote).await {
+    if let Err(refused) = verdict {
         shared
             .admission_refused
             .with_label_values(&[refused.reason])
@@ -158,6 +176,7 @@ async fn run(
         shared.metrics.quic_garbage_datagrams.inc_by(early);
     }
     let registration = Registration::new(&shared, &handle, not_ideal, label);
+    guard.prove();
     let write_timeout = if can_mesh {
         config.mesh_write_timeout
     } else {

@@ -12,6 +12,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::debug;
 
 use super::{Accepted, ConnError, Framing, LocalError, PeerMisbehaved};
+use crate::listen::ConnGuard;
 use crate::metrics::TransportLabel;
 use crate::quic::{PREAMBLE, QuicLink, QuicListener, close_code};
 use crate::state::ServerState;
@@ -141,6 +142,8 @@ async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
         framing: Framing::Raw,
         not_ideal: false,
         quic: Some(link.clone()),
+        // The QUIC listener bounds its own handshakes (an in-flight cap, then Retry).
+        guard: ConnGuard::none(),
     };
     let result = super::serve_counted(shared.clone(), accepted).await;
     close_code_for(shared, &link, &result)

@@ -1,0 +1,667 @@
+//! What a listener lets in: the accept rate, the cap on open connections, the budget of
+//! unproven connections, and backing off when accept itself fails.
+//!
+//! **Unproven connections** are those that have not yet shown they are a client: a TLS
+//! handshake, an HTTP request head, a DERP handshake (and its admission check) in progress,
+//! or a plain HTTP exchange. They cost memory and, for TLS, CPU, and an attacker can open them
+//! from many addresses at no cost of its own. They are held in a budget with two limits:
+//!
+//! - at most `per_source` from one source (an IPv4 address or an IPv6 /64): a new one from a
+//!   source at its cap evicts that source's oldest, so one host only ever competes with
+//!   itself. Loopback sources are not capped: on this host they are a local proxy or load
+//!   generator speaking for many clients, not an attacker;
+//! - at most `capacity` in all: when full, a new one evicts the oldest of all.
+//!
+//! Nothing is ever refused for want of room, and the newest connections are the last to go.
+//! A flood of stalled handshakes from many addresses therefore does not lock a good client
+//! out: the good client's connection is evicted only if `capacity` newer unproven
+//! connections arrive before it completes its handshake, so an attacker must open
+//! connections faster than `capacity` divided by a good handshake's duration (thousands per
+//! second for a handshake of a few hundred milliseconds) merely to slow good clients down,
+//! and the accept rate limit caps that rate. Refusing new connections when the budget is
+//! full, as a semaphore does, instead lets the attacker lock everyone out with `capacity`
+//! connections per handshake timeout.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Default [`ConnLimits::max_unproven`].
+pub const DEFAULT_MAX_UNPROVEN: usize = 1024;
+/// Default [`ConnLimits::max_unproven_per_source`].
+pub const DEFAULT_MAX_UNPROVEN_PER_SOURCE: usize = 16;
+
+/// Limits on the connections a listener accepts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ConnLimits {
+    /// New connections per second (a token bucket); `None` for no limit. Connections over it
+    /// are closed at once and counted; the listener keeps accepting.
+    pub accept_rate: Option<AcceptRate>,
+    /// Most connections open at once, proven or not; `None` for no cap. Connections over it
+    /// are closed at once and counted.
+    pub max_connections: Option<usize>,
+    /// Size of the unproven-connection budget (see the module docs).
+    pub max_unproven: usize,
+    /// Unproven connections one source may hold.
+    pub max_unproven_per_source: usize,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        Self {
+            accept_rate: None,
+            max_connections: None,
+            max_unproven: DEFAULT_MAX_UNPROVEN,
+            max_unproven_per_source: DEFAULT_MAX_UNPROVEN_PER_SOURCE,
+        }
+    }
+}
+
+/// A token bucket on accepts: `per_sec` new connections per second, `burst` at once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AcceptRate {
+    /// Sustained connections per second.
+    pub per_sec: f64,
+    /// Connections accepted at once after a quiet period (at least 1).
+    pub burst: u64,
+}
+
+/// Counters and gauges of the main listener's limits.
+#[derive(Clone, Debug)]
+pub(crate) struct ListenMetrics {
+    refused_rate: IntCounter,
+    refused_max: IntCounter,
+    open: IntGauge,
+    pub(crate) accept_errors: IntCounterVec,
+}
+
+impl ListenMetrics {
+    fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let refused = IntCounterVec::new(
+            Opts::new(
+                "derp_accept_refused",
+                "connections closed right after accept, by reason (rate_limit, max_connections)",
+            ),
+            &["reason"],
+        )?;
+        let open = IntGauge::new(
+            "derp_open_connections",
+            "connections accepted by the server's listeners and still open, proven or not",
+        )?;
+        let accept_errors = IntCounterVec::new(
+            Opts::new(
+                "derp_accept_errors",
+                "failed accept calls (such as running out of file descriptors), by listener",
+            ),
+            &["listener"],
+        )?;
+        registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(open.clone()))?;
+        registry.register(Box::new(accept_errors.clone()))?;
+        for l in ["main", "metrics"] {
+            accept_errors.with_label_values(&[l]);
+        }
+        Ok(Self {
+            refused_rate: refused.with_label_values(&["rate_limit"]),
+            refused_max: refused.with_label_values(&["max_connections"]),
+            open,
+            accept_errors,
+        })
+    }
+}
+
+/// The main listener's gate: every accepted connection passes it before anything is read.
+#[derive(Debug)]
+pub(crate) struct Gate {
+    rate: Option<Mutex<Bucket>>,
+    max_connections: Option<usize>,
+    open: Arc<OpenCount>,
+    budget: UnprovenBudget,
+    pub(crate) metrics: ListenMetrics,
+}
+
+#[derive(Debug)]
+struct OpenCount {
+    n: AtomicUsize,
+    gauge: IntGauge,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    per_sec: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    fn take(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.per_sec).min(self.burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Why a connection was closed at accept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Over the accept rate.
+    RateLimit,
+    /// At the cap on open connections.
+    MaxConnections,
+}
+
+impl Gate {
+    pub(crate) fn new(limits: &ConnLimits, registry: &Registry) -> Result<Self, prometheus::Error> {
+        let metrics = ListenMetrics::new(registry)?;
+        let budget = UnprovenBudget::new(
+            limits.max_unproven,
+            limits.max_unproven_per_source,
+            BudgetMetrics::register(registry, "derp")?,
+        );
+        Ok(Self {
+            rate: limits.accept_rate.map(|r| {
+                let burst = r.burst.max(1) as f64;
+                Mutex::new(Bucket {
+                    per_sec: r.per_sec.max(0.0),
+                    burst,
+                    tokens: burst,
+                    last: Instant::now(),
+                })
+            }),
+            max_connections: limits.max_connections,
+            open: Arc::new(OpenCount {
+                n: AtomicUsize::new(0),
+                gauge: metrics.open.clone(),
+            }),
+            budget,
+            metrics,
+        })
+    }
+
+    /// Lets a just-accepted connection from `remote` in, or says why not (and counts it).
+    pub(crate) fn admit(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
+        if let Some(rate) = &self.rate {
+            let ok = rate
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(Instant::now());
+            if !ok {
+                self.metrics.refused_rate.inc();
+                return Err(Refusal::RateLimit);
+            }
+        }
+        let open = OpenPermit::acquire(&self.open, self.max_connections).ok_or_else(|| {
+            self.metrics.refused_max.inc();
+            Refusal::MaxConnections
+        })?;
+        Ok(ConnGuard {
+            unproven: Some(self.budget.admit(remote.ip())),
+            _open: Some(open),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct OpenPermit(Arc<OpenCount>);
+
+impl OpenPermit {
+    fn acquire(count: &Arc<OpenCount>, max: Option<usize>) -> Option<Self> {
+        let max = max.unwrap_or(usize::MAX);
+        count
+            .n
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        count.gauge.inc();
+        Some(Self(count.clone()))
+    }
+}
+
+impl Drop for OpenPermit {
+    fn drop(&mut self) {
+        self.0.n.fetch_sub(1, Ordering::AcqRel);
+        self.0.gauge.dec();
+    }
+}
+
+/// What an admitted connection holds: its place among the open connections (for its whole
+/// life) and, until it proves itself, its place in the unproven budget.
+#[derive(Debug, Default)]
+pub struct ConnGuard {
+    unproven: Option<Unproven>,
+    _open: Option<OpenPermit>,
+}
+
+impl ConnGuard {
+    /// A guard that limits nothing, for connections handed over without passing a gate.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Completes when the connection is evicted from the unproven budget; never, once it is
+    /// proven or if it was never in the budget.
+    pub async fn evicted(&self) {
+        match &self.unproven {
+            Some(u) => u.evicted().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// A token cancelled on eviction, for code that cannot borrow the guard.
+    pub(crate) fn eviction_token(&self) -> CancellationToken {
+        match &self.unproven {
+            Some(u) => u.evict.clone(),
+            None => CancellationToken::new(),
+        }
+    }
+
+    /// The connection has shown it is a client: it leaves the unproven budget.
+    pub(crate) fn prove(&mut self) {
+        self.unproven = None;
+    }
+}
+
+/// The counters of one unproven budget.
+#[derive(Clone, Debug)]
+pub struct BudgetMetrics {
+    current: IntGauge,
+    evicted_full: IntCounter,
+    evicted_source: IntCounter,
+}
+
+impl BudgetMetrics {
+    /// Registers `<prefix>_unproven_connections` and `<prefix>_unproven_evicted{cause}` on
+    /// `registry`.
+    pub fn register(registry: &Registry, prefix: &str) -> Result<Self, prometheus::Error> {
+        let current = IntGauge::new(
+            format!("{prefix}_unproven_connections"),
+            "connections still in a TLS, HTTP or DERP handshake (or a plain HTTP exchange)",
+        )?;
+        let evicted = IntCounterVec::new(
+            Opts::new(
+                format!("{prefix}_unproven_evicted"),
+                "unproven connections closed to make room for newer ones, by cause \
+                 (budget: the budget was full; per_source: their source was at its cap)",
+            ),
+            &["cause"],
+        )?;
+        registry.register(Box::new(current.clone()))?;
+        registry.register(Box::new(evicted.clone()))?;
+        Ok(Self {
+            current,
+            evicted_full: evicted.with_label_values(&["budget"]),
+            evicted_source: evicted.with_label_values(&["per_source"]),
+        })
+    }
+}
+
+/// A budget of unproven connections; see the module docs for the policy. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct UnprovenBudget {
+    inner: Arc<BudgetInner>,
+}
+
+#[derive(Debug)]
+struct BudgetInner {
+    capacity: usize,
+    per_source: usize,
+    state: Mutex<BudgetState>,
+    metrics: BudgetMetrics,
+}
+
+#[derive(Debug, Default)]
+struct BudgetState {
+    next_seq: u64,
+    /// Every member by admission order; the first is the oldest.
+    members: BTreeMap<u64, Member>,
+    /// Each source's members, oldest first.
+    by_source: HashMap<IpAddr, VecDeque<u64>>,
+}
+
+#[derive(Debug)]
+struct Member {
+    source: IpAddr,
+    evict: CancellationToken,
+}
+
+impl BudgetState {
+    fn remove(&mut self, seq: u64) -> Option<Member> {
+        let member = self.members.remove(&seq)?;
+        if let Some(list) = self.by_source.get_mut(&member.source) {
+            list.retain(|s| *s != seq);
+            if list.is_empty() {
+                self.by_source.remove(&member.source);
+            }
+        }
+        Some(member)
+    }
+}
+
+/// A connection's place in an [`UnprovenBudget`]; leaving is dropping it.
+#[derive(Debug)]
+pub struct Unproven {
+    budget: Arc<BudgetInner>,
+    seq: u64,
+    evict: CancellationToken,
+}
+
+impl Unproven {
+    /// Completes when a newer connection took this one's place.
+    pub async fn evicted(&self) {
+        self.evict.cancelled().await;
+    }
+}
+
+impl Drop for Unproven {
+    fn drop(&mut self) {
+        let mut state = self.budget.lock();
+        if state.remove(self.seq).is_some() {
+            self.budget.metrics.current.dec();
+        }
+    }
+}
+
+impl UnprovenBudget {
+    /// A budget of `capacity` connections, at most `per_source` of them from one source (both
+    /// at least 1).
+    pub fn new(capacity: usize, per_source: usize, metrics: BudgetMetrics) -> Self {
+        Self {
+            inner: Arc::new(BudgetInner {
+                capacity: capacity.max(1),
+                per_source: per_source.max(1),
+                state: Mutex::new(BudgetState::default()),
+                metrics,
+            }),
+        }
+    }
+
+    /// Admits a connection from `ip`, evicting an older one if there is no room.
+    pub fn admit(&self, ip: IpAddr) -> Unproven {
+        let source = source_of(ip);
+        let capped = !ip.to_canonical().is_loopback();
+        let inner = &self.inner;
+        let mut state = inner.lock();
+        let victim = match state.by_source.get(&source) {
+            Some(list) if capped && list.len() >= inner.per_source => list
+                .front()
+                .copied()
+                .map(|s| (s, &inner.metrics.evicted_source)),
+            _ if state.members.len() >= inner.capacity => state
+                .members
+                .first_key_value()
+                .map(|(s, _)| (*s, &inner.metrics.evicted_full)),
+            _ => None,
+        };
+        if let Some((seq, counter)) = victim
+            && let Some(member) = state.remove(seq)
+        {
+            member.evict.cancel();
+            counter.inc();
+            inner.metrics.current.dec();
+        }
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        let evict = CancellationToken::new();
+        state.members.insert(
+            seq,
+            Member {
+                source,
+                evict: evict.clone(),
+            },
+        );
+        state.by_source.entry(source).or_default().push_back(seq);
+        inner.metrics.current.inc();
+        Unproven {
+            budget: inner.clone(),
+            seq,
+            evict,
+        }
+    }
+}
+
+impl BudgetInner {
+    fn lock(&self) -> MutexGuard<'_, BudgetState> {
+        // Plain bookkeeping; a panic elsewhere cannot leave it inconsistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The source a connection is counted under: an IPv4 address, or an IPv6 /64 (one host
+/// usually owns a whole /64).
+fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        },
+    }
+}
+
+/// What an accept loop does when `accept` fails (out of file descriptors, out of memory): wait
+/// before trying again, doubling from 5 ms to 1 s while failures continue, and log at most
+/// one warning every 10 s, saying how many were left out.
+#[derive(Debug)]
+pub struct AcceptErrors {
+    listener: &'static str,
+    counter: IntCounter,
+    delay: Duration,
+    last_log: Option<Instant>,
+    suppressed: u64,
+}
+
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
+
+impl AcceptErrors {
+    /// For the listener named `listener` in logs; every failure is counted in `counter`.
+    pub fn new(listener: &'static str, counter: IntCounter) -> Self {
+        Self {
+            listener,
+            counter,
+            delay: Duration::ZERO,
+            last_log: None,
+            suppressed: 0,
+        }
+    }
+
+    /// Notes a failed accept and returns how long to wait before the next.
+    pub fn failed(&mut self, error: &io::Error) -> Duration {
+        self.counter.inc();
+        self.delay = (self.delay * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+        let now = Instant::now();
+        let due = self
+            .last_log
+            .is_none_or(|t| now.saturating_duration_since(t) >= ACCEPT_LOG_EVERY);
+        if due {
+            warn!(
+                listener = self.listener,
+                %error,
+                suppressed = self.suppressed,
+                retry_in_ms = self.delay.as_millis() as u64,
+                "accept failed"
+            );
+            self.last_log = Some(now);
+            self.suppressed = 0;
+        } else {
+            self.suppressed += 1;
+        }
+        self.delay
+    }
+
+    /// Notes a successful accept: the backoff resets, and if warnings were left out since the
+    /// last one logged, says how many.
+    pub fn succeeded(&mut self) {
+        if self.delay.is_zero() {
+            return;
+        }
+        self.delay = Duration::ZERO;
+        if self.suppressed > 0 || self.last_log.is_some() {
+            info!(
+                listener = self.listener,
+                suppressed = self.suppressed,
+                "accepting again"
+            );
+        }
+        self.suppressed = 0;
+        self.last_log = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(capacity: usize, per_source: usize) -> (UnprovenBudget, Registry) {
+        let r = Registry::new();
+        let m = BudgetMetrics::register(&r, "t").expect("metrics");
+        (UnprovenBudget::new(capacity, per_source, m), r)
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn evicted(u: &Unproven) -> bool {
+        u.evict.is_cancelled()
+    }
+
+    #[test]
+    fn a_full_budget_evicts_the_oldest_and_admits_the_newest() {
+        let (b, _r) = budget(3, 10);
+        let a = b.admit(ip("192.0.2.1"));
+        let c = b.admit(ip("192.0.2.2"));
+        let d = b.admit(ip("192.0.2.3"));
+        assert!(![&a, &c, &d].iter().any(|u| evicted(u)));
+        let e = b.admit(ip("192.0.2.4"));
+        assert!(evicted(&a), "the oldest goes");
+        assert!(!evicted(&c) && !evicted(&d) && !evicted(&e));
+        // A released slot is room again: nobody is evicted.
+        drop(c);
+        let f = b.admit(ip("192.0.2.5"));
+        assert!(!evicted(&d) && !evicted(&e) && !evicted(&f));
+        let g = b.admit(ip("192.0.2.6"));
+        assert!(evicted(&d));
+        assert!(!evicted(&g));
+    }
+
+    #[test]
+    fn a_source_at_its_cap_evicts_only_its_own() {
+        let (b, r) = budget(100, 2);
+        let other = b.admit(ip("198.51.100.7"));
+        let a1 = b.admit(ip("192.0.2.1"));
+        let a2 = b.admit(ip("192.0.2.1"));
+        let a3 = b.admit(ip("192.0.2.1"));
+        assert!(evicted(&a1));
+        assert!(!evicted(&a2) && !evicted(&a3));
+        assert!(!evicted(&other), "another source is never touched");
+        // An IPv6 /64 is one source; mapped IPv4 is IPv4.
+        let v1 = b.admit(ip("2001:db8:1:2::1"));
+        let _v2 = b.admit(ip("2001:db8:1:2::2"));
+        let _v3 = b.admit(ip("2001:db8:1:2::3"));
+        assert!(evicted(&v1));
+        let _m = b.admit(ip("::ffff:192.0.2.1"));
+        assert!(evicted(&a2));
+        // Loopback is one trusted source (a local proxy): not capped.
+        let local: Vec<Unproven> = (0..5).map(|_| b.admit(ip("127.0.0.1"))).collect();
+        let local6: Vec<Unproven> = (0..5).map(|_| b.admit(ip("::1"))).collect();
+        assert!(!local.iter().chain(&local6).any(evicted));
+        let families = r.gather();
+        let by_cause: Vec<(String, f64)> = families
+            .iter()
+            .filter(|f| f.name() == "t_unproven_evicted")
+            .flat_map(|f| f.get_metric())
+            .map(|m| {
+                (
+                    m.get_label()[0].value().to_owned(),
+                    m.get_counter().get_value(),
+                )
+            })
+            .collect();
+        assert!(
+            by_cause.contains(&("per_source".to_owned(), 3.0)),
+            "{by_cause:?}"
+        );
+    }
+
+    #[test]
+    fn the_gauge_follows_members() {
+        let (b, r) = budget(2, 2);
+        let gauge = || {
+            r.gather()
+                .iter()
+                .find(|f| f.name() == "t_unproven_connections")
+                .map(|f| f.get_metric()[0].get_gauge().get_value())
+                .expect("gauge")
+        };
+        let a = b.admit(ip("192.0.2.1"));
+        let c = b.admit(ip("192.0.2.2"));
+        let d = b.admit(ip("192.0.2.3"));
+        assert_eq!(gauge(), 2.0);
+        drop(a); // already evicted: no double count
+        assert_eq!(gauge(), 2.0);
+        drop(c);
+        drop(d);
+        assert_eq!(gauge(), 0.0);
+    }
+
+    #[tokio::test]
+    async fn gate_enforces_the_accept_rate_and_the_open_cap() {
+        let r = Registry::new();
+        let gate = Gate::new(
+            &ConnLimits {
+                accept_rate: Some(AcceptRate {
+                    per_sec: 0.0,
+                    burst: 4,
+                }),
+                max_connections: Some(2),
+                ..ConnLimits::default()
+            },
+            &r,
+        )
+        .expect("gate");
+        let remote: SocketAddr = "192.0.2.1:1".parse().expect("addr");
+        let a = gate.admit(remote).expect("first");
+        let _b = gate.admit(remote).expect("second");
+        assert_eq!(gate.admit(remote).err(), Some(Refusal::MaxConnections));
+        drop(a);
+        // The refusal above took a token too: the fourth and last goes to this one.
+        let _c = gate.admit(remote).expect("room again");
+        assert_eq!(gate.admit(remote).err(), Some(Refusal::RateLimit));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn accept_errors_back_off_and_log_rarely() {
+        let counter = IntCounter::new("c", "c").expect("counter");
+        let mut e = AcceptErrors::new("test", counter.clone());
+        let err = io::Error::from_raw_os_error(24);
+        let delays: Vec<Duration> = (0..10).map(|_| e.failed(&err)).collect();
+        assert_eq!(delays[0], ACCEPT_BACKOFF_MIN);
+        assert_eq!(delays[1], ACCEPT_BACKOFF_MIN * 2);
+        assert_eq!(*delays.last().expect("delay"), ACCEPT_BACKOFF_MAX);
+        assert_eq!(e.suppressed, 9, "one warning, nine left out");
+        tokio::time::advance(ACCEPT_LOG_EVERY).await;
+        e.failed(&err);
+        assert_eq!(e.suppressed, 0, "logged again, with the count");
+        e.succeeded();
+        assert_eq!(e.failed(&err), ACCEPT_BACKOFF_MIN, "backoff starts over");
+        assert_eq!(counter.get(), 12);
+    }
+}

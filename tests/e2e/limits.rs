@@ -1,0 +1,391 @@
+//! How much the relay takes: the per-client receive rate, the accept rate, the cap on open
+//! connections, and the unproven-connection budget of the plain listener.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use derp_proto::{ClientInfo, ClientToRelay, MeshKey, PublicKey, RelayToClient, SecretKey};
+use derp_server::{AcceptRate, ConnLimits, RateLimit, ServerConfig};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::harness::{
+    RawClient, STEP, TestServer, connect_from, flood_source, plain_info, read_until_closed,
+};
+
+fn new_key() -> SecretKey {
+    SecretKey::generate(&mut rand::rngs::OsRng)
+}
+
+fn mesh_key() -> MeshKey {
+    "3c".repeat(32).parse().expect("mesh key")
+}
+
+/// Proves a pair of ordinary clients still relays.
+async fn pair_works(a: &mut RawClient, b: &mut RawClient, tag: &str) {
+    a.send_packet(b.key, tag.as_bytes()).await;
+    assert_eq!(
+        b.recv_packet().await,
+        (a.key, tag.as_bytes().to_vec()),
+        "{tag}"
+    );
+}
+
+/// Bytes of a relayed frame carrying a payload of `n` bytes (header, key, payload): what
+/// the limit counts on the way in and what the receiver reads on the way out.
+fn frame_bytes(n: usize) -> u64 {
+    (5 + 32 + n) as u64
+}
+
+const LIMIT: u64 = 1_000_000;
+const PAYLOAD: usize = 1000;
+
+#[tokio::test]
+async fn a_limited_client_gets_its_rate_and_an_exempt_peer_beside_it_does_not_wait() {
+    let srv = TestServer::start(ServerConfig {
+        rate_limit: Some(RateLimit::new(LIMIT, 0)),
+        mesh_key: Some(mesh_key()),
+        // The relay runs on this test's single thread, so a receiver's writer only runs
+        // between the sender's batches; deep queues keep the ordinary queue overflow (which
+        // has nothing to do with the limit) out of the count of what the limit drops.
+        send_queue_depth: 256,
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let mut c = RawClient::connect(srv.addr).await;
+    let m = RawClient::try_connect(
+        srv.addr,
+        new_key(),
+        ClientInfo {
+            mesh_key: Some(mesh_key()),
+            ..plain_info()
+        },
+    )
+    .await
+    .expect("mesh peer");
+
+    // A sends numbered packets to B as fast as TCP lets it; the relay reads it at the limit.
+    let b_key = b.key;
+    let mut a_stream = a.stream;
+    let sender = tokio::spawn(async move {
+        let mut seq = 0u64;
+        loop {
+            let mut frames = Vec::with_capacity(16 * 1040);
+            for _ in 0..16 {
+                let mut payload = vec![0u8; PAYLOAD];
+                payload[..8].copy_from_slice(&seq.to_be_bytes());
+                seq += 1;
+                let mut out = bytes::BytesMut::new();
+                ClientToRelay::SendPacket {
+                    dst: b_key,
+                    packet: Bytes::from(payload),
+                }
+                .encode(&mut out);
+                frames.extend_from_slice(&out);
+            }
+            if a_stream.write_all(&frames).await.is_err() {
+                return;
+            }
+        }
+    });
+    // A mesh peer beside it forwards 8 MB to C as fast as it can: it is never limited.
+    let c_key = c.key;
+    let mut m_stream = m.stream;
+    const MESH_PACKETS: usize = 8000;
+    let mesh_sender = tokio::spawn(async move {
+        let src = PublicKey::from_bytes([9; 32]);
+        let mut out = bytes::BytesMut::new();
+        for _ in 0..MESH_PACKETS {
+            ClientToRelay::ForwardPacket {
+                src,
+                dst: c_key,
+                packet: Bytes::from(vec![1u8; PAYLOAD]),
+            }
+            .encode(&mut out);
+        }
+        m_stream.write_all(&out).await.expect("mesh write");
+        m_stream
+    });
+    let mesh_receiver = tokio::spawn(async move {
+        let mut got = 0usize;
+        let mut first = None;
+        let mut last = Instant::now();
+        // Queue drops are possible here (nothing slows the sender down); count what comes.
+        while got < MESH_PACKETS {
+            let frame = tokio::time::timeout(Duration::from_secs(1), c.recv()).await;
+            let Ok(frame) = frame else { break };
+            if let RelayToClient::RecvPacket { .. } = frame {
+                got += 1;
+                last = Instant::now();
+                first.get_or_insert(last);
+            }
+        }
+        (got, first.map(|f| last - f))
+    });
+
+    // B measures the limited flow after a warm-up that spends the burst.
+    let warmup = Duration::from_millis(500);
+    let window = Duration::from_secs(2);
+    let (_, first) = b.recv_packet().await;
+    let mut expected = 1u64;
+    assert_eq!(u64::from_be_bytes(first[..8].try_into().expect("seq")), 0);
+    let start = Instant::now();
+    let mut measured_from = None;
+    let mut bytes_in_window = 0u64;
+    loop {
+        let (_, p) = b.recv_packet().await;
+        let seq = u64::from_be_bytes(p[..8].try_into().expect("seq"));
+        assert_eq!(seq, expected, "a packet of the limited flow was lost");
+        expected += 1;
+        let now = Instant::now();
+        if now < start + warmup {
+            continue;
+        }
+        let from = *measured_from.get_or_insert(now);
+        if now >= from + window {
+            break;
+        }
+        bytes_in_window += frame_bytes(PAYLOAD);
+    }
+    sender.abort();
+    let rate = bytes_in_window as f64 / window.as_secs_f64();
+    let ratio = rate / LIMIT as f64;
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "limited client got {rate:.0} B/s, {ratio:.3} of its limit"
+    );
+
+    let (mesh_got, mesh_span) = mesh_receiver.await.expect("mesh receiver");
+    let _ = mesh_sender.await;
+    let mesh_bytes = mesh_got as u64 * frame_bytes(PAYLOAD);
+    let mesh_rate = mesh_bytes as f64 / mesh_span.unwrap_or(window).as_secs_f64().max(1e-3);
+    assert!(
+        mesh_got > MESH_PACKETS / 2 && mesh_rate > 4.0 * LIMIT as f64,
+        "the exempt mesh peer was held back: {mesh_got} packets at {mesh_rate:.0} B/s"
+    );
+    assert!(srv.metric("derp_rate_limit_per_client_waited", &[]) > 0.0);
+    assert_eq!(
+        srv.metric("derp_rate_limit_per_client_bytes_per_second", &[]),
+        LIMIT as f64
+    );
+    srv.stop().await;
+}
+
+/// Sends `n` bytes of packets to `dst` and waits until the relay has read them all.
+async fn send_bulk(c: &mut RawClient, dst: PublicKey, n: usize) {
+    let mut out = bytes::BytesMut::new();
+    for _ in 0..n / PAYLOAD {
+        ClientToRelay::SendPacket {
+            dst,
+            packet: Bytes::from(vec![0u8; PAYLOAD]),
+        }
+        .encode(&mut out);
+    }
+    c.send_raw(&out).await;
+    c.barrier().await;
+}
+
+#[tokio::test]
+async fn a_new_limit_reaches_existing_connections_and_duplicates() {
+    let srv = TestServer::start(ServerConfig {
+        rate_limit: Some(RateLimit::OFF),
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let waited = || srv.metric("derp_rate_limit_per_client_waited", &[]);
+    let key = new_key();
+    let mut a = RawClient::connect_with(srv.addr, key.clone()).await;
+    let mut dup = RawClient::connect_with(srv.addr, key).await;
+    let nobody = PublicKey::from_bytes([7; 32]);
+    send_bulk(&mut a, nobody, 300_000).await;
+    assert_eq!(waited(), 0.0, "no limit yet");
+
+    srv.server.set_rate_limit(RateLimit::new(2_000_000, 0));
+    assert_eq!(
+        srv.metric("derp_rate_limit_per_client_burst_bytes", &[]),
+        derp_server::MIN_RATE_BURST as f64
+    );
+    send_bulk(&mut a, nobody, 300_000).await;
+    let after_a = waited();
+    assert!(
+        after_a > 0.0,
+        "the existing connection did not get the new limit"
+    );
+    send_bulk(&mut dup, nobody, 300_000).await;
+    assert!(
+        waited() > after_a,
+        "the duplicate did not get the new limit"
+    );
+
+    srv.server.set_rate_limit(RateLimit::OFF);
+    let before = waited();
+    send_bulk(&mut dup, nobody, 300_000).await;
+    assert_eq!(waited(), before, "turned off, yet it waited");
+    srv.stop().await;
+}
+
+/// Whether the server closes `s` at once (refused at accept) rather than waiting for a
+/// request: an accepted connection that says nothing is held until the head deadline.
+async fn closed_at_once(s: &mut TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut b = [0u8; 1];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), s.read(&mut b)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+#[tokio::test]
+async fn a_connection_flood_past_the_accept_limit_is_refused_and_counted() {
+    let srv = TestServer::start(ServerConfig {
+        limits: ConnLimits {
+            accept_rate: Some(AcceptRate {
+                per_sec: 2.0,
+                burst: 12,
+            }),
+            ..ConnLimits::default()
+        },
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let started = Instant::now();
+    let mut flood = Vec::new();
+    for i in 0..60 {
+        flood.push(connect_from(srv.addr, flood_source(0, i)).await);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    srv.eventually("the flood is handled", |s| {
+        s.metric("derp_accept_refused", &[("reason", "rate_limit")])
+            + s.metric("derp_open_connections", &[])
+            >= 62.0
+    })
+    .await;
+    let refused = srv.metric("derp_accept_refused", &[("reason", "rate_limit")]);
+    // Ten tokens were left after a and b, and more trickle in at 2 per second.
+    let most_admitted = 10.0 + (2.0 * (elapsed + 1.0)).ceil();
+    assert!(
+        refused >= 60.0 - most_admitted,
+        "{refused} refused of 60 after {elapsed:.2}s"
+    );
+    // The refused ones were closed at once.
+    let mut checks = tokio::task::JoinSet::new();
+    for mut s in flood.split_off(50) {
+        checks.spawn(async move { closed_at_once(&mut s).await });
+    }
+    let mut closed = 0;
+    while let Some(c) = checks.join_next().await {
+        closed += usize::from(c.expect("check"));
+    }
+    assert!(closed >= 5, "{closed} of the last 10 closed at once");
+    // Existing clients carry on, and the listener keeps accepting once tokens come back.
+    pair_works(&mut a, &mut b, "during the flood").await;
+    drop(flood);
+    let deadline = Instant::now() + STEP;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        if let Some(mut c) = RawClient::try_upgrade(srv.addr).await {
+            c.handshake(plain_info()).await;
+            pair_works(&mut a, &mut c, "a new client after the flood").await;
+            break;
+        }
+        assert!(Instant::now() < deadline, "the listener stopped accepting");
+        tick.tick().await;
+    }
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn max_connections_holds() {
+    let srv = TestServer::start(ServerConfig {
+        limits: ConnLimits {
+            max_connections: Some(4),
+            ..ConnLimits::default()
+        },
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let idle1 = TcpStream::connect(srv.addr).await.expect("connect");
+    let _idle2 = TcpStream::connect(srv.addr).await.expect("connect");
+    srv.eventually("four open", |s| {
+        s.metric("derp_open_connections", &[]) == 4.0
+    })
+    .await;
+    let mut fifth = TcpStream::connect(srv.addr).await.expect("connect");
+    assert!(
+        closed_at_once(&mut fifth).await,
+        "a fifth connection was let in"
+    );
+    assert_eq!(
+        srv.metric("derp_accept_refused", &[("reason", "max_connections")]),
+        1.0
+    );
+    pair_works(&mut a, &mut b, "at the cap").await;
+    // A slot that frees up is usable again.
+    drop(idle1);
+    srv.eventually("three open", |s| {
+        s.metric("derp_open_connections", &[]) == 3.0
+    })
+    .await;
+    let mut c = RawClient::connect(srv.addr).await;
+    pair_works(&mut c, &mut a, "in the freed slot").await;
+    drop(b);
+    srv.eventually("a closed client frees its slot", |s| {
+        s.metric("derp_open_connections", &[]) == 3.0
+    })
+    .await;
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn stalled_request_heads_from_many_sources_never_lock_out_a_good_client() {
+    const BUDGET: usize = 64;
+    const FLOOD: usize = 150;
+    let srv = TestServer::start(ServerConfig {
+        limits: ConnLimits {
+            max_unproven: BUDGET,
+            ..ConnLimits::default()
+        },
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let mut stalled = Vec::new();
+    let mut good = Vec::new();
+    for round in 0..5u8 {
+        let mut flood = Vec::new();
+        for i in 0..FLOOD {
+            let mut s = connect_from(srv.addr, flood_source(round, i)).await;
+            // Alternately silent, half a request head, and an upgrade without ClientInfo.
+            let bytes: &[u8] = match i % 3 {
+                0 => b"",
+                1 => b"GET /derp HTTP/1.1\r\nHost: x\r\n",
+                _ => {
+                    b"GET /derp HTTP/1.1\r\nHost: x\r\nUpgrade: DERP\r\nConnection: Upgrade\r\n\r\n"
+                }
+            };
+            s.write_all(bytes).await.expect("write");
+            flood.push(s);
+        }
+        for s in &mut flood[..FLOOD - BUDGET] {
+            read_until_closed(s).await;
+        }
+        let c = tokio::time::timeout(Duration::from_secs(1), RawClient::connect(srv.addr))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the good client was locked out"));
+        good.push(c);
+        stalled.extend(flood);
+    }
+    assert!(
+        srv.metric("derp_unproven_evicted", &[("cause", "budget")])
+            >= (5 * (FLOOD - BUDGET)) as f64
+    );
+    let (first, rest) = good.split_at_mut(1);
+    pair_works(&mut first[0], &mut rest[3], "after the floods").await;
+    srv.stop().await;
+}

@@ -13,7 +13,7 @@ use derp_client::rustls::pki_types::{CertificateDer, ServerName};
 use derp_client::rustls::{self, RootCertStore};
 use derp_client::{Client, ClientConfig, ReceivedFrame, TransportKind};
 use derp_proto::SecretKey;
-use derp_server::{Server, ServerConfig};
+use derp_server::{ConnLimits, Server, ServerConfig};
 use derp_tls::{
     AcmeConfig, AcmeManager, CertInfo, CertOrigin, ChallengeKind, ManualCerts, TlsFront,
     TlsOptions, cert_pin, load_certs_pem,
@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsConnector;
 
-use crate::harness::STEP;
+use crate::harness::{STEP, connect_from, flood_source, read_until_closed};
 
 const HOST: &str = "derp.test";
 
@@ -106,10 +106,22 @@ impl TlsRelay {
     }
 
     async fn start_with(options: TlsOptions, listener: Option<TcpListener>) -> Self {
+        Self::start_limited(options, listener, ConnLimits::default()).await
+    }
+
+    async fn start_limited(
+        options: TlsOptions,
+        listener: Option<TcpListener>,
+        limits: ConnLimits,
+    ) -> Self {
         derp_testkit::init_tracing();
         let registry = prometheus::Registry::new();
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
-        let server = Server::new(ServerConfig::new(secret), &registry).expect("server");
+        let config = ServerConfig {
+            limits,
+            ..ServerConfig::new(secret)
+        };
+        let server = Server::new(config, &registry).expect("server");
         let front = TlsFront::new(&server.public_key(), options, &registry).expect("front");
         let listener = match listener {
             Some(l) => l,
@@ -494,13 +506,9 @@ async fn wrong_sni_is_refused_for_a_dns_hostname() {
     relay.stop().await;
 }
 
-#[tokio::test]
-async fn stalled_handshakes_are_capped_and_cut_off() {
-    let ca = TestCa::new();
-    let mut options = TlsOptions::new(HOST);
-    options.max_handshakes = 2;
-    options.handshake_timeout = Duration::from_millis(300);
-    let relay = TlsRelay::start_with(options, None).await;
+/// A relay with a certificate from `ca` installed, and the given limits.
+async fn limited_relay(ca: &TestCa, options: TlsOptions, limits: ConnLimits) -> TlsRelay {
+    let relay = TlsRelay::start_limited(options, None, limits).await;
     let (crt, key, _) = ca.issue(&[HOST]);
     relay
         .front
@@ -510,42 +518,19 @@ async fn stalled_handshakes_are_capped_and_cut_off() {
             CertOrigin::Other,
         )
         .expect("install");
+    relay
+}
 
-    // Two connections that never send a ClientHello fill the in-flight cap.
-    let mut stalled = Vec::new();
-    for _ in 0..2 {
-        stalled.push(TcpStream::connect(relay.addr).await.expect("connect"));
-    }
-    within("two handshakes in flight", async {
-        loop {
-            let in_flight = relay
-                .registry
-                .gather()
-                .iter()
-                .find(|f| f.name() == "derp_tls_handshakes_in_flight")
-                .map(|f| f.get_metric()[0].get_gauge().get_value())
-                .unwrap_or(0.0);
-            if in_flight == 2.0 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    // A third is closed at once.
-    let mut third = TcpStream::connect(relay.addr).await.expect("connect");
+#[tokio::test]
+async fn stalled_handshakes_are_cut_off_by_the_deadline() {
+    let ca = TestCa::new();
+    let mut options = TlsOptions::new(HOST);
+    options.handshake_timeout = Duration::from_millis(300);
+    let relay = limited_relay(&ca, options, ConnLimits::default()).await;
+    // Two connections that never send a ClientHello are cut off by the deadline...
     let mut buf = [0u8; 1];
-    let n = within("rejected connection closed", third.read(&mut buf)).await;
-    assert!(
-        matches!(n, Ok(0) | Err(_)),
-        "over-cap connection was not closed"
-    );
-    assert_eq!(
-        relay.counter("derp_tls_handshakes", ("result", "rejected")),
-        1
-    );
-    // The stalled ones are cut off by the deadline...
-    for mut s in stalled {
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(relay.addr).await.expect("connect");
         let n = within("stalled handshake cut off", s.read(&mut buf)).await;
         assert!(matches!(n, Ok(0) | Err(_)));
     }
@@ -553,9 +538,93 @@ async fn stalled_handshakes_are_capped_and_cut_off() {
         relay.counter("derp_tls_handshakes", ("result", "timeout")),
         2
     );
-    // ...after which real clients get through again.
+    // ...and real clients get through.
     connect(&relay.client(HOST).with_extra_root(ca.cert.clone())).await;
     relay.stop().await;
+}
+
+/// Unproven budget of the flood tests, and how many connections each round opens from as
+/// many loopback addresses.
+const BUDGET: usize = 64;
+const FLOOD: usize = 150;
+
+#[tokio::test]
+async fn stalled_client_hellos_from_many_sources_never_lock_out_a_good_client() {
+    let ca = TestCa::new();
+    let relay = limited_relay(
+        &ca,
+        TlsOptions::new(HOST),
+        ConnLimits {
+            max_unproven: BUDGET,
+            ..ConnLimits::default()
+        },
+    )
+    .await;
+    let good = relay.client(HOST).with_extra_root(ca.cert.clone());
+    let mut stalled = Vec::new();
+    for round in 0..5u8 {
+        // Each from its own address, none ever sending a ClientHello.
+        let mut flood = Vec::new();
+        for i in 0..FLOOD {
+            flood.push(connect_from(relay.addr, flood_source(round, i)).await);
+        }
+        // The budget holds the newest; the oldest of this round were evicted to make room,
+        // which also shows the server has accepted the whole round.
+        for s in &mut flood[..FLOOD - BUDGET] {
+            within("evicted handshake closed", read_until_closed(s)).await;
+        }
+        // A good client still completes its handshake within a second, every round.
+        tokio::time::timeout(Duration::from_secs(1), Client::connect(&good))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the good client was locked out"))
+            .expect("good client connects");
+        stalled.extend(flood);
+    }
+    assert!(
+        relay.counter("derp_tls_handshakes", ("result", "evicted")) >= 5 * (FLOOD - BUDGET) as u64
+    );
+    assert!(
+        relay.counter("derp_unproven_evicted", ("cause", "budget")) >= 5 * (FLOOD - BUDGET) as u64
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn idle_port_80_connections_from_many_sources_never_lock_out_a_good_request() {
+    let mut options = TlsOptions::new(HOST);
+    options.http_port_max_connections = BUDGET;
+    let relay = TlsRelay::start_with(options, None).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (front, shutdown) = (relay.front.clone(), relay.server.shutdown_token());
+    let task = tokio::spawn(async move { front.serve_http_port(listener, 443, shutdown).await });
+    let mut idle = Vec::new();
+    for round in 0..5u8 {
+        let mut flood = Vec::new();
+        for i in 0..FLOOD {
+            flood.push(connect_from(addr, flood_source(round, i)).await);
+        }
+        for s in &mut flood[..FLOOD - BUDGET] {
+            within("evicted connection closed", read_until_closed(s)).await;
+        }
+        let resp = tokio::time::timeout(
+            Duration::from_secs(1),
+            http_request(
+                addr,
+                "GET /generate_204 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: the good request was locked out"));
+        assert!(resp.starts_with("HTTP/1.1 204 "), "{resp}");
+        idle.extend(flood);
+    }
+    assert!(
+        relay.counter("derp_http_port_unproven_evicted", ("cause", "budget"))
+            >= 5 * (FLOOD - BUDGET) as u64
+    );
+    relay.stop().await;
+    task.await.expect("join").expect("serve");
 }
 
 /// One HTTP/1.1 request over plain TCP; returns the whole response (the server closes).

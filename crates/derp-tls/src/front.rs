@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwapOption;
 use derp_proto::PublicKey;
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{Acceptor, ClientHello, ResolvesServerCert};
@@ -17,26 +17,25 @@ use rustls::sign::CertifiedKey;
 use rustls::{ProtocolVersion, ServerConfig};
 use sha2::{Digest, Sha256};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tokio_rustls::LazyConfigAcceptor;
 use tokio_rustls::server::TlsStream;
 use tracing::{debug, warn};
 
 use super::TlsError;
-use super::limit::SourceLimiter;
 use super::meta::meta_certificate;
 use super::x509::{Host, check_valid_for, validity};
 use derp_io::Transport;
-use derp_server::Server;
+use derp_server::{AcceptErrors, BudgetMetrics, Server, UnprovenBudget};
 
-/// Default cap on TLS handshakes in progress at once. Each costs some tens of KiB until it
-/// finishes or times out; connections over the cap are closed right after accept.
-pub const DEFAULT_MAX_HANDSHAKES: usize = 1024;
 /// Default deadline for a whole TLS handshake, from accept to the first application byte.
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes one source (an IPv4 address or an IPv6 /64) may have in flight; more from it
-/// are closed on accept, so one host cannot fill the global cap.
-pub const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
+/// Default size of the port-80 listener's budget of connections.
+pub const DEFAULT_HTTP_PORT_MAX_CONNECTIONS: usize = 1024;
+/// Port-80 connections one source (an IPv4 address or an IPv6 /64) may hold at once, so one
+/// host cannot fill the port and block captive-portal checks or HTTP-01 validation: one more
+/// evicts that source's oldest.
+const HTTP_PORT_MAX_PER_SOURCE: usize = 16;
 /// Deadline for the ClientHello. A socket that says nothing is cut off well before the
 /// whole-handshake deadline, so idle connections hold a slot only briefly.
 const CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
@@ -52,10 +51,13 @@ pub struct TlsOptions {
     /// ClientHello whose SNI is missing or different is refused; with an IP, any SNI is
     /// accepted, as clients connecting by address send none.
     pub hostname: String,
-    /// At most this many handshakes run at once; see [`DEFAULT_MAX_HANDSHAKES`].
-    pub max_handshakes: usize,
-    /// Deadline for each handshake; see [`DEFAULT_TLS_HANDSHAKE_TIMEOUT`].
+    /// Deadline for each handshake; see [`DEFAULT_TLS_HANDSHAKE_TIMEOUT`]. How many may be
+    /// in progress at once is the server's unproven-connection budget
+    /// ([`ConnLimits`](derp_server::ConnLimits)).
     pub handshake_timeout: Duration,
+    /// The port-80 listener's connections are all unproven and held in a budget of this size
+    /// (16 at most from one source); when full, the oldest is closed to admit a new one.
+    pub http_port_max_connections: usize,
 }
 
 impl TlsOptions {
@@ -63,8 +65,8 @@ impl TlsOptions {
     pub fn new(hostname: impl Into<String>) -> Self {
         Self {
             hostname: hostname.into(),
-            max_handshakes: DEFAULT_MAX_HANDSHAKES,
             handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+            http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
         }
     }
 }
@@ -155,6 +157,8 @@ struct TlsMetrics {
     versions: IntCounterVec,
     in_flight: IntGauge,
     not_after: IntGauge,
+    http_port_accept_errors: IntCounter,
+    http_port_budget: BudgetMetrics,
 }
 
 impl TlsMetrics {
@@ -162,7 +166,8 @@ impl TlsMetrics {
         let handshakes = IntCounterVec::new(
             Opts::new(
                 "derp_tls_handshakes",
-                "TLS handshakes by result: ok, error, timeout, rejected (over the in-flight cap) or acme_validation",
+                "TLS handshakes by result: ok, error, timeout, evicted (to make room for newer \
+                 unproven connections) or acme_validation",
             ),
             &["result"],
         )?;
@@ -183,18 +188,25 @@ impl TlsMetrics {
         )?;
         // Every outcome from the start, at zero, so a rate or an alert over one of them
         // sees a series before the first such handshake.
-        for result in ["ok", "error", "timeout", "rejected", "acme_validation"] {
+        for result in ["ok", "error", "timeout", "evicted", "acme_validation"] {
             handshakes.with_label_values(&[result]);
         }
+        let http_port_accept_errors = IntCounter::new(
+            "derp_http_port_accept_errors",
+            "failed accept calls on the port-80 listener",
+        )?;
         registry.register(Box::new(handshakes.clone()))?;
         registry.register(Box::new(versions.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(not_after.clone()))?;
+        registry.register(Box::new(http_port_accept_errors.clone()))?;
         Ok(Self {
             handshakes,
             versions,
             in_flight,
             not_after,
+            http_port_accept_errors,
+            http_port_budget: BudgetMetrics::register(registry, "derp_http_port")?,
         })
     }
 }
@@ -216,8 +228,6 @@ struct Inner {
     http01_tokens: Mutex<HashMap<String, String>>,
     generation: AtomicU64,
     updates: watch::Sender<CertInfo>,
-    handshakes: Arc<Semaphore>,
-    per_source: Arc<SourceLimiter>,
     options: TlsOptions,
     metrics: TlsMetrics,
 }
@@ -283,8 +293,6 @@ impl TlsFront {
                 http01_tokens: Mutex::new(HashMap::new()),
                 generation: AtomicU64::new(0),
                 updates,
-                handshakes: Arc::new(Semaphore::new(options.max_handshakes)),
-                per_source: SourceLimiter::new(MAX_HANDSHAKES_PER_SOURCE),
                 metrics: TlsMetrics::new(registry)?,
                 options,
             }),
@@ -393,16 +401,33 @@ impl TlsFront {
             .cloned()
     }
 
+    /// A fresh budget for the port-80 listener, and the counter of its accept errors.
+    pub(crate) fn http_port_limits(&self) -> (UnprovenBudget, IntCounter) {
+        let m = &self.inner.metrics;
+        (
+            UnprovenBudget::new(
+                self.inner.options.http_port_max_connections,
+                HTTP_PORT_MAX_PER_SOURCE,
+                m.http_port_budget.clone(),
+            ),
+            m.http_port_accept_errors.clone(),
+        )
+    }
+
     pub(crate) fn provider(&self) -> &Arc<CryptoProvider> {
         &self.inner.provider
     }
 
-    /// Accepts TLS connections on `listener` until `server` shuts down. Each handshake runs in
-    /// its own task under the in-flight cap and deadline; a finished one is served by
-    /// `server`'s HTTP front exactly like a plain connection. Accept errors are logged and the
-    /// loop carries on.
+    /// Accepts TLS connections on `listener` until `server` shuts down. Each connection
+    /// passes the server's accept limits first and holds a place in its unproven budget
+    /// through the TLS handshake and on until its DERP client is registered; a handshake
+    /// evicted from the budget (to admit a newer connection) is abandoned. Each handshake
+    /// runs in its own task under a deadline; a finished one is served by `server`'s HTTP
+    /// front exactly like a plain connection. Accept errors are counted, and the loop backs
+    /// off while they last.
     pub async fn serve(&self, server: &Server, listener: TcpListener) -> io::Result<()> {
         let shutdown = server.shutdown_token();
+        let mut errors = AcceptErrors::new("main", server.accept_error_counter("main"));
         loop {
             let accepted = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
@@ -410,38 +435,23 @@ impl TlsFront {
             };
             let (tcp, remote) = match accepted {
                 Ok(a) => {
-                    derp_io::tune_socket(&a.0);
+                    errors.succeeded();
                     a
                 }
                 Err(e) => {
-                    warn!(error = %e, "tls accept failed");
+                    let wait = errors.failed(&e);
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => {}
+                        _ = tokio::time::sleep(wait) => {}
                     }
                     continue;
                 }
             };
-            let Some(source_permit) = self.inner.per_source.try_acquire(remote.ip()) else {
-                self.inner
-                    .metrics
-                    .handshakes
-                    .with_label_values(&["rejected"])
-                    .inc();
-                debug!(%remote, "too many tls handshakes from this source; closing");
+            let Some(guard) = server.admit_connection(remote) else {
                 drop(tcp);
                 continue;
             };
-            let Ok(permit) = self.inner.handshakes.clone().try_acquire_owned() else {
-                self.inner
-                    .metrics
-                    .handshakes
-                    .with_label_values(&["rejected"])
-                    .inc();
-                debug!(%remote, "too many tls handshakes in flight; closing");
-                drop(tcp);
-                continue;
-            };
+            derp_io::tune_socket(&tcp);
             let _ = tcp.set_nodelay(true);
             let this = self.clone();
             let server = server.clone();
@@ -451,30 +461,33 @@ impl TlsFront {
                 metrics.in_flight.inc();
                 let result = tokio::select! {
                     _ = shutdown.cancelled() => None,
-                    r = tokio::time::timeout(this.inner.options.handshake_timeout, this.handshake(tcp)) => Some(r),
+                    _ = guard.evicted() => Some(Err(Evicted)),
+                    r = tokio::time::timeout(this.inner.options.handshake_timeout, this.handshake(tcp)) => Some(Ok(r)),
                 };
                 metrics.in_flight.dec();
-                drop(permit);
-                drop(source_permit);
                 let outcome = match result {
                     None => return,
+                    Some(Err(Evicted)) => {
+                        debug!(%remote, "tls handshake evicted");
+                        "evicted"
+                    }
                     // TLS-ALPN-01 validation: the handshake was all it wanted.
-                    Some(Ok(Ok(None))) => "acme_validation",
-                    Some(Ok(Ok(Some(stream)))) => {
+                    Some(Ok(Ok(Ok(None)))) => "acme_validation",
+                    Some(Ok(Ok(Ok(Some(stream))))) => {
                         let version = match stream.get_ref().1.protocol_version() {
                             Some(ProtocolVersion::TLSv1_3) => "1.3",
                             Some(ProtocolVersion::TLSv1_2) => "1.2",
                             _ => "other",
                         };
                         metrics.versions.with_label_values(&[version]).inc();
-                        server.spawn_connection(Transport::Boxed(Box::new(stream)), remote);
+                        server.spawn_guarded(Transport::Boxed(Box::new(stream)), remote, guard);
                         "ok"
                     }
-                    Some(Ok(Err(e))) => {
+                    Some(Ok(Ok(Err(e)))) => {
                         debug!(%remote, error = %e, "tls handshake failed");
                         "error"
                     }
-                    Some(Err(_)) => {
+                    Some(Ok(Err(_))) => {
                         debug!(%remote, "tls handshake timed out");
                         "timeout"
                     }
@@ -509,7 +522,8 @@ impl TlsFront {
     }
 }
 
-const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+/// A handshake that lost its place in the unproven budget.
+struct Evicted;
 
 #[cfg(test)]
 mod tests {

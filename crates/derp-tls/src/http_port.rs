@@ -7,28 +7,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use derp_server::AcceptErrors;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::front::TlsFront;
-use super::limit::SourceLimiter;
 
 type Body = Full<Bytes>;
 
 /// Path prefix of ACME HTTP-01 challenge requests (RFC 8555 §8.3).
 const ACME_CHALLENGE_PREFIX: &str = "/.well-known/acme-challenge/";
-/// Connections served at once on this port; more are closed on accept.
-const MAX_CONNECTIONS: usize = 1024;
-/// Connections one source (an IPv4 address or an IPv6 /64) may hold at once, so one host
-/// cannot fill the port and block captive-portal checks or HTTP-01 validation.
-const MAX_CONNECTIONS_PER_SOURCE: usize = 16;
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Nothing on this port needs a connection for long.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
@@ -46,8 +40,11 @@ impl TlsFront {
         https_port: u16,
         shutdown: CancellationToken,
     ) -> std::io::Result<()> {
-        let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-        let per_source = SourceLimiter::new(MAX_CONNECTIONS_PER_SOURCE);
+        // Every connection here is unproven for its whole (short) life: when the budget is
+        // full the oldest makes room, so a flood of idle connections from many addresses
+        // slows captive-portal checks and HTTP-01 validation down but never locks them out.
+        let (budget, error_counter) = self.http_port_limits();
+        let mut errors = AcceptErrors::new("http_port", error_counter);
         let base = Arc::new(https_base(&self.hostname().to_string(), https_port));
         loop {
             let accepted = tokio::select! {
@@ -55,24 +52,20 @@ impl TlsFront {
                 a = listener.accept() => a,
             };
             let (tcp, remote) = match accepted {
-                Ok(a) => a,
+                Ok(a) => {
+                    errors.succeeded();
+                    a
+                }
                 Err(e) => {
-                    warn!(error = %e, "http port accept failed");
+                    let wait = errors.failed(&e);
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        _ = tokio::time::sleep(wait) => {}
                     }
                     continue;
                 }
             };
-            let Some(source_permit) = per_source.try_acquire(remote.ip()) else {
-                debug!(%remote, "too many port-80 connections from this source; closing");
-                continue;
-            };
-            let Ok(permit) = limit.clone().try_acquire_owned() else {
-                debug!(%remote, "port-80 listener full; closing");
-                continue;
-            };
+            let slot = budget.admit(remote.ip());
             let this = self.clone();
             let base = base.clone();
             let shutdown = shutdown.clone();
@@ -87,14 +80,14 @@ impl TlsFront {
                     .serve_connection(TokioIo::new(tcp), service);
                 tokio::select! {
                     _ = shutdown.cancelled() => {}
+                    _ = slot.evicted() => debug!(%remote, "port-80 connection evicted"),
                     r = tokio::time::timeout(CONNECTION_LIFETIME, conn) => {
                         if let Ok(Err(e)) = r {
                             debug!(%remote, error = %e, "http port connection ended");
                         }
                     }
                 }
-                drop(permit);
-                drop(source_permit);
+                drop(slot);
             });
         }
     }

@@ -3,9 +3,10 @@
 //! (`derp-server`) do not pull in ACME, certificate generation and X.509 parsing.
 //!
 //! What it does:
-//! - [`TlsFront`] accepts TCP connections, runs the rustls handshake (TLS 1.2 minimum) with a
-//!   bounded number of handshakes in flight and a deadline on each, and hands the decrypted
-//!   stream to [`Server::spawn_connection`](derp_server::Server::spawn_connection). Every served
+//! - [`TlsFront`] accepts TCP connections under the server's accept limits and
+//!   unproven-connection budget, runs the rustls handshake (TLS 1.2 minimum) with a deadline,
+//!   and hands the decrypted stream to
+//!   [`Server::spawn_guarded`](derp_server::Server::spawn_guarded). Every served
 //!   chain ends with the DERP meta certificate ([`meta_certificate`]) so Tailscale clients on
 //!   TLS 1.3 can use fast start.
 //! - [`ManualCerts`] serves `<certdir>/<hostname>.crt|.key`, reloads them when they change
@@ -29,7 +30,6 @@ mod acme;
 mod certs;
 mod front;
 mod http_port;
-mod limit;
 mod meta;
 mod x509;
 
@@ -41,8 +41,8 @@ pub use certs::{
     load_key_pem, sanitize_hostname,
 };
 pub use front::{
-    CertInfo, CertOrigin, DEFAULT_MAX_HANDSHAKES, DEFAULT_TLS_HANDSHAKE_TIMEOUT,
-    MAX_HANDSHAKES_PER_SOURCE, TlsFront, TlsOptions,
+    CertInfo, CertOrigin, DEFAULT_HTTP_PORT_MAX_CONNECTIONS, DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+    TlsFront, TlsOptions,
 };
 pub use meta::meta_certificate;
 

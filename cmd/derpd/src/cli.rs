@@ -151,6 +151,9 @@ pub(crate) struct Cli {
 
     #[command(flatten)]
     pub(crate) tls: crate::tls_setup::TlsArgs,
+
+    #[command(flatten)]
+    pub(crate) limits: crate::limits::LimitArgs,
 }
 
 /// derper's Go flags take long names after one dash (`-hostname`): rewrites those to two

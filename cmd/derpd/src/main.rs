@@ -4,6 +4,7 @@ mod check;
 mod cli;
 mod duration;
 mod keyfile;
+mod limits;
 mod tls_setup;
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -105,8 +106,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     config.packet_metrics = cli.packet_metrics;
 
     let registry = prometheus::Registry::new();
+    let reloads = limits::configure(&cli.limits, &mut config, &registry)?;
     let server = Server::new(config, &registry).context("creating server")?;
-    let listener = bind_tcp(&addrs).await?;
+    reloads.spawn(&server);
+    let backlog = cli.limits.listen_backlog;
+    let listener = bind_tcp(&addrs, backlog)?;
     let local = listener.local_addr()?;
     if !tls {
         info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
@@ -144,8 +148,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         });
     }
     if let Some(addr) = cli.metrics_addr {
-        let metrics_listener = TcpListener::bind(addr)
-            .await
+        let metrics_listener = limits::bind(addr, backlog)
             .with_context(|| format!("listening for metrics on {addr}"))?;
         info!(addr = %metrics_listener.local_addr()?, "metrics listening at /metrics");
         let server = server.clone();
@@ -155,7 +158,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port).await
+            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port, backlog)
+                .await
         } else {
             server.set_ready(true);
             server.serve(listener).await.context("serving")
@@ -271,10 +275,10 @@ fn parse_listen_addr(s: &str) -> anyhow::Result<Vec<SocketAddr>> {
     Ok(vec![addr])
 }
 
-async fn bind_tcp(addrs: &[SocketAddr]) -> anyhow::Result<TcpListener> {
+fn bind_tcp(addrs: &[SocketAddr], backlog: Option<u32>) -> anyhow::Result<TcpListener> {
     let mut last_err = None;
     for addr in addrs {
-        match TcpListener::bind(addr).await {
+        match limits::bind(*addr, backlog) {
             Ok(l) => return Ok(l),
             Err(e) => last_err = Some((addr, e)),
         }

@@ -122,6 +122,7 @@ pub(crate) async fn run_tls(
     args: &TlsArgs,
     listener: TcpListener,
     quic_port: Option<u16>,
+    backlog: Option<u32>,
 ) -> anyhow::Result<()> {
     let listen = listener.local_addr()?;
     let front = TlsFront::new(
@@ -175,8 +176,7 @@ pub(crate) async fn run_tls(
 
     if let Ok(port) = u16::try_from(args.http_port) {
         let addr = SocketAddr::new(listen.ip(), port);
-        let http = TcpListener::bind(addr)
-            .await
+        let http = crate::limits::bind(addr, backlog)
             .with_context(|| format!("listening on {addr} (--http-port; -1 disables it)"))?;
         info!(addr = %http.local_addr()?, "port-80 listener (generate_204, acme, redirects)");
         let (f, s) = (front.clone(), shutdown.clone());

@@ -78,6 +78,25 @@ impl TestServer {
         panic!("metric {name} {labels:?} not found");
     }
 
+    /// Like [`TestServer::metric`], but 0 for a labelled counter not created yet.
+    pub(crate) fn metric_or_zero(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let exists = self.registry.gather().iter().any(|f| {
+            f.name() == name
+                && f.get_metric().iter().any(|m| {
+                    labels.iter().all(|(k, v)| {
+                        m.get_label()
+                            .iter()
+                            .any(|l| l.name() == *k && l.value() == *v)
+                    })
+                })
+        });
+        if exists {
+            self.metric(name, labels)
+        } else {
+            0.0
+        }
+    }
+
     /// Waits until `cond` holds, polling the server's state; fails the test after [`STEP`].
     pub(crate) async fn eventually(&self, what: &str, mut cond: impl FnMut(&Self) -> bool) {
         let deadline = tokio::time::Instant::now() + STEP;

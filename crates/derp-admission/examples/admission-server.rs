@@ -26,7 +26,10 @@ async fn main() -> std::io::Result<()> {
         None => None,
     };
     let listener = TcpListener::bind(&addr).await?;
-    eprintln!("admission server on http://{}/verify", listener.local_addr()?);
+    eprintln!(
+        "admission server on http://{}/verify",
+        listener.local_addr()?
+    );
     loop {
         let (mut s, _) = listener.accept().await?;
         let allowed = allowed.clone();

@@ -216,8 +216,9 @@ impl Gate {
     }
 }
 
+/// A place among the open connections; given back when dropped.
 #[derive(Debug)]
-struct OpenPermit(Arc<OpenCount>);
+pub(crate) struct OpenPermit(Arc<OpenCount>);
 
 impl OpenPermit {
     fn acquire(count: &Arc<OpenCount>, max: Option<usize>) -> Option<Self> {
@@ -271,9 +272,10 @@ impl ConnGuard {
         }
     }
 
-    /// The connection has shown it is a client: it leaves the unproven budget.
-    pub(crate) fn prove(&mut self) {
-        self.unproven = None;
+    /// The connection has shown it is a client: it leaves the unproven budget, and what it
+    /// keeps is its place among the open connections, to hold until it ends.
+    pub(crate) fn prove(self) -> Option<OpenPermit> {
+        self._open
     }
 }
 

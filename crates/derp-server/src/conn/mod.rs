@@ -110,56 +110,63 @@ async fn run(
         framing,
         not_ideal,
         quic,
-        mut guard,
+        guard,
     } = accepted;
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
     let config = &shared.config;
     let mut hs = ServerHandshake::new(config.secret_key.clone());
-    // Until the client is admitted it is unproven: a newer connection may evict it.
-    let proven = async {
-        let (client_key, info) = match handshake(
-            &mut hs,
-            &mut reader,
-            &mut write_half,
-            framing,
-            &preamble,
-            config.handshake_timeout,
-        )
-        .await
-        {
-            Ok(done) => done,
-            Err(e) => {
-                if matches!(e, ConnError::Peer(PeerMisbehaved::Handshake(_))) {
-                    shared.metrics.handshake_failures.inc();
+    // Until the client is admitted it is unproven: a newer connection may evict it. Boxed,
+    // and in a block of its own, so that the handshake's state (deadlines, the admission
+    // checks, the ClientInfo) is freed once it is done instead of sizing every idle
+    // connection's task.
+    let (client_key, flags, can_mesh, _open) = {
+        let proven = Box::pin(async {
+            let (client_key, info) = match handshake(
+                &mut hs,
+                &mut reader,
+                &mut write_half,
+                framing,
+                &preamble,
+                config.handshake_timeout,
+            )
+            .await
+            {
+                Ok(done) => done,
+                Err(e) => {
+                    if matches!(e, ConnError::Peer(PeerMisbehaved::Handshake(_))) {
+                        shared.metrics.handshake_failures.inc();
+                    }
+                    return Err(e);
                 }
-                return Err(e);
-            }
+            };
+            let can_mesh = is_mesh_peer(&shared, &info);
+            // Mesh peers proved themselves with the mesh key; everyone else asks the checks.
+            let verdict = if can_mesh {
+                Ok(())
+            } else {
+                admit(&shared, client_key, remote).await
+            };
+            let flags = presence_flags(&info, can_mesh, not_ideal);
+            Ok((client_key, flags, can_mesh, verdict))
+        });
+        let (client_key, flags, can_mesh, verdict) = tokio::select! {
+            biased;
+            _ = guard.evicted() => return Err(LocalError::Evicted.into()),
+            r = proven => r?,
         };
-        let can_mesh = is_mesh_peer(&shared, &info);
-        // Mesh peers proved themselves with the mesh key; everyone else asks the checks.
-        let verdict = if can_mesh {
-            Ok(())
-        } else {
-            admit(&shared, client_key, remote).await
-        };
-        Ok((client_key, info, can_mesh, verdict))
-    };
-    let (client_key, info, can_mesh, verdict) = tokio::select! {
-        biased;
-        _ = guard.evicted() => return Err(LocalError::Evicted.into()),
-        r = proven => r?,
+        if let Err(refused) = verdict {
+            shared
+                .admission_refused
+                .with_label_values(&[refused.reason])
+                .inc();
+            debug!(%remote, key = %client_key.short(), %refused, "client refused");
+            return Ok(());
+        }
+        // Admitted: out of the unproven budget, still counted as open until it ends.
+        (client_key, flags, can_mesh, guard.prove())
     };
     drop(preamble);
-    if let Err(refused) = verdict {
-        shared
-            .admission_refused
-            .with_label_values(&[refused.reason])
-            .inc();
-        debug!(%remote, key = %client_key.short(), %refused, "client refused");
-        return Ok(());
-    }
-    let flags = presence_flags(&info, can_mesh, not_ideal);
     let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let handle = Arc::new(ConnHandle::new(
         id,
@@ -176,7 +183,6 @@ async fn run(
         shared.metrics.quic_garbage_datagrams.inc_by(early);
     }
     let registration = Registration::new(&shared, &handle, not_ideal, label);
-    guard.prove();
     let write_timeout = if can_mesh {
         config.mesh_write_timeout
     } else {

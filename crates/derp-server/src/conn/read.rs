@@ -236,8 +236,8 @@ pub(super) struct ReadLoop<'a> {
     /// The loop stopped because the server is draining, not because the client left.
     pub(super) drained: bool,
     /// The receive rate limit's bucket; `None` for mesh peers and when no limit is
-    /// configured.
-    limiter: Option<ClientLimiter>,
+    /// configured. Boxed, so connections without a limit pay one pointer for it.
+    limiter: Option<Box<ClientLimiter>>,
 }
 
 impl<'a> ReadLoop<'a> {
@@ -265,7 +265,7 @@ impl<'a> ReadLoop<'a> {
             next_keepalive: now + keepalive_period,
             drained: false,
             limiter: (shared.config.rate_limit.is_some() && !handle.can_mesh)
-                .then(|| ClientLimiter::new(&shared.rate_limits, now)),
+                .then(|| Box::new(ClientLimiter::new(&shared.rate_limits, now))),
         }
     }
 
@@ -362,7 +362,7 @@ impl<'a> ReadLoop<'a> {
         let guard = registry.mirror().guard();
         let mut buffered = self.reader.buf.len();
         loop {
-            if self.limiter.as_ref().is_some_and(ClientLimiter::in_debt) {
+            if self.limiter.as_ref().is_some_and(|l| l.in_debt()) {
                 break;
             }
             let frame = self.decoder.decode(&mut self.reader.buf)?;

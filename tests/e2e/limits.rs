@@ -389,3 +389,33 @@ async fn stalled_request_heads_from_many_sources_never_lock_out_a_good_client() 
     pair_works(&mut first[0], &mut rest[3], "after the floods").await;
     srv.stop().await;
 }
+
+#[tokio::test]
+async fn quic_datagrams_count_against_the_receive_rate_limit() {
+    let relay = crate::quic::QuicRelay::start_with(
+        ServerConfig {
+            rate_limit: Some(RateLimit::new(200_000, 0)),
+            ..ServerConfig::new(new_key())
+        },
+        derp_server::QuicConfig::default(),
+    )
+    .await;
+    let (mut a, _) = relay.quic_client().await;
+    let (_b, kb) = relay.quic_client().await;
+    relay
+        .eventually("both registered", |r| r.server.local_clients() == 2)
+        .await;
+    // 300 kB of datagrams against a burst of 64 kB: the limit must make the reader wait.
+    for i in 0..300u32 {
+        a.send_packet(kb, [i as u8; PAYLOAD])
+            .await
+            .expect("send datagram");
+    }
+    relay
+        .eventually("the limit waited", |r| {
+            r.metric("derp_rate_limit_per_client_waited", &[]) > 0.0
+        })
+        .await;
+    assert!(relay.metric("derp_quic_datagrams_received", &[]) > 0.0);
+    relay.stop().await;
+}

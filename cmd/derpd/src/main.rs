@@ -158,8 +158,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port, backlog)
-                .await
+            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port, backlog).await
         } else {
             server.set_ready(true);
             server.serve(listener).await.context("serving")

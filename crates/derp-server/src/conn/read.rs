@@ -415,7 +415,8 @@ impl<'a> ReadLoop<'a> {
         if let Some(mut datagrams) = self.reader.take_datagrams() {
             self.handle_datagrams(&guard, &mut datagrams, now);
             if let Some(q) = &mut self.reader.quic {
-                // Hand the emptied vector back so its capacity is reused.
+                // Hand the vector back (emptied, or with what the rate limit held back) so
+                // its capacity is reused.
                 q.datagrams = datagrams;
             }
         }
@@ -443,13 +444,24 @@ impl<'a> ReadLoop<'a> {
 
     /// QUIC datagrams: each one SendPacket frame, routed like one from the stream. Anything
     /// else is dropped and counted; a datagram is never a reason to close the connection.
+    /// Datagrams count against the receive rate limit like stream bytes: those left when the
+    /// bucket runs into debt stay in `datagrams` for a later batch.
     fn handle_datagrams(
         &mut self,
         guard: &impl papaya::Guard,
         datagrams: &mut Vec<Bytes>,
         now: Instant,
     ) {
-        for datagram in datagrams.drain(..) {
+        let mut handled = 0;
+        while handled < datagrams.len() {
+            if self.limiter.as_ref().is_some_and(|l| l.in_debt()) {
+                break;
+            }
+            let datagram = std::mem::take(&mut datagrams[handled]);
+            handled += 1;
+            if let Some(limiter) = &mut self.limiter {
+                limiter.charge(datagram.len());
+            }
             self.counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
                 self.shared.registry.note_activity(self.handle);
@@ -462,6 +474,7 @@ impl<'a> ReadLoop<'a> {
                 None => self.counts.garbage_datagrams += 1,
             }
         }
+        datagrams.drain(..handled);
     }
 
     /// Hands one packet to where its destination is: a local connection's queue, or (for a

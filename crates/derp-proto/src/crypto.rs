@@ -1,9 +1,15 @@
 //! NaCl box (X25519, HSalsa20, XSalsa20-Poly1305) in the layout DERP uses:
 //! nonce(24) || tag(16) || ciphertext, i.e. libsodium's `crypto_box_easy` output with the
 //! nonce in front.
+//!
+//! The box is built in two steps, as NaCl's `crypto_box_beforenm` does: X25519 gives the
+//! shared secret, HSalsa20 turns it into the secretbox key. Keeping the steps apart lets a
+//! server see the shared secret it already computed and refuse a peer key that forces it to
+//! zero (see [`BoxKey::is_contributory`]) without a second Diffie-Hellman.
 
-use crypto_box::aead::AeadInPlace;
-use crypto_box::aead::generic_array::GenericArray;
+use crypto_secretbox::XSalsa20Poly1305;
+use crypto_secretbox::aead::generic_array::GenericArray;
+use crypto_secretbox::aead::{AeadInPlace, KeyInit};
 
 use crate::keys::{PublicKey, SecretKey};
 
@@ -25,33 +31,90 @@ pub enum BoxError {
     Open,
 }
 
-fn salsa_box(secret: &SecretKey, peer: &PublicKey) -> crypto_box::SalsaBox {
-    crypto_box::SalsaBox::new(
-        &crypto_box::PublicKey::from(*peer.as_bytes()),
-        &crypto_box::SecretKey::from(secret.to_bytes()),
-    )
+/// The precomputed box state between one secret key and one peer key.
+///
+/// Both directions use the same key, so one `BoxKey` opens what the peer sealed and seals
+/// what the peer opens. The key material is wiped when it is dropped.
+pub struct BoxKey {
+    cipher: XSalsa20Poly1305,
+    contributory: bool,
+}
+
+impl std::fmt::Debug for BoxKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoxKey")
+            .field("contributory", &self.contributory)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BoxKey {
+    /// Runs X25519 between `secret` and `peer` and derives the box key from the result.
+    pub fn new(secret: &SecretKey, peer: &PublicKey) -> Self {
+        let shared = secret.diffie_hellman(peer);
+        // Checked in constant time: for an honest peer the shared secret is secret.
+        let contributory = shared.was_contributory();
+        let key = salsa20::hsalsa::<salsa20::cipher::consts::U10>(
+            GenericArray::from_slice(shared.as_bytes()),
+            &GenericArray::default(),
+        );
+        Self {
+            cipher: XSalsa20Poly1305::new(&key),
+            contributory,
+        }
+    }
+
+    /// Whether the peer key contributed to the shared secret. A low-order peer key (one of
+    /// the handful of points of small order, in any of their encodings) makes X25519 output
+    /// all zeros whatever the secret key is, so anyone can seal and open boxes "from" that
+    /// key without holding a private key for it.
+    pub fn is_contributory(&self) -> bool {
+        self.contributory
+    }
+
+    /// Seals `plaintext`; returns nonce || tag || ciphertext.
+    pub fn seal(&self, nonce: &[u8; NONCE_LEN], plaintext: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(BOX_OVERHEAD + plaintext.len());
+        out.extend_from_slice(nonce);
+        out.extend_from_slice(&[0u8; TAG_LEN]);
+        out.extend_from_slice(plaintext);
+        let (head, body) = out.split_at_mut(BOX_OVERHEAD);
+        let tag = self
+            .cipher
+            .encrypt_in_place_detached(GenericArray::from_slice(nonce), b"", body);
+        match tag {
+            Ok(tag) => head[NONCE_LEN..].copy_from_slice(&tag),
+            // Unreachable: encryption only fails for non-empty associated data (we pass none)
+            // or a message longer than the XSalsa20 keystream (2^70 bytes), which no slice can
+            // be. Zeroing the output still guarantees the box can never open.
+            Err(_) => out.iter_mut().for_each(|b| *b = 0),
+        }
+        out
+    }
+
+    /// Opens a box (nonce || tag || ciphertext).
+    pub fn open(&self, sealed: &[u8]) -> Result<Vec<u8>, BoxError> {
+        if sealed.len() < BOX_OVERHEAD {
+            return Err(BoxError::TooShort);
+        }
+        let (nonce, rest) = sealed.split_at(NONCE_LEN);
+        let (tag, ciphertext) = rest.split_at(TAG_LEN);
+        let mut plaintext = ciphertext.to_vec();
+        self.cipher
+            .decrypt_in_place_detached(
+                GenericArray::from_slice(nonce),
+                b"",
+                &mut plaintext,
+                GenericArray::from_slice(tag),
+            )
+            .map_err(|_| BoxError::Open)?;
+        Ok(plaintext)
+    }
 }
 
 /// Seals `plaintext` from `secret` to `peer`; returns nonce || tag || ciphertext.
 pub fn seal(secret: &SecretKey, peer: &PublicKey, nonce: &[u8; 24], plaintext: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(BOX_OVERHEAD + plaintext.len());
-    out.extend_from_slice(nonce);
-    out.extend_from_slice(&[0u8; TAG_LEN]);
-    out.extend_from_slice(plaintext);
-    let (head, body) = out.split_at_mut(BOX_OVERHEAD);
-    let tag = salsa_box(secret, peer).encrypt_in_place_detached(
-        GenericArray::from_slice(nonce),
-        b"",
-        body,
-    );
-    match tag {
-        Ok(tag) => head[NONCE_LEN..].copy_from_slice(&tag),
-        // Unreachable: encryption only fails for non-empty associated data (we pass none) or
-        // a message longer than the XSalsa20 keystream (2^70 bytes), which no slice can be.
-        // Zeroing the output still guarantees the box can never open.
-        Err(_) => out.iter_mut().for_each(|b| *b = 0),
-    }
-    out
+    BoxKey::new(secret, peer).seal(nonce, plaintext)
 }
 
 /// Opens a box (nonce || tag || ciphertext) that `peer` sealed to `secret`.
@@ -59,18 +122,7 @@ pub fn open(secret: &SecretKey, peer: &PublicKey, sealed: &[u8]) -> Result<Vec<u
     if sealed.len() < BOX_OVERHEAD {
         return Err(BoxError::TooShort);
     }
-    let (nonce, rest) = sealed.split_at(NONCE_LEN);
-    let (tag, ciphertext) = rest.split_at(TAG_LEN);
-    let mut plaintext = ciphertext.to_vec();
-    salsa_box(secret, peer)
-        .decrypt_in_place_detached(
-            GenericArray::from_slice(nonce),
-            b"",
-            &mut plaintext,
-            GenericArray::from_slice(tag),
-        )
-        .map_err(|_| BoxError::Open)?;
-    Ok(plaintext)
+    BoxKey::new(secret, peer).open(sealed)
 }
 
 /// The box operations as methods of the key that seals or opens.

@@ -160,9 +160,13 @@ impl SecretKey {
 
     /// The raw X25519 shared secret with `peer` (before the NaCl HSalsa20 step).
     pub fn shared_secret(&self, peer: &PublicKey) -> [u8; 32] {
+        self.diffie_hellman(peer).to_bytes()
+    }
+
+    /// X25519 with `peer`, keeping the type that can tell a non-contributory result.
+    pub(crate) fn diffie_hellman(&self, peer: &PublicKey) -> x25519_dalek::SharedSecret {
         self.0
             .diffie_hellman(&x25519_dalek::PublicKey::from(peer.0))
-            .to_bytes()
     }
 }
 

@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use derp_proto::{ClientToRelay, RelayToClient, SecretKey};
+use derp_proto::{ClientToRelay, PublicKey, RelayToClient, SecretKey};
 use derp_server::ServerConfig;
 use rand::{Rng, SeedableRng};
 use tokio::io::AsyncWriteExt;
@@ -139,6 +139,52 @@ async fn garbage_instead_of_client_info_closes_before_registering() {
         assert_eq!(gauge(&srv, "derp_current_connections"), 2.0, "{name}");
     }
     pair_still_works(&mut a, &mut b, "after handshake garbage").await;
+    srv.stop().await;
+}
+
+/// A ClientInfo "from" a low-order key, sealed under the all-zero shared secret that any
+/// party can compute, must not register the key: the connection is closed without a word,
+/// the refusal is counted, and packets addressed to the key are not delivered to anyone.
+#[tokio::test]
+async fn low_order_client_keys_are_refused_and_receive_nothing() {
+    let srv = TestServer::start_default().await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let points = derp_testkit::low_order_points();
+    for (i, point) in points.iter().enumerate() {
+        let key = PublicKey::from_bytes(*point);
+        let forger = SecretKey::generate(&mut rand::rngs::OsRng);
+        assert_eq!(forger.shared_secret(&key), [0; 32]);
+        let mut c = upgraded_before_client_info(srv.addr).await;
+        let sealed = forger.seal_to(&key, &[i as u8; 24], br#"{"version":2}"#);
+        c.send(ClientToRelay::ClientInfo {
+            key,
+            sealed: sealed.into(),
+        })
+        .await;
+        // No ServerInfo, nothing at all: just the close.
+        let rest = read_until_closed(&mut c.stream).await;
+        assert!(rest.is_empty(), "{point:02x?}: got {rest:?}");
+
+        // Packets to the key find no one, and no one else receives them.
+        a.send_packet(key, b"for the forger").await;
+        assert!(a.barrier().await.is_empty(), "{point:02x?}");
+        assert!(b.barrier().await.is_empty(), "{point:02x?}");
+    }
+    let n = points.len() as f64;
+    assert_eq!(gauge(&srv, "derp_handshake_failures"), n);
+    assert_eq!(
+        srv.metric(
+            "derp_connection_errors",
+            &[("class", "peer_misbehaved"), ("reason", "low_order_key")]
+        ),
+        n
+    );
+    assert_eq!(dropped(&srv, "unknown_dest", "other"), n);
+    assert_eq!(gauge(&srv, "derp_packets_sent"), 0.0);
+    assert_eq!(gauge(&srv, "derp_current_connections"), 2.0);
+    assert_eq!(gauge(&srv, "derp_clients_local"), 2.0);
+    pair_still_works(&mut a, &mut b, "after low-order keys").await;
     srv.stop().await;
 }
 

@@ -7,7 +7,7 @@
 
 use bytes::{BufMut, Bytes};
 
-use crate::crypto::BoxError;
+use crate::crypto::{BoxError, BoxKey};
 use crate::frame::{ClientToRelay, RelayToClient};
 use crate::info::{ClientInfo, InfoError, ServerInfo};
 use crate::keys::{PublicKey, SecretKey};
@@ -24,14 +24,20 @@ pub enum HandshakeError {
     /// A step was taken in the wrong state.
     #[error("handshake step out of order")]
     OutOfOrder,
+    /// The client key is a low-order point: its X25519 shared secret with the server key is
+    /// all zeros, so the ClientInfo box proves nothing about who sent it.
+    #[error("client key is a low-order point (non-contributory)")]
+    LowOrderKey,
 }
 
 /// The server side of one connection's handshake.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ServerHandshake {
     secret: SecretKey,
     public: PublicKey,
-    client: Option<PublicKey>,
+    /// The authenticated client and the box key shared with it, which also seals ServerInfo
+    /// (one Diffie-Hellman per handshake).
+    client: Option<(PublicKey, BoxKey)>,
 }
 
 impl ServerHandshake {
@@ -57,6 +63,11 @@ impl ServerHandshake {
 
     /// Opens the ClientInfo box sealed by `key` (the key the client claims) and decodes its
     /// JSON. On success the connection is authenticated as `key`.
+    ///
+    /// A low-order `key` is refused before the box is opened: with it the shared secret is
+    /// zero, so a box that opens would prove nothing (anyone can seal one), and the key would
+    /// let a client without any private key register and receive packets. The check reads
+    /// the Diffie-Hellman result the box needs anyway, so it costs nothing extra.
     pub fn handle_client_info(
         &mut self,
         key: PublicKey,
@@ -65,9 +76,13 @@ impl ServerHandshake {
         if self.client.is_some() {
             return Err(HandshakeError::OutOfOrder);
         }
-        let json = self.secret.open_from(&key, sealed)?;
+        let box_key = BoxKey::new(&self.secret, &key);
+        if !box_key.is_contributory() {
+            return Err(HandshakeError::LowOrderKey);
+        }
+        let json = box_key.open(sealed)?;
         let info = ClientInfo::from_json(&json)?;
-        self.client = Some(key);
+        self.client = Some((key, box_key));
         Ok(info)
     }
 
@@ -78,9 +93,9 @@ impl ServerHandshake {
         nonce: [u8; 24],
         out: &mut impl BufMut,
     ) -> Result<(), HandshakeError> {
-        let client = self.client.ok_or(HandshakeError::OutOfOrder)?;
+        let (_, box_key) = self.client.as_ref().ok_or(HandshakeError::OutOfOrder)?;
         let json = ServerInfo::default_server().to_json();
-        let sealed = self.secret.seal_to(&client, &nonce, &json);
+        let sealed = box_key.seal(&nonce, &json);
         RelayToClient::ServerInfo {
             sealed: Bytes::from(sealed),
         }
@@ -90,7 +105,7 @@ impl ServerHandshake {
 
     /// The authenticated client's key, once ClientInfo has been accepted.
     pub fn client_key(&self) -> Option<PublicKey> {
-        self.client
+        self.client.as_ref().map(|(key, _)| *key)
     }
 }
 
@@ -385,6 +400,48 @@ mod tests {
         assert_eq!(
             client_secret.open_from(&server_key, &out[5..]).unwrap(),
             br#"{"version":2}"#
+        );
+    }
+
+    #[test]
+    fn low_order_client_keys_are_refused() {
+        let mut rng = rand::thread_rng();
+        let points = derp_testkit::low_order_points();
+        assert_eq!(points.len(), 14);
+        for point in points {
+            let key = PublicKey::from_bytes(point);
+            // Whatever secret either side holds, the shared secret is zero, so this box
+            // "from" the key is one anyone can make: no private key stands behind it.
+            let forger = SecretKey::generate(&mut rng);
+            assert_eq!(forger.shared_secret(&key), [0; 32], "{point:02x?}");
+            let server_secret = SecretKey::generate(&mut rng);
+            assert_eq!(server_secret.shared_secret(&key), [0; 32], "{point:02x?}");
+            let sealed = forger.seal_to(&key, &[4; 24], br#"{"version":2,"meshKey":""}"#);
+            assert!(
+                server_secret.open_from(&key, &sealed).is_ok(),
+                "the forged box opens under any key: {point:02x?}"
+            );
+
+            let mut server = ServerHandshake::new(server_secret);
+            assert_eq!(
+                server.handle_client_info(key, &sealed),
+                Err(HandshakeError::LowOrderKey),
+                "{point:02x?}"
+            );
+            assert_eq!(server.client_key(), None);
+            assert_eq!(
+                server.server_info_frame([0; 24], &mut Vec::new()),
+                Err(HandshakeError::OutOfOrder)
+            );
+        }
+        // Ordinary keys whose encodings sit next to the refused ones still work.
+        let (server_secret, client_secret) = keys();
+        let mut server = ServerHandshake::new(server_secret.clone());
+        let sealed = client_secret.seal_to(&server_secret.public_key(), &[0; 24], b"{}");
+        assert!(
+            server
+                .handle_client_info(client_secret.public_key(), &sealed)
+                .is_ok()
         );
     }
 }

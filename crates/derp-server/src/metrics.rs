@@ -213,12 +213,15 @@ pub struct Metrics {
     pub buffered_write_frames: Histogram,
     /// `derp_websocket_accepts`: DERP connections carried over WebSocket.
     pub websocket_accepts: IntCounter,
-    /// `derp_handshake_failures`: ClientInfo frames that did not open or parse (timeouts,
-    /// early closes and malformed frames during the handshake are not counted here).
+    /// `derp_handshake_failures`: ClientInfo frames that were refused: the box did not open,
+    /// the JSON did not parse, or the client key is a low-order point (timeouts, early
+    /// closes and malformed frames during the handshake are not counted here).
     pub handshake_failures: IntCounter,
     /// `derp_connection_errors{class,reason}`: DERP connections that ended with an error,
     /// by whose fault: `class="peer_misbehaved"` (reason `malformed_frame`, `handshake`,
-    /// `websocket`, `not_mesh_peer`) or `class="local"` (reason `io`, `timeout`).
+    /// `low_order_key`, `websocket`, `not_mesh_peer`) or `class="local"` (reason `io`,
+    /// `timeout`). The `low_order_key` series exists from the start, at zero, so an alert
+    /// on it needs no `absent()`.
     pub connection_errors: IntCounterVec,
     /// `derp_accepts_by_transport{transport}`: `derp_accepts` split by transport, indexed by
     /// [`TransportLabel`].
@@ -271,6 +274,12 @@ impl Metrics {
                     .map(|kind| vec.with_label_values(&[reason.as_str(), kind.as_str()]))
             })
         };
+        let connection_errors = r.counter_vec(
+            "derp_connection_errors",
+            "DERP connections that ended with an error, by class (peer_misbehaved or local) and reason",
+            &["class", "reason"],
+        )?;
+        connection_errors.with_label_values(&["peer_misbehaved", "low_order_key"]);
         let build_info = IntGaugeVec::new(
             Opts::new(
                 "derp_build_info",
@@ -410,12 +419,7 @@ impl Metrics {
             )?,
             handshake_failures: r.counter(
                 "derp_handshake_failures",
-                "ClientInfo frames that did not open or parse",
-            )?,
-            connection_errors: r.counter_vec(
-                "derp_connection_errors",
-                "DERP connections that ended with an error, by class (peer_misbehaved or local) and reason",
-                &["class", "reason"],
+                "ClientInfo frames refused (box, JSON or low-order client key)",
             )?,
             accepts_by_transport: TransportLabel::ALL
                 .map(|t| accepts_by_transport.with_label_values(&[t.as_str()])),
@@ -444,6 +448,7 @@ impl Metrics {
                 "derp_quic_migrations",
                 "QUIC clients validated at a new address",
             )?,
+            connection_errors,
         })
     }
 

@@ -100,6 +100,28 @@ pub fn public_key(name: &str) -> PublicKey {
     SecretKey::from_bytes(private_bytes(name)).public_key()
 }
 
+/// Every encoding of a Curve25519 point of small order that the literature lists (libsodium's
+/// blocklist; cr.yp.to/ecdh.html): 0, 1, the two points of order 8, p - 1, and p and p + 1
+/// (non-canonical encodings of 0 and 1), each also with the top bit set, which X25519
+/// ignores. Little-endian, as keys travel. X25519 of any of them with any secret is zero.
+pub fn low_order_points() -> Vec<[u8; 32]> {
+    let hex32 = |h: &str| -> [u8; 32] { unhex(h).try_into().expect("32 bytes") };
+    let canonical = [
+        hex32("0000000000000000000000000000000000000000000000000000000000000000"),
+        hex32("0100000000000000000000000000000000000000000000000000000000000000"),
+        hex32("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+        hex32("5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157"),
+        hex32("ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f"),
+        hex32("edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f"),
+        hex32("eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f"),
+    ];
+    let top_bit = canonical.map(|mut k| {
+        k[31] |= 0x80;
+        k
+    });
+    canonical.into_iter().chain(top_bit).collect()
+}
+
 /// Installs a tracing subscriber that writes through the test harness, once per binary.
 ///
 /// The level comes from `RUST_LOG` and defaults to `warn`, so passing tests stay quiet.

@@ -57,6 +57,8 @@ impl ConnError {
                 "peer_misbehaved",
                 match p {
                     PeerMisbehaved::MalformedFrame(_) => "malformed_frame",
+                    // Counted apart: a low-order key is an attack, not a broken client.
+                    PeerMisbehaved::Handshake(HandshakeError::LowOrderKey) => "low_order_key",
                     PeerMisbehaved::Handshake(_) => "handshake",
                     PeerMisbehaved::WebSocket(_) => "websocket",
                     PeerMisbehaved::NotMeshPeer(_) => "not_mesh_peer",

@@ -125,8 +125,38 @@ async fn every_lookup_mode_relays_the_same_traffic_and_counts_its_misses() {
 #[tokio::test]
 async fn debug_varz_is_refused_through_proxies_and_metrics_listener_serves() {
     let srv = TestServer::start_default().await;
-    let (status, _) = http_get(srv.addr, "/debug/varz", "X-Forwarded-For: 127.0.0.1\r\n").await;
-    assert_eq!(status, 403);
+    // A reverse proxy on this host connects from loopback; whichever header it adds, and in
+    // whatever case, the request is refused.
+    for (i, header) in [
+        "X-Forwarded-For: 127.0.0.1",
+        "X-Forwarded-Host: derp.example.com",
+        "X-Forwarded-Proto: https",
+        "Forwarded: for=192.0.2.60;proto=https",
+        "Via: 1.1 proxy",
+        "X-Real-IP: 192.0.2.60",
+        "True-Client-IP: 192.0.2.60",
+        "X-Client-IP: 192.0.2.60",
+        "Client-IP: 192.0.2.60",
+        "CF-Connecting-IP: 192.0.2.60",
+        "Fastly-Client-IP: 192.0.2.60",
+        "X-Cluster-Client-IP: 192.0.2.60",
+        "X-Original-Forwarded-For: 192.0.2.60",
+        "X-Envoy-External-Address: 192.0.2.60",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let header = match i % 3 {
+            0 => header.to_owned(),
+            1 => header.to_lowercase(),
+            _ => header.to_uppercase(),
+        };
+        let (status, body) = http_get(srv.addr, "/debug/varz", &format!("{header}\r\n")).await;
+        assert_eq!(status, 403, "{header}");
+        assert!(!body.contains("derp_"), "{header}: {body}");
+    }
+    // Without them, loopback is served.
+    assert!(scrape(&srv).await.contains("derp_accepts"));
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -226,20 +226,59 @@ fn route(
 }
 
 /// Prometheus text on the main listener, for loopback and the configured networks only.
-/// A request that came through a proxy (`X-Forwarded-For`) is refused whatever its source,
-/// since the proxy's address says nothing about the client's.
+/// A request that came through a proxy is refused whatever its source, since the proxy's
+/// address says nothing about the client's (see [`names_a_proxy`]).
 fn debug_varz(shared: &ServerState, req: &Request<Incoming>, remote: SocketAddr) -> Response<Body> {
     let ip = remote.ip();
     let ip = match ip {
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
         v4 => v4,
     };
-    let allowed = !req.headers().contains_key("x-forwarded-for")
-        && (ip.is_loopback() || shared.config.debug_allow.iter().any(|n| n.contains(ip)));
+    let proxied = req
+        .headers()
+        .keys()
+        .any(|name| names_a_proxy(name.as_str()));
+    let allowed =
+        !proxied && (ip.is_loopback() || shared.config.debug_allow.iter().any(|n| n.contains(ip)));
     if !allowed {
         return text(StatusCode::FORBIDDEN, "debug access denied\n");
     }
     prometheus_text(shared)
+}
+
+/// Whether a request header (name in lower case, as `http` stores it) is one that a proxy,
+/// load balancer or CDN adds when it passes a request on.
+///
+/// A reverse proxy on the same host connects from loopback, so without this check anyone on
+/// the internet could read the metrics through it. Proxies differ in which header they add,
+/// and a client can send any of them itself; so any one of them refuses the request. The
+/// rule errs towards refusing: a scraper talking to derpd directly sends none of these, and
+/// one that goes through a proxy should use `--metrics-addr` instead.
+///
+/// - `Forwarded` (RFC 7239) and `Via` (RFC 9110, which every HTTP proxy must add);
+/// - every `X-Forwarded-*` (`-For`, `-Host`, `-Proto`, `-Port`, `-Server`, `-Prefix`...) and
+///   other names ending in `forwarded-for` (`X-Original-Forwarded-For` of ingress-nginx);
+/// - client-address headers: `X-Real-IP` (nginx), `True-Client-IP` (Akamai, Cloudflare),
+///   `X-Client-IP`, `Client-IP`, `CF-Connecting-IP` and `CF-Connecting-IPv6` (Cloudflare),
+///   `Fastly-Client-IP`, `X-Cluster-Client-IP`, `X-Azure-ClientIP` and `X-Azure-SocketIP`
+///   (Azure Front Door), `X-Envoy-External-Address` (Envoy), `X-ProxyUser-IP` (Google),
+///   and any other name ending in `client-ip` or `clientip`.
+fn names_a_proxy(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "forwarded",
+        "via",
+        "x-real-ip",
+        "cf-connecting-ip",
+        "cf-connecting-ipv6",
+        "x-azure-socketip",
+        "x-envoy-external-address",
+        "x-proxyuser-ip",
+    ];
+    EXACT.contains(&name)
+        || name.starts_with("x-forwarded-")
+        || name.ends_with("forwarded-for")
+        || name.ends_with("client-ip")
+        || name.ends_with("clientip")
 }
 
 fn prometheus_text(shared: &ServerState) -> Response<Body> {
@@ -574,6 +613,47 @@ clients that cannot reach each other directly. It cannot read the traffic it car
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_forwarding_header_names_a_proxy() {
+        for name in [
+            "Forwarded",
+            "Via",
+            "X-Forwarded-For",
+            "X-Forwarded-Host",
+            "X-Forwarded-Proto",
+            "X-Forwarded-Port",
+            "X-Forwarded-Server",
+            "X-Original-Forwarded-For",
+            "X-Real-IP",
+            "True-Client-IP",
+            "X-Client-IP",
+            "Client-IP",
+            "CF-Connecting-IP",
+            "CF-Connecting-IPv6",
+            "Fastly-Client-IP",
+            "X-Cluster-Client-IP",
+            "X-Azure-ClientIP",
+            "X-Azure-SocketIP",
+            "X-Envoy-External-Address",
+            "X-ProxyUser-IP",
+        ] {
+            // Header names reach the check lower-cased, whatever case the client sent.
+            let parsed = header::HeaderName::from_bytes(name.as_bytes()).expect("valid name");
+            assert!(names_a_proxy(parsed.as_str()), "{name}");
+        }
+        for name in [
+            "host",
+            "user-agent",
+            "accept",
+            "accept-encoding",
+            "authorization",
+            "connection",
+            "x-prometheus-scrape-timeout-seconds",
+        ] {
+            assert!(!names_a_proxy(name), "{name}");
+        }
+    }
 
     #[test]
     fn challenge_rules_match_derper() {

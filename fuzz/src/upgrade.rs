@@ -24,8 +24,9 @@ const MAX_RESPONSE_HEADERS: usize = 32;
 /// Relay side. Input: `flags | bytes`.
 ///
 /// - `flags & 0x80`: the bytes are a header list (`name:value` lines) for
-///   [`upgrade::classify_headers`], checked against the model and against
-///   [`upgrade::classify_request`] on a head built from the same lines.
+///   [`upgrade::classify_headers`] with the method `flags & 3` picks (GET, POST, `get`,
+///   FOO), checked against the model and against [`upgrade::classify_request`] on a head
+///   built from the same method and lines.
 /// - otherwise the bytes are what a client sent; `flags & 0x40` first inserts a padding
 ///   header after the first line so the head ends near [`MAX_HEAD_LEN`] (`flags & 0x3f`
 ///   moves it across the limit).
@@ -35,14 +36,15 @@ const MAX_RESPONSE_HEADERS: usize = 32;
 /// length, an error stays an error) and of every prefix (shorter than the head: incomplete);
 /// [`upgrade::classify_request`] says `Other` whenever DERP is disabled and otherwise agrees
 /// with the model: an upgrade only for a complete head on `/derp` or below (never a probe
-/// path), with an `Upgrade` of `derp` or `websocket`, the right kind, fast-start flag,
-/// not-ideal flag and `Sec-WebSocket-Accept` value.
+/// path), by GET or POST (a WebSocket upgrade only by GET; methods are case-sensitive), with
+/// an `Upgrade` of `derp` or `websocket`, the right kind, fast-start flag, not-ideal flag and
+/// `Sec-WebSocket-Accept` value.
 pub fn upgrade_request(data: &[u8]) {
     let Some((&flags, rest)) = data.split_first() else {
         return;
     };
     if flags & 0x80 != 0 {
-        header_list(rest);
+        header_list(["GET", "POST", "get", "FOO"][usize::from(flags & 3)], rest);
         return;
     }
     let padded;
@@ -154,8 +156,9 @@ pub fn upgrade_response(data: &[u8]) {
     assert_eq!((head.status, head.len), (101, answer.len()));
 }
 
-/// `classify_headers` on a header list; `classify_request` on a head made of the same lines.
-fn header_list(data: &[u8]) {
+/// `classify_headers` on a header list; `classify_request` on a head made of the same method
+/// and lines.
+fn header_list(method: &str, data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let pairs: Vec<(&str, &str)> = text
         .split('\n')
@@ -171,8 +174,8 @@ fn header_list(data: &[u8]) {
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| *v)
     };
-    let got = upgrade::classify_headers(lookup);
-    let want = model_rules(|name| {
+    let got = upgrade::classify_headers(method, lookup);
+    let want = model_rules(method, |name| {
         pairs
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
@@ -184,7 +187,7 @@ fn header_list(data: &[u8]) {
     );
 
     // The same headers in a request head, where httparse takes them as they are.
-    let mut head = b"GET /derp HTTP/1.1\r\n".to_vec();
+    let mut head = format!("{method} /derp HTTP/1.1\r\n").into_bytes();
     for (name, value) in &pairs {
         head.extend_from_slice(format!("{name}:{value}\r\n").as_bytes());
     }
@@ -343,7 +346,7 @@ fn model_request(buf: &[u8]) -> Request {
     if !derp || probe {
         return Request::Other;
     }
-    let rules = model_rules(|name| {
+    let rules = model_rules(req.method.unwrap_or_default(), |name| {
         req.headers
             .iter()
             .find(|h| h.name.eq_ignore_ascii_case(name))
@@ -352,11 +355,17 @@ fn model_request(buf: &[u8]) -> Request {
     rules.map_or(Request::Other, Request::Upgrade)
 }
 
-/// The upgrade rules over a header lookup. `find(name)` gives the first header of that name:
-/// `None` if absent, `Some(None)` if its value is not UTF-8 (then treated as absent).
+/// The upgrade rules over a method and a header lookup. `find(name)` gives the first header
+/// of that name: `None` if absent, `Some(None)` if its value is not UTF-8 (then treated as
+/// absent). Only GET and POST open DERP, and only GET a WebSocket (RFC 6455 §4.1); the
+/// method is judged before the headers.
 fn model_rules<'a>(
+    method: &str,
     find: impl Fn(&str) -> Option<Option<&'a str>>,
 ) -> Result<DerpUpgrade, NotUpgrade> {
+    if method != "GET" && method != "POST" {
+        return Err(NotUpgrade::MethodNotAllowed { allow: "GET, POST" });
+    }
     let header = |name: &str| find(name).flatten().map(trim_ows);
     let Some(up) = header("upgrade").filter(|v| !v.is_empty()) else {
         return Err(NotUpgrade::Missing);
@@ -365,6 +374,9 @@ fn model_rules<'a>(
     let protocols = header("sec-websocket-protocol");
     let websocket = up.eq_ignore_ascii_case("websocket");
     let kind = if websocket && protocols.is_some_and(|p| p.contains("derp")) {
+        if method != "GET" {
+            return Err(NotUpgrade::MethodNotAllowed { allow: "GET" });
+        }
         let key = header("sec-websocket-key").ok_or(NotUpgrade::MissingWebSocketKey)?;
         UpgradeKind::WebSocket {
             accept: rfc_accept(key),

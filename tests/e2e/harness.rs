@@ -203,6 +203,11 @@ impl RawClient {
         }
     }
 
+    /// Reads whatever arrives next into `buf`.
+    pub(crate) async fn read_more(&mut self) {
+        self.read_some().await;
+    }
+
     async fn read_some(&mut self) {
         self.buf.reserve(64 * 1024);
         let n = tokio::time::timeout(STEP, self.stream.read_buf(&mut self.buf))

@@ -822,6 +822,7 @@ async fn probe_endpoints_answer_get_and_head_only() {
         for method in ["POST", "PUT", "DELETE"] {
             let r = get(srv.addr, method, path, "Content-Length: 0\r\n").await;
             assert_eq!(r.status, 405, "{method} {path}");
+            assert_eq!(r.header("allow"), Some("GET, HEAD"));
             assert_eq!(r.body, b"bogus probe method\n");
         }
         // An upgrade header does not turn a probe into a DERP connection.
@@ -972,6 +973,85 @@ async fn disabled_derp_gives_404_but_probes_work() {
     }
     assert_eq!(get(srv.addr, "GET", "/generate_204", "").await.status, 204);
     assert_eq!(gauge(&srv, "derp_accepts"), 0.0);
+    srv.stop().await;
+}
+
+/// Only GET and POST open DERP (methods are case-sensitive), only GET opens WebSocket; every
+/// other method gets 405 with `Allow`, on the first request of a connection (parsed by the
+/// relay itself) and on later ones (parsed by hyper) alike.
+#[tokio::test]
+async fn derp_upgrade_methods_other_than_get_and_post_get_405() {
+    let srv = TestServer::start_default().await;
+    let mut peer = RawClient::connect(srv.addr).await;
+    let upgrade = "Connection: Upgrade\r\nUpgrade: DERP\r\n";
+    for method in [
+        "FOO", "CONNECT", "get", "Get", "post", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH",
+    ] {
+        let r = get(srv.addr, method, "/derp", upgrade).await;
+        assert_eq!(r.status, 405, "{method}");
+        assert_eq!(r.header("allow"), Some("GET, POST"), "{method}");
+        // Without an Upgrade header the method is still what is wrong.
+        let r = get(srv.addr, method, "/derp", "").await;
+        assert_eq!(r.status, 405, "{method} without upgrade");
+    }
+    let ws = "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: derp\r\n";
+    let r = get(srv.addr, "POST", "/derp", ws).await;
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("allow"), Some("GET"));
+    assert_eq!(
+        gauge(&srv, "derp_accepts"),
+        1.0,
+        "only the peer was accepted"
+    );
+
+    // A later request on a keep-alive connection goes through hyper: same answer, and the
+    // connection stays usable for a proper upgrade.
+    let stream = TcpStream::connect(srv.addr).await.expect("connect");
+    let secret = random_secret();
+    let mut c = RawClient {
+        stream,
+        buf: BytesMut::new(),
+        decoder: ClientDecoder::new(),
+        key: secret.public_key(),
+        secret,
+        server_info: None,
+    };
+    c.send_raw(format!("GET /derp/probe HTTP/1.1\r\nHost: {}\r\n\r\n", srv.addr).as_bytes())
+        .await;
+    let probe = c.read_http_head().await;
+    assert!(probe.starts_with("HTTP/1.1 200 "), "{probe}");
+    c.send_raw(format!("FOO /derp HTTP/1.1\r\nHost: {}\r\n{upgrade}\r\n", srv.addr).as_bytes())
+        .await;
+    let refused = c.read_http_head().await;
+    assert!(refused.starts_with("HTTP/1.1 405 "), "{refused}");
+    assert!(
+        refused.to_lowercase().contains("\r\nallow: get, post\r\n"),
+        "{refused}"
+    );
+    let len: usize = refused
+        .to_lowercase()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("content-length: ")
+                .map(|v| v.trim().parse().ok())
+        })
+        .flatten()
+        .expect("content-length");
+    while c.buf.len() < len {
+        c.read_more().await;
+    }
+    let _ = c.buf.split_to(len);
+    c.send_raw(format!("POST /derp HTTP/1.1\r\nHost: {}\r\n{upgrade}\r\n", srv.addr).as_bytes())
+        .await;
+    let head = c.read_http_head().await;
+    assert!(head.starts_with("HTTP/1.1 101 "), "{head}");
+    c.handshake(ClientInfo::default()).await;
+    c.send_packet(peer.key, b"post via hyper").await;
+    assert_eq!(
+        peer.recv_packet().await,
+        (c.key, b"post via hyper".to_vec())
+    );
     srv.stop().await;
 }
 

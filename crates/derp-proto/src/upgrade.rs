@@ -105,7 +105,20 @@ pub enum NotUpgrade {
     /// A WebSocket upgrade without `Sec-WebSocket-Key`.
     #[error("missing Sec-WebSocket-Key")]
     MissingWebSocketKey,
+    /// The method cannot open a DERP connection; the answer is 405 with this `Allow` value.
+    #[error("method not allowed (allowed: {allow})")]
+    MethodNotAllowed {
+        /// The value of the `Allow` header.
+        allow: &'static str,
+    },
 }
+
+/// The methods that open a DERP connection, as an `Allow` header value. The Go client sends
+/// GET; POST is accepted too because other clients send it and a body-less POST carries the
+/// upgrade just as well. Methods are case-sensitive (RFC 9110 §9.1): `get` is not GET.
+pub const DERP_METHODS: &str = "GET, POST";
+/// The only method of a WebSocket opening handshake (RFC 6455 §4.1).
+pub const WEBSOCKET_METHODS: &str = "GET";
 
 /// What a complete request head asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,24 +168,36 @@ pub fn classify_request(head: &[u8], derp_enabled: bool) -> Request {
     if !derp_enabled || !is_derp_path(path) || is_probe_path(path) {
         return Request::Other;
     }
+    let Some(method) = req.method else {
+        return Request::Other;
+    };
     let header = |name: &str| {
         req.headers
             .iter()
             .find(|h| h.name.eq_ignore_ascii_case(name))
             .and_then(|h| std::str::from_utf8(h.value).ok())
     };
-    match classify_headers(header) {
+    match classify_headers(method, header) {
         Ok(upgrade) => Request::Upgrade(upgrade),
         Err(_) => Request::Other,
     }
 }
 
-/// The upgrade rules, over a header lookup (`name` is lower case; the lookup must match
-/// names case-insensitively). Shared by [`classify_request`] and servers that parsed the
-/// head with another HTTP library.
+/// The upgrade rules for a `/derp` request, over its method and a header lookup (`name` is
+/// lower case; the lookup must match names case-insensitively). Shared by
+/// [`classify_request`] and servers that parsed the head with another HTTP library.
+///
+/// The method is checked first: anything but GET or POST is refused whatever the headers
+/// say, and a WebSocket upgrade must be a GET.
 pub fn classify_headers<'h>(
+    method: &str,
     header: impl Fn(&str) -> Option<&'h str>,
 ) -> Result<DerpUpgrade, NotUpgrade> {
+    if method != "GET" && method != "POST" {
+        return Err(NotUpgrade::MethodNotAllowed {
+            allow: DERP_METHODS,
+        });
+    }
     let header = |name| header(name).map(trim_value);
     let upgrade = header("upgrade").ok_or(NotUpgrade::Missing)?;
     let not_ideal = header("ideal-node").is_some_and(|v| !v.is_empty());
@@ -180,6 +205,11 @@ pub fn classify_headers<'h>(
     let kind = if upgrade.eq_ignore_ascii_case("websocket")
         && protocols.is_some_and(ws::wants_derp_subprotocol)
     {
+        if method != "GET" {
+            return Err(NotUpgrade::MethodNotAllowed {
+                allow: WEBSOCKET_METHODS,
+            });
+        }
         let key = header("sec-websocket-key").ok_or(NotUpgrade::MissingWebSocketKey)?;
         UpgradeKind::WebSocket {
             accept: ws::accept_key(key),
@@ -481,7 +511,7 @@ mod tests {
         );
         let cr = |n: &str| (n == "upgrade").then_some("DERP\r");
         assert_eq!(
-            classify_headers(cr),
+            classify_headers("GET", cr),
             Err(NotUpgrade::Unsupported("DERP\r".into()))
         );
         let head = "HTTP/1.1 101 Switching Protocols\r\nSec-WebSocket-Accept: \tabc \r\n\
@@ -496,10 +526,10 @@ mod tests {
     #[test]
     fn header_rules_report_why() {
         let none = |_: &str| None;
-        assert_eq!(classify_headers(none), Err(NotUpgrade::Missing));
+        assert_eq!(classify_headers("GET", none), Err(NotUpgrade::Missing));
         let h2c = |n: &str| (n == "upgrade").then_some("h2c");
         assert_eq!(
-            classify_headers(h2c),
+            classify_headers("GET", h2c),
             Err(NotUpgrade::Unsupported("h2c".into()))
         );
         let ws = |n: &str| match n {
@@ -507,7 +537,52 @@ mod tests {
             "sec-websocket-protocol" => Some("derp"),
             _ => None,
         };
-        assert_eq!(classify_headers(ws), Err(NotUpgrade::MissingWebSocketKey));
+        assert_eq!(
+            classify_headers("GET", ws),
+            Err(NotUpgrade::MissingWebSocketKey)
+        );
+    }
+
+    #[test]
+    fn only_get_and_post_open_derp_and_only_get_opens_websocket() {
+        let derp_up = |n: &str| (n == "upgrade").then_some("DERP");
+        let ws_up = |n: &str| match n {
+            "upgrade" => Some("websocket"),
+            "sec-websocket-protocol" => Some("derp"),
+            "sec-websocket-key" => Some("dGhlIHNhbXBsZSBub25jZQ=="),
+            _ => None,
+        };
+        for method in ["GET", "POST"] {
+            assert!(classify_headers(method, derp_up).is_ok(), "{method}");
+        }
+        assert!(classify_headers("GET", ws_up).is_ok());
+        assert_eq!(
+            classify_headers("POST", ws_up),
+            Err(NotUpgrade::MethodNotAllowed { allow: "GET" })
+        );
+        let refused = Err(NotUpgrade::MethodNotAllowed { allow: "GET, POST" });
+        for method in [
+            "FOO", "CONNECT", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "get", "Get",
+            "post", "GET ",
+        ] {
+            assert_eq!(classify_headers(method, derp_up), refused, "{method}");
+            assert_eq!(classify_headers(method, ws_up), refused, "{method}");
+            // Refused before the headers are looked at, so even no Upgrade gets the 405.
+            assert_eq!(classify_headers(method, |_| None), refused, "{method}");
+        }
+        // The fast path leaves every one of them to the HTTP server, which answers 405.
+        for method in ["FOO", "CONNECT", "get", "HEAD"] {
+            let head = format!("{method} /derp HTTP/1.1\r\nUpgrade: DERP\r\n\r\n");
+            assert_eq!(classify(&head), Request::Other, "{method}");
+        }
+        let ws_head = "POST /derp HTTP/1.1\r\nUpgrade: websocket\r\n\
+                       Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+                       Sec-WebSocket-Protocol: derp\r\n\r\n";
+        assert_eq!(classify(ws_head), Request::Other);
+        assert_eq!(
+            classify("POST /derp HTTP/1.1\r\nUpgrade: DERP\r\n\r\n"),
+            derp(false, false)
+        );
     }
 
     #[test]

@@ -352,8 +352,16 @@ fn probe(method: &Method) -> Response<Body> {
         );
         resp
     } else {
-        text(StatusCode::METHOD_NOT_ALLOWED, "bogus probe method\n")
+        method_not_allowed("bogus probe method\n", "GET, HEAD")
     }
+}
+
+/// 405 with the `Allow` header RFC 9110 §15.5.6 requires.
+fn method_not_allowed(body: &'static str, allow: &'static str) -> Response<Body> {
+    let mut resp = text(StatusCode::METHOD_NOT_ALLOWED, body);
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    resp
 }
 
 /// A `/derp` request that reached hyper: either not an upgrade, or a later request on a
@@ -369,11 +377,16 @@ fn derp_via_hyper(
         return text(StatusCode::NOT_FOUND, "derp server disabled\n");
     }
     let headers = req.headers();
-    let up = upgrade::classify_headers(|name| headers.get(name).and_then(|v| v.to_str().ok()));
+    let up = upgrade::classify_headers(req.method().as_str(), |name| {
+        headers.get(name).and_then(|v| v.to_str().ok())
+    });
     let up = match up {
         Ok(up) => up,
         Err(NotUpgrade::MissingWebSocketKey) => {
             return text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key\n");
+        }
+        Err(NotUpgrade::MethodNotAllowed { allow }) => {
+            return method_not_allowed("method not allowed\n", allow);
         }
         Err(e) => {
             if let NotUpgrade::Unsupported(u) = &e {

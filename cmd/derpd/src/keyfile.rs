@@ -2,7 +2,7 @@
 
 use std::fs;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use derp_proto::SecretKey;
@@ -12,14 +12,21 @@ use derp_proto::SecretKey;
 /// A file that exists but cannot be read or parsed is an error and is never overwritten: the
 /// key is the server's identity, and replacing it would silently break every client's pin.
 pub(crate) fn load_or_create(path: &Path) -> anyhow::Result<SecretKey> {
+    remove_stale_temps(path);
     match fs::read(path) {
         Ok(bytes) => parse(&bytes).with_context(|| format!("config file {}", path.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let key = SecretKey::generate(&mut rand::rngs::OsRng);
-            write_new(path, &key)
+            let created = write_new(path, &key)
                 .with_context(|| format!("creating config file {}", path.display()))?;
-            tracing::info!(path = %path.display(), "created new server key");
-            Ok(key)
+            if created {
+                tracing::info!(path = %path.display(), "created new server key");
+                return Ok(key);
+            }
+            // Another process created the file while this one was writing; its key wins.
+            let bytes = fs::read(path)
+                .with_context(|| format!("reading config file {}", path.display()))?;
+            parse(&bytes).with_context(|| format!("config file {}", path.display()))
         }
         Err(e) => Err(e).with_context(|| format!("reading config file {}", path.display())),
     }
@@ -30,13 +37,19 @@ fn parse(bytes: &[u8]) -> anyhow::Result<SecretKey> {
     Ok(SecretKey::from_key_file(bytes)?)
 }
 
-/// Writes the file atomically, mode 0600, tab-indented as derper writes it.
-fn write_new(path: &Path, key: &SecretKey) -> anyhow::Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+/// Writes a new key file, mode 0600, tab-indented as derper writes it. Returns false, having
+/// written nothing, when a file appeared at `path` meanwhile.
+///
+/// The key goes to a temporary file that is synced and then hard-linked into place: a link
+/// never replaces an existing file (unlike a rename), so a key file is never overwritten even
+/// by a racing start, and a crash at any point leaves either no key file or a complete one.
+fn write_new(path: &Path, key: &SecretKey) -> anyhow::Result<bool> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
         fs::create_dir_all(dir)?;
     }
     let contents = key.to_key_file();
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let tmp = temp_path(path, std::process::id());
     let mut opts = fs::OpenOptions::new();
     opts.write(true).create_new(true);
     #[cfg(unix)]
@@ -45,12 +58,57 @@ fn write_new(path: &Path, key: &SecretKey) -> anyhow::Result<()> {
         let mut f = opts.open(&tmp)?;
         f.write_all(contents.as_bytes())?;
         f.sync_all()?;
-        fs::rename(&tmp, path)
+        drop(f);
+        let linked = match fs::hard_link(&tmp, path) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(e),
+        };
+        // Make the new name durable, so a power loss cannot lose a key clients already pin.
+        if let Some(dir) = dir {
+            fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(linked)
     })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
+    let _ = fs::remove_file(&tmp);
     Ok(result?)
+}
+
+/// The temporary file a process with id `pid` writes a new key to.
+fn temp_path(path: &Path, pid: u32) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push(format!(".tmp{pid}"));
+    path.with_file_name(name)
+}
+
+/// Removes temporary key files left by processes that were killed while writing (their
+/// process is gone). Best effort: a failure here changes nothing about the key.
+fn remove_stale_temps(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!("{}.tmp", name.to_string_lossy());
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -67,6 +125,33 @@ mod tests {
             let key = parse(form.as_bytes()).expect("loads");
             assert_eq!(key.to_text(), PRIV);
         }
+    }
+
+    #[test]
+    fn an_existing_key_file_is_never_replaced() {
+        let dir = std::env::temp_dir().join(format!("derpd-keyfile-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let path = dir.join("derper.key");
+        let first = SecretKey::from_bytes([1; 32]);
+        assert!(write_new(&path, &first).unwrap());
+        // A second writer (a racing start) finds the file and leaves it alone.
+        assert!(!write_new(&path, &SecretKey::from_bytes([2; 32])).unwrap());
+        assert_eq!(load_or_create(&path).unwrap().to_bytes(), first.to_bytes());
+        // Temporary files of processes that are gone are removed; others are left.
+        let dead = temp_path(&path, u32::MAX - 1);
+        let live = temp_path(&path, std::process::id());
+        fs::write(&dead, "x").unwrap();
+        fs::write(&live, "x").unwrap();
+        load_or_create(&path).unwrap();
+        assert!(!dead.exists());
+        assert!(live.exists());
+        let mut names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 2);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

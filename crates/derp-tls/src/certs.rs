@@ -55,6 +55,12 @@ pub fn sanitize_hostname(hostname: &str) -> String {
 /// Returns the certificate and key as PEM.
 pub fn generate_self_signed(ip: IpAddr) -> Result<(String, String), TlsError> {
     let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let cert = self_signed_for_key(ip, &key)?;
+    Ok((cert, key.serialize_pem()))
+}
+
+/// A self-signed certificate for `ip` with an existing key, valid for a year, as PEM.
+fn self_signed_for_key(ip: IpAddr, key: &KeyPair) -> Result<String, TlsError> {
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
     params
@@ -69,8 +75,8 @@ pub fn generate_self_signed(ip: IpAddr) -> Result<(String, String), TlsError> {
     let now = time::OffsetDateTime::now_utc();
     params.not_before = now - time::Duration::hours(1);
     params.not_after = now + time::Duration::days(365);
-    let cert = params.self_signed(&key)?;
-    Ok((cert.pem(), key.serialize_pem()))
+    let cert = params.self_signed(key)?;
+    Ok(cert.pem())
 }
 
 /// Writes `data` to `path` through a temporary file and a rename, so a reader never sees half
@@ -84,11 +90,11 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], private: bool) -> Result<()
         std::fs::create_dir_all(dir).map_err(err)?;
     }
     // A stale temporary file from a crash may exist with looser permissions; remove it so the
-    // new one is created (with the mode below) rather than reused.
-    let mut tmp_name = path.as_os_str().to_owned();
-    tmp_name.push(format!(".tmp{}", std::process::id()));
-    let tmp = PathBuf::from(tmp_name);
+    // new one is created (with the mode below) rather than reused. Those of processes that
+    // were killed mid-write go too.
+    let tmp = temp_path(path, std::process::id());
     let _ = std::fs::remove_file(&tmp);
+    remove_stale_temps(path);
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create_new(true);
     #[cfg(unix)]
@@ -114,6 +120,42 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], private: bool) -> Result<()
         let _ = std::fs::remove_file(&tmp);
     }
     result.map_err(err)
+}
+
+/// The temporary file a process with id `pid` writes `path` through.
+fn temp_path(path: &Path, pid: u32) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".tmp{pid}"));
+    PathBuf::from(name)
+}
+
+/// Removes temporary files of `path` left by processes that are gone. Best effort.
+fn remove_stale_temps(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!("{}.tmp", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -180,14 +222,25 @@ impl ManualCerts {
         &self.key_path
     }
 
-    /// Loads the files, or, when both are missing and the hostname is an IP address, writes a
+    /// Loads the files, or, when the hostname is an IP address and both are missing, writes a
     /// new self-signed certificate first and returns its pin. Fails if the files are missing
     /// for a DNS hostname or do not hold a usable pair for the hostname.
+    ///
+    /// The key is written before the certificate, so a write that fails (a full disk) or a
+    /// process killed between the two leaves a key without a certificate, never the reverse.
+    /// For an IP hostname that state is completed on the next start: a certificate is made
+    /// for the key already on disk, so the key is never replaced.
     pub fn load_or_generate(&self) -> Result<Option<SelfSigned>, TlsError> {
         let mut generated = None;
-        if let Some(ip) = self.would_generate() {
-            let (cert_pem, key_pem) = generate_self_signed(ip)?;
-            write_atomic(&self.key_path, key_pem.as_bytes(), true)?;
+        if let Some(ip) = self.would_generate()? {
+            let cert_pem = if self.key_path.exists() {
+                warn!(key = %self.key_path.display(), "certificate missing next to the key (an interrupted write?); making a self-signed one for that key");
+                self_signed_for_key(ip, &self.existing_key()?)?
+            } else {
+                let (cert_pem, key_pem) = generate_self_signed(ip)?;
+                write_atomic(&self.key_path, key_pem.as_bytes(), true)?;
+                cert_pem
+            };
             write_atomic(&self.cert_path, cert_pem.as_bytes(), false)?;
             let leaf = load_certs_pem(cert_pem.as_bytes())?.remove(0);
             generated = Some(SelfSigned {
@@ -204,7 +257,7 @@ impl ManualCerts {
     /// check the files (putting them into service on this front only), or report that a
     /// self-signed certificate would be generated. Fails where it would fail.
     pub fn check(&self) -> Result<ManualCheck, TlsError> {
-        if let Some(ip) = self.would_generate() {
+        if let Some(ip) = self.would_generate()? {
             return Ok(ManualCheck::WouldGenerate(ip));
         }
         self.install_from_disk(true)?;
@@ -213,14 +266,33 @@ impl ManualCerts {
         ))
     }
 
-    /// The IP address to generate a self-signed certificate for: both files are missing and
-    /// the hostname is an IP.
-    fn would_generate(&self) -> Option<IpAddr> {
-        let missing = !self.cert_path.exists() && !self.key_path.exists();
-        match self.front.hostname() {
-            Host::Ip(ip) if missing => Some(*ip),
-            _ => None,
+    /// The IP address to generate a self-signed certificate for: the hostname is an IP and
+    /// the certificate is missing, with its key missing too or left alone by an interrupted
+    /// write.
+    /// A key that cannot sign is an error here, where it is clearer than the missing
+    /// certificate.
+    fn would_generate(&self) -> Result<Option<IpAddr>, TlsError> {
+        let Host::Ip(ip) = self.front.hostname() else {
+            return Ok(None);
+        };
+        if self.cert_path.exists() {
+            return Ok(None);
         }
+        if self.key_path.exists() {
+            self.existing_key()?;
+        }
+        Ok(Some(*ip))
+    }
+
+    /// The key on disk, to make a certificate for.
+    fn existing_key(&self) -> Result<KeyPair, TlsError> {
+        let key_pem = read(&self.key_path)?;
+        KeyPair::from_pem(&String::from_utf8_lossy(&key_pem)).map_err(|e| {
+            TlsError::Pem(format!(
+                "{} has no certificate and its key cannot sign a new one: {e}",
+                self.key_path.display()
+            ))
+        })
     }
 
     /// Re-reads the files and installs them if their contents changed. Returns whether a new
@@ -360,6 +432,57 @@ mod tests {
         assert_eq!(days, 365);
         let pin = cert_pin(&chain[0]);
         assert_eq!(pin.len(), "sha256-raw:".len() + 64);
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("derp-tls-certs-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn ip_front() -> TlsFront {
+        let registry = prometheus::Registry::new();
+        let key = derp_proto::SecretKey::from_bytes([3; 32]).public_key();
+        TlsFront::new(&key, crate::TlsOptions::new("127.0.0.1"), &registry).unwrap()
+    }
+
+    #[test]
+    fn a_key_left_without_its_certificate_gets_one_and_is_kept() {
+        let dir = temp_dir("key-only");
+        let first = ManualCerts::new(ip_front(), &dir);
+        let made = first.load_or_generate().unwrap().expect("generated");
+        let key_pem = std::fs::read(first.key_path()).unwrap();
+        // What a write cut off between the key and the certificate leaves behind.
+        std::fs::remove_file(first.cert_path()).unwrap();
+
+        let again = ManualCerts::new(ip_front(), &dir);
+        let remade = again
+            .load_or_generate()
+            .unwrap()
+            .expect("certificate made again");
+        assert_eq!(
+            std::fs::read(again.key_path()).unwrap(),
+            key_pem,
+            "key replaced"
+        );
+        assert_ne!(remade.pin, made.pin);
+        let chain = load_certs_pem(&std::fs::read(again.cert_path()).unwrap()).unwrap();
+        assert_eq!(cert_pin(&chain[0]), remade.pin);
+        // The pair matches: installing it checks the key against the certificate.
+        let served = again.front.cert_updates().borrow().clone();
+        assert_eq!(served.pin(), remade.pin);
+
+        // A key that cannot sign is an error, and nothing is written.
+        std::fs::remove_file(again.cert_path()).unwrap();
+        std::fs::write(again.key_path(), b"not a key").unwrap();
+        let err = ManualCerts::new(ip_front(), &dir)
+            .load_or_generate()
+            .unwrap_err();
+        assert!(err.to_string().contains("cannot sign"), "{err}");
+        assert!(!again.cert_path().exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use derp_client::{Client, ClientConfig, ReceivedFrame};
 use derp_proto::{PeerGoneReason, PublicKey, SecretKey};
 
+pub mod faults;
+
 pub const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
 /// How long any single expected event may take before a test fails.
 pub const STEP: Duration = Duration::from_secs(20);
@@ -39,6 +41,16 @@ impl TempDir {
 
     pub fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
+    }
+
+    /// File names in the directory, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .expect("read dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
     }
 }
 

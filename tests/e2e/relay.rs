@@ -332,6 +332,81 @@ async fn stuck_receiver_is_cut_off_by_the_write_timeout() {
     srv.stop().await;
 }
 
+/// A batch cut off by the write deadline: the packets whose frames the socket took in full
+/// before that reach the receiver once it reads again, and are counted as sent; only the
+/// rest are write errors. So received = sent + dropped holds packet by packet, not only in
+/// total.
+#[tokio::test]
+async fn packets_handed_to_the_socket_before_a_write_timeout_count_as_sent() {
+    let srv = TestServer::start(ServerConfig {
+        write_timeout: Some(Duration::from_millis(300)),
+        ..config()
+    })
+    .await;
+    let mut alice = RawClient::connect(srv.addr).await;
+    let mut cathy = connect_small_rcvbuf(srv.addr).await;
+    // Bursts of packets in one write each, so the server queues them together and writes
+    // them in batches, the last of which the socket takes only in part.
+    let mut burst = Vec::new();
+    for i in 0..16u8 {
+        ClientToRelay::SendPacket {
+            dst: cathy.key,
+            packet: bytes::Bytes::from(vec![i; BIG]),
+        }
+        .encode(&mut burst);
+    }
+    let deadline = tokio::time::Instant::now() + STEP;
+    let mut offered = 0u32;
+    while gauge(&srv, "derp_sclient_write_timeouts") == 0.0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "Cathy was never cut off"
+        );
+        alice.send_raw(&burst).await;
+        offered += 16;
+        // Every packet handled before the timeout is checked again.
+        alice.expect_quiet().await;
+    }
+    srv.eventually("Cathy unregistered", |s| {
+        gauge(s, "derp_current_connections") == 1.0
+    })
+    .await;
+    let mut delivered = 0u32;
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        while let Some(frame) = cathy.decoder.decode(&mut cathy.buf).expect("decode") {
+            if let RelayToClient::RecvPacket { .. } = frame {
+                delivered += 1;
+            }
+        }
+        let n = tokio::time::timeout(STEP, cathy.stream.read(&mut chunk))
+            .await
+            .expect("Cathy's socket drained in time")
+            .unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        cathy.buf.extend_from_slice(&chunk[..n]);
+    }
+    let drops: f64 = [
+        "queue_head",
+        "queue_tail",
+        "write_error",
+        "gone_disconnected",
+        "unknown_dest",
+    ]
+    .iter()
+    .map(|r| dropped(&srv, r, "other"))
+    .sum();
+    assert!(dropped(&srv, "write_error", "other") >= 1.0);
+    assert_eq!(
+        (gauge(&srv, "derp_packets_sent"), drops),
+        (f64::from(delivered), f64::from(offered - delivered)),
+        "{delivered} of {offered} packets reached Cathy"
+    );
+    srv.stop().await;
+}
+
 #[tokio::test]
 async fn duplicate_keys_follow_the_last_writer() {
     let srv = TestServer::start_default().await;

@@ -26,7 +26,8 @@ pub enum DropReason {
     QueueHead = 3,
     /// A new packet refused because the queue stayed full.
     QueueTail = 4,
-    /// Writing to the destination's socket failed.
+    /// Writing to the destination's socket failed (or missed its deadline) before the
+    /// packet's frame was handed over in full.
     WriteError = 5,
     /// The destination key has several connections and none is active.
     DupClient = 6,
@@ -163,7 +164,8 @@ pub struct Metrics {
     pub bytes_received: IntCounter,
     /// `derp_packets_received_kind{kind}`.
     pub packets_received_kind: [IntCounter; 2],
-    /// `derp_packets_sent`: RecvPacket frames written.
+    /// `derp_packets_sent`: RecvPacket frames handed to the socket in full, including those a
+    /// write got through before it failed.
     pub packets_sent: IntCounter,
     /// `derp_bytes_sent`: packet bytes of those frames (keys excluded).
     pub bytes_sent: IntCounter,

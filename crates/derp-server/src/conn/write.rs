@@ -5,7 +5,9 @@
 //! A batch goes through three steps: [`Writer::frame_batch`] lays out the frame headers and
 //! the order of the pieces, [`Writer::write_segments`] does the vectored write under the
 //! deadline and the connection's cancellation, and [`Writer::account`] counts what was sent
-//! (or, after a failed write, what was dropped).
+//! and, after a failed write, [`Writer::account_failed`] what was dropped: a packet whose
+//! frame was handed to the transport in full before the failure (or went out in a QUIC
+//! datagram) counts as sent, since the peer may well read it; the rest as `write_error`.
 
 use std::collections::HashSet;
 use std::io::{self, IoSlice};
@@ -47,6 +49,8 @@ pub(super) struct Writer {
     quic: Option<Arc<QuicLink>>,
     /// Packets of the current batch that go in QUIC datagrams rather than on the stream.
     datagrams: Vec<(PacketKind, usize)>,
+    /// Those of them sent so far.
+    datagrams_sent: Vec<(PacketKind, usize)>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -93,6 +97,7 @@ impl Writer {
             sent_from: HashSet::default(),
             quic,
             datagrams: Vec::new(),
+            datagrams_sent: Vec::new(),
         });
         if let Err(writer) = handle.queue.park(writer) {
             writer.resume();
@@ -229,10 +234,14 @@ impl Writer {
         if !self.datagrams.is_empty() {
             result = self.send_datagrams(&mut segs, &mut framed).await;
         }
+        let mut handed_over = 0;
         if result.is_ok() {
-            result = self.write_segments(&segs).await;
+            result = self.write_segments(&segs, &mut handed_over).await;
         }
-        self.account(&framed, result.is_ok());
+        match result {
+            Ok(()) => self.account(&framed),
+            Err(_) => self.account_failed(&segs, handed_over),
+        }
         result.map(|()| framed.frames)
     }
 
@@ -265,7 +274,10 @@ impl Writer {
                 r = link.send_datagram(out.freeze()) => r,
             };
             match sent {
-                Ok(()) => framed.datagrams += 1,
+                Ok(()) => {
+                    framed.datagrams += 1;
+                    self.datagrams_sent.push((kind, i));
+                }
                 Err(SendDatagramError::TooLarge) => {
                     let start = self.headers.len();
                     self.headers
@@ -353,6 +365,7 @@ impl Writer {
         // QUIC: `Some(limit)`, where the limit is `None` when the client takes no datagrams.
         let datagram_limit = self.quic.as_ref().map(|link| link.max_datagram_frame());
         self.datagrams.clear();
+        self.datagrams_sent.clear();
         for (kind, queue) in [
             (PacketKind::Disco, &self.batch.disco),
             (PacketKind::Other, &self.batch.other),
@@ -390,7 +403,10 @@ impl Writer {
     /// Writes the pieces in order with as few `writev` calls as the socket allows, then
     /// flushes. A write blocked on a peer that does not read still ends when the connection
     /// is closed (shutdown, ClosePeer, the read side ending), deadline or not.
-    async fn write_segments(&mut self, segs: &[Seg]) -> io::Result<()> {
+    ///
+    /// `handed_over` ends up as the number of bytes the transport took. A failed flush leaves
+    /// it at 0: what a layer above the socket (TLS) still buffered is lost.
+    async fn write_segments(&mut self, segs: &[Seg], handed_over: &mut usize) -> io::Result<()> {
         let batch = &self.batch;
         let headers = &self.headers;
         let mut slices: Vec<IoSlice<'_>> = segs
@@ -406,41 +422,88 @@ impl Writer {
             .collect();
         let write_timeout = self.write_timeout;
         let w = &mut self.w;
+        let mut taken = 0;
         let write = async {
-            write_vectored_all(w, &mut slices, write_timeout).await?;
-            match write_timeout {
+            write_vectored_all(w, &mut slices, write_timeout, &mut taken).await?;
+            let flushed = match write_timeout {
                 Some(t) => tokio::time::timeout(t, w.flush())
                     .await
                     .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
                 None => w.flush().await,
+            };
+            if flushed.is_err() {
+                taken = 0;
             }
+            flushed
         };
-        tokio::select! {
+        let result = tokio::select! {
             biased;
             _ = self.handle.cancel.cancelled() => Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "connection closed while writing",
             )),
             r = write => r,
-        }
+        };
+        *handed_over = taken;
+        result
     }
 
-    /// Counts a written batch into the metrics and watches its sources for PeerGone; after a
-    /// failed write, counts its packets as dropped instead.
-    fn account(&mut self, framed: &Framed, written: bool) {
-        let shared = self.shared.clone();
-        let m = &shared.metrics;
-        if !written {
-            for (queue, kind) in [
-                (&self.batch.disco, PacketKind::Disco),
-                (&self.batch.other, PacketKind::Other),
-            ] {
-                for p in queue {
+    /// After a failed write: the packets sent in QUIC datagrams and those whose frames lay
+    /// entirely within the first `handed_over` bytes of the stream count as sent, the others
+    /// as dropped (`write_error`).
+    fn account_failed(&self, segs: &[Seg], handed_over: usize) {
+        let m = &self.shared.metrics;
+        let mut sent = [
+            vec![false; self.batch.disco.len()],
+            vec![false; self.batch.other.len()],
+        ];
+        for &(kind, i) in &self.datagrams_sent {
+            sent[kind as usize][i] = true;
+        }
+        let mut offset = 0;
+        for seg in segs {
+            match seg {
+                Seg::Header(range) => offset += range.len(),
+                Seg::Payload(kind, i) => {
+                    let queue = match kind {
+                        PacketKind::Disco => &self.batch.disco,
+                        PacketKind::Other => &self.batch.other,
+                    };
+                    offset += queue[*i].data.len();
+                    if offset <= handed_over {
+                        sent[*kind as usize][*i] = true;
+                    }
+                }
+            }
+        }
+        let (mut packets, mut bytes) = (0, 0);
+        for (queue, kind) in [
+            (&self.batch.disco, PacketKind::Disco),
+            (&self.batch.other, PacketKind::Other),
+        ] {
+            for (p, sent) in queue.iter().zip(&sent[kind as usize]) {
+                if *sent {
+                    packets += 1;
+                    bytes += p.data.len() as u64;
+                } else {
                     m.drop_one(DropReason::WriteError, kind, p.data.len());
                 }
             }
-            return;
         }
+        if packets > 0 && self.shared.config.packet_metrics {
+            m.packets_sent.inc_by(packets);
+            m.bytes_sent.inc_by(bytes);
+        }
+        if !self.datagrams_sent.is_empty() {
+            m.quic_datagrams_sent
+                .inc_by(self.datagrams_sent.len() as u64);
+        }
+    }
+
+    /// Counts a written batch into the metrics and watches its sources for PeerGone.
+    fn account(&mut self, framed: &Framed) {
+        let shared = self.shared.clone();
+        let m = &shared.metrics;
         if framed.packets > 0 {
             self.note_sources();
             if shared.config.packet_metrics {
@@ -502,10 +565,12 @@ fn push_frame(out: &mut Vec<u8>, framing: Framing, frame: &RelayToClient) {
 
 /// Writes all slices, applying the deadline to each write call: a peer that accepts nothing
 /// for that long is cut off, while a slow but moving one is not.
+/// `taken` counts the bytes the writer took, also when a later call fails.
 async fn write_vectored_all<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut slices: &mut [IoSlice<'_>],
     timeout: Option<Duration>,
+    taken: &mut usize,
 ) -> io::Result<()> {
     while !slices.is_empty() {
         let n = match timeout {
@@ -517,6 +582,7 @@ async fn write_vectored_all<W: AsyncWrite + Unpin>(
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
+        *taken += n;
         IoSlice::advance_slices(&mut slices, n);
     }
     Ok(())
@@ -529,7 +595,7 @@ pub(super) async fn write_with_timeout<W: AsyncWrite + Unpin>(
     timeout: Option<Duration>,
 ) -> io::Result<()> {
     let mut slices = [IoSlice::new(bytes)];
-    write_vectored_all(w, &mut slices, timeout).await?;
+    write_vectored_all(w, &mut slices, timeout, &mut 0).await?;
     w.flush().await
 }
 

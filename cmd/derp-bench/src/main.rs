@@ -171,6 +171,8 @@ pub(crate) struct Outcome {
     pub(crate) json: serde_json::Value,
     pub(crate) human: String,
     pub(crate) warnings: Vec<String>,
+    /// Set when the mode's own checks failed: the output is printed, then the run fails.
+    pub(crate) failure: Option<String>,
 }
 
 async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
@@ -212,6 +214,7 @@ async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
             Mode::Connect(a) => modes::connect::run(&mut ctx, &cli.target, a).await,
             Mode::Idle(a) => modes::idle::run(&mut ctx, &cli.target, a).await,
             Mode::Sweep(a) => modes::sweep::run(&mut ctx, &cli.target, a, &cli.output).await,
+            Mode::Soak(a) => modes::soak::run(&mut ctx, &cli.target, a, cli.output.json).await,
         }
     };
     let outcome = tokio::time::timeout(bound, fut)
@@ -224,6 +227,9 @@ async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
         for w in &outcome.warnings {
             eprintln!("derp-bench: warning: {w}");
         }
+    }
+    if let Some(failure) = outcome.failure {
+        bail!("{failure}");
     }
     Ok(())
 }
@@ -251,6 +257,8 @@ fn time_bound(mode: &Mode) -> Duration {
         Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.runs,
         Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.runs,
         Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
+        // Connecting and winding down thousands of clients, then settling.
+        Mode::Soak(a) => a.duration + a.settle * 2 + Duration::from_secs(120),
     };
     expected * 2 + SLACK
 }

@@ -1,7 +1,8 @@
-//! The five measurements.
+//! The five measurements, and the soak test.
 
 pub(crate) mod connect;
 pub(crate) mod idle;
 pub(crate) mod latency;
+pub(crate) mod soak;
 pub(crate) mod sweep;
 pub(crate) mod throughput;

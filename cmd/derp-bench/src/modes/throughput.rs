@@ -69,6 +69,7 @@ pub(crate) async fn run(
         json: serde_json::to_value(&report)?,
         human,
         warnings: ctx.warnings.clone(),
+        failure: None,
     })
 }
 

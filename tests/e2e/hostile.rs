@@ -529,3 +529,78 @@ async fn shutdown_finishes_with_a_stuck_receiver_and_no_write_timeout() {
         .expect("shutdown hangs on a writer blocked on a client that does not read");
     drop(stuck);
 }
+
+/// Clients that keep connecting and leaving (with the same key or a new one, politely or by
+/// dropping the socket, sometimes two at once with one key) leave nothing behind: gauges
+/// return to the two stable clients, every packet they sent was delivered, and the stable
+/// pair never noticed.
+#[tokio::test]
+async fn churn_leaves_no_state_behind() {
+    let srv = TestServer::start_default().await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let a_key = a.key;
+    const CHURNERS: u64 = 20;
+    const ROUNDS: u64 = 8;
+    let mut tasks = JoinSet::new();
+    for i in 0..CHURNERS {
+        let addr = srv.addr;
+        tasks.spawn(async move {
+            let own = SecretKey::generate(&mut rand::rngs::OsRng);
+            for round in 0..ROUNDS {
+                let secret = if round % 3 == 2 {
+                    SecretKey::generate(&mut rand::rngs::OsRng)
+                } else {
+                    own.clone()
+                };
+                let mut c = RawClient::connect_with(addr, secret.clone()).await;
+                // Every fourth round, a second connection with the same key.
+                let mut dup = if (i + round) % 4 == 0 {
+                    Some(RawClient::connect_with(addr, secret).await)
+                } else {
+                    None
+                };
+                c.send_packet(a_key, format!("{i}/{round}").as_bytes())
+                    .await;
+                // Handled before leaving, so nothing sent is in flight when the socket goes.
+                c.barrier().await;
+                if let Some(d) = dup.as_mut() {
+                    d.barrier().await;
+                }
+                if round % 2 == 0 {
+                    c.stream.shutdown().await.expect("shutdown");
+                }
+                drop((c, dup));
+            }
+        });
+    }
+    let mut got = 0;
+    while got < CHURNERS * ROUNDS {
+        match a.recv().await {
+            RelayToClient::RecvPacket { .. } => got += 1,
+            RelayToClient::PeerGone { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("churner");
+    }
+    srv.eventually("the churners gone", |s| {
+        gauge(s, "derp_current_connections") == 2.0
+            && gauge(s, "derp_clients_local") == 2.0
+            && gauge(s, "derp_current_dup_client_keys") == 0.0
+            && gauge(s, "derp_current_dup_client_conns") == 0.0
+    })
+    .await;
+    assert_eq!(
+        gauge(&srv, "derp_packets_received"),
+        (CHURNERS * ROUNDS) as f64
+    );
+    assert_eq!(gauge(&srv, "derp_packets_sent"), (CHURNERS * ROUNDS) as f64);
+    // What A still has queued is PeerGone for the churners it heard from.
+    for frame in a.barrier().await {
+        assert!(matches!(frame, RelayToClient::PeerGone { .. }), "{frame:?}");
+    }
+    pair_still_works(&mut a, &mut b, "after the churn").await;
+    srv.stop().await;
+}

@@ -2,7 +2,8 @@
 //!
 //! What it does: measures a relay from the outside over its DERP URL, in five modes
 //! (throughput, latency, connect, idle, sweep), with paced senders, per-pair loss counting,
-//! timestamped packets, warm-up and repeated runs. It reports its own CPU use next to the
+//! timestamped packets, warm-up and repeated runs; and soaks it (`soak`): every kind of
+//! client for a long time, then a strict account that fails the run on any discrepancy. It reports its own CPU use next to the
 //! server's and warns when it, rather than the server, is the likely bottleneck. With
 //! `--spawn-server` it starts an in-process derpd relay to test.
 //!

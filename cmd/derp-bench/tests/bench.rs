@@ -909,7 +909,7 @@ fn soak_runs_every_role_and_balances_the_books() {
     assert!(res.churn_sessions >= c.churners as u64 && res.connects > 0);
     assert!(!res.hostile_attempts.is_empty());
     assert!(res.pings > 0 && res.pongs > 0);
-    assert_eq!(res.resources_after.fds, res.resources_before.fds);
+    assert!(res.resources_after.fds <= res.resources_before.fds);
     assert!(res.resources_peak.rss_bytes >= res.resources_before.rss_bytes);
     assert!(res.peak_connections > 0 && res.elapsed_s >= 3.0);
     assert!(res.server.accepts > 0);

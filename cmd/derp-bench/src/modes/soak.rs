@@ -832,7 +832,11 @@ pub(crate) async fn run(
     let idle_clients =
         n.saturating_sub(closed_pairs * 2 + flood_pairs * 2 + churners + hostile_workers);
 
-    let before_scrape = must_scrape(target).await?;
+    // The baseline once the preflight connection (and any earlier run's) has gone.
+    let (before_scrape, _) = scrape_until(target, args.settle, |s| {
+        s.sum("derp_current_connections").unwrap_or(0.0) == 0.0
+    })
+    .await?;
     let resources_before = sample(target);
     let (stop_tx, stop_rx) = watch::channel(false);
     let churn_keys: Vec<PublicKey> = (0..churners).map(|_| new_key().public_key()).collect();

@@ -989,3 +989,30 @@ async fn acme_http_01_is_answered_on_the_port_80_listener() {
     task.await.expect("acme task");
     http_task.await.expect("join").expect("http port");
 }
+
+/// A certificate cache that cannot be written (here: its directory cannot be created; a full
+/// disk fails the same write) does not cost the certificate: it is served, a client
+/// verifies it, and no second order is placed.
+#[tokio::test]
+async fn acme_certificate_stays_in_service_when_the_cache_cannot_be_written() {
+    require_pebble();
+    let dir = TempDir::new("acme-unwritable");
+    let blocker = dir.0.join("not-a-directory");
+    std::fs::write(&blocker, b"a file where the cache directory should be").expect("write");
+    let cache = blocker.join("certs");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let tls_port = listener.local_addr().expect("addr").port();
+    let pebble = Pebble::start(&dir.0, free_port(), tls_port).await;
+
+    let relay = TlsRelay::start_with(TlsOptions::new(HOST), Some(listener)).await;
+    let (manager, task) = run_acme(&relay, pebble.acme_config(&cache, ChallengeKind::TlsAlpn01));
+    let issued = wait_cert(&relay, &pebble).await;
+    assert_eq!(issued.origin, CertOrigin::AcmeIssued);
+    assert!(!manager.cert_path().exists() && !manager.key_path().exists());
+    let root = pebble.root().await;
+    let client = || relay.client(HOST).with_extra_root(root.clone());
+    connect_pair(&relay, client).await;
+    assert_eq!(manager.orders_placed(), 1);
+    relay.stop().await;
+    task.await.expect("acme task");
+}

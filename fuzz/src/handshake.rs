@@ -3,8 +3,9 @@
 //! The server key is the fixed `server` key from testdata/keys.json. `data[0] % 3` picks a mode:
 //!
 //! 0. raw: the rest is what a client sends first. Whatever the decoder makes of it goes to
-//!    [`ServerHandshake::handle_client_info`], whose verdict must match opening the box and
-//!    parsing the JSON by hand; success authenticates exactly the claimed key, once.
+//!    [`ServerHandshake::handle_client_info`], whose verdict must match refusing a key whose
+//!    X25519 result with the server key is all zeros (a low-order key), else opening the box
+//!    and parsing the JSON by hand; success authenticates exactly the claimed key, once.
 //! 1. sealed JSON: the rest is ClientInfo JSON, sealed by the `client_a` key to the server.
 //!    The server must accept it exactly when [`ClientInfo::from_json`] does, with the same
 //!    value; an accepted value then goes round the real client state machine (ServerKey →
@@ -89,14 +90,17 @@ fn server_step(key: PublicKey, sealed: &[u8]) -> Result<ClientInfo, HandshakeErr
     let fx = fixture();
     let mut server = fx.server.clone();
     let result = server.handle_client_info(key, sealed);
-    let by_hand = fx
-        .server_secret
-        .open_from(&key, sealed)
-        .map_err(HandshakeError::from)
-        .and_then(|json| ClientInfo::from_json(&json).map_err(HandshakeError::from));
+    let by_hand = if fx.server_secret.shared_secret(&key) == [0; 32] {
+        Err(HandshakeError::LowOrderKey)
+    } else {
+        fx.server_secret
+            .open_from(&key, sealed)
+            .map_err(HandshakeError::from)
+            .and_then(|json| ClientInfo::from_json(&json).map_err(HandshakeError::from))
+    };
     assert_eq!(
         result, by_hand,
-        "handshake verdict differs from open + parse"
+        "handshake verdict differs from the low-order check + open + parse"
     );
     match &result {
         Ok(_) => {

@@ -35,6 +35,7 @@ pub enum BoxError {
 ///
 /// Both directions use the same key, so one `BoxKey` opens what the peer sealed and seals
 /// what the peer opens. The key material is wiped when it is dropped.
+#[derive(Clone)]
 pub struct BoxKey {
     cipher: XSalsa20Poly1305,
     contributory: bool,

@@ -31,7 +31,7 @@ pub enum HandshakeError {
 }
 
 /// The server side of one connection's handshake.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ServerHandshake {
     secret: SecretKey,
     public: PublicKey,

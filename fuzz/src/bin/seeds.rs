@@ -200,6 +200,24 @@ fn main() {
         );
         add("info_json", format!("vec-variant-{i}"), json);
     }
+    // A low-order key: its box opens for anyone, so the server must refuse the key itself.
+    let zero_key = derp_proto::PublicKey::from_bytes([0; 32]);
+    let forged = derp_proto::SecretKey::from_bytes([9; 32]).seal_to(
+        &zero_key,
+        &[5; 24],
+        br#"{"version":2}"#,
+    );
+    let mut low_order = Vec::new();
+    derp_proto::ClientToRelay::ClientInfo {
+        key: zero_key,
+        sealed: forged.into(),
+    }
+    .encode(&mut low_order);
+    add(
+        "server_handshake",
+        "hand-raw-low-order-key".into(),
+        with_prefix(&[0], &low_order),
+    );
     add("server_handshake", "hand-tamper-none".into(), vec![2]);
     add(
         "server_handshake",

@@ -16,6 +16,7 @@ pub mod frames;
 pub mod handshake;
 pub mod info;
 pub mod keys;
+pub mod rate_config;
 pub mod relay;
 pub mod stun;
 pub mod upgrade;
@@ -34,6 +35,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("stun", stun::stun),
     ("key_text", keys::key_text),
     ("key_file", keys::key_file),
+    ("rate_config", rate_config::rate_config),
     ("upgrade_request", upgrade::upgrade_request),
     ("upgrade_response", upgrade::upgrade_response),
     ("ws_server", ws::ws_server),

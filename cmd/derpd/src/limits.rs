@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::{ArgAction, Args};
 use derp_admission::{
     AdmissionMetrics, AllowKeys, CacheConfig, DEFAULT_TAILSCALED_SOCKET, LocalTailscaled,
@@ -277,22 +277,8 @@ pub(crate) fn read_rate_config(path: &Path) -> anyhow::Result<RateLimit> {
 }
 
 fn parse_rate_config(text: &str) -> anyhow::Result<RateLimit> {
-    let value: serde_json::Value = serde_json::from_str(text).context("not JSON")?;
-    let serde_json::Value::Object(map) = value else {
-        bail!("not a JSON object");
-    };
-    let field = |name: &str| -> anyhow::Result<u64> {
-        match map.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)) {
-            None | Some((_, serde_json::Value::Null)) => Ok(0),
-            Some((k, v)) => v
-                .as_u64()
-                .with_context(|| format!("{k} must be an unsigned integer, got {v}")),
-        }
-    };
-    Ok(RateLimit::new(
-        field("PerClientRateLimitBytesPerSec")?,
-        field("PerClientRateBurstBytes")?,
-    ))
+    let c = derp_proto::rate_config::RateConfig::parse(text)?;
+    Ok(RateLimit::new(c.bytes_per_sec, c.burst_bytes))
 }
 
 /// Binds a TCP listener on `addr` with the given backlog (default: the system's cap).

@@ -7,7 +7,7 @@
 //! incremental decoders for each direction that apply the reference implementation's size
 //! rules; handshake state machines for both sides; the HTTP upgrade that opens a connection
 //! ([`upgrade`]) and the WebSocket framing DERP can travel in ([`ws`]), for both sides; and a
-//! STUN codec ([`stun`]).
+//! STUN codec ([`stun`]); derper's rate configuration file ([`rate_config`]).
 //!
 //! What it does not do: no sockets or other IO, no clock or timers, and no randomness of its
 //! own. Callers read bytes into a [`bytes::BytesMut`], feed it to a decoder, write encoded
@@ -30,6 +30,7 @@ pub mod frame;
 pub mod handshake;
 pub mod info;
 pub mod keys;
+pub mod rate_config;
 pub mod stun;
 pub mod upgrade;
 pub mod ws;

@@ -294,6 +294,25 @@ fn main() {
         hex_field(config, "file_contents_as_derper_writes_it_hex"),
     );
 
+    // derper's rate configuration file: the documented form, case and null variations.
+    for (name, text) in [
+        (
+            "hand-derper",
+            r#"{"PerClientRateLimitBytesPerSec": 1250000, "PerClientRateBurstBytes": 2500000}"#,
+        ),
+        (
+            "hand-lowercase",
+            r#"{"perclientratelimitbytespersec": 1000}"#,
+        ),
+        (
+            "hand-null-burst",
+            r#"{"PerClientRateBurstBytes": null, "Other": [1]}"#,
+        ),
+        ("hand-empty", "{}"),
+    ] {
+        add("rate_config", name.into(), text.as_bytes().to_vec());
+    }
+
     // HTTP upgrade heads, relay side: `flags | bytes` (flags 0x40 pads the head to near the
     // limit, 0x80 makes the bytes a `name:value` list).
     let http = load(&testdata, "http.json");

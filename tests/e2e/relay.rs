@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use derp_proto::{
     ClientDecoder, ClientHandshake, ClientInfo, ClientToRelay, PeerGoneReason, PublicKey,
     RelayToClient, SecretKey,
@@ -351,7 +351,7 @@ async fn packets_handed_to_the_socket_before_a_write_timeout_count_as_sent() {
     for i in 0..16u8 {
         ClientToRelay::SendPacket {
             dst: cathy.key,
-            packet: bytes::Bytes::from(vec![i; BIG]),
+            packet: Bytes::from(vec![i; BIG]),
         }
         .encode(&mut burst);
     }
@@ -771,7 +771,7 @@ async fn websocket_client_relays_with_a_plain_client() {
 
     ws.send(ClientToRelay::SendPacket {
         dst: plain.key,
-        packet: bytes::Bytes::from_static(b"over websocket"),
+        packet: Bytes::from_static(b"over websocket"),
     })
     .await;
     assert_eq!(
@@ -1139,7 +1139,7 @@ async fn websocket_upgrade_variants() {
     let mut ws = WsClient::connect_after(srv.addr, random_secret(), true).await;
     ws.send(ClientToRelay::SendPacket {
         dst: plain.key,
-        packet: bytes::Bytes::from_static(b"keep-alive websocket"),
+        packet: Bytes::from_static(b"keep-alive websocket"),
     })
     .await;
     assert_eq!(
@@ -1213,7 +1213,7 @@ async fn frames_pipelined_behind_the_handshake_are_handled_in_order() {
         .expect("client info");
     ClientToRelay::SendPacket {
         dst: dst.key,
-        packet: bytes::Bytes::from_static(b"pipelined"),
+        packet: Bytes::from_static(b"pipelined"),
     }
     .encode(&mut out);
     ClientToRelay::Ping([6; 8]).encode(&mut out);
@@ -1327,5 +1327,35 @@ async fn a_returning_peer_is_watched_again_and_its_second_departure_is_announced
             "round {round}"
         );
     }
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn a_burst_bigger_than_the_queue_reaches_a_receiver_that_keeps_up() {
+    // 500 small packets in one write: each of the relay's reads holds far more packets for
+    // the one destination than its 32-packet queue. A receiver that reads everything must
+    // still get every packet, in order: the relay writes to it as its queue fills, instead of
+    // dropping.
+    let srv = TestServer::start_default().await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    let mut burst = Vec::new();
+    for i in 0..500u32 {
+        ClientToRelay::SendPacket {
+            dst: b.key,
+            packet: Bytes::copy_from_slice(&i.to_be_bytes()),
+        }
+        .encode(&mut burst);
+    }
+    a.send_raw(&burst).await;
+    for i in 0..500u32 {
+        assert_eq!(
+            b.recv_packet().await,
+            (a.key, i.to_be_bytes().to_vec()),
+            "packet {i}"
+        );
+    }
+    assert_eq!(dropped(&srv, "queue_head", "other"), 0.0);
+    assert_eq!(dropped(&srv, "queue_tail", "other"), 0.0);
     srv.stop().await;
 }

@@ -4,6 +4,11 @@
 //! Senders run on other connections' read loops and must never block on a slow receiver, so
 //! an enqueue is a short critical section that either appends or drops. The receiver's writer
 //! takes everything queued in one swap and writes it as one batch.
+//!
+//! An idle receiver's writer is parked here. A sender that finds it parked takes it along
+//! ([`Inline`]) and, once it has handled its read batch, lets it try to write at once on the
+//! sender's own task, without blocking: a lone packet then costs no task wake-up at all. Only
+//! a write the socket cannot take right away starts the writer's own task.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -54,6 +59,44 @@ pub(crate) enum Control {
 pub(crate) trait Resume: Send + std::fmt::Debug {
     /// Starts the writer again (spawns its task).
     fn resume(self: Box<Self>);
+
+    /// Whether [`Resume::write_inline`] can do its work without a task of its own.
+    fn can_write_inline(&self) -> bool {
+        false
+    }
+
+    /// Writes what is queued now, on the caller's task, without waiting: parks itself
+    /// again when the socket took everything, and otherwise starts its task to finish
+    /// (which then waits for the socket, under the write deadline).
+    fn write_inline(self: Box<Self>) {
+        self.resume();
+    }
+}
+
+/// Writers a sender took from their queues while handling one read batch, to be run with
+/// [`Inline::flush`] once the batch is done (so several packets for one destination go out
+/// in one write), or earlier when a destination's queue fills up. Kept by each read loop and
+/// reused, so it allocates once.
+#[derive(Debug, Default)]
+pub(crate) struct Inline {
+    writers: Vec<Box<dyn Resume>>,
+}
+
+impl Inline {
+    /// Lets every writer taken along write what is queued for it.
+    pub(crate) fn flush(&mut self) {
+        for writer in self.writers.drain(..) {
+            writer.write_inline();
+        }
+    }
+}
+
+impl Drop for Inline {
+    fn drop(&mut self) {
+        // A writer taken along must never be lost: its connection would never be written to
+        // or closed.
+        self.flush();
+    }
 }
 
 /// What the writer takes in one swap.
@@ -66,6 +109,14 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
+    /// The packet queue for `kind`.
+    fn queue(&self, kind: PacketKind) -> &VecDeque<Packet> {
+        match kind {
+            PacketKind::Disco => &self.disco,
+            PacketKind::Other => &self.other,
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.disco.is_empty()
             && self.other.is_empty()
@@ -111,15 +162,23 @@ impl SendQueue {
     /// the sender's local `counts`.
     pub(crate) fn push_packet(
         &self,
-        src: PublicKey,
-        data: Bytes,
+        packet: Packet,
         kind: PacketKind,
-        forwarded: bool,
-        now: Instant,
         counts: &mut ReaderCounts,
+        inline: &mut Inline,
     ) {
-        let len = data.len();
+        let len = packet.data.len();
         let mut state = self.lock();
+        if state.pending.queue(kind).len() >= self.depth && !inline.writers.is_empty() {
+            // Full within one read batch: a fast sender's read can carry more packets for
+            // one destination than its queue holds. If this sender took the destination's
+            // writer along, writing now makes room, so a receiver that keeps up never loses
+            // packets to the depth limit; one that does not keeps its writer busy (not taken)
+            // and the drop policy applies as before.
+            drop(state);
+            inline.flush();
+            state = self.lock();
+        }
         if state.closed {
             counts.drop(DropReason::GoneDisconnected, kind, len);
             return;
@@ -128,12 +187,7 @@ impl SendQueue {
             PacketKind::Disco => &mut state.pending.disco,
             PacketKind::Other => &mut state.pending.other,
         };
-        let mut packet = Some(Packet {
-            src,
-            data,
-            enqueued: now,
-            forwarded,
-        });
+        let mut packet = Some(packet);
         for _ in 0..3 {
             if queue.len() < self.depth {
                 if let Some(p) = packet.take() {
@@ -149,7 +203,7 @@ impl SendQueue {
             counts.drop(DropReason::QueueTail, kind, len);
             return;
         }
-        self.wake(state);
+        self.wake_inline(state, inline);
     }
 
     /// Queues a control frame. These are rare and bounded by their producers (rate-limited
@@ -175,13 +229,13 @@ impl SendQueue {
     }
 
     /// Offers a pong; ignored while one is already pending ("pinging too fast").
-    pub(crate) fn push_pong(&self, data: [u8; 8]) {
+    pub(crate) fn push_pong(&self, data: [u8; 8], inline: &mut Inline) {
         let mut state = self.lock();
         if state.closed || state.pending.pong.is_some() {
             return;
         }
         state.pending.pong = Some(data);
-        self.wake(state);
+        self.wake_inline(state, inline);
     }
 
     /// Swaps everything pending into `batch` (which must be empty). Returns false once the
@@ -237,6 +291,8 @@ impl SendQueue {
         if state.closed || !state.pending.is_empty() {
             return Err(writer);
         }
+        // A writer parks only once what it took is out.
+        state.writing = false;
         state.parked = Some(writer);
         Ok(())
     }
@@ -244,6 +300,25 @@ impl SendQueue {
     /// Waits until something is queued (or the queue closes).
     pub(crate) async fn wait(&self) {
         self.notify.notified().await;
+    }
+
+    /// Like [`SendQueue::wake`], but a parked writer that can write inline is handed to the
+    /// sender's `inline` list instead of being started as a task.
+    fn wake_inline(&self, mut state: std::sync::MutexGuard<'_, State>, inline: &mut Inline) {
+        if state
+            .parked
+            .as_ref()
+            .is_some_and(|writer| writer.can_write_inline())
+            && let Some(writer) = state.parked.take()
+        {
+            // Taken out under the lock: no other sender can take or start it meanwhile;
+            // their packets are queued and go out with this write or the writer's task.
+            state.writing = true;
+            drop(state);
+            inline.writers.push(writer);
+            return;
+        }
+        self.wake(state);
     }
 
     fn wake(&self, mut state: std::sync::MutexGuard<'_, State>) {
@@ -285,7 +360,17 @@ mod tests {
         let now = Instant::now();
         let src = PublicKey::from_bytes([9; 32]);
         for b in 0..5 {
-            h.push_packet(src, pkt(b), PacketKind::Other, false, now, &mut counts);
+            h.push_packet(
+                Packet {
+                    src,
+                    data: pkt(b),
+                    enqueued: now,
+                    forwarded: false,
+                },
+                PacketKind::Other,
+                &mut counts,
+                &mut Inline::default(),
+            );
         }
         let mut batch = Batch::default();
         assert!(h.take(&mut batch));
@@ -307,8 +392,28 @@ mod tests {
         let mut counts = ReaderCounts::default();
         let now = Instant::now();
         let src = PublicKey::from_bytes([9; 32]);
-        h.push_packet(src, pkt(1), PacketKind::Disco, false, now, &mut counts);
-        h.push_packet(src, pkt(2), PacketKind::Other, false, now, &mut counts);
+        h.push_packet(
+            Packet {
+                src,
+                data: pkt(1),
+                enqueued: now,
+                forwarded: false,
+            },
+            PacketKind::Disco,
+            &mut counts,
+            &mut Inline::default(),
+        );
+        h.push_packet(
+            Packet {
+                src,
+                data: pkt(2),
+                enqueued: now,
+                forwarded: false,
+            },
+            PacketKind::Other,
+            &mut counts,
+            &mut Inline::default(),
+        );
         let mut batch = Batch::default();
         h.take(&mut batch);
         assert_eq!(batch.disco.len(), 1);
@@ -322,23 +427,29 @@ mod tests {
         let mut counts = ReaderCounts::default();
         let src = PublicKey::from_bytes([9; 32]);
         h.push_packet(
-            src,
-            pkt(1),
+            Packet {
+                src,
+                data: pkt(1),
+                enqueued: Instant::now(),
+                forwarded: false,
+            },
             PacketKind::Other,
-            false,
-            Instant::now(),
             &mut counts,
+            &mut Inline::default(),
         );
         let (rest, parked) = h.close();
         assert!(parked.is_none());
         assert_eq!(rest.other.len(), 1);
         h.push_packet(
-            src,
-            pkt(2),
+            Packet {
+                src,
+                data: pkt(2),
+                enqueued: Instant::now(),
+                forwarded: false,
+            },
             PacketKind::Other,
-            false,
-            Instant::now(),
             &mut counts,
+            &mut Inline::default(),
         );
         assert_eq!(
             counts.dropped[DropReason::GoneDisconnected as usize][PacketKind::Other as usize],
@@ -371,15 +482,18 @@ mod tests {
         let mut counts = ReaderCounts::default();
         let src = PublicKey::from_bytes([9; 32]);
         h.push_packet(
-            src,
-            pkt(1),
+            Packet {
+                src,
+                data: pkt(1),
+                enqueued: Instant::now(),
+                forwarded: false,
+            },
             PacketKind::Other,
-            false,
-            Instant::now(),
             &mut counts,
+            &mut Inline::default(),
         );
         h.push_control(Control::KeepAlive);
-        h.push_pong([3; 8]);
+        h.push_pong([3; 8], &mut Inline::default());
         let mut batch = Batch::default();
         assert!(h.take_control(&mut batch));
         assert_eq!(batch.control.len(), 1);
@@ -394,10 +508,149 @@ mod tests {
     #[test]
     fn second_pong_is_ignored_while_one_is_pending() {
         let h = handle(4);
-        h.push_pong([1; 8]);
-        h.push_pong([2; 8]);
+        h.push_pong([1; 8], &mut Inline::default());
+        h.push_pong([2; 8], &mut Inline::default());
         let mut batch = Batch::default();
         h.take(&mut batch);
         assert_eq!(batch.pong, Some([1; 8]));
+    }
+
+    /// A parked writer that records what is done with it; with a queue, writing inline
+    /// takes everything queued, as a writer whose socket takes it all does.
+    #[derive(Debug)]
+    struct Probe {
+        log: std::sync::Arc<Mutex<Vec<&'static str>>>,
+        inline: bool,
+        queue: Option<std::sync::Arc<SendQueue>>,
+    }
+
+    impl Resume for Probe {
+        fn resume(self: Box<Self>) {
+            self.log.lock().expect("log").push("resumed");
+        }
+
+        fn can_write_inline(&self) -> bool {
+            self.inline
+        }
+
+        fn write_inline(self: Box<Self>) {
+            self.log.lock().expect("log").push("written inline");
+            if let Some(q) = &self.queue {
+                q.take(&mut Batch::default());
+            }
+        }
+    }
+
+    fn parked(q: &SendQueue, inline: bool) -> std::sync::Arc<Mutex<Vec<&'static str>>> {
+        let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+        q.park(Box::new(Probe {
+            log: log.clone(),
+            inline,
+            queue: None,
+        }))
+        .expect("parks");
+        log
+    }
+
+    #[test]
+    fn a_sender_takes_an_idle_writer_along_and_runs_it_after_its_batch() {
+        let q = handle(4);
+        let log = parked(&q, true);
+        let mut counts = ReaderCounts::default();
+        let mut inline = Inline::default();
+        let src = PublicKey::from_bytes([9; 32]);
+        let now = Instant::now();
+        q.push_packet(
+            Packet {
+                src,
+                data: pkt(1),
+                enqueued: now,
+                forwarded: false,
+            },
+            PacketKind::Other,
+            &mut counts,
+            &mut inline,
+        );
+        q.push_packet(
+            Packet {
+                src,
+                data: pkt(2),
+                enqueued: now,
+                forwarded: false,
+            },
+            PacketKind::Other,
+            &mut counts,
+            &mut inline,
+        );
+        // Taken once, not started: both packets wait for the end of the batch.
+        assert!(log.lock().expect("log").is_empty());
+        assert_eq!(inline.writers.len(), 1);
+        assert!(!q.is_drained(), "in the sender's hands, the writer is busy");
+        inline.flush();
+        assert_eq!(*log.lock().expect("log"), ["written inline"]);
+        assert!(inline.writers.is_empty());
+    }
+
+    #[test]
+    fn a_writer_that_cannot_write_inline_is_started_as_before() {
+        let q = handle(4);
+        let log = parked(&q, false);
+        let mut inline = Inline::default();
+        q.push_packet(
+            Packet {
+                src: PublicKey::from_bytes([9; 32]),
+                data: pkt(1),
+                enqueued: Instant::now(),
+                forwarded: false,
+            },
+            PacketKind::Other,
+            &mut ReaderCounts::default(),
+            &mut inline,
+        );
+        assert_eq!(*log.lock().expect("log"), ["resumed"]);
+        assert!(inline.writers.is_empty());
+    }
+
+    #[test]
+    fn a_full_queue_is_written_out_before_anything_is_dropped() {
+        let q = std::sync::Arc::new(handle(2));
+        let log = std::sync::Arc::new(Mutex::new(Vec::new()));
+        q.park(Box::new(Probe {
+            log: log.clone(),
+            inline: true,
+            queue: Some(q.clone()),
+        }))
+        .expect("parks");
+        let mut counts = ReaderCounts::default();
+        let mut inline = Inline::default();
+        let src = PublicKey::from_bytes([9; 32]);
+        let now = Instant::now();
+        for b in 0..3 {
+            q.push_packet(
+                Packet {
+                    src,
+                    data: pkt(b),
+                    enqueued: now,
+                    forwarded: false,
+                },
+                PacketKind::Other,
+                &mut counts,
+                &mut inline,
+            );
+        }
+        // The third push found the queue full with the writer in hand: it was written first.
+        assert_eq!(*log.lock().expect("log"), ["written inline"]);
+        assert_eq!(counts.dropped, [[0; 2]; 7]);
+    }
+
+    #[test]
+    fn a_writer_taken_along_is_never_lost() {
+        let q = handle(4);
+        let log = parked(&q, true);
+        {
+            let mut inline = Inline::default();
+            q.push_pong([1; 8], &mut inline);
+        }
+        assert_eq!(*log.lock().expect("log"), ["written inline"]);
     }
 }

@@ -24,7 +24,7 @@ use super::{ConnError, Framing, PeerMisbehaved};
 use crate::handle::ConnHandle;
 use crate::lookup::{Route, Router};
 use crate::metrics::{DropReason, PacketKind, ReaderCounts};
-use crate::queue::Control;
+use crate::queue::{Control, Inline, Packet};
 use crate::quic::QuicLink;
 use crate::ratelimit::ClientLimiter;
 use crate::state::ServerState;
@@ -238,6 +238,9 @@ pub(super) struct ReadLoop<'a> {
     /// The receive rate limit's bucket; `None` for mesh peers and when no limit is
     /// configured. Boxed, so connections without a limit pay one pointer for it.
     limiter: Option<Box<ClientLimiter>>,
+    /// Idle destinations' writers taken along while handling a batch, to write inline at
+    /// its end.
+    inline: Inline,
 }
 
 impl<'a> ReadLoop<'a> {
@@ -266,6 +269,7 @@ impl<'a> ReadLoop<'a> {
             drained: false,
             limiter: (shared.config.rate_limit.is_some() && !handle.can_mesh)
                 .then(|| Box::new(ClientLimiter::new(&shared.rate_limits, now))),
+            inline: Inline::default(),
         }
     }
 
@@ -351,9 +355,17 @@ impl<'a> ReadLoop<'a> {
         self.copy_payloads = n < COPY_READS_BELOW;
     }
 
-    /// Handles every complete frame in the buffer, or as many as the rate limit allows.
-    /// Synchronous: the lookup guard and the batch timestamp never cross an await.
+    /// Handles every complete frame in the buffer, or as many as the rate limit allows, then
+    /// has the idle destinations it queued packets for write them at once.
     fn process_buffered(&mut self) -> Result<(), ConnError> {
+        let result = self.process_frames();
+        self.inline.flush();
+        result
+    }
+
+    /// Handles the frames. Synchronous: the lookup guard and the batch timestamp never cross
+    /// an await.
+    fn process_frames(&mut self) -> Result<(), ConnError> {
         let now = Instant::now();
         if let Some(limiter) = &mut self.limiter {
             limiter.begin_batch(&self.shared.rate_limits, now);
@@ -402,7 +414,7 @@ impl<'a> ReadLoop<'a> {
                 ClientToRelay::Ping(data) => {
                     self.counts.got_ping += 1;
                     self.router.trim(now);
-                    self.handle.queue.push_pong(data);
+                    self.handle.queue.push_pong(data, &mut self.inline);
                 }
                 ClientToRelay::ClientInfo { .. }
                 | ClientToRelay::Pong(_)
@@ -495,12 +507,20 @@ impl<'a> ReadLoop<'a> {
         let registry = &self.shared.registry;
         let len = packet.len();
         let counts = &mut self.counts;
+        let inline = &mut self.inline;
         let missing = self.router.route_with(registry, guard, &dst, now, |route| {
             match (route, origin) {
-                (Route::Local(conn), _) => {
-                    conn.queue
-                        .push_packet(src, packet, kind, origin == Origin::Mesh, now, counts)
-                }
+                (Route::Local(conn), _) => conn.queue.push_packet(
+                    Packet {
+                        src,
+                        data: packet,
+                        enqueued: now,
+                        forwarded: origin == Origin::Mesh,
+                    },
+                    kind,
+                    counts,
+                    inline,
+                ),
                 (Route::Forward(route), Origin::Client) => {
                     counts.forwarded_out += 1;
                     route.forwarder.forward_packet(src, dst, packet);

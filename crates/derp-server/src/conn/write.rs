@@ -1,19 +1,28 @@
 //! The write half of a connection: it drains the connection's queues in batches and writes
-//! each batch with one vectored write, flushing only when nothing else is ready. It runs as a
-//! task while there is work and is parked in the queue while the connection is idle.
+//! each batch with one vectored write, flushing only when nothing else is ready.
 //!
-//! A batch goes through three steps: [`Writer::frame_batch`] lays out the frame headers and
-//! the order of the pieces, [`Writer::write_segments`] does the vectored write under the
-//! deadline and the connection's cancellation, and [`Writer::account`] counts what was sent
-//! and, after a failed write, [`Writer::account_failed`] what was dropped: a packet whose
-//! frame was handed to the transport in full before the failure (or went out in a QUIC
-//! datagram) counts as sent, since the peer may well read it; the rest as `write_error`.
+//! An idle connection's writer is parked in its queue. A sender that queues a packet for it
+//! takes it along and, at the end of its read batch, has it write right away on the sender's
+//! task ([`Writer::try_write_now`], polled once with a no-op waker, so it never waits). Only
+//! when the socket cannot take everything at once does the writer get a task of its own, which
+//! finishes the batch under the write deadline and parks again when the queue is empty. A lone
+//! packet thus goes from one client's socket to another's without a task switch.
+//!
+//! A batch goes through three steps: [`Writer::begin_batch`] lays out the frame headers and
+//! the order of the pieces, the write ([`Writer::write_stream`] in the task,
+//! [`Writer::try_write_now`] inline) hands them to the transport from where the last attempt
+//! stopped, and [`Writer::account`] counts what was sent and, after a failed write,
+//! [`Writer::account_failed`] what was dropped: a packet whose frame was handed to the
+//! transport in full before the failure (or went out in a QUIC datagram) counts as sent,
+//! since the peer may well read it; the rest as `write_error`.
 
 use std::collections::HashSet;
 use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -31,9 +40,9 @@ use crate::queue::{Batch, Control, Resume};
 use crate::quic::QuicLink;
 use crate::state::ServerState;
 
-/// A connection's writer. It runs as a task only while there is something to write (and
-/// for a short linger after); an idle connection's writer is parked in its queue and a
-/// sender's enqueue resumes it, so idle connections cost one task, not two.
+/// A connection's writer. It runs as a task only while the socket pushes back; otherwise it
+/// is parked in its queue and senders have it write inline, so idle connections cost one
+/// task, not two, and a lone packet costs no task switch.
 pub(super) struct Writer {
     shared: Arc<ServerState>,
     handle: Arc<ConnHandle>,
@@ -51,6 +60,21 @@ pub(super) struct Writer {
     datagrams: Vec<(PacketKind, usize)>,
     /// Those of them sent so far.
     datagrams_sent: Vec<(PacketKind, usize)>,
+    /// The pieces of the current batch in write order, while one is being written.
+    segs: Vec<Seg>,
+    /// What the current batch holds, for its accounting.
+    framed: Framed,
+    /// A batch is framed and not yet all handed to the transport.
+    in_batch: bool,
+    /// Bytes of the current batch's stream pieces the transport has taken.
+    progress: usize,
+    /// The last take found the queue still open.
+    open: bool,
+    /// An inline write failed; the task reports it when it starts.
+    failed: Option<io::Error>,
+    /// QUIC: the last take left the packets queued, the client's address not being
+    /// validated yet.
+    held_back: bool,
 }
 
 impl std::fmt::Debug for Writer {
@@ -73,6 +97,30 @@ impl Resume for Writer {
     fn resume(self: Box<Self>) {
         let tasks = self.shared.tasks.clone();
         tasks.spawn(self.run());
+    }
+
+    fn can_write_inline(&self) -> bool {
+        // QUIC datagrams are sent by awaiting quinn; everything else is a byte stream that
+        // can be polled once.
+        self.quic.is_none()
+    }
+
+    fn write_inline(mut self: Box<Self>) {
+        match self.try_write_now() {
+            Poll::Ready(Ok(())) => {
+                let handle = self.handle.clone();
+                if let Err(back) = handle.queue.park(self) {
+                    // More arrived, or the connection is closing: the task takes over.
+                    back.resume();
+                }
+            }
+            Poll::Ready(Err(e)) => {
+                self.failed = Some(e);
+                self.resume();
+            }
+            // The socket pushed back: the task finishes the batch, waiting for it.
+            Poll::Pending => self.resume(),
+        }
     }
 }
 
@@ -98,6 +146,13 @@ impl Writer {
             quic,
             datagrams: Vec::new(),
             datagrams_sent: Vec::new(),
+            segs: Vec::new(),
+            framed: Framed::default(),
+            in_batch: false,
+            progress: 0,
+            open: true,
+            failed: None,
+            held_back: false,
         });
         if let Err(writer) = handle.queue.park(writer) {
             writer.resume();
@@ -111,7 +166,7 @@ impl Writer {
                     let handle = self.handle.clone();
                     match handle.queue.park(self) {
                         Ok(()) => return,
-                        // Work arrived between the linger and the park.
+                        // Work arrived between the drain and the park.
                         Err(back) => self = back,
                     }
                 }
@@ -121,18 +176,26 @@ impl Writer {
         }
     }
 
-    /// Writes until the connection closes or has been idle for the linger time.
+    /// Writes until the queue is empty (then the writer parks, and senders write inline
+    /// again) or the connection closes.
     async fn serve(&mut self) -> io::Result<Step> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         loop {
             if !self.drain().await? {
                 return Ok(Step::Closed);
             }
+            if !self.held_back {
+                return Ok(Step::Idle);
+            }
+            // QUIC packets held back until the client's new address is validated: the path
+            // watcher queues a probe, which wakes this writer, until it is.
             let handle = self.handle.clone();
             tokio::select! {
                 biased;
                 _ = handle.cancel.cancelled() => return Ok(Step::Closed),
                 _ = handle.queue.wait() => {}
-                _ = tokio::time::sleep(WRITER_LINGER) => return Ok(Step::Idle),
             }
         }
     }
@@ -192,62 +255,140 @@ struct Framed {
 }
 
 impl Writer {
-    /// Writes batches until nothing is pending. Returns false once the connection is closed.
+    /// Writes batches until nothing is pending, starting with the one an inline write left
+    /// unfinished. Returns false once the connection is closed.
     async fn drain(&mut self) -> io::Result<bool> {
         loop {
-            let open = match &self.quic {
-                None => self.handle.queue.take(&mut self.batch),
-                Some(link) => {
-                    if link.check_path(&self.handle, &self.shared.metrics) {
-                        self.handle.queue.take(&mut self.batch)
-                    } else {
-                        // The client's address is not validated: its packets wait in the
-                        // queue (the path watcher wakes this writer until it is).
-                        self.handle.queue.take_control(&mut self.batch)
-                    }
+            if !self.in_batch {
+                self.take_batch();
+                if self.batch.is_empty() {
+                    return Ok(self.open);
                 }
-            };
-            if self.batch.is_empty() {
-                return Ok(open);
+                self.begin_batch();
             }
-            let result = self.write_batch().await;
-            self.recycle();
-            let frames = result?;
+            let frames = self.write_batch().await?;
             self.shared
                 .metrics
                 .buffered_write_frames
                 .observe(frames as f64);
-            if !open {
+            if !self.open {
                 return Ok(false);
             }
         }
     }
 
-    /// Writes everything in the batch with vectored writes, then flushes once. Returns the
-    /// number of frames written.
+    /// Takes what is queued into the batch: everything, or for a QUIC client whose address
+    /// is not validated only the control frames.
+    fn take_batch(&mut self) {
+        self.held_back = false;
+        self.open = match &self.quic {
+            None => self.handle.queue.take(&mut self.batch),
+            Some(link) => {
+                if link.check_path(&self.handle, &self.shared.metrics) {
+                    self.handle.queue.take(&mut self.batch)
+                } else {
+                    self.held_back = true;
+                    // The client's address is not validated: its packets wait in the queue
+                    // (the path watcher wakes this writer until it is).
+                    self.handle.queue.take_control(&mut self.batch)
+                }
+            }
+        };
+    }
+
+    /// Writes what is queued without waiting, with a no-op waker: on the task of a sender
+    /// that found this writer parked. `Ready(Ok)` when the transport took everything (and
+    /// another sender's packets that arrived meanwhile, up to [`INLINE_BATCHES`] batches);
+    /// `Pending` when it pushed back, with the batch's progress kept for the task to finish.
+    fn try_write_now(&mut self) -> Poll<io::Result<()>> {
+        let mut cx = Context::from_waker(Waker::noop());
+        for _ in 0..INLINE_BATCHES {
+            if !self.in_batch {
+                self.take_batch();
+                if self.batch.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                self.begin_batch();
+            }
+            let total = self.stream_len();
+            while self.progress < total {
+                let mut iov = [IoSlice::new(&[]); MAX_IOV];
+                let n = gather(
+                    &self.segs,
+                    &self.headers,
+                    &self.batch,
+                    self.progress,
+                    &mut iov,
+                );
+                match Pin::new(&mut self.w).poll_write_vectored(&mut cx, &iov[..n]) {
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(self.fail(io::ErrorKind::WriteZero.into()));
+                    }
+                    Poll::Ready(Ok(written)) => self.progress += written,
+                    Poll::Ready(Err(e)) => return Poll::Ready(self.fail(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            match Pin::new(&mut self.w).poll_flush(&mut cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => {
+                    // What a layer above the socket (TLS) still buffered is lost.
+                    self.progress = 0;
+                    return Poll::Ready(self.fail(e));
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+            let frames = self.framed.frames;
+            self.end_batch(true);
+            self.shared
+                .metrics
+                .buffered_write_frames
+                .observe(frames as f64);
+            if !self.open {
+                // Closing: the park fails and the task closes the socket.
+                return Poll::Ready(Ok(()));
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Accounts the current batch as failed and returns the error.
+    fn fail(&mut self, e: io::Error) -> io::Result<()> {
+        self.end_batch(false);
+        Err(e)
+    }
+
+    /// Writes the current batch (from where an inline attempt stopped), then flushes once.
+    /// Returns the number of frames written.
     async fn write_batch(&mut self) -> io::Result<usize> {
-        let mut segs = Vec::with_capacity(
-            2 * (self.batch.disco.len() + self.batch.other.len()) + self.batch.control.len() + 1,
-        );
-        let mut framed = self.frame_batch(&mut segs);
         let mut result = Ok(());
         if !self.datagrams.is_empty() {
-            result = self.send_datagrams(&mut segs, &mut framed).await;
+            result = self.send_datagrams().await;
         }
-        let mut handed_over = 0;
         if result.is_ok() {
-            result = self.write_segments(&segs, &mut handed_over).await;
+            result = self.write_stream().await;
         }
-        match result {
-            Ok(()) => self.account(&framed),
-            Err(_) => self.account_failed(&segs, handed_over),
+        let frames = self.framed.frames;
+        self.end_batch(result.is_ok());
+        result.map(|()| frames)
+    }
+
+    /// Accounts the current batch, sent or failed, and makes ready for the next.
+    fn end_batch(&mut self, written: bool) {
+        let framed = std::mem::take(&mut self.framed);
+        if written {
+            self.account(&framed);
+        } else {
+            self.account_failed(self.progress);
         }
-        result.map(|()| framed.frames)
+        self.in_batch = false;
+        self.progress = 0;
+        self.recycle();
     }
 
     /// Sends the batch's datagram packets, each under the write deadline. A frame that no
     /// longer fits (the path MTU shrank since it was framed) goes on the stream instead.
-    async fn send_datagrams(&mut self, segs: &mut Vec<Seg>, framed: &mut Framed) -> io::Result<()> {
+    async fn send_datagrams(&mut self) -> io::Result<()> {
         let Some(link) = self.quic.clone() else {
             return Ok(());
         };
@@ -275,16 +416,16 @@ impl Writer {
             };
             match sent {
                 Ok(()) => {
-                    framed.datagrams += 1;
+                    self.framed.datagrams += 1;
                     self.datagrams_sent.push((kind, i));
                 }
                 Err(SendDatagramError::TooLarge) => {
                     let start = self.headers.len();
                     self.headers
                         .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-                    segs.push(Seg::Header(start..self.headers.len()));
-                    segs.push(Seg::Payload(kind, i));
-                    framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
+                    self.segs.push(Seg::Header(start..self.headers.len()));
+                    self.segs.push(Seg::Payload(kind, i));
+                    self.framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
                 }
                 Err(e) => return Err(io::Error::other(e)),
             }
@@ -297,8 +438,12 @@ impl Writer {
 
     /// Lays the batch out as frames: control frames and headers go into the scratch buffer,
     /// payloads stay where they are, and `segs` lists the pieces in write order.
-    fn frame_batch(&mut self, segs: &mut Vec<Seg>) -> Framed {
+    fn begin_batch(&mut self) {
         self.headers.clear();
+        self.segs.clear();
+        self.in_batch = true;
+        self.progress = 0;
+        let segs = &mut self.segs;
         let framing = self.framing;
         let mut framed = Framed {
             average_wait_ms: self.shared.metrics.average_queue_duration_ms.get(),
@@ -397,61 +542,66 @@ impl Writer {
                 segs.push(Seg::Payload(kind, i));
             }
         }
-        framed
+        self.framed = framed;
     }
 
-    /// Writes the pieces in order with as few `writev` calls as the socket allows, then
-    /// flushes. A write blocked on a peer that does not read still ends when the connection
-    /// is closed (shutdown, ClosePeer, the read side ending), deadline or not.
-    ///
-    /// `handed_over` ends up as the number of bytes the transport took. A failed flush leaves
-    /// it at 0: what a layer above the socket (TLS) still buffered is lost.
-    async fn write_segments(&mut self, segs: &[Seg], handed_over: &mut usize) -> io::Result<()> {
-        let batch = &self.batch;
-        let headers = &self.headers;
-        let mut slices: Vec<IoSlice<'_>> = segs
+    /// Bytes of the current batch that go on the stream.
+    fn stream_len(&self) -> usize {
+        self.segs
             .iter()
-            .filter_map(|s| {
-                let bytes: &[u8] = match s {
-                    Seg::Header(range) => &headers[range.clone()],
-                    Seg::Payload(PacketKind::Disco, i) => &batch.disco[*i].data,
-                    Seg::Payload(PacketKind::Other, i) => &batch.other[*i].data,
-                };
-                (!bytes.is_empty()).then(|| IoSlice::new(bytes))
+            .map(|s| match s {
+                Seg::Header(range) => range.len(),
+                Seg::Payload(PacketKind::Disco, i) => self.batch.disco[*i].data.len(),
+                Seg::Payload(PacketKind::Other, i) => self.batch.other[*i].data.len(),
             })
-            .collect();
-        let write_timeout = self.write_timeout;
-        let w = &mut self.w;
-        let mut taken = 0;
-        let write = async {
-            write_vectored_all(w, &mut slices, write_timeout, &mut taken).await?;
-            let flushed = match write_timeout {
-                Some(t) => tokio::time::timeout(t, w.flush())
-                    .await
-                    .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
-                None => w.flush().await,
-            };
-            if flushed.is_err() {
-                taken = 0;
+            .sum()
+    }
+
+    /// Writes the pieces in order from where the last attempt stopped, with as few `writev`
+    /// calls as the socket allows, then flushes. Each write call has the deadline, and a
+    /// write blocked on a peer that does not read still ends when the connection is closed
+    /// (shutdown, ClosePeer, the read side ending). After a failed flush `progress` is 0:
+    /// what a layer above the socket (TLS) still buffered is lost.
+    async fn write_stream(&mut self) -> io::Result<()> {
+        let total = self.stream_len();
+        let timeout = self.write_timeout;
+        while self.progress < total {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let n = gather(
+                &self.segs,
+                &self.headers,
+                &self.batch,
+                self.progress,
+                &mut iov,
+            );
+            let write = timed(timeout, self.w.write_vectored(&iov[..n]));
+            let written = tokio::select! {
+                biased;
+                _ = self.handle.cancel.cancelled() => Err(aborted()),
+                r = write => r,
+            }?;
+            if written == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
             }
-            flushed
-        };
-        let result = tokio::select! {
+            self.progress += written;
+        }
+        let flush = timed(timeout, self.w.flush());
+        let flushed = tokio::select! {
             biased;
-            _ = self.handle.cancel.cancelled() => Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "connection closed while writing",
-            )),
-            r = write => r,
+            _ = self.handle.cancel.cancelled() => Err(aborted()),
+            r = flush => r,
         };
-        *handed_over = taken;
-        result
+        if flushed.is_err() {
+            self.progress = 0;
+        }
+        flushed
     }
 
     /// After a failed write: the packets sent in QUIC datagrams and those whose frames lay
     /// entirely within the first `handed_over` bytes of the stream count as sent, the others
     /// as dropped (`write_error`).
-    fn account_failed(&self, segs: &[Seg], handed_over: usize) {
+    fn account_failed(&self, handed_over: usize) {
+        let segs = &self.segs;
         let m = &self.shared.metrics;
         let mut sent = [
             vec![false; self.batch.disco.len()],
@@ -599,10 +749,64 @@ pub(super) async fn write_with_timeout<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
+/// Fills `iov` with the pieces of the batch from byte `progress` on; returns how many it
+/// filled (at most [`MAX_IOV`]; the rest go in the next call).
+fn gather<'a>(
+    segs: &[Seg],
+    headers: &'a [u8],
+    batch: &'a Batch,
+    progress: usize,
+    iov: &mut [IoSlice<'a>; MAX_IOV],
+) -> usize {
+    let mut skip = progress;
+    let mut n = 0;
+    for seg in segs {
+        let bytes: &[u8] = match seg {
+            Seg::Header(range) => &headers[range.clone()],
+            Seg::Payload(PacketKind::Disco, i) => &batch.disco[*i].data,
+            Seg::Payload(PacketKind::Other, i) => &batch.other[*i].data,
+        };
+        if skip >= bytes.len() {
+            skip -= bytes.len();
+            continue;
+        }
+        iov[n] = IoSlice::new(&bytes[skip..]);
+        skip = 0;
+        n += 1;
+        if n == MAX_IOV {
+            break;
+        }
+    }
+    n
+}
+
+/// A write under the deadline, if there is one.
+async fn timed<T>(
+    timeout: Option<Duration>,
+    write: impl Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    match timeout {
+        Some(t) => tokio::time::timeout(t, write)
+            .await
+            .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
+        None => write.await,
+    }
+}
+
+fn aborted() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "connection closed while writing",
+    )
+}
+
+/// Most pieces handed to one `writev`; a batch with more takes several calls.
+const MAX_IOV: usize = 64;
+/// Most batches a sender writes inline for one destination before leaving the rest to the
+/// destination's own task: a sender does others' work only briefly.
+const INLINE_BATCHES: usize = 2;
 /// Header scratch above this size is released after a burst.
 const MAX_IDLE_HEADER_CAPACITY: usize = 16 * 1024;
 /// How long a closing connection may take to accept its last bytes (a WebSocket close frame,
 /// a TLS close_notify).
 const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long a writer waits for more work after draining before it parks.
-const WRITER_LINGER: Duration = Duration::from_secs(1);

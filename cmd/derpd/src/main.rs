@@ -39,10 +39,12 @@ fn main() -> ExitCode {
         return check::run(&cli);
     }
     init_logging(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if cli.workers > 0 {
+        builder.worker_threads(cli.workers);
+    }
+    let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("derpd: starting runtime: {e}");

@@ -280,10 +280,18 @@ impl<'a> ReadLoop<'a> {
     }
 
     async fn run_inner(&mut self) -> Result<(), ConnError> {
+        // Borrowed for the connection's lifetime, not through `self`, so the select below
+        // can poll them beside the reader without cloning a token on every read.
+        let handle: &'a ConnHandle = self.handle;
+        let shared: &'a ServerState = self.shared;
+        // One timer for the connection's life, reset when it fires: not a timer registered
+        // and cancelled on every read.
+        let keepalive = tokio::time::sleep_until(self.next_keepalive);
+        tokio::pin!(keepalive);
         loop {
             self.process_buffered()?;
             let congested = self.counts.queue_drops() > 0;
-            self.shared.fold(&mut self.counts);
+            shared.fold(&mut self.counts);
             self.reader.release_if_empty();
             if congested {
                 // Destinations of this batch had full queues: let their writers run before
@@ -293,40 +301,42 @@ impl<'a> ReadLoop<'a> {
                 // the sender's other flows are not held up by one slow receiver.
                 tokio::task::yield_now().await;
             }
-            let cancel = self.handle.cancel.clone();
-            let draining = self.shared.draining.clone();
             // Over its rate: neither handle what is buffered nor read more until the bucket
             // has paid its debt; TCP pushes back on the sender meanwhile.
             let resume_at = self
                 .limiter
                 .as_ref()
-                .and_then(|l| l.resume_at(&self.shared.rate_limits));
+                .and_then(|l| l.resume_at(&shared.rate_limits));
             if let Some(at) = resume_at {
                 tokio::select! {
                     biased;
-                    _ = cancel.cancelled() => return Ok(()),
-                    _ = draining.cancelled() => {
+                    _ = handle.cancel.cancelled() => return Ok(()),
+                    _ = shared.draining.cancelled() => {
                         self.drained = true;
                         return Ok(());
                     }
-                    _ = tokio::time::sleep_until(self.next_keepalive) => self.keepalive(),
+                    _ = &mut keepalive => {
+                        self.keepalive();
+                        keepalive.as_mut().reset(self.next_keepalive);
+                    }
                     _ = tokio::time::sleep_until(at) => {}
                 }
                 continue;
             }
             let n = tokio::select! {
                 biased;
-                _ = cancel.cancelled() => return Ok(()),
-                _ = draining.cancelled() => {
+                _ = handle.cancel.cancelled() => return Ok(()),
+                _ = shared.draining.cancelled() => {
                     // Graceful shutdown: nothing more is read, so what is queued can drain.
                     self.drained = true;
                     return Ok(());
                 }
-                _ = tokio::time::sleep_until(self.next_keepalive) => {
+                _ = &mut keepalive => {
                     self.keepalive();
+                    keepalive.as_mut().reset(self.next_keepalive);
                     continue;
                 }
-                n = self.reader.read_more(Some(self.handle), self.chunk) => n?,
+                n = self.reader.read_more(Some(handle), self.chunk) => n?,
             };
             if n == 0 {
                 return Ok(());

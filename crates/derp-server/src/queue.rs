@@ -117,6 +117,19 @@ impl Batch {
         }
     }
 
+    /// Gives back the memory a burst left in the (empty) queues, so an idle connection does
+    /// not keep it; small queues are kept, so a steady trickle allocates nothing.
+    pub(crate) fn shrink_idle(&mut self) {
+        for queue in [&mut self.disco, &mut self.other] {
+            if queue.is_empty() && queue.capacity() > IDLE_QUEUE_CAPACITY {
+                *queue = VecDeque::new();
+            }
+        }
+        if self.control.is_empty() && self.control.capacity() > IDLE_QUEUE_CAPACITY {
+            self.control = VecDeque::new();
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.disco.is_empty()
             && self.other.is_empty()
@@ -293,6 +306,7 @@ impl SendQueue {
         }
         // A writer parks only once what it took is out.
         state.writing = false;
+        state.pending.shrink_idle();
         state.parked = Some(writer);
         Ok(())
     }
@@ -341,6 +355,9 @@ impl SendQueue {
     }
 }
 
+/// Packets (or control frames) an idle connection's empty queue may keep room for.
+const IDLE_QUEUE_CAPACITY: usize = 8;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -384,6 +401,42 @@ mod tests {
             counts.dropped_bytes[DropReason::QueueHead as usize][PacketKind::Other as usize],
             30
         );
+    }
+
+    #[test]
+    fn a_parked_queue_gives_back_what_a_burst_grew() {
+        let h = handle(256);
+        let mut counts = ReaderCounts::default();
+        let src = PublicKey::from_bytes([9; 32]);
+        for b in 0..200 {
+            let packet = Packet {
+                src,
+                data: pkt(b),
+                enqueued: Instant::now(),
+                forwarded: false,
+            };
+            h.push_packet(
+                packet,
+                PacketKind::Other,
+                &mut counts,
+                &mut Inline::default(),
+            );
+        }
+        let mut batch = Batch::default();
+        assert!(h.take(&mut batch));
+        assert_eq!(batch.other.len(), 200);
+        // The writer takes again with its emptied batch, which leaves the burst's capacity
+        // in the pending queue.
+        batch.other.clear();
+        assert!(h.take(&mut batch));
+        assert!(h.lock().pending.other.capacity() >= 200);
+        h.park(Box::new(Probe {
+            log: Default::default(),
+            inline: false,
+            queue: None,
+        }))
+        .expect("parks");
+        assert!(h.lock().pending.other.capacity() <= IDLE_QUEUE_CAPACITY);
     }
 
     #[test]

@@ -108,6 +108,7 @@ impl Resume for Writer {
     fn write_inline(mut self: Box<Self>) {
         match self.try_write_now() {
             Poll::Ready(Ok(())) => {
+                self.shrink_idle();
                 let handle = self.handle.clone();
                 if let Err(back) = handle.queue.park(self) {
                     // More arrived, or the connection is closing: the task takes over.
@@ -163,6 +164,7 @@ impl Writer {
         loop {
             match self.serve().await {
                 Ok(Step::Idle) => {
+                    self.shrink_idle();
                     let handle = self.handle.clone();
                     match handle.queue.park(self) {
                         Ok(()) => return,
@@ -693,14 +695,26 @@ impl Writer {
         }
     }
 
-    /// Empties the batch but keeps its queues' capacity for the next swap, unless a burst
-    /// grew them beyond what an idle connection should hold.
+    /// Empties the batch but keeps its queues' capacity for the next swap.
     fn recycle(&mut self) {
         self.batch.disco.clear();
         self.batch.other.clear();
         self.batch.control.clear();
+    }
+
+    /// Before parking: gives back what a burst grew the batch and the scratch buffers to, so
+    /// an idle connection holds only small ones.
+    fn shrink_idle(&mut self) {
+        self.batch.shrink_idle();
         if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
             self.headers = Vec::new();
+        }
+        if self.segs.capacity() > MAX_IDLE_SEGS {
+            self.segs = Vec::new();
+        }
+        if self.datagrams.capacity() > MAX_IDLE_SEGS {
+            self.datagrams = Vec::new();
+            self.datagrams_sent = Vec::new();
         }
     }
 }
@@ -805,8 +819,11 @@ const MAX_IOV: usize = 64;
 /// Most batches a sender writes inline for one destination before leaving the rest to the
 /// destination's own task: a sender does others' work only briefly.
 const INLINE_BATCHES: usize = 2;
-/// Header scratch above this size is released after a burst.
-const MAX_IDLE_HEADER_CAPACITY: usize = 16 * 1024;
+/// Header scratch above this size is released when the writer parks (a few packets' worth
+/// is kept, so a steady trickle allocates nothing).
+const MAX_IDLE_HEADER_CAPACITY: usize = 512;
+/// Piece lists longer than this are released when the writer parks.
+const MAX_IDLE_SEGS: usize = 16;
 /// How long a closing connection may take to accept its last bytes (a WebSocket close frame,
 /// a TLS close_notify).
 const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);

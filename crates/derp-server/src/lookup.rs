@@ -151,8 +151,8 @@ pub(crate) struct Router {
 struct PeerCache {
     config: PeerCacheConfig,
     refresh: Duration,
-    /// Created on first use, so idle connections pay nothing for it.
-    entries: Option<LruCache<PublicKey, CachedPeer, foldhash::fast::RandomState>>,
+    /// Created on first use, and boxed, so idle connections pay one pointer for it.
+    entries: Option<Box<LruCache<PublicKey, CachedPeer, foldhash::fast::RandomState>>>,
 }
 
 impl Router {
@@ -236,7 +236,7 @@ impl Router {
         self.cache
             .as_ref()
             .and_then(|c| c.entries.as_ref())
-            .map_or(0, LruCache::len)
+            .map_or(0, |e| e.len())
     }
 
     /// Last-used time of a cached destination; for tests.
@@ -281,7 +281,7 @@ impl PeerCache {
         // connection; the bound is enforced here.
         let entries = self
             .entries
-            .get_or_insert_with(|| LruCache::unbounded_with_hasher(Default::default()));
+            .get_or_insert_with(|| Box::new(LruCache::unbounded_with_hasher(Default::default())));
         entries.put(
             dst,
             CachedPeer {

@@ -34,11 +34,12 @@ use crate::state::ServerState;
 pub(super) struct FrameReader {
     half: ReadHalf,
     pub(super) buf: BytesMut,
-    ws: Option<WsIn>,
+    /// Boxed, like `quic`, so a plain TCP connection pays one pointer for each.
+    ws: Option<Box<WsIn>>,
     /// The close code to answer with, once the WebSocket layer has one.
     pub(super) ws_close: Option<u16>,
     /// A QUIC connection's datagrams, once its handshake is done.
-    quic: Option<QuicIn>,
+    quic: Option<Box<QuicIn>>,
 }
 
 struct QuicIn {
@@ -58,10 +59,10 @@ impl FrameReader {
             Framing::WebSocket => Self {
                 half,
                 buf: BytesMut::new(),
-                ws: Some(WsIn {
+                ws: Some(Box::new(WsIn {
                     decoder: WsDecoder::new(Role::Server),
                     raw: initial,
-                }),
+                })),
                 ws_close: None,
                 quic: None,
             },
@@ -79,10 +80,10 @@ impl FrameReader {
     /// sent before its handshake completed are dropped; returns how many.
     pub(super) fn attach_quic(&mut self, link: Arc<QuicLink>) -> u64 {
         let early = link.registered();
-        self.quic = Some(QuicIn {
+        self.quic = Some(Box::new(QuicIn {
             link,
             datagrams: Vec::new(),
-        });
+        }));
         early
     }
 
@@ -221,7 +222,6 @@ pub(super) struct ReadLoop<'a> {
     handle: &'a Arc<ConnHandle>,
     pub(super) reader: FrameReader,
     decoder: ServerDecoder,
-    counts: ReaderCounts,
     not_here: NotHereLimiter,
     router: Router,
     connected_at: Instant,
@@ -257,7 +257,6 @@ impl<'a> ReadLoop<'a> {
             handle,
             reader,
             decoder: ServerDecoder::after_handshake(),
-            counts: ReaderCounts::default(),
             not_here: NotHereLimiter::new(now),
             router: Router::new(&shared.config.lookup),
             connected_at: now,
@@ -274,9 +273,7 @@ impl<'a> ReadLoop<'a> {
     }
 
     pub(super) async fn run(&mut self) -> Result<(), ConnError> {
-        let result = self.run_inner().await;
-        self.shared.fold(&mut self.counts);
-        result
+        self.run_inner().await
     }
 
     async fn run_inner(&mut self) -> Result<(), ConnError> {
@@ -289,9 +286,7 @@ impl<'a> ReadLoop<'a> {
         let keepalive = tokio::time::sleep_until(self.next_keepalive);
         tokio::pin!(keepalive);
         loop {
-            self.process_buffered()?;
-            let congested = self.counts.queue_drops() > 0;
-            shared.fold(&mut self.counts);
+            let congested = self.process_buffered()?;
             self.reader.release_if_empty();
             if congested {
                 // Destinations of this batch had full queues: let their writers run before
@@ -366,16 +361,25 @@ impl<'a> ReadLoop<'a> {
     }
 
     /// Handles every complete frame in the buffer, or as many as the rate limit allows, then
-    /// has the idle destinations it queued packets for write them at once.
-    fn process_buffered(&mut self) -> Result<(), ConnError> {
-        let result = self.process_frames();
-        self.inline.flush();
-        result
+    /// has the idle destinations it queued packets for write them at once, and folds what it
+    /// counted into the metrics. Returns whether a destination's queue was full.
+    ///
+    /// The batch's counts live in the worker thread, not in the connection: they exist only
+    /// while a batch is handled (this is synchronous, so no other connection's batch runs on
+    /// the thread meanwhile), and an idle connection should not carry them.
+    fn process_buffered(&mut self) -> Result<bool, ConnError> {
+        BATCH_COUNTS.with_borrow_mut(|counts| {
+            let result = self.process_frames(counts);
+            self.inline.flush();
+            let congested = counts.queue_drops() > 0;
+            self.shared.fold(counts);
+            result.map(|()| congested)
+        })
     }
 
     /// Handles the frames. Synchronous: the lookup guard and the batch timestamp never cross
     /// an await.
-    fn process_frames(&mut self) -> Result<(), ConnError> {
+    fn process_frames(&mut self, counts: &mut ReaderCounts) -> Result<(), ConnError> {
         let now = Instant::now();
         if let Some(limiter) = &mut self.limiter {
             limiter.begin_batch(&self.shared.rate_limits, now);
@@ -394,21 +398,21 @@ impl<'a> ReadLoop<'a> {
                 buffered = self.reader.buf.len();
             }
             let Some(frame) = frame else { break };
-            self.counts.frames += 1;
+            counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
                 self.shared.registry.note_activity(self.handle);
             }
             match frame {
                 ClientToRelay::SendPacket { dst, packet } => {
                     let packet = self.own_payload(packet);
-                    self.client_packet(&guard, dst, packet, now);
+                    self.client_packet(&guard, dst, packet, now, counts);
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
                     self.require_mesh(FrameType::ForwardPacket)?;
                     let packet = self.own_payload(packet);
                     let kind = PacketKind::of(&packet);
-                    self.counts.forwarded_in += 1;
-                    self.route(&guard, Origin::Mesh, src, dst, packet, kind, now);
+                    counts.forwarded_in += 1;
+                    self.route(&guard, Origin::Mesh, src, dst, packet, kind, now, counts);
                 }
                 ClientToRelay::NotePreferred(preferred) => self.note_preferred(preferred, now),
                 ClientToRelay::WatchConns => {
@@ -422,7 +426,7 @@ impl<'a> ReadLoop<'a> {
                     }
                 }
                 ClientToRelay::Ping(data) => {
-                    self.counts.got_ping += 1;
+                    counts.got_ping += 1;
                     self.router.trim(now);
                     self.handle.queue.push_pong(data, &mut self.inline);
                 }
@@ -430,12 +434,12 @@ impl<'a> ReadLoop<'a> {
                 | ClientToRelay::Pong(_)
                 | ClientToRelay::Unknown { .. } => {
                     trace!("skipping unhandled frame");
-                    self.counts.unknown_frames += 1;
+                    counts.unknown_frames += 1;
                 }
             }
         }
         if let Some(mut datagrams) = self.reader.take_datagrams() {
-            self.handle_datagrams(&guard, &mut datagrams, now);
+            self.handle_datagrams(&guard, &mut datagrams, now, counts);
             if let Some(q) = &mut self.reader.quic {
                 // Hand the vector back (emptied, or with what the rate limit held back) so
                 // its capacity is reused.
@@ -443,8 +447,8 @@ impl<'a> ReadLoop<'a> {
             }
         }
         let misses = std::mem::take(&mut self.router.misses);
-        self.counts.mirror_misses += misses.mirror;
-        self.counts.cache_misses += misses.cache;
+        counts.mirror_misses += misses.mirror;
+        counts.cache_misses += misses.cache;
         Ok(())
     }
 
@@ -455,13 +459,14 @@ impl<'a> ReadLoop<'a> {
         dst: PublicKey,
         packet: Bytes,
         now: Instant,
+        counts: &mut ReaderCounts,
     ) {
         let kind = PacketKind::of(&packet);
-        self.counts.packets_received += 1;
-        self.counts.bytes_received += packet.len() as u64;
-        self.counts.packets_received_kind[kind as usize] += 1;
+        counts.packets_received += 1;
+        counts.bytes_received += packet.len() as u64;
+        counts.packets_received_kind[kind as usize] += 1;
         let src = self.handle.key;
-        self.route(guard, Origin::Client, src, dst, packet, kind, now);
+        self.route(guard, Origin::Client, src, dst, packet, kind, now, counts);
     }
 
     /// QUIC datagrams: each one SendPacket frame, routed like one from the stream. Anything
@@ -473,6 +478,7 @@ impl<'a> ReadLoop<'a> {
         guard: &impl papaya::Guard,
         datagrams: &mut Vec<Bytes>,
         now: Instant,
+        counts: &mut ReaderCounts,
     ) {
         let mut handled = 0;
         while handled < datagrams.len() {
@@ -484,16 +490,16 @@ impl<'a> ReadLoop<'a> {
             if let Some(limiter) = &mut self.limiter {
                 limiter.charge(datagram.len());
             }
-            self.counts.frames += 1;
+            counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
                 self.shared.registry.note_activity(self.handle);
             }
             match derp_proto::decode_send_packet_datagram(&datagram) {
                 Some((dst, packet)) => {
-                    self.counts.datagrams_in += 1;
-                    self.client_packet(guard, dst, packet, now);
+                    counts.datagrams_in += 1;
+                    self.client_packet(guard, dst, packet, now, counts);
                 }
-                None => self.counts.garbage_datagrams += 1,
+                None => counts.garbage_datagrams += 1,
             }
         }
         datagrams.drain(..handled);
@@ -513,10 +519,10 @@ impl<'a> ReadLoop<'a> {
         packet: Bytes,
         kind: PacketKind,
         now: Instant,
+        counts: &mut ReaderCounts,
     ) {
         let registry = &self.shared.registry;
         let len = packet.len();
-        let counts = &mut self.counts;
         let inline = &mut self.inline;
         let missing = self.router.route_with(registry, guard, &dst, now, |route| {
             match (route, origin) {
@@ -600,6 +606,13 @@ impl<'a> ReadLoop<'a> {
     }
 }
 
+thread_local! {
+    /// What the batch being handled on this thread counted; folded into the metrics at its
+    /// end (see `ReadLoop::process_buffered`).
+    static BATCH_COUNTS: std::cell::RefCell<ReaderCounts> =
+        std::cell::RefCell::new(ReaderCounts::default());
+}
+
 /// The largest read; one read can carry many frames.
 const READ_CHUNK: usize = 64 * 1024;
 /// The smallest read, and the first after the handshake.
@@ -654,10 +667,11 @@ mod tests {
         )
     }
 
+    /// Handles one frame; returns the server's LRU misses so far.
     fn feed(rl: &mut ReadLoop<'_>, frame: ClientToRelay) -> u64 {
         frame.encode(&mut rl.reader.buf);
         rl.process_buffered().expect("valid frame");
-        rl.counts.cache_misses
+        rl.shared.metrics.peer_lookup_cache_misses.get()
     }
 
     #[tokio::test]
@@ -739,13 +753,13 @@ mod tests {
         let pinger = handle(3, 4);
         shared.registry.register(&pinger);
         let mut rl = read_loop(shared, &pinger);
-        assert_eq!(feed(&mut rl, send()), 1);
+        assert_eq!(feed(&mut rl, send()), 2, "the pinger's first lookup misses");
         tokio::time::advance(IDLE + Duration::from_secs(1)).await;
         feed(&mut rl, ClientToRelay::Ping([7; 8]));
-        assert_eq!(feed(&mut rl, send()), 2, "the ping trimmed the idle entry");
+        assert_eq!(feed(&mut rl, send()), 3, "the ping trimmed the idle entry");
 
         // A ping before the limit keeps a recently used entry.
         feed(&mut rl, ClientToRelay::Ping([8; 8]));
-        assert_eq!(feed(&mut rl, send()), 2);
+        assert_eq!(feed(&mut rl, send()), 3);
     }
 }

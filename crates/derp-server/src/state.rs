@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
-use derp_proto::PublicKey;
+use derp_proto::{KeyPair, PublicKey};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -17,6 +17,8 @@ use crate::registry::Registry;
 #[derive(Debug)]
 pub(crate) struct ServerState {
     pub(crate) config: ServerConfig,
+    /// The server's keys, derived once rather than per handshake.
+    pub(crate) keys: KeyPair,
     pub(crate) public_key: PublicKey,
     pub(crate) registry: Registry,
     pub(crate) metrics: Metrics,
@@ -46,7 +48,8 @@ impl ServerState {
         prometheus: &prometheus::Registry,
     ) -> Result<Self, prometheus::Error> {
         let metrics = Metrics::new(prometheus)?;
-        let public_key = config.secret_key.public_key();
+        let keys = KeyPair::new(config.secret_key.clone());
+        let public_key = keys.public();
         let admission_refused = prometheus::IntCounterVec::new(
             prometheus::Opts::new(
                 "derp_admission_refused",
@@ -60,6 +63,7 @@ impl ServerState {
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             admission_refused,
             registry: Registry::new(metrics.clone(), public_key),
+            keys,
             public_key,
             metrics,
             config,

@@ -115,7 +115,7 @@ async fn run(
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
     let config = &shared.config;
-    let mut hs = ServerHandshake::new(config.secret_key.clone());
+    let mut hs = ServerHandshake::with_keys(shared.keys.clone());
     // Until the client is admitted it is unproven: a newer connection may evict it. Boxed,
     // and in a block of its own, so that the handshake's state (deadlines, the admission
     // checks, the ClientInfo) is freed once it is done instead of sizing every idle

@@ -65,6 +65,45 @@ impl Default for ConnLimits {
     }
 }
 
+/// How the connections a listener accepts get their socket options ([`derp_io::tune_socket`]).
+///
+/// Set once on the listener where the system passes them on to accepted connections, which
+/// saves four system calls per connection; the first connection accepted is checked, and if
+/// it did not inherit them every connection is tuned on its own, as without a listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SocketOptions {
+    /// Set on the listener and seen on an accepted connection.
+    Inherited,
+    /// Set on the listener; no connection checked yet.
+    Unchecked,
+    /// Set on every connection.
+    PerConnection,
+}
+
+impl SocketOptions {
+    pub(crate) fn for_listener(listener: &tokio::net::TcpListener) -> Self {
+        if derp_io::tune_listener(listener) {
+            Self::Unchecked
+        } else {
+            Self::PerConnection
+        }
+    }
+
+    /// Makes sure a just-accepted connection has the options.
+    pub(crate) fn apply(&mut self, stream: &tokio::net::TcpStream) {
+        match self {
+            Self::Inherited => {}
+            Self::Unchecked if derp_io::is_tuned(stream) => *self = Self::Inherited,
+            Self::Unchecked => {
+                warn!("accepted connections do not inherit the listener's socket options");
+                derp_io::tune_socket(stream);
+                *self = Self::PerConnection;
+            }
+            Self::PerConnection => derp_io::tune_socket(stream),
+        }
+    }
+}
+
 /// A token bucket on accepts: `per_sec` new connections per second, `burst` at once.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AcceptRate {
@@ -543,6 +582,46 @@ mod tests {
 
     fn evicted(u: &Unproven) -> bool {
         u.evict.is_cancelled()
+    }
+
+    async fn accept_one(listener: &tokio::net::TcpListener) -> [tokio::net::TcpStream; 2] {
+        let addr = listener.local_addr().expect("address");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        [client.expect("connect"), accepted.expect("accept").0]
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_get_the_options_from_the_listener_or_one_by_one() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut options = SocketOptions::for_listener(&listener);
+        let expected = if cfg!(target_os = "linux") {
+            SocketOptions::Inherited
+        } else {
+            SocketOptions::PerConnection
+        };
+        for _ in 0..2 {
+            let [_client, accepted] = accept_one(&listener).await;
+            options.apply(&accepted);
+            assert_eq!(options, expected);
+            assert!(derp_io::is_tuned(&accepted));
+        }
+
+        // A listener that passes nothing on: the check on the first connection notices, and
+        // from then on each connection is tuned on its own.
+        let bare = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut options = SocketOptions::Unchecked;
+        for _ in 0..2 {
+            let [_client, accepted] = accept_one(&bare).await;
+            assert!(!derp_io::is_tuned(&accepted));
+            options.apply(&accepted);
+            assert_eq!(options, SocketOptions::PerConnection);
+            assert!(derp_io::is_tuned(&accepted));
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
-use crate::listen::{AcceptErrors, ConnGuard};
+use crate::listen::{AcceptErrors, ConnGuard, SocketOptions};
 use crate::metrics::Metrics;
 use crate::quic::QuicListener;
 use crate::ratelimit::RateLimit;
@@ -90,6 +90,7 @@ impl Server {
     /// connection must never stop the listener.
     pub async fn serve(&self, listener: TcpListener) -> Result<(), ServeError> {
         let mut errors = AcceptErrors::new("main", self.accept_error_counter("main"));
+        let mut options = SocketOptions::for_listener(&listener);
         loop {
             let accepted = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
@@ -102,7 +103,7 @@ impl Server {
                     let Some(guard) = self.admit_connection(remote) else {
                         continue;
                     };
-                    derp_io::tune_socket(&stream);
+                    options.apply(&stream);
                     self.spawn_guarded(Transport::Tcp(stream), remote, guard);
                 }
                 Err(e) => {

@@ -371,23 +371,28 @@ struct BudgetState {
     next_seq: u64,
     /// Every member by admission order; the first is the oldest.
     members: BTreeMap<u64, Member>,
-    /// Each source's members, oldest first.
+    /// Each capped source's members, oldest first. Uncapped (loopback) sources are not listed:
+    /// nothing would read their list, and a local proxy's one list of every connection it
+    /// carries would make each removal a scan of up to `capacity` entries.
     by_source: HashMap<IpAddr, VecDeque<u64>>,
 }
 
 #[derive(Debug)]
 struct Member {
-    source: IpAddr,
+    /// The source, when it is capped (and so in `by_source`).
+    capped: Option<IpAddr>,
     evict: CancellationToken,
 }
 
 impl BudgetState {
     fn remove(&mut self, seq: u64) -> Option<Member> {
         let member = self.members.remove(&seq)?;
-        if let Some(list) = self.by_source.get_mut(&member.source) {
+        if let Some(source) = member.capped
+            && let Some(list) = self.by_source.get_mut(&source)
+        {
             list.retain(|s| *s != seq);
             if list.is_empty() {
-                self.by_source.remove(&member.source);
+                self.by_source.remove(&source);
             }
         }
         Some(member)
@@ -438,8 +443,13 @@ impl UnprovenBudget {
         let capped = !ip.to_canonical().is_loopback();
         let inner = &self.inner;
         let mut state = inner.lock();
-        let victim = match state.by_source.get(&source) {
-            Some(list) if capped && list.len() >= inner.per_source => list
+        let listed = if capped {
+            state.by_source.get(&source)
+        } else {
+            None
+        };
+        let victim = match listed {
+            Some(list) if list.len() >= inner.per_source => list
                 .front()
                 .copied()
                 .map(|s| (s, &inner.metrics.evicted_source)),
@@ -462,11 +472,13 @@ impl UnprovenBudget {
         state.members.insert(
             seq,
             Member {
-                source,
+                capped: capped.then_some(source),
                 evict: evict.clone(),
             },
         );
-        state.by_source.entry(source).or_default().push_back(seq);
+        if capped {
+            state.by_source.entry(source).or_default().push_back(seq);
+        }
         inner.metrics.current.inc();
         Unproven {
             budget: inner.clone(),
@@ -680,6 +692,36 @@ mod tests {
             by_cause.contains(&("per_source".to_owned(), 3.0)),
             "{by_cause:?}"
         );
+    }
+
+    #[test]
+    fn loopback_members_share_the_budget_but_keep_no_source_list() {
+        let (b, _r) = budget(3, 1);
+        let remote = b.admit(ip("192.0.2.1"));
+        let l1 = b.admit(ip("127.0.0.1"));
+        let l2 = b.admit(ip("::1"));
+        assert!(![&remote, &l1, &l2].iter().any(|u| evicted(u)));
+        {
+            let state = b.inner.lock();
+            assert_eq!(state.members.len(), 3);
+            let listed: Vec<&IpAddr> = state.by_source.keys().collect();
+            assert_eq!(listed, [&ip("192.0.2.1")]);
+        }
+        // A full budget evicts the oldest, whatever its source.
+        let l3 = b.admit(ip("127.0.0.1"));
+        assert!(evicted(&remote));
+        assert!(b.inner.lock().by_source.is_empty());
+        let l4 = b.admit(ip("127.0.0.1"));
+        assert!(evicted(&l1));
+        assert!(!evicted(&l2) && !evicted(&l3) && !evicted(&l4));
+        // Leaving in any order leaves nothing behind.
+        drop(l3);
+        drop(remote);
+        drop(l1);
+        drop(l4);
+        drop(l2);
+        let state = b.inner.lock();
+        assert!(state.members.is_empty() && state.by_source.is_empty());
     }
 
     #[test]

@@ -71,7 +71,6 @@ pub(crate) async fn serve_conn(
     };
     match upgrade::classify_request(&buf[..head_len], shared.config.derp_enabled) {
         upgrade::Request::Upgrade(up) => {
-            stream.set_nodelay();
             buf.advance(head_len);
             take_over(shared, stream, buf, remote, up, guard).await;
         }

@@ -104,7 +104,7 @@ impl Server {
                         continue;
                     };
                     options.apply(&stream);
-                    self.spawn_guarded(Transport::Tcp(stream), remote, guard);
+                    self.spawn_tracked(Transport::Tcp(stream), remote, guard);
                 }
                 Err(e) => {
                     let wait = errors.failed(&e);
@@ -145,6 +145,13 @@ impl Server {
     /// [`Server::admit_connection`]: it stays in the unproven budget until its DERP client is
     /// registered, and counts against the connection cap until it ends.
     pub fn spawn_guarded(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
+        // Relayed packets must not wait for Nagle. Connections from `serve` have it from
+        // the listener already; a TCP stream handed over by an embedder may not.
+        transport.set_nodelay();
+        self.spawn_tracked(transport, remote, guard);
+    }
+
+    fn spawn_tracked(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
         let shared = self.shared.clone();
         self.shared
             .tasks

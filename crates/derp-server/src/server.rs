@@ -258,7 +258,7 @@ impl Server {
             transport,
             initial: bytes::BytesMut::new(),
             remote,
-            preamble: Vec::new(),
+            preamble: bytes::Bytes::new(),
             framing: conn::Framing::Raw,
             not_ideal: false,
             quic: None,

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
+use bytes::Bytes;
+
 use derp_proto::{KeyPair, PublicKey};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -20,6 +22,9 @@ pub(crate) struct ServerState {
     /// The server's keys, derived once rather than per handshake.
     pub(crate) keys: KeyPair,
     pub(crate) public_key: PublicKey,
+    /// The 101 answer to `Upgrade: DERP`, which depends only on the server key: built once
+    /// rather than formatted (with the key in hex) for every connection.
+    pub(crate) derp_response_head: Bytes,
     pub(crate) registry: Registry,
     pub(crate) metrics: Metrics,
     pub(crate) next_conn_id: AtomicU64,
@@ -64,6 +69,7 @@ impl ServerState {
             admission_refused,
             registry: Registry::new(metrics.clone(), public_key),
             keys,
+            derp_response_head: Bytes::from(derp_proto::upgrade::derp_response_head(&public_key)),
             public_key,
             metrics,
             config,

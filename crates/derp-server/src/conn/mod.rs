@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use derp_io::{Transport, WriteHalf};
 use derp_proto::frame::{PEER_PRESENT_IS_MESH_PEER, PEER_PRESENT_IS_PROBER};
 use derp_proto::frame::{PEER_PRESENT_IS_REGULAR, PEER_PRESENT_NOT_IDEAL};
@@ -46,7 +46,7 @@ pub(crate) struct Accepted {
     pub(crate) remote: SocketAddr,
     /// Bytes to send before the ServerKey frame (the 101 response), if any. Sent in the same
     /// write as ServerKey, as the reference does.
-    pub(crate) preamble: Vec<u8>,
+    pub(crate) preamble: Bytes,
     /// How DERP frames travel on the stream.
     pub(crate) framing: Framing,
     /// The request carried a non-empty `Ideal-Node` header.

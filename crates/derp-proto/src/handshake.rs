@@ -94,8 +94,7 @@ impl ServerHandshake {
         out: &mut impl BufMut,
     ) -> Result<(), HandshakeError> {
         let (_, box_key) = self.client.as_ref().ok_or(HandshakeError::OutOfOrder)?;
-        let json = ServerInfo::default_server().to_json();
-        let sealed = box_key.seal(&nonce, &json);
+        let sealed = box_key.seal(&nonce, ServerInfo::DEFAULT_SERVER_JSON);
         RelayToClient::ServerInfo {
             sealed: Bytes::from(sealed),
         }

@@ -10,7 +10,7 @@ use bytes::{BufMut, Bytes};
 use crate::crypto::{BoxError, BoxKey};
 use crate::frame::{ClientToRelay, RelayToClient};
 use crate::info::{ClientInfo, InfoError, ServerInfo};
-use crate::keys::{PublicKey, SecretKey};
+use crate::keys::{KeyPair, PublicKey, SecretKey};
 
 /// Why a handshake step failed. On the server, any of these means: close without replying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -33,32 +33,32 @@ pub enum HandshakeError {
 /// The server side of one connection's handshake.
 #[derive(Debug, Clone)]
 pub struct ServerHandshake {
-    secret: SecretKey,
-    public: PublicKey,
+    keys: KeyPair,
     /// The authenticated client and the box key shared with it, which also seals ServerInfo
     /// (one Diffie-Hellman per handshake).
     client: Option<(PublicKey, BoxKey)>,
 }
 
 impl ServerHandshake {
-    /// Starts a handshake expecting the client's ClientInfo.
+    /// Starts a handshake expecting the client's ClientInfo. Derives the public key from
+    /// `secret`; a server should keep a [`KeyPair`] and use [`ServerHandshake::with_keys`].
     pub fn new(secret: SecretKey) -> Self {
-        let public = secret.public_key();
-        Self {
-            secret,
-            public,
-            client: None,
-        }
+        Self::with_keys(KeyPair::new(secret))
+    }
+
+    /// Starts a handshake with the server's keys already derived.
+    pub fn with_keys(keys: KeyPair) -> Self {
+        Self { keys, client: None }
     }
 
     /// The server's public key.
     pub fn public_key(&self) -> PublicKey {
-        self.public
+        self.keys.public()
     }
 
     /// Writes the 45-byte ServerKey frame (header, magic, server key).
     pub fn server_key_frame(&self, out: &mut impl BufMut) {
-        RelayToClient::ServerKey(self.public).encode(out);
+        RelayToClient::ServerKey(self.keys.public()).encode(out);
     }
 
     /// Opens the ClientInfo box sealed by `key` (the key the client claims) and decodes its
@@ -76,7 +76,7 @@ impl ServerHandshake {
         if self.client.is_some() {
             return Err(HandshakeError::OutOfOrder);
         }
-        let box_key = BoxKey::new(&self.secret, &key);
+        let box_key = BoxKey::new(self.keys.secret(), &key);
         if !box_key.is_contributory() {
             return Err(HandshakeError::LowOrderKey);
         }
@@ -94,8 +94,7 @@ impl ServerHandshake {
         out: &mut impl BufMut,
     ) -> Result<(), HandshakeError> {
         let (_, box_key) = self.client.as_ref().ok_or(HandshakeError::OutOfOrder)?;
-        let json = ServerInfo::default_server().to_json();
-        let sealed = box_key.seal(&nonce, &json);
+        let sealed = box_key.seal(&nonce, ServerInfo::DEFAULT_SERVER_JSON);
         RelayToClient::ServerInfo {
             sealed: Bytes::from(sealed),
         }
@@ -272,6 +271,34 @@ mod tests {
         );
         assert!(client.is_done());
         assert!(to_client.is_empty() && to_server.is_empty());
+    }
+
+    #[test]
+    fn a_kept_key_pair_makes_the_same_handshake() {
+        let (server_secret, client_secret) = keys();
+        let mut derived = ServerHandshake::new(server_secret.clone());
+        let mut kept = ServerHandshake::with_keys(KeyPair::new(server_secret.clone()));
+        assert_eq!(kept.public_key(), server_secret.public_key());
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        derived.server_key_frame(&mut a);
+        kept.server_key_frame(&mut b);
+        assert_eq!(a, b);
+        let sealed = client_secret.seal_to(&server_secret.public_key(), &[6; 24], b"{}");
+        let client_key = client_secret.public_key();
+        assert_eq!(
+            derived.handle_client_info(client_key, &sealed),
+            kept.handle_client_info(client_key, &sealed)
+        );
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        derived.server_info_frame([8; 24], &mut a).unwrap();
+        kept.server_info_frame([8; 24], &mut b).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(
+            client_secret
+                .open_from(&server_secret.public_key(), &b[5..])
+                .unwrap(),
+            br#"{"version":2}"#
+        );
     }
 
     #[test]

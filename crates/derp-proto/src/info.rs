@@ -111,6 +111,9 @@ const SERVER_FIELDS: [&str; 3] = [
 ];
 
 impl ServerInfo {
+    /// [`ServerInfo::default_server`] encoded, for a server that sends it on every handshake.
+    pub const DEFAULT_SERVER_JSON: &'static [u8] = br#"{"version":2}"#;
+
     /// What the reference server sends: version 2 and no rate advice.
     pub const fn default_server() -> Self {
         Self {
@@ -697,6 +700,10 @@ mod tests {
     #[test]
     fn server_info_encoding() {
         assert_eq!(ServerInfo::default_server().to_json(), br#"{"version":2}"#);
+        assert_eq!(
+            ServerInfo::default_server().to_json(),
+            ServerInfo::DEFAULT_SERVER_JSON
+        );
         assert_eq!(ServerInfo::default().to_json(), b"{}");
         let limited = ServerInfo {
             version: 2,

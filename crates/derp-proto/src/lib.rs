@@ -43,4 +43,4 @@ pub use crypto::BoxError;
 pub use frame::{ClientToRelay, FrameType, PeerGoneReason, RelayToClient};
 pub use handshake::{ClientHandshake, HandshakeError, ServerHandshake};
 pub use info::{ClientInfo, InfoError, ServerInfo};
-pub use keys::{KeyError, KeyFileError, MeshKey, PublicKey, SecretKey};
+pub use keys::{KeyError, KeyFileError, KeyPair, MeshKey, PublicKey, SecretKey};

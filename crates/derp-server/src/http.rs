@@ -71,7 +71,6 @@ pub(crate) async fn serve_conn(
     };
     match upgrade::classify_request(&buf[..head_len], shared.config.derp_enabled) {
         upgrade::Request::Upgrade(up) => {
-            stream.set_nodelay();
             buf.advance(head_len);
             take_over(shared, stream, buf, remote, up, guard).await;
         }
@@ -93,16 +92,15 @@ async fn take_over(
     guard: ConnGuard,
 ) {
     let (preamble, framing) = match up.kind {
-        UpgradeKind::Derp { fast_start: true } => (Vec::new(), Framing::Raw),
-        UpgradeKind::Derp { fast_start: false } => (
-            upgrade::derp_response_head(&shared.public_key),
-            Framing::Raw,
-        ),
+        UpgradeKind::Derp { fast_start: true } => (Bytes::new(), Framing::Raw),
+        UpgradeKind::Derp { fast_start: false } => {
+            (shared.derp_response_head.clone(), Framing::Raw)
+        }
         UpgradeKind::WebSocket {
             accept,
             derp_token: true,
         } => (
-            upgrade::websocket_response_head(&accept, true),
+            Bytes::from(upgrade::websocket_response_head(&accept, true)),
             Framing::WebSocket,
         ),
         UpgradeKind::WebSocket {
@@ -449,7 +447,7 @@ fn derp_via_hyper(
                     transport: Transport::Boxed(Box::new(TokioIo::new(upgraded))),
                     initial: BytesMut::new(),
                     remote,
-                    preamble: Vec::new(),
+                    preamble: Bytes::new(),
                     framing,
                     not_ideal: up.not_ideal,
                     quic: None,
@@ -626,6 +624,61 @@ clients that cannot reach each other directly. It cannot read the traffic it car
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_derp_upgrade_gets_derpers_101_then_the_server_key_and_a_fast_start_only_the_key() {
+        let config = crate::ServerConfig::new(derp_testkit::server_secret());
+        let shared =
+            Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        for fast_start in [false, true] {
+            let (client, accepted) =
+                tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+            let mut client = client.expect("connect");
+            let (stream, remote) = accepted.expect("accept");
+            let serving = tokio::spawn(serve_conn(
+                shared.clone(),
+                Transport::Tcp(stream),
+                remote,
+                ConnGuard::none(),
+            ));
+            let mut request = Vec::new();
+            upgrade::write_request(
+                &upgrade::RequestOptions {
+                    path: "/derp",
+                    host: "localhost",
+                    user_agent: "test",
+                    fast_start,
+                    ideal_node: None,
+                    websocket_key: None,
+                },
+                &mut request,
+            );
+            client.write_all(&request).await.expect("request");
+            let mut expected = if fast_start {
+                Vec::new()
+            } else {
+                upgrade::derp_response_head(&shared.public_key)
+            };
+            derp_proto::RelayToClient::ServerKey(shared.public_key).encode(&mut expected);
+            let mut got = vec![0; expected.len()];
+            let within = std::time::Duration::from_secs(5);
+            tokio::time::timeout(within, client.read_exact(&mut got))
+                .await
+                .expect("in time")
+                .expect("read");
+            assert_eq!(got, expected, "fast start {fast_start}");
+            // Leaving mid-handshake ends the connection's task.
+            drop(client);
+            tokio::time::timeout(within, serving)
+                .await
+                .expect("task ended")
+                .expect("no panic");
+        }
+    }
 
     #[test]
     fn every_forwarding_header_names_a_proxy() {

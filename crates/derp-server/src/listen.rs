@@ -65,6 +65,45 @@ impl Default for ConnLimits {
     }
 }
 
+/// How the connections a listener accepts get their socket options ([`derp_io::tune_socket`]).
+///
+/// Set once on the listener where the system passes them on to accepted connections, which
+/// saves four system calls per connection; the first connection accepted is checked, and if
+/// it did not inherit them every connection is tuned on its own, as without a listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SocketOptions {
+    /// Set on the listener and seen on an accepted connection.
+    Inherited,
+    /// Set on the listener; no connection checked yet.
+    Unchecked,
+    /// Set on every connection.
+    PerConnection,
+}
+
+impl SocketOptions {
+    pub(crate) fn for_listener(listener: &tokio::net::TcpListener) -> Self {
+        if derp_io::tune_listener(listener) {
+            Self::Unchecked
+        } else {
+            Self::PerConnection
+        }
+    }
+
+    /// Makes sure a just-accepted connection has the options.
+    pub(crate) fn apply(&mut self, stream: &tokio::net::TcpStream) {
+        match self {
+            Self::Inherited => {}
+            Self::Unchecked if derp_io::is_tuned(stream) => *self = Self::Inherited,
+            Self::Unchecked => {
+                warn!("accepted connections do not inherit the listener's socket options");
+                derp_io::tune_socket(stream);
+                *self = Self::PerConnection;
+            }
+            Self::PerConnection => derp_io::tune_socket(stream),
+        }
+    }
+}
+
 /// A token bucket on accepts: `per_sec` new connections per second, `burst` at once.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AcceptRate {
@@ -332,23 +371,28 @@ struct BudgetState {
     next_seq: u64,
     /// Every member by admission order; the first is the oldest.
     members: BTreeMap<u64, Member>,
-    /// Each source's members, oldest first.
+    /// Each capped source's members, oldest first. Uncapped (loopback) sources are not listed:
+    /// nothing would read their list, and a local proxy's one list of every connection it
+    /// carries would make each removal a scan of up to `capacity` entries.
     by_source: HashMap<IpAddr, VecDeque<u64>>,
 }
 
 #[derive(Debug)]
 struct Member {
-    source: IpAddr,
+    /// The source, when it is capped (and so in `by_source`).
+    capped: Option<IpAddr>,
     evict: CancellationToken,
 }
 
 impl BudgetState {
     fn remove(&mut self, seq: u64) -> Option<Member> {
         let member = self.members.remove(&seq)?;
-        if let Some(list) = self.by_source.get_mut(&member.source) {
+        if let Some(source) = member.capped
+            && let Some(list) = self.by_source.get_mut(&source)
+        {
             list.retain(|s| *s != seq);
             if list.is_empty() {
-                self.by_source.remove(&member.source);
+                self.by_source.remove(&source);
             }
         }
         Some(member)
@@ -399,8 +443,13 @@ impl UnprovenBudget {
         let capped = !ip.to_canonical().is_loopback();
         let inner = &self.inner;
         let mut state = inner.lock();
-        let victim = match state.by_source.get(&source) {
-            Some(list) if capped && list.len() >= inner.per_source => list
+        let listed = if capped {
+            state.by_source.get(&source)
+        } else {
+            None
+        };
+        let victim = match listed {
+            Some(list) if list.len() >= inner.per_source => list
                 .front()
                 .copied()
                 .map(|s| (s, &inner.metrics.evicted_source)),
@@ -423,11 +472,13 @@ impl UnprovenBudget {
         state.members.insert(
             seq,
             Member {
-                source,
+                capped: capped.then_some(source),
                 evict: evict.clone(),
             },
         );
-        state.by_source.entry(source).or_default().push_back(seq);
+        if capped {
+            state.by_source.entry(source).or_default().push_back(seq);
+        }
         inner.metrics.current.inc();
         Unproven {
             budget: inner.clone(),
@@ -545,6 +596,46 @@ mod tests {
         u.evict.is_cancelled()
     }
 
+    async fn accept_one(listener: &tokio::net::TcpListener) -> [tokio::net::TcpStream; 2] {
+        let addr = listener.local_addr().expect("address");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        [client.expect("connect"), accepted.expect("accept").0]
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_get_the_options_from_the_listener_or_one_by_one() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut options = SocketOptions::for_listener(&listener);
+        let expected = if cfg!(target_os = "linux") {
+            SocketOptions::Inherited
+        } else {
+            SocketOptions::PerConnection
+        };
+        for _ in 0..2 {
+            let [_client, accepted] = accept_one(&listener).await;
+            options.apply(&accepted);
+            assert_eq!(options, expected);
+            assert!(derp_io::is_tuned(&accepted));
+        }
+
+        // A listener that passes nothing on: the check on the first connection notices, and
+        // from then on each connection is tuned on its own.
+        let bare = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let mut options = SocketOptions::Unchecked;
+        for _ in 0..2 {
+            let [_client, accepted] = accept_one(&bare).await;
+            assert!(!derp_io::is_tuned(&accepted));
+            options.apply(&accepted);
+            assert_eq!(options, SocketOptions::PerConnection);
+            assert!(derp_io::is_tuned(&accepted));
+        }
+    }
+
     #[test]
     fn a_full_budget_evicts_the_oldest_and_admits_the_newest() {
         let (b, _r) = budget(3, 10);
@@ -601,6 +692,36 @@ mod tests {
             by_cause.contains(&("per_source".to_owned(), 3.0)),
             "{by_cause:?}"
         );
+    }
+
+    #[test]
+    fn loopback_members_share_the_budget_but_keep_no_source_list() {
+        let (b, _r) = budget(3, 1);
+        let remote = b.admit(ip("192.0.2.1"));
+        let l1 = b.admit(ip("127.0.0.1"));
+        let l2 = b.admit(ip("::1"));
+        assert!(![&remote, &l1, &l2].iter().any(|u| evicted(u)));
+        {
+            let state = b.inner.lock();
+            assert_eq!(state.members.len(), 3);
+            let listed: Vec<&IpAddr> = state.by_source.keys().collect();
+            assert_eq!(listed, [&ip("192.0.2.1")]);
+        }
+        // A full budget evicts the oldest, whatever its source.
+        let l3 = b.admit(ip("127.0.0.1"));
+        assert!(evicted(&remote));
+        assert!(b.inner.lock().by_source.is_empty());
+        let l4 = b.admit(ip("127.0.0.1"));
+        assert!(evicted(&l1));
+        assert!(!evicted(&l2) && !evicted(&l3) && !evicted(&l4));
+        // Leaving in any order leaves nothing behind.
+        drop(l3);
+        drop(remote);
+        drop(l1);
+        drop(l4);
+        drop(l2);
+        let state = b.inner.lock();
+        assert!(state.members.is_empty() && state.by_source.is_empty());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
-use crate::listen::{AcceptErrors, ConnGuard};
+use crate::listen::{AcceptErrors, ConnGuard, SocketOptions};
 use crate::metrics::Metrics;
 use crate::quic::QuicListener;
 use crate::ratelimit::RateLimit;
@@ -88,8 +88,27 @@ impl Server {
     /// connections, and failures of accept itself (such as running out of file descriptors),
     /// are counted and the loop carries on, backing off while accept keeps failing: one bad
     /// connection must never stop the listener.
+    ///
+    /// The loop runs as a task of its own on the runtime (it stops when this future is
+    /// dropped): a caller's `block_on` thread is not one of the runtime's workers, so every
+    /// connection accepted there would be a wake-up of that thread and a hand-over of the new
+    /// task to a worker, two cross-thread wake-ups per connection in a reconnect storm.
     pub async fn serve(&self, listener: TcpListener) -> Result<(), ServeError> {
+        let server = self.clone();
+        let mut task = AbortOnDrop(tokio::spawn(
+            async move { server.accept_loop(listener).await },
+        ));
+        match (&mut task.0).await {
+            Ok(result) => result,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Only aborted by dropping this future, which then is not polled again.
+            Err(_) => Ok(()),
+        }
+    }
+
+    async fn accept_loop(&self, listener: TcpListener) -> Result<(), ServeError> {
         let mut errors = AcceptErrors::new("main", self.accept_error_counter("main"));
+        let mut options = SocketOptions::for_listener(&listener);
         loop {
             let accepted = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
@@ -102,8 +121,8 @@ impl Server {
                     let Some(guard) = self.admit_connection(remote) else {
                         continue;
                     };
-                    derp_io::tune_socket(&stream);
-                    self.spawn_guarded(Transport::Tcp(stream), remote, guard);
+                    options.apply(&stream);
+                    self.spawn_tracked(Transport::Tcp(stream), remote, guard);
                 }
                 Err(e) => {
                     let wait = errors.failed(&e);
@@ -144,6 +163,13 @@ impl Server {
     /// [`Server::admit_connection`]: it stays in the unproven budget until its DERP client is
     /// registered, and counts against the connection cap until it ends.
     pub fn spawn_guarded(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
+        // Relayed packets must not wait for Nagle. Connections from `serve` have it from
+        // the listener already; a TCP stream handed over by an embedder may not.
+        transport.set_nodelay();
+        self.spawn_tracked(transport, remote, guard);
+    }
+
+    fn spawn_tracked(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
         let shared = self.shared.clone();
         self.shared
             .tasks
@@ -232,7 +258,7 @@ impl Server {
             transport,
             initial: bytes::BytesMut::new(),
             remote,
-            preamble: Vec::new(),
+            preamble: bytes::Bytes::new(),
             framing: conn::Framing::Raw,
             not_ideal: false,
             quic: None,
@@ -285,9 +311,79 @@ impl Server {
     }
 }
 
+/// Aborts a task when dropped, so the task lives no longer than whoever awaits it.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// How often a graceful shutdown checks whether the queues are out.
 const DRAIN_POLL: Duration = Duration::from_millis(5);
 
 fn millis_u32(d: Duration) -> u32 {
     u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::ErrorKind;
+
+    use tokio::net::TcpStream;
+
+    use super::*;
+    use crate::ServerConfig;
+
+    fn server() -> Server {
+        let config = ServerConfig::new(derp_testkit::server_secret());
+        Server::new(config, &prometheus::Registry::new()).expect("server")
+    }
+
+    async fn listener() -> (TcpListener, SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        (listener, addr)
+    }
+
+    #[tokio::test]
+    async fn serve_returns_on_shutdown() {
+        let server = server();
+        let (listener, addr) = listener().await;
+        let serving = tokio::spawn({
+            let server = server.clone();
+            async move { server.serve(listener).await }
+        });
+        TcpStream::connect(addr).await.expect("accepting");
+        server.shutdown().await;
+        let result = tokio::time::timeout(Duration::from_secs(5), serving)
+            .await
+            .expect("serve returned");
+        assert!(matches!(result, Ok(Ok(()))), "{result:?}");
+    }
+
+    #[tokio::test]
+    async fn dropping_serve_stops_the_accept_loop_and_closes_the_listener() {
+        let server = server();
+        let (listener, addr) = listener().await;
+        let mut serving = Box::pin(server.serve(listener));
+        tokio::select! {
+            r = &mut serving => panic!("serve ended early: {r:?}"),
+            c = TcpStream::connect(addr) => drop(c.expect("accepting")),
+        }
+        drop(serving);
+        // The loop's task is cancelled at its next turn; then nothing listens any more.
+        let closed = async {
+            loop {
+                match TcpStream::connect(addr).await {
+                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => return,
+                    _ => tokio::task::yield_now().await,
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), closed)
+            .await
+            .expect("the listener closed");
+    }
 }

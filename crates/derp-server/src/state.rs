@@ -3,7 +3,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
-use derp_proto::PublicKey;
+use bytes::Bytes;
+
+use derp_proto::{KeyPair, PublicKey};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -17,7 +19,12 @@ use crate::registry::Registry;
 #[derive(Debug)]
 pub(crate) struct ServerState {
     pub(crate) config: ServerConfig,
+    /// The server's keys, derived once rather than per handshake.
+    pub(crate) keys: KeyPair,
     pub(crate) public_key: PublicKey,
+    /// The 101 answer to `Upgrade: DERP`, which depends only on the server key: built once
+    /// rather than formatted (with the key in hex) for every connection.
+    pub(crate) derp_response_head: Bytes,
     pub(crate) registry: Registry,
     pub(crate) metrics: Metrics,
     pub(crate) next_conn_id: AtomicU64,
@@ -46,7 +53,8 @@ impl ServerState {
         prometheus: &prometheus::Registry,
     ) -> Result<Self, prometheus::Error> {
         let metrics = Metrics::new(prometheus)?;
-        let public_key = config.secret_key.public_key();
+        let keys = KeyPair::new(config.secret_key.clone());
+        let public_key = keys.public();
         let admission_refused = prometheus::IntCounterVec::new(
             prometheus::Opts::new(
                 "derp_admission_refused",
@@ -60,6 +68,8 @@ impl ServerState {
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             admission_refused,
             registry: Registry::new(metrics.clone(), public_key),
+            keys,
+            derp_response_head: Bytes::from(derp_proto::upgrade::derp_response_head(&public_key)),
             public_key,
             metrics,
             config,

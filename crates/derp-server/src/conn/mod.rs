@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use derp_io::{Transport, WriteHalf};
 use derp_proto::frame::{PEER_PRESENT_IS_MESH_PEER, PEER_PRESENT_IS_PROBER};
 use derp_proto::frame::{PEER_PRESENT_IS_REGULAR, PEER_PRESENT_NOT_IDEAL};
@@ -46,7 +46,7 @@ pub(crate) struct Accepted {
     pub(crate) remote: SocketAddr,
     /// Bytes to send before the ServerKey frame (the 101 response), if any. Sent in the same
     /// write as ServerKey, as the reference does.
-    pub(crate) preamble: Vec<u8>,
+    pub(crate) preamble: Bytes,
     /// How DERP frames travel on the stream.
     pub(crate) framing: Framing,
     /// The request carried a non-empty `Ideal-Node` header.
@@ -115,7 +115,7 @@ async fn run(
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
     let config = &shared.config;
-    let mut hs = ServerHandshake::new(config.secret_key.clone());
+    let mut hs = ServerHandshake::with_keys(shared.keys.clone());
     // Until the client is admitted it is unproven: a newer connection may evict it. Boxed,
     // and in a block of its own, so that the handshake's state (deadlines, the admission
     // checks, the ClientInfo) is freed once it is done instead of sizing every idle

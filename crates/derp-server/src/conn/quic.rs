@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use derp_io::Transport;
 use quinn::{Connection, Incoming, VarInt};
 use tokio::sync::OwnedSemaphorePermit;
@@ -138,7 +138,7 @@ async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
         transport: Transport::Halves(Box::new(recv), Box::new(send)),
         initial: BytesMut::new(),
         remote,
-        preamble: Vec::new(),
+        preamble: Bytes::new(),
         framing: Framing::Raw,
         not_ideal: false,
         quic: Some(link.clone()),

@@ -35,9 +35,15 @@ pub(crate) struct TargetArgs {
     #[arg(long, global = true)]
     pub(crate) cert_name: Option<String>,
 
-    /// TLS and QUIC: PEM file of extra CA certificates to trust.
-    #[arg(long, global = true, value_name = "FILE")]
-    pub(crate) ca_cert: Option<PathBuf>,
+    /// TLS and QUIC: PEM file of extra CA certificates to trust, for nodes whose
+    /// certificate comes from a private CA (`--ca-cert` is the same flag).
+    #[arg(
+        long = "ca",
+        visible_alias = "ca-cert",
+        global = true,
+        value_name = "FILE"
+    )]
+    pub(crate) ca: Option<PathBuf>,
 
     /// With an https:// URL: connect over QUIC to this UDP port of the same host instead
     /// (the node's --quic-port).

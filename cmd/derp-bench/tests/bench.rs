@@ -1252,3 +1252,137 @@ fn every_mode_takes_a_quic_url() {
             .unwrap()
     });
 }
+
+// ---- TLS nodes with a private CA: https:// and wss:// ----
+
+/// A CA made for the test and a relay behind derpd's TLS front with a certificate for
+/// 127.0.0.1 that this CA issued. Returns the server, the relay's address and the CA's PEM
+/// file.
+fn private_ca_relay(
+    rt: &tokio::runtime::Runtime,
+) -> (derp_server::Server, std::net::SocketAddr, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let mut ca_params = CertificateParams::default();
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "derp-bench test CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let mut leaf_params = CertificateParams::default();
+    leaf_params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap())];
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
+    let ca_file = temp_path("ca.pem");
+    std::fs::write(&ca_file, ca_cert.pem()).unwrap();
+
+    let registry = prometheus::Registry::new();
+    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+    let server =
+        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
+    let front = derp_tls::TlsFront::new(
+        &server.public_key(),
+        derp_tls::TlsOptions::new("127.0.0.1"),
+        &registry,
+    )
+    .unwrap();
+    front
+        .install(
+            derp_tls::load_certs_pem(leaf.pem().as_bytes()).unwrap(),
+            derp_tls::load_key_pem(leaf_key.serialize_pem().as_bytes()).unwrap(),
+            derp_tls::CertOrigin::Other,
+        )
+        .unwrap();
+    let addr = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = server.clone();
+        tokio::spawn(async move { front.serve(&serving, listener).await });
+        addr
+    });
+    (server, addr, ca_file)
+}
+
+#[test]
+fn every_mode_takes_https_and_wss_with_a_private_ca() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, addr, ca_file) = private_ca_relay(&rt);
+    let ca = ca_file.to_str().unwrap();
+    let https = format!("https://{addr}/derp");
+    let wss = format!("wss://{addr}/derp");
+    let run = |url: &str, ca_flag: &str, mode: &[&str]| -> serde_json::Value {
+        let mut args: Vec<&str> = mode.to_vec();
+        args.extend_from_slice(&["--url", url, ca_flag, ca]);
+        let r: Report<serde_json::Value> = bench_json(&args);
+        assert_eq!(r.target.url, url);
+        r.result
+    };
+    let window = ["--warmup", "100ms", "--duration", "400ms"];
+    for (url, ca_flag) in [(&https, "--ca"), (&wss, "--ca-cert")] {
+        let mut mode = vec!["throughput", "--pairs", "2", "--rate", "200"];
+        mode.extend_from_slice(&window);
+        let r: ThroughputResult = serde_json::from_value(run(url, ca_flag, &mode)).unwrap();
+        check_load_run(&r.runs[0], 2);
+        assert!(r.runs[0].delivered_packets > 0, "{url}: {:?}", r.runs[0]);
+
+        let mut mode = vec!["latency", "--probe-rate", "200"];
+        mode.extend_from_slice(&window);
+        let r: LatencyResult = serde_json::from_value(run(url, ca_flag, &mode)).unwrap();
+        assert!(r.runs[0].probes_received > 0, "{url}: {:?}", r.runs[0]);
+
+        let r: ConnectResult = serde_json::from_value(run(
+            url,
+            ca_flag,
+            &["connect", "--connections", "10", "--concurrency", "4"],
+        ))
+        .unwrap();
+        assert_eq!(r.runs[0].succeeded, 10, "{url}: {:?}", r.runs[0]);
+
+        let r: IdleResult = serde_json::from_value(run(
+            url,
+            ca_flag,
+            &["idle", "--connections", "10", "--hold", "50ms"],
+        ))
+        .unwrap();
+        assert_eq!(r.runs[0].opened, 10, "{url}");
+
+        let r: SweepResult = serde_json::from_value(run(
+            url,
+            ca_flag,
+            &[
+                "sweep",
+                "--pairs",
+                "1",
+                "--start-mbps",
+                "1",
+                "--max-steps",
+                "1",
+                "--warmup",
+                "100ms",
+                "--step-duration",
+                "300ms",
+            ],
+        ))
+        .unwrap();
+        assert!(r.steps[0].load.delivered_packets > 0, "{url}");
+    }
+
+    // Without the CA the certificate is refused, and the error says which flag to give.
+    let out = bench(&["connect", "--url", &https, "--connections", "1"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--ca FILE"), "{stderr}");
+
+    let _ = std::fs::remove_file(&ca_file);
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
+            .await
+            .unwrap()
+    });
+}

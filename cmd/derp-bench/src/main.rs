@@ -12,6 +12,8 @@
 //! its error is reported), or send anything anywhere but the one URL it is given.
 
 mod cli;
+mod closed_loop;
+mod floor;
 mod load;
 mod modes;
 mod pacing;
@@ -20,6 +22,7 @@ mod plot;
 mod procfs;
 mod progress;
 mod prom;
+mod rawclient;
 mod report;
 mod target;
 
@@ -37,6 +40,15 @@ use crate::target::{BENCH_THREAD_NAME, SpawnedServer, Target};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Mode::FloorRelay(args) = &cli.mode {
+        return match run_floor_relay(&cli, args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("derp-bench: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let spawned = if cli.target.spawn_server {
         match SpawnedServer::start() {
             Ok(s) => Some(s),
@@ -69,6 +81,23 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The floor relay measures nothing and tests nothing, so the target and output flags mean
+/// nothing to it; refusing them catches a command line that mixed up the two roles.
+fn run_floor_relay(cli: &Cli, args: &cli::FloorRelayArgs) -> anyhow::Result<()> {
+    let t = &cli.target;
+    if t.url.is_some()
+        || t.spawn_server
+        || t.peer_url.is_some()
+        || t.metrics_url.is_some()
+        || !t.server_pid.is_empty()
+        || cli.output.json
+        || cli.output.plot.is_some()
+    {
+        bail!("floor-relay takes only --listen: it is the server, not a measurement");
+    }
+    floor::run(args.listen)
 }
 
 /// What every mode gets.
@@ -212,10 +241,12 @@ async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
         match &cli.mode {
             Mode::Throughput(a) => modes::throughput::run(&mut ctx, &cli.target, a).await,
             Mode::Latency(a) => modes::latency::run(&mut ctx, &cli.target, a, &cli.output).await,
+            Mode::Pingpong(a) => modes::pingpong::run(&mut ctx, &cli.target, a).await,
             Mode::Connect(a) => modes::connect::run(&mut ctx, &cli.target, a).await,
             Mode::Idle(a) => modes::idle::run(&mut ctx, &cli.target, a).await,
             Mode::Sweep(a) => modes::sweep::run(&mut ctx, &cli.target, a, &cli.output).await,
             Mode::Soak(a) => modes::soak::run(&mut ctx, &cli.target, a, cli.output.json).await,
+            Mode::FloorRelay(_) => bail!("floor-relay is not a measurement"),
         }
     };
     let outcome = tokio::time::timeout(bound, fut)
@@ -255,11 +286,13 @@ fn time_bound(mode: &Mode) -> Duration {
     let expected = match mode {
         Mode::Throughput(a) => windows(a.runs, a.load.warmup, a.duration),
         Mode::Latency(a) => windows(a.runs, a.warmup, a.duration),
+        Mode::Pingpong(a) => windows(a.runs, a.warmup, a.duration),
         Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.runs,
         Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.runs,
         Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
         // Connecting and winding down thousands of clients, then settling.
         Mode::Soak(a) => a.duration + a.settle * 2 + Duration::from_secs(120),
+        Mode::FloorRelay(_) => Duration::ZERO,
     };
     expected * 2 + SLACK
 }

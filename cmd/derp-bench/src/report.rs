@@ -313,6 +313,60 @@ pub(crate) struct LatencyResult {
 }
 
 #[derive(Debug, Serialize)]
+pub(crate) struct PingpongConfig {
+    pub(crate) pairs: u32,
+    pub(crate) in_flight: u32,
+    pub(crate) size_bytes: u32,
+    pub(crate) client: &'static str,
+    pub(crate) warmup_s: f64,
+    pub(crate) duration_s: f64,
+    pub(crate) runs: u32,
+}
+
+/// One measured window of closed loops.
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongRun {
+    pub(crate) sent_packets: u64,
+    pub(crate) round_trips: u64,
+    pub(crate) round_trips_per_s: f64,
+    pub(crate) lost_packets: u64,
+    pub(crate) rtt: Percentiles,
+    pub(crate) cpu: CpuUse,
+    pub(crate) server_cpu_us_per_round_trip: Option<f64>,
+    pub(crate) errors: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongMedian {
+    pub(crate) rtt: Percentiles,
+    pub(crate) round_trips_per_s: f64,
+    pub(crate) bench_cores: Option<f64>,
+    pub(crate) server_cores: Option<f64>,
+    pub(crate) server_cpu_us_per_round_trip: Option<f64>,
+}
+
+impl PingpongMedian {
+    pub(crate) fn of(runs: &[PingpongRun]) -> Self {
+        let rtts: Vec<Percentiles> = runs.iter().map(|r| r.rtt).collect();
+        Self {
+            rtt: Percentiles::median_of(&rtts),
+            round_trips_per_s: median(runs.iter().map(|r| r.round_trips_per_s)),
+            bench_cores: median_opt(runs.iter().map(|r| r.cpu.bench_cores)),
+            server_cores: median_opt(runs.iter().map(|r| r.cpu.server_cores)),
+            server_cpu_us_per_round_trip: median_opt(
+                runs.iter().map(|r| r.server_cpu_us_per_round_trip),
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongResult {
+    pub(crate) runs: Vec<PingpongRun>,
+    pub(crate) median: PingpongMedian,
+}
+
+#[derive(Debug, Serialize)]
 pub(crate) struct ConnectConfig {
     pub(crate) connections: u32,
     pub(crate) concurrency: u32,

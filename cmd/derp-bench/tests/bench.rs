@@ -209,6 +209,48 @@ struct LatencyResult {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct PingpongConfig {
+    pairs: u32,
+    in_flight: u32,
+    size_bytes: u32,
+    client: String,
+    warmup_s: f64,
+    duration_s: f64,
+    runs: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongRun {
+    sent_packets: u64,
+    round_trips: u64,
+    round_trips_per_s: f64,
+    lost_packets: u64,
+    rtt: Percentiles,
+    cpu: Cpu,
+    server_cpu_us_per_round_trip: Option<f64>,
+    errors: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongMedian {
+    rtt: Percentiles,
+    round_trips_per_s: f64,
+    bench_cores: Option<f64>,
+    server_cores: Option<f64>,
+    server_cpu_us_per_round_trip: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongResult {
+    runs: Vec<PingpongRun>,
+    median: PingpongMedian,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ConnectConfig {
     connections: u32,
     concurrency: u32,
@@ -537,6 +579,223 @@ fn latency_percentiles_are_ordered_and_plotted() {
     assert!(
         svg.contains("<svg") && svg.contains("percentile"),
         "{svg:.200}"
+    );
+}
+
+// ---- Pingpong ----
+
+/// Checks that hold for every closed-loop window: `loops` pairs x in-flight packets.
+fn check_pingpong_run(run: &PingpongRun, loops: u32, window_s: f64) {
+    assert!(run.round_trips > 0, "{run:?}");
+    assert!(run.round_trips <= run.sent_packets, "{run:?}");
+    assert_eq!(run.lost_packets, 0, "{run:?}");
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let expected = run.round_trips as f64 / window_s;
+    assert!((run.round_trips_per_s - expected).abs() < 1e-6 * expected);
+    let p = &run.rtt;
+    assert!(p.min_us > 0.0 && p.min_us <= p.p50_us && p.p50_us <= p.p90_us);
+    assert!(p.p90_us <= p.p99_us && p.p99_us <= p.p999_us && p.p999_us <= p.max_us);
+    assert!(p.mean_us >= p.min_us && p.mean_us <= p.max_us);
+    // A closed loop: no more than `loops` packets are ever out, so the round trips of the
+    // packets sent in the window add up to at most `loops` times the window plus the last
+    // round trip (hdrhistogram's mean is good to 0.1%).
+    let busy_s = run.round_trips as f64 * p.mean_us / 1e6;
+    let bound_s = f64::from(loops) * (window_s + p.max_us / 1e6) * 1.01;
+    assert!(
+        busy_s <= bound_s,
+        "{busy_s} s of round trips, bound {bound_s}: {run:?}"
+    );
+    assert!(run.cpu.bench_cores.is_some() && run.cpu.wall_s > 0.0);
+}
+
+#[test]
+fn pingpong_keeps_one_packet_in_flight_and_times_each_round_trip() {
+    let r: Report<PingpongResult> = bench_json(&[
+        "pingpong",
+        "--spawn-server",
+        "--warmup",
+        "200ms",
+        "--duration",
+        "500ms",
+        "--runs",
+        "2",
+    ]);
+    assert_eq!(r.mode, "pingpong");
+    let c: PingpongConfig = config(&r);
+    assert_eq!(
+        (c.pairs, c.in_flight, c.size_bytes, c.runs),
+        (1, 1, 1200, 2)
+    );
+    assert_eq!(c.client, "tokio");
+    assert_eq!((c.warmup_s, c.duration_s), (0.2, 0.5));
+    assert_eq!(r.result.runs.len(), 2);
+    for run in &r.result.runs {
+        check_pingpong_run(run, 1, 0.5);
+        assert!(run.cpu.server_cpu_s.is_some());
+        assert!(run.server_cpu_us_per_round_trip.is_some());
+        // Sent and not back yet at the end of the window: at most the one in flight.
+        assert!(run.sent_packets - run.round_trips <= 1, "{run:?}");
+    }
+    let m = &r.result.median;
+    assert!(m.rtt.p50_us > 0.0 && m.round_trips_per_s > 0.0);
+    assert!(m.bench_cores.is_some() && m.server_cores.is_some());
+    assert!(m.server_cpu_us_per_round_trip.is_some());
+
+    // Several pairs with several packets in flight each.
+    let r: Report<PingpongResult> = bench_json(&[
+        "pingpong",
+        "--spawn-server",
+        "--pairs",
+        "2",
+        "--in-flight",
+        "4",
+        "--size",
+        "100",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "400ms",
+    ]);
+    let c: PingpongConfig = config(&r);
+    assert_eq!((c.pairs, c.in_flight, c.size_bytes), (2, 4, 100));
+    let run = &r.result.runs[0];
+    check_pingpong_run(run, 8, 0.4);
+    assert!(run.sent_packets - run.round_trips <= 8, "{run:?}");
+}
+
+// ---- The floor relay ----
+
+/// A `derp-bench floor-relay` process, stopped when dropped.
+struct FloorRelay {
+    child: std::process::Child,
+    url: String,
+}
+
+impl FloorRelay {
+    fn start() -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_derp-bench"))
+            .args(["floor-relay", "--listen", "127.0.0.1:0"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting the floor relay");
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .unwrap();
+        let url = line.trim().to_owned();
+        assert!(
+            url.starts_with("http://127.0.0.1:") && url.ends_with("/derp"),
+            "{url:?}"
+        );
+        Self { child, url }
+    }
+}
+
+impl Drop for FloorRelay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn floor_relay_carries_every_client_and_mode() {
+    let floor = FloorRelay::start();
+    let pid = floor.child.id().to_string();
+    let target = ["--url", floor.url.as_str(), "--server-pid", pid.as_str()];
+    let with = |mode: &[&str]| -> Vec<String> {
+        mode.iter()
+            .chain(target.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    for client in ["tokio", "blocking"] {
+        let args = with(&[
+            "pingpong",
+            "--client",
+            client,
+            "--pairs",
+            "2",
+            "--in-flight",
+            "2",
+            "--warmup",
+            "100ms",
+            "--duration",
+            "400ms",
+        ]);
+        let r: Report<PingpongResult> =
+            bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let c: PingpongConfig = config(&r);
+        assert_eq!(c.client, client);
+        let run = &r.result.runs[0];
+        check_pingpong_run(run, 4, 0.4);
+        assert!(run.cpu.server_cpu_s.is_some(), "--server-pid gives CPU");
+    }
+
+    // Open-loop probes and paced load go through it too.
+    let args = with(&[
+        "latency",
+        "--probe-rate",
+        "500",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "400ms",
+    ]);
+    let r: Report<LatencyResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let run = &r.result.runs[0];
+    assert!(run.probes_received > 0 && run.probes_lost == 0, "{run:?}");
+    let args = with(&[
+        "throughput",
+        "--pairs",
+        "2",
+        "--rate",
+        "500",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "400ms",
+    ]);
+    let r: Report<ThroughputResult> =
+        bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    check_load_run(&r.result.runs[0], 2);
+    assert_eq!(r.result.runs[0].lost_packets, 0);
+
+    // Anything but a DERP upgrade gets a 400 and the connection closes.
+    let mut s = std::net::TcpStream::connect(
+        floor
+            .url
+            .trim_start_matches("http://")
+            .trim_end_matches("/derp"),
+    )
+    .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+}
+
+#[test]
+fn pingpong_and_floor_relay_refuse_what_they_cannot_do() {
+    let out = bench(&["floor-relay", "--url", "http://127.0.0.1:1/derp"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("only --listen"));
+    let out = bench(&[
+        "pingpong",
+        "--spawn-server",
+        "--client",
+        "blocking",
+        "--in-flight",
+        "1000",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("at most 64 KiB in flight"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 
@@ -1371,7 +1630,23 @@ fn every_mode_takes_https_and_wss_with_a_private_ca() {
         ))
         .unwrap();
         assert!(r.steps[0].load.delivered_packets > 0, "{url}");
+
+        let mut mode = vec!["pingpong", "--in-flight", "2"];
+        mode.extend_from_slice(&window);
+        let r: PingpongResult = serde_json::from_value(run(url, ca_flag, &mode)).unwrap();
+        check_pingpong_run(&r.runs[0], 2, 0.4);
     }
+
+    // The blocking client speaks plain http:// only, and says so.
+    let out = bench(&[
+        "pingpong", "--url", &https, "--ca", ca, "--client", "blocking",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("plain http:// only"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // Without the CA the certificate is refused, and the error says which flag to give.
     let out = bench(&["connect", "--url", &https, "--connections", "1"]);

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
 
 /// Load-test client for DERP relays (derpd, Tailscale's derper or any other).
 ///
@@ -18,12 +19,18 @@ pub(crate) struct Cli {
     pub(crate) target: TargetArgs,
     #[command(flatten)]
     pub(crate) output: OutputArgs,
+    /// Spread the load over this many bench processes (throughput, latency, pingpong,
+    /// connect, idle, sweep): each gets a share of the pairs or connections, their windows
+    /// open together, and their figures are merged into one result (CPU summed, histograms
+    /// merged), so the generator is not what runs out first.
+    #[arg(long, global = true, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCS))]
+    pub(crate) procs: u32,
     #[command(subcommand)]
     pub(crate) mode: Mode,
 }
 
 /// Which server to test and how to observe it.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args, Serialize, Deserialize)]
 pub(crate) struct TargetArgs {
     /// DERP URL: http://host:port/derp, ws://host:port/derp for WebSocket, https:// or
     /// wss:// over TLS, or quic://host:port for DERP over QUIC.
@@ -122,6 +129,9 @@ pub(crate) enum Mode {
     /// the other with one read and one write, so a round trip through it is the floor of what
     /// a relay on this machine can do. Prints its URL, then relays until stopped.
     FloorRelay(FloorRelayArgs),
+    /// One of the processes of a --procs run; started by derp-bench itself.
+    #[command(hide = true)]
+    Worker,
 }
 
 #[derive(Debug, Args)]
@@ -244,7 +254,7 @@ pub(crate) struct PingpongArgs {
 }
 
 /// Which client the closed loop runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 pub(crate) enum ClientKind {
     Tokio,
     Blocking,
@@ -369,6 +379,7 @@ pub(crate) struct SoakArgs {
 pub(crate) const MAX_PAIRS: i64 = 5000;
 pub(crate) const MAX_CONNECTIONS: i64 = 200_000;
 pub(crate) const MAX_RUNS: i64 = 20;
+pub(crate) const MAX_PROCS: i64 = 64;
 /// No single window may be longer than this.
 pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(3600);
 

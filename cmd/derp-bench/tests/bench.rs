@@ -45,6 +45,7 @@ struct Report<T> {
     tool_version: String,
     mode: String,
     started_unix_s: u64,
+    procs: usize,
     target: TargetInfo,
     machine: Machine,
     config: serde_json::Value,
@@ -438,7 +439,8 @@ fn throughput_paced_counts_every_packet() {
         "--runs",
         "2",
     ]);
-    assert_eq!(r.schema_version, 1);
+    assert_eq!(r.schema_version, 2);
+    assert_eq!(r.procs, 1);
     assert_eq!(r.mode, "throughput");
     assert!(!r.tool_version.is_empty() && r.started_unix_s > 1_600_000_000);
     assert!(r.target.spawned_server && r.target.url.starts_with("http://127.0.0.1:"));
@@ -797,6 +799,163 @@ fn pingpong_and_floor_relay_refuse_what_they_cannot_do() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+// ---- Several bench processes ----
+
+#[test]
+fn procs_split_the_load_and_merge_the_figures() {
+    let window = ["--warmup", "150ms", "--duration", "500ms"];
+    let with = |mode: &[&str]| -> Vec<String> {
+        mode.iter()
+            .chain(["--spawn-server", "--procs", "2"].iter())
+            .chain(window.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let json = |args: Vec<String>| -> serde_json::Value {
+        let r: Report<serde_json::Value> =
+            bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(r.procs, 2, "{:?}", r.warnings);
+        assert!(r.target.spawned_server);
+        r.result
+    };
+
+    // Three pairs over two processes: every pair reported once, counted as one run.
+    let r: ThroughputResult =
+        serde_json::from_value(json(with(&["throughput", "--pairs", "3", "--rate", "300"])))
+            .unwrap();
+    let run = &r.runs[0];
+    check_load_run(run, 3);
+    let ids: Vec<u32> = run.pairs.iter().map(|p| p.pair).collect();
+    assert_eq!(ids, [0, 1, 2]);
+    // 3 pairs x 300/s over 0.5 s from both processes: about 450 (fewer on a starved machine).
+    assert!(
+        (150..=520).contains(&run.sent_packets),
+        "sent {}",
+        run.sent_packets
+    );
+    assert_eq!(run.offered_pps, Some(900.0));
+    assert!(run.cpu.bench_cpu_s.is_some() && run.cpu.server_cpu_s.is_some());
+    assert!(run.server_drops.is_some(), "the parent scrapes the metrics");
+
+    // Probes in one process and background load in both; histograms merged.
+    let r: LatencyResult = serde_json::from_value(json(with(&[
+        "latency",
+        "--probes",
+        "2",
+        "--probe-rate",
+        "200",
+        "--load-pairs",
+        "2",
+        "--load-mbps",
+        "2",
+    ])))
+    .unwrap();
+    let run = &r.runs[0];
+    assert!(run.probes_received > 0, "{run:?}");
+    let bg = run.background.as_ref().unwrap();
+    check_load_run(bg, 2);
+    assert_eq!(
+        bg.pairs.iter().map(|p| p.pair).collect::<Vec<_>>(),
+        [2, 3],
+        "background pairs are numbered after the probes"
+    );
+
+    let r: PingpongResult =
+        serde_json::from_value(json(with(&["pingpong", "--pairs", "2"]))).unwrap();
+    check_pingpong_run(&r.runs[0], 2, 0.5);
+    assert!(r.runs[0].server_cpu_us_per_round_trip.is_some());
+
+    let r: SweepResult = serde_json::from_value(json(vec![
+        "sweep".into(),
+        "--spawn-server".into(),
+        "--procs".into(),
+        "2".into(),
+        "--pairs".into(),
+        "2".into(),
+        "--start-mbps".into(),
+        "2".into(),
+        "--max-steps".into(),
+        "2".into(),
+        "--warmup".into(),
+        "100ms".into(),
+        "--step-duration".into(),
+        "300ms".into(),
+    ]))
+    .unwrap();
+    for step in &r.steps {
+        check_load_run(&step.load, 2);
+    }
+
+    let conn = |mode: &[&str]| -> serde_json::Value {
+        let mut args: Vec<String> = mode.iter().map(|s| s.to_string()).collect();
+        args.extend(["--spawn-server", "--procs", "2"].map(String::from));
+        json(args)
+    };
+    let r: ConnectResult = serde_json::from_value(conn(&[
+        "connect",
+        "--connections",
+        "40",
+        "--concurrency",
+        "6",
+        "--runs",
+        "2",
+    ]))
+    .unwrap();
+    for run in &r.runs {
+        assert_eq!((run.attempted, run.succeeded, run.failed), (40, 40, 0));
+        assert!(run.elapsed_s > 0.0 && run.cpu.bench_cpu_s.is_some());
+        let expected = 40.0 / run.elapsed_s;
+        assert!((run.handshakes_per_s - expected).abs() < 1e-6 * expected);
+        assert!(run.handshake.p50_ms > 0.0 && run.handshake.p50_ms <= run.handshake.max_ms);
+    }
+
+    let r: IdleResult = serde_json::from_value(conn(&[
+        "idle",
+        "--connections",
+        "60",
+        "--hold",
+        "50ms",
+        "--runs",
+        "2",
+    ]))
+    .unwrap();
+    for run in &r.runs {
+        assert_eq!((run.requested, run.opened, run.failed), (60, 60, 0));
+        let before = run.server_connections_before.unwrap();
+        assert_eq!(run.server_connections_held, Some(before + 60));
+        // The clients live in the workers: the relay's process holds only the server side.
+        assert!(!run.rss_includes_bench);
+    }
+}
+
+#[test]
+fn procs_beyond_the_load_or_where_they_do_not_apply() {
+    let r: Report<PingpongResult> = bench_json(&[
+        "pingpong",
+        "--spawn-server",
+        "--procs",
+        "4",
+        "--pairs",
+        "2",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "300ms",
+    ]);
+    assert_eq!(r.procs, 2);
+    assert!(
+        r.warnings.iter().any(|w| w.contains("--procs 4")),
+        "{:?}",
+        r.warnings
+    );
+    let out = bench(&["soak", "--spawn-server", "--procs", "2"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("soak runs in one process"));
+    let out = bench(&["worker"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no job on stdin"));
 }
 
 // ---- Connect ----

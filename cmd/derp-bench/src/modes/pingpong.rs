@@ -4,45 +4,137 @@
 
 use std::fmt::Write as _;
 
+use tokio::time::Instant;
+
 use crate::cli::{PingpongArgs, TargetArgs};
 use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
 use crate::load::{RttHistogram, new_histogram, sample_cpu};
+use crate::packet::Kind;
+use crate::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
 use crate::progress::Progress;
 use crate::report::{
-    CpuUse, Percentiles, PingpongConfig, PingpongMedian, PingpongResult, PingpongRun, opt, table,
+    CpuUse, Percentiles, PingpongConfig, PingpongMedian, PingpongResult, PingpongRun, WindowSpec,
+    opt, table,
 };
 use crate::{Ctx, Outcome};
+
+use super::worker::{ANSWER_SLACK, Answer, Command, LoopShare, Work, start_workers};
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
     target_args: &TargetArgs,
     args: &PingpongArgs,
 ) -> anyhow::Result<Outcome> {
-    crate::target::check_fd_budget(args.pairs as usize * 2, ctx.target.spawned)?;
     let spec = spec(args);
-    let mut pairs = LoopPairs::connect(&ctx.target, spec, 0, args.pairs, ctx.clock).await?;
+    spec.check(&ctx.target)?;
+    let procs = ctx.procs_asked.min(args.pairs).max(1) as usize;
+    let mut pairs = if procs > 1 {
+        if ctx.target.spawned {
+            crate::target::check_fd_budget(args.pairs as usize * 2, false)?;
+        }
+        let mut first_pair = 0;
+        let work = split(u64::from(args.pairs), procs)
+            .into_iter()
+            .map(|n| {
+                let share = LoopShare {
+                    pairs: n as u32,
+                    first_pair,
+                    size: spec.size,
+                    in_flight: spec.in_flight,
+                    client: spec.client,
+                };
+                first_pair += n as u32;
+                Work::Loops(share)
+            })
+            .collect();
+        Loops::Procs(start_workers(ctx, target_args, work).await?)
+    } else {
+        crate::target::check_fd_budget(args.pairs as usize * 2, ctx.target.spawned)?;
+        Loops::Local(LoopPairs::connect(&ctx.target, spec, 0, args.pairs, ctx.clock).await?)
+    };
     let progress = Progress::start((args.warmup + args.duration) * args.runs, "pingpong");
     let mut runs = Vec::new();
     for i in 0..args.runs {
         progress.message(format!("pingpong run {}/{}", i + 1, args.runs));
-        let window = window(args, tokio::time::Instant::now());
-        let target = &ctx.target;
-        let measure = async {
-            tokio::time::sleep_until(window.warm_end).await;
-            let before = sample_cpu(target);
-            tokio::time::sleep_until(window.end).await;
-            let after = sample_cpu(target);
-            let wall = tokio::time::Instant::now().saturating_duration_since(window.warm_end);
-            CpuUse::between(before, after, wall.as_secs_f64())
+        let run = match &mut pairs {
+            Loops::Local(pairs) => {
+                let window = window(args, Instant::now());
+                let target = &ctx.target;
+                let measure = async {
+                    tokio::time::sleep_until(window.warm_end).await;
+                    let before = sample_cpu(target);
+                    tokio::time::sleep_until(window.end).await;
+                    let after = sample_cpu(target);
+                    let wall = Instant::now().saturating_duration_since(window.warm_end);
+                    CpuUse::between(before, after, wall.as_secs_f64())
+                };
+                let (results, cpu) = tokio::join!(pairs.run_window(window), measure);
+                pingpong_run(results, cpu, args)
+            }
+            Loops::Procs(workers) => remote_window(ctx, workers, args).await?,
         };
-        let (results, cpu) = tokio::join!(pairs.run_window(window), measure);
-        let run = pingpong_run(results, cpu, args);
         ctx.check_cpu(&format!("run {}", i + 1), &run.cpu);
         runs.push(run);
     }
     progress.finish();
     drop(pairs);
     finish(ctx, target_args, args, runs)
+}
+
+/// The closed loops: in this process, or split over worker processes.
+#[derive(Debug)]
+enum Loops {
+    Local(LoopPairs),
+    Procs(Workers),
+}
+
+/// One window over every worker from a common start, the parent measuring the server and
+/// the machine.
+async fn remote_window(
+    ctx: &Ctx,
+    workers: &mut Workers,
+    args: &PingpongArgs,
+) -> anyhow::Result<PingpongRun> {
+    let start_unix_ns = unix_ns_now() + START_LEAD.as_nanos() as u64;
+    let spec = WindowSpec {
+        run: Ctx::run_id(),
+        size: args.size as usize,
+        rate_pps: None,
+        warmup: args.warmup,
+        duration: args.duration,
+        stop_receivers_after: None,
+        kind: Kind::Probe,
+    };
+    workers.send_all(&Command::Window {
+        start_unix_ns,
+        specs: vec![spec],
+    })?;
+    let warm_end = instant_at(start_unix_ns) + args.warmup;
+    tokio::time::sleep_until(warm_end).await;
+    let before = sample_cpu(&ctx.target);
+    tokio::time::sleep_until(warm_end + args.duration).await;
+    let after = sample_cpu(&ctx.target);
+    let wall_s = Instant::now()
+        .saturating_duration_since(warm_end)
+        .as_secs_f64();
+    let answers: Vec<Answer> = workers
+        .recv_all(args.warmup + args.duration + ANSWER_SLACK)
+        .await?;
+    let mut results = Vec::new();
+    let mut worker_cpu = Some(0.0);
+    for answer in answers {
+        let Answer::Loops {
+            results: outs,
+            bench_cpu_s,
+        } = answer
+        else {
+            anyhow::bail!("a bench process answered a window with {answer:?}");
+        };
+        results.extend(outs.into_iter().map(|o| o.into_result()));
+        worker_cpu = worker_cpu.zip(bench_cpu_s).map(|(a, b)| a + b);
+    }
+    let cpu = CpuUse::between(before, after, wall_s).plus_bench(worker_cpu);
+    Ok(pingpong_run(results, cpu, args))
 }
 
 pub(crate) fn spec(args: &PingpongArgs) -> LoopSpec {
@@ -54,7 +146,7 @@ pub(crate) fn spec(args: &PingpongArgs) -> LoopSpec {
 }
 
 /// A window starting at `start`.
-pub(crate) fn window(args: &PingpongArgs, start: tokio::time::Instant) -> LoopWindow {
+pub(crate) fn window(args: &PingpongArgs, start: Instant) -> LoopWindow {
     LoopWindow {
         run: Ctx::run_id(),
         start,

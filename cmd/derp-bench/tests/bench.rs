@@ -801,6 +801,48 @@ fn pingpong_and_floor_relay_refuse_what_they_cannot_do() {
     );
 }
 
+#[test]
+fn soak_over_tls_with_a_private_ca() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, addr, ca_file, registry) = private_ca_relay(&rt);
+    let metrics = rt.block_on(serve_metrics(registry));
+    let pid = std::process::id().to_string();
+    // Hostile clients and slow readers dial their own sockets: over TLS too, for both
+    // schemes (a wss:// node serves plain DERP upgrades on the same port).
+    for url in [format!("https://{addr}/derp"), format!("wss://{addr}/derp")] {
+        let r: Report<SoakResult> = bench_json(&[
+            "soak",
+            "--url",
+            &url,
+            "--ca",
+            ca_file.to_str().unwrap(),
+            "--metrics-url",
+            &format!("http://{metrics}/metrics"),
+            "--server-pid",
+            &pid,
+            "--clients",
+            "20",
+            "--duration",
+            "2s",
+            "--settle",
+            "10s",
+        ]);
+        assert!(r.result.passed, "{url}: {:#?}", r.result.checks);
+        assert!(!r.result.hostile_attempts.is_empty(), "{url}");
+        assert!(r.result.closed_loop_sent > 0, "{url}");
+    }
+    let _ = std::fs::remove_file(&ca_file);
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
+            .await
+            .unwrap()
+    });
+}
+
 // ---- Several bench processes ----
 
 #[test]
@@ -1678,7 +1720,12 @@ fn every_mode_takes_a_quic_url() {
 /// file.
 fn private_ca_relay(
     rt: &tokio::runtime::Runtime,
-) -> (derp_server::Server, std::net::SocketAddr, PathBuf) {
+) -> (
+    derp_server::Server,
+    std::net::SocketAddr,
+    PathBuf,
+    prometheus::Registry,
+) {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
     let mut ca_params = CertificateParams::default();
     ca_params
@@ -1720,7 +1767,7 @@ fn private_ca_relay(
         tokio::spawn(async move { front.serve(&serving, listener).await });
         addr
     });
-    (server, addr, ca_file)
+    (server, addr, ca_file, registry)
 }
 
 #[test]
@@ -1730,7 +1777,7 @@ fn every_mode_takes_https_and_wss_with_a_private_ca() {
         .enable_all()
         .build()
         .unwrap();
-    let (server, addr, ca_file) = private_ca_relay(&rt);
+    let (server, addr, ca_file, _) = private_ca_relay(&rt);
     let ca = ca_file.to_str().unwrap();
     let https = format!("https://{addr}/derp");
     let wss = format!("wss://{addr}/derp");

@@ -208,6 +208,13 @@ pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
     let setup = async {
         let target = Target::new(&job.target, None)?;
         let clock = Clock::new();
+        let connections = match &job.work {
+            Work::Fleets(shares) => shares.iter().map(|s| s.pairs as usize * 2).sum(),
+            Work::Loops(s) => s.pairs as usize * 2,
+            Work::Storm(s) => s.concurrency as usize,
+            Work::Idle(s) => s.count,
+        };
+        crate::target::check_fd_budget(connections, false)?;
         let held = match job.work {
             Work::Fleets(shares) => {
                 let mut fleets = Vec::new();

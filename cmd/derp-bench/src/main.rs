@@ -1,15 +1,16 @@
 //! derp-bench: a load-test client for DERP relays (derpd, Tailscale's derper, or any other).
 //!
-//! What it does: measures a relay from the outside over its DERP URL, in five modes
-//! (throughput, latency, connect, idle, sweep), with paced senders, per-pair loss counting,
-//! timestamped packets, warm-up and repeated runs; and soaks it (`soak`): every kind of
-//! client for a long time, then a strict account that fails the run on any discrepancy. It reports its own CPU use next to the
-//! server's and warns when it, rather than the server, is the likely bottleneck. With
-//! `--spawn-server` it starts an in-process derpd relay to test.
+//! What it does: measures a relay from the outside over its DERP URL (plain, WebSocket, TLS
+//! or QUIC), in six modes (throughput, latency, pingpong, connect, idle, sweep), with paced
+//! senders, per-pair loss counting, timestamped packets, warm-up and repeated runs, in one
+//! process or spread over several (`--procs`); and soaks it (`soak`): every kind of client for
+//! a long time, then a strict account that fails the run on any discrepancy. It reports its
+//! own CPU use next to the server's and warns when it, rather than the server, is the likely
+//! bottleneck. With `--spawn-server` it starts an in-process derpd relay to test;
+//! `floor-relay` runs the least relay there is, to measure against.
 //!
-//! What it does not do: generate load from several machines (run several instances for
-//! that), speak TLS (that is the client library's business; https URLs are passed through and
-//! its error is reported), or send anything anywhere but the one URL it is given.
+//! What it does not do: generate load from several machines (run one bench per machine
+//! for that), or send anything anywhere but the URLs it is given.
 
 mod cli;
 mod closed_loop;

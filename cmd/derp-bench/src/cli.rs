@@ -1,9 +1,11 @@
 //! Command-line flags.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
 
 /// Load-test client for DERP relays (derpd, Tailscale's derper or any other).
 ///
@@ -17,12 +19,18 @@ pub(crate) struct Cli {
     pub(crate) target: TargetArgs,
     #[command(flatten)]
     pub(crate) output: OutputArgs,
+    /// Spread the load over this many bench processes (throughput, latency, pingpong,
+    /// connect, idle, sweep): each gets a share of the pairs or connections, their windows
+    /// open together, and their figures are merged into one result (CPU summed, histograms
+    /// merged), so the generator is not what runs out first.
+    #[arg(long, global = true, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_PROCS))]
+    pub(crate) procs: u32,
     #[command(subcommand)]
     pub(crate) mode: Mode,
 }
 
 /// Which server to test and how to observe it.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args, Serialize, Deserialize)]
 pub(crate) struct TargetArgs {
     /// DERP URL: http://host:port/derp, ws://host:port/derp for WebSocket, https:// or
     /// wss:// over TLS, or quic://host:port for DERP over QUIC.
@@ -35,9 +43,15 @@ pub(crate) struct TargetArgs {
     #[arg(long, global = true)]
     pub(crate) cert_name: Option<String>,
 
-    /// TLS and QUIC: PEM file of extra CA certificates to trust.
-    #[arg(long, global = true, value_name = "FILE")]
-    pub(crate) ca_cert: Option<PathBuf>,
+    /// TLS and QUIC: PEM file of extra CA certificates to trust, for nodes whose
+    /// certificate comes from a private CA (`--ca-cert` is the same flag).
+    #[arg(
+        long = "ca",
+        visible_alias = "ca-cert",
+        global = true,
+        value_name = "FILE"
+    )]
+    pub(crate) ca: Option<PathBuf>,
 
     /// With an https:// URL: connect over QUIC to this UDP port of the same host instead
     /// (the node's --quic-port).
@@ -96,6 +110,10 @@ pub(crate) enum Mode {
     /// Round trips A -> relay -> B -> relay -> A with a timestamp in each packet, optionally
     /// under background load.
     Latency(LatencyArgs),
+    /// Closed loop: A sends a packet to B through the relay, B echoes it at once, A times the
+    /// round trip and sends the next, with --in-flight packets outstanding. Round-trip
+    /// percentiles, round trips per second and server CPU per round trip.
+    Pingpong(PingpongArgs),
     /// Connection storm: handshakes per second and failures at a given concurrency.
     Connect(ConnectArgs),
     /// Hold many idle connections and report the server's memory per connection.
@@ -106,6 +124,21 @@ pub(crate) enum Mode {
     /// strict account of every packet, connection, descriptor and byte of memory. Exits
     /// non-zero when any check fails. Needs --metrics-url and --server-pid (or --spawn-server).
     Soak(SoakArgs),
+    /// Not a measurement: a minimal relay to measure against. It speaks just enough DERP for
+    /// derp-bench's clients (plain http://, no TLS) and copies each packet from one socket to
+    /// the other with one read and one write, so a round trip through it is the floor of what
+    /// a relay on this machine can do. Prints its URL, then relays until stopped.
+    FloorRelay(FloorRelayArgs),
+    /// One of the processes of a --procs run; started by derp-bench itself.
+    #[command(hide = true)]
+    Worker,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct FloorRelayArgs {
+    /// Address to listen on; port 0 lets the kernel choose (the URL printed says which).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub(crate) listen: SocketAddr,
 }
 
 /// Load shape shared by throughput and sweep.
@@ -185,6 +218,55 @@ pub(crate) struct LatencyArgs {
     /// Repeat the measurement; the summary gives medians.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
     pub(crate) runs: u32,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PingpongArgs {
+    /// Echo pairs, each its own closed loop (two connections and two threads each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=128))]
+    pub(crate) pairs: u32,
+
+    /// Packets each pair keeps outstanding: 1 is strict ping-pong.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub(crate) in_flight: u32,
+
+    /// Packet size in bytes (the DERP payload).
+    #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(32..=65536))]
+    pub(crate) size: u32,
+
+    /// The client each side uses: `tokio` (derp-client on a current-thread runtime per
+    /// side; every URL scheme) or `blocking` (a blocking socket speaking DERP directly; plain
+    /// http:// only; the leanest client there is).
+    #[arg(long, value_enum, default_value_t = ClientKind::Tokio)]
+    pub(crate) client: ClientKind,
+
+    /// Warm-up before each measured window.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub(crate) warmup: Duration,
+
+    /// Measured window of each run.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) duration: Duration,
+
+    /// Repeat the measurement; the summary gives medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
+    pub(crate) runs: u32,
+}
+
+/// Which client the closed loop runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub(crate) enum ClientKind {
+    Tokio,
+    Blocking,
+}
+
+impl ClientKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Tokio => "tokio",
+            Self::Blocking => "blocking",
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -297,6 +379,7 @@ pub(crate) struct SoakArgs {
 pub(crate) const MAX_PAIRS: i64 = 5000;
 pub(crate) const MAX_CONNECTIONS: i64 = 200_000;
 pub(crate) const MAX_RUNS: i64 = 20;
+pub(crate) const MAX_PROCS: i64 = 64;
 /// No single window may be longer than this.
 pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(3600);
 

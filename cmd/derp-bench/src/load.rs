@@ -181,14 +181,16 @@ impl Fleet {
         })
     }
 
-    /// Runs one warm-up plus measured window and waits for stragglers.
+    /// Runs one warm-up plus measured window from `start` (now, or a start time shared
+    /// with other bench processes) and waits for stragglers.
     pub(crate) async fn run_window(
         &mut self,
         spec: &WindowSpec,
+        start: Instant,
         clock: Clock,
         target: &Target,
     ) -> anyhow::Result<(LoadRun, RttHistogram)> {
-        let start = Instant::now();
+        tokio::time::sleep_until(start).await;
         let warm_end = start + spec.warmup;
         let end = warm_end + spec.duration;
         let window = (clock.ns(warm_end), clock.ns(end));
@@ -307,6 +309,54 @@ impl Fleet {
             errors,
         );
         Ok((run, rtt))
+    }
+}
+
+/// Runs a window on one fleet, or on two at once from the same start (latency's probes and
+/// background load), one spec each.
+pub(crate) async fn run_fleets(
+    fleets: &mut [Fleet],
+    specs: &[WindowSpec],
+    start: Instant,
+    clock: Clock,
+    target: &Target,
+) -> anyhow::Result<Vec<(LoadRun, RttHistogram)>> {
+    match (fleets, specs) {
+        ([a], [sa]) => Ok(vec![a.run_window(sa, start, clock, target).await?]),
+        ([a, b], [sa, sb]) => {
+            let (ra, rb) = tokio::join!(
+                a.run_window(sa, start, clock, target),
+                b.run_window(sb, start, clock, target)
+            );
+            Ok(vec![ra?, rb?])
+        }
+        (f, s) => Err(anyhow!(
+            "{} fleets and {} window specs: one or two of each, as many specs as fleets",
+            f.len(),
+            s.len()
+        )),
+    }
+}
+
+/// A histogram as (value, count) pairs, to carry it between bench processes without losing
+/// anything: each value is the top of its bucket, so it lands in the same bucket again.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub(crate) struct HistWire(Vec<(u64, u64)>);
+
+impl HistWire {
+    pub(crate) fn of(h: &RttHistogram) -> Self {
+        Self(
+            h.iter_recorded()
+                .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                .collect(),
+        )
+    }
+
+    /// Adds the values to `h`.
+    pub(crate) fn add_to(&self, h: &mut RttHistogram) {
+        for &(value, count) in &self.0 {
+            h.saturating_record_n(value, count);
+        }
     }
 }
 
@@ -542,5 +592,40 @@ async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_cross_processes_intact() {
+        let mut h = new_histogram();
+        for v in [
+            1u64,
+            999,
+            1_000,
+            1_001,
+            45_678,
+            45_679,
+            1_000_000_007,
+            59_000_000_000,
+        ] {
+            h.record_n(v, v % 7 + 1).unwrap();
+        }
+        let wire: HistWire =
+            serde_json::from_str(&serde_json::to_string(&HistWire::of(&h)).unwrap()).unwrap();
+        let mut back = new_histogram();
+        wire.add_to(&mut back);
+        assert_eq!(back.len(), h.len());
+        for q in [0.0, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0] {
+            assert_eq!(back.value_at_quantile(q), h.value_at_quantile(q), "q {q}");
+        }
+        assert_eq!((back.min(), back.max()), (h.min(), h.max()));
+        // Two processes' histograms merge into the histogram of all values.
+        wire.add_to(&mut back);
+        assert_eq!(back.len(), 2 * h.len());
+        assert_eq!(back.value_at_quantile(0.5), h.value_at_quantile(0.5));
     }
 }

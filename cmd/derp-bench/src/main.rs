@@ -1,25 +1,30 @@
 //! derp-bench: a load-test client for DERP relays (derpd, Tailscale's derper, or any other).
 //!
-//! What it does: measures a relay from the outside over its DERP URL, in five modes
-//! (throughput, latency, connect, idle, sweep), with paced senders, per-pair loss counting,
-//! timestamped packets, warm-up and repeated runs; and soaks it (`soak`): every kind of
-//! client for a long time, then a strict account that fails the run on any discrepancy. It reports its own CPU use next to the
-//! server's and warns when it, rather than the server, is the likely bottleneck. With
-//! `--spawn-server` it starts an in-process derpd relay to test.
+//! What it does: measures a relay from the outside over its DERP URL (plain, WebSocket, TLS
+//! or QUIC), in six modes (throughput, latency, pingpong, connect, idle, sweep), with paced
+//! senders, per-pair loss counting, timestamped packets, warm-up and repeated runs, in one
+//! process or spread over several (`--procs`); and soaks it (`soak`): every kind of client for
+//! a long time, then a strict account that fails the run on any discrepancy. It reports its
+//! own CPU use next to the server's and warns when it, rather than the server, is the likely
+//! bottleneck. With `--spawn-server` it starts an in-process derpd relay to test;
+//! `floor-relay` runs the least relay there is, to measure against.
 //!
-//! What it does not do: generate load from several machines (run several instances for
-//! that), speak TLS (that is the client library's business; https URLs are passed through and
-//! its error is reported), or send anything anywhere but the one URL it is given.
+//! What it does not do: generate load from several machines (run one bench per machine
+//! for that), or send anything anywhere but the URLs it is given.
 
 mod cli;
+mod closed_loop;
+mod floor;
 mod load;
 mod modes;
 mod pacing;
 mod packet;
 mod plot;
 mod procfs;
+mod procs;
 mod progress;
 mod prom;
+mod rawclient;
 mod report;
 mod target;
 
@@ -37,6 +42,24 @@ use crate::target::{BENCH_THREAD_NAME, SpawnedServer, Target};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Mode::Worker = cli.mode {
+        return match run_worker() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("derp-bench worker: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if let Mode::FloorRelay(args) = &cli.mode {
+        return match run_floor_relay(&cli, args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("derp-bench: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let spawned = if cli.target.spawn_server {
         match SpawnedServer::start() {
             Ok(s) => Some(s),
@@ -71,6 +94,38 @@ fn main() -> ExitCode {
     }
 }
 
+/// A worker of a `--procs` run: its job first, then a runtime sized by it.
+fn run_worker() -> anyhow::Result<()> {
+    let job: modes::worker::Job = procs::Parent::read_job()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(job.threads.max(1))
+        .enable_all()
+        .thread_name(BENCH_THREAD_NAME)
+        .build()
+        .context("starting the worker's runtime")?;
+    let out = rt.block_on(modes::worker::run(job));
+    rt.shutdown_timeout(Duration::from_secs(2));
+    out
+}
+
+/// The floor relay measures nothing and tests nothing, so the target and output flags mean
+/// nothing to it; refusing them catches a command line that mixed up the two roles.
+fn run_floor_relay(cli: &Cli, args: &cli::FloorRelayArgs) -> anyhow::Result<()> {
+    let t = &cli.target;
+    if t.url.is_some()
+        || t.spawn_server
+        || t.peer_url.is_some()
+        || t.metrics_url.is_some()
+        || !t.server_pid.is_empty()
+        || cli.output.json
+        || cli.output.plot.is_some()
+        || cli.procs > 1
+    {
+        bail!("floor-relay takes only --listen: it is the server, not a measurement");
+    }
+    floor::run(args.listen)
+}
+
 /// What every mode gets.
 #[derive(Debug)]
 pub(crate) struct Ctx {
@@ -78,6 +133,10 @@ pub(crate) struct Ctx {
     pub(crate) clock: Clock,
     pub(crate) cores: usize,
     pub(crate) warnings: Vec<String>,
+    /// `--procs`: how many processes the load may be spread over.
+    pub(crate) procs_asked: u32,
+    /// How many carry it (1: this one alone).
+    pub(crate) procs: usize,
     started_unix_s: u64,
 }
 
@@ -88,19 +147,24 @@ impl Ctx {
         let Some(bench) = cpu.bench_cores else {
             return;
         };
+        let procs = if self.procs > 1 {
+            format!(" (all {} bench processes together)", self.procs)
+        } else {
+            String::new()
+        };
         let warning = if bench >= 0.8 * cores {
             Some(format!(
-                "{what}: the bench used {bench:.2} of {cores} cores; it is likely the bottleneck \
-                 and the figures are a lower bound for the server"
+                "{what}: the bench used {bench:.2} of {cores} cores{procs}; it is likely the \
+                 bottleneck and the figures are a lower bound for the server"
             ))
         } else if let Some(server) = cpu.server_cores
             && bench + server >= 0.85 * cores
             && bench >= server
         {
             Some(format!(
-                "{what}: the machine's CPUs are saturated ({bench:.2} bench + {server:.2} server \
-                 of {cores} cores) and the bench uses more than the server; run the bench on \
-                 another machine (or several instances) to measure the server alone"
+                "{what}: the machine's CPUs are saturated ({bench:.2} bench{procs} + {server:.2} \
+                 server of {cores} cores) and the bench uses more than the server; run the bench \
+                 on another machine to measure the server alone"
             ))
         } else if let Some(busy) = cpu.machine_busy_cores
             && busy >= 0.9 * cores
@@ -143,6 +207,7 @@ impl Ctx {
             tool_version: env!("CARGO_PKG_VERSION"),
             mode,
             started_unix_s: self.started_unix_s,
+            procs: self.procs,
             target: TargetInfo {
                 url: self.target.url.to_string(),
                 spawned_server: self.target.spawned,
@@ -181,12 +246,20 @@ async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
         bail!("give the server with --url URL, or use --spawn-server");
     }
     check_plot(&cli.mode, &cli.output)?;
+    if cli.procs > 1 && matches!(cli.mode, Mode::Soak(_)) {
+        bail!(
+            "--procs spreads the load of throughput, latency, pingpong, connect, idle and \
+             sweep; soak runs in one process"
+        );
+    }
     let target = Target::new(&cli.target, spawned)?;
     let mut ctx = Ctx {
         target,
         clock: Clock::new(),
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         warnings: Vec::new(),
+        procs_asked: cli.procs,
+        procs: 1,
         started_unix_s: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
@@ -212,10 +285,12 @@ async fn run(cli: &Cli, spawned: Option<&SpawnedServer>) -> anyhow::Result<()> {
         match &cli.mode {
             Mode::Throughput(a) => modes::throughput::run(&mut ctx, &cli.target, a).await,
             Mode::Latency(a) => modes::latency::run(&mut ctx, &cli.target, a, &cli.output).await,
+            Mode::Pingpong(a) => modes::pingpong::run(&mut ctx, &cli.target, a).await,
             Mode::Connect(a) => modes::connect::run(&mut ctx, &cli.target, a).await,
             Mode::Idle(a) => modes::idle::run(&mut ctx, &cli.target, a).await,
             Mode::Sweep(a) => modes::sweep::run(&mut ctx, &cli.target, a, &cli.output).await,
             Mode::Soak(a) => modes::soak::run(&mut ctx, &cli.target, a, cli.output.json).await,
+            Mode::FloorRelay(_) | Mode::Worker => bail!("not a measurement"),
         }
     };
     let outcome = tokio::time::timeout(bound, fut)
@@ -255,11 +330,13 @@ fn time_bound(mode: &Mode) -> Duration {
     let expected = match mode {
         Mode::Throughput(a) => windows(a.runs, a.load.warmup, a.duration),
         Mode::Latency(a) => windows(a.runs, a.warmup, a.duration),
+        Mode::Pingpong(a) => windows(a.runs, a.warmup, a.duration),
         Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.runs,
         Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.runs,
         Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
         // Connecting and winding down thousands of clients, then settling.
         Mode::Soak(a) => a.duration + a.settle * 2 + Duration::from_secs(120),
+        Mode::FloorRelay(_) | Mode::Worker => Duration::ZERO,
     };
     expected * 2 + SLACK
 }

@@ -20,7 +20,7 @@ pub(crate) const HEADER_LEN: usize = 32;
 const MAGIC: [u8; 4] = *b"DRPB";
 
 /// What a packet is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) enum Kind {
     /// Throughput load.
     Load = 0,

@@ -9,13 +9,13 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::packet::Kind;
 use crate::procfs::CpuSample;
 
 /// Version of the JSON layout; bumped when a field changes meaning or goes away.
-pub(crate) const SCHEMA_VERSION: u32 = 1;
+pub(crate) const SCHEMA_VERSION: u32 = 2;
 
 /// The whole JSON document.
 #[derive(Debug, Serialize)]
@@ -24,6 +24,8 @@ pub(crate) struct Report<C: Serialize, R: Serialize> {
     pub(crate) tool_version: &'static str,
     pub(crate) mode: &'static str,
     pub(crate) started_unix_s: u64,
+    /// Bench processes that carried the load (`--procs`; 1 without it).
+    pub(crate) procs: usize,
     pub(crate) target: TargetInfo,
     pub(crate) machine: Machine,
     pub(crate) config: C,
@@ -52,7 +54,7 @@ pub(crate) struct Machine {
 }
 
 /// CPU used during a measured window.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub(crate) struct CpuUse {
     pub(crate) wall_s: f64,
     pub(crate) bench_cpu_s: Option<f64>,
@@ -89,14 +91,30 @@ impl CpuUse {
     }
 }
 
+impl CpuUse {
+    /// Adds other bench processes' CPU over the same window (`--procs`): the bench's figure
+    /// is what all of them used. Unknown when any of them is.
+    pub(crate) fn plus_bench(mut self, others: Option<f64>) -> Self {
+        self.bench_cpu_s = self.bench_cpu_s.zip(others).map(|(a, b)| a + b);
+        self.bench_cores = self.bench_cpu_s.map(|c| {
+            if self.wall_s > 0.0 {
+                c / self.wall_s
+            } else {
+                0.0
+            }
+        });
+        self
+    }
+}
+
 /// Server drops during a window, from `derp_packets_dropped{reason,kind}`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct Drops {
     pub(crate) total_packets: u64,
     pub(crate) by_reason: BTreeMap<String, u64>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct PairResult {
     pub(crate) pair: u32,
     pub(crate) sent_packets: u64,
@@ -107,7 +125,7 @@ pub(crate) struct PairResult {
 }
 
 /// One measured load window.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct LoadRun {
     pub(crate) window_s: f64,
     pub(crate) pairs_connected: usize,
@@ -310,6 +328,60 @@ impl LatencyMedian {
 pub(crate) struct LatencyResult {
     pub(crate) runs: Vec<LatencyRun>,
     pub(crate) median: LatencyMedian,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongConfig {
+    pub(crate) pairs: u32,
+    pub(crate) in_flight: u32,
+    pub(crate) size_bytes: u32,
+    pub(crate) client: &'static str,
+    pub(crate) warmup_s: f64,
+    pub(crate) duration_s: f64,
+    pub(crate) runs: u32,
+}
+
+/// One measured window of closed loops.
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongRun {
+    pub(crate) sent_packets: u64,
+    pub(crate) round_trips: u64,
+    pub(crate) round_trips_per_s: f64,
+    pub(crate) lost_packets: u64,
+    pub(crate) rtt: Percentiles,
+    pub(crate) cpu: CpuUse,
+    pub(crate) server_cpu_us_per_round_trip: Option<f64>,
+    pub(crate) errors: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongMedian {
+    pub(crate) rtt: Percentiles,
+    pub(crate) round_trips_per_s: f64,
+    pub(crate) bench_cores: Option<f64>,
+    pub(crate) server_cores: Option<f64>,
+    pub(crate) server_cpu_us_per_round_trip: Option<f64>,
+}
+
+impl PingpongMedian {
+    pub(crate) fn of(runs: &[PingpongRun]) -> Self {
+        let rtts: Vec<Percentiles> = runs.iter().map(|r| r.rtt).collect();
+        Self {
+            rtt: Percentiles::median_of(&rtts),
+            round_trips_per_s: median(runs.iter().map(|r| r.round_trips_per_s)),
+            bench_cores: median_opt(runs.iter().map(|r| r.cpu.bench_cores)),
+            server_cores: median_opt(runs.iter().map(|r| r.cpu.server_cores)),
+            server_cpu_us_per_round_trip: median_opt(
+                runs.iter().map(|r| r.server_cpu_us_per_round_trip),
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct PingpongResult {
+    pub(crate) runs: Vec<PingpongRun>,
+    pub(crate) median: PingpongMedian,
 }
 
 #[derive(Debug, Serialize)]
@@ -523,7 +595,7 @@ pub(crate) fn pct(r: f64) -> String {
 }
 
 /// What one window does.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct WindowSpec {
     pub(crate) run: u32,
     pub(crate) size: usize,

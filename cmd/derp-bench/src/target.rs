@@ -142,13 +142,13 @@ impl Target {
             (true, Some(_)) => ServerProbe::InProcess,
             (true, None) => ServerProbe::None,
         };
-        let extra_roots = match &args.ca_cert {
+        let extra_roots = match &args.ca {
             None => Vec::new(),
             Some(path) => {
                 let pem = std::fs::read(path)
-                    .with_context(|| format!("reading --ca-cert {}", path.display()))?;
+                    .with_context(|| format!("reading --ca {}", path.display()))?;
                 read_pem_certs(&pem)
-                    .with_context(|| format!("--ca-cert {}: no certificate", path.display()))?
+                    .with_context(|| format!("--ca {}: no certificate", path.display()))?
             }
         };
         if args.quic_port.is_some() && url.scheme() != derp_client::Scheme::Https {
@@ -373,7 +373,7 @@ pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
         ConnectError::Timeout(_) => format!("{e} (server unreachable or overloaded)"),
         other if other.to_string().to_ascii_lowercase().contains("tls") => format!(
             "{other} (https://, wss:// and quic:// need a certificate the client trusts: \
-             --cert-name sha256-raw:<pin> for a self-signed node, or --ca-cert FILE)"
+             --cert-name sha256-raw:<pin> for a self-signed node, or --ca FILE for a private CA)"
         ),
         ConnectError::Quic(_) => format!(
             "{e} (is QUIC enabled on the server, and is that its UDP port? derpd serves it on \

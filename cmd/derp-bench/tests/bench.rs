@@ -45,6 +45,7 @@ struct Report<T> {
     tool_version: String,
     mode: String,
     started_unix_s: u64,
+    procs: usize,
     target: TargetInfo,
     machine: Machine,
     config: serde_json::Value,
@@ -205,6 +206,48 @@ struct LatencyMedian {
 struct LatencyResult {
     runs: Vec<LatencyRun>,
     median: LatencyMedian,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongConfig {
+    pairs: u32,
+    in_flight: u32,
+    size_bytes: u32,
+    client: String,
+    warmup_s: f64,
+    duration_s: f64,
+    runs: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongRun {
+    sent_packets: u64,
+    round_trips: u64,
+    round_trips_per_s: f64,
+    lost_packets: u64,
+    rtt: Percentiles,
+    cpu: Cpu,
+    server_cpu_us_per_round_trip: Option<f64>,
+    errors: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongMedian {
+    rtt: Percentiles,
+    round_trips_per_s: f64,
+    bench_cores: Option<f64>,
+    server_cores: Option<f64>,
+    server_cpu_us_per_round_trip: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingpongResult {
+    runs: Vec<PingpongRun>,
+    median: PingpongMedian,
 }
 
 #[derive(Debug, Deserialize)]
@@ -396,7 +439,8 @@ fn throughput_paced_counts_every_packet() {
         "--runs",
         "2",
     ]);
-    assert_eq!(r.schema_version, 1);
+    assert_eq!(r.schema_version, 2);
+    assert_eq!(r.procs, 1);
     assert_eq!(r.mode, "throughput");
     assert!(!r.tool_version.is_empty() && r.started_unix_s > 1_600_000_000);
     assert!(r.target.spawned_server && r.target.url.starts_with("http://127.0.0.1:"));
@@ -538,6 +582,422 @@ fn latency_percentiles_are_ordered_and_plotted() {
         svg.contains("<svg") && svg.contains("percentile"),
         "{svg:.200}"
     );
+}
+
+// ---- Pingpong ----
+
+/// Checks that hold for every closed-loop window: `loops` pairs x in-flight packets.
+fn check_pingpong_run(run: &PingpongRun, loops: u32, window_s: f64) {
+    assert!(run.round_trips > 0, "{run:?}");
+    assert!(run.round_trips <= run.sent_packets, "{run:?}");
+    assert_eq!(run.lost_packets, 0, "{run:?}");
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let expected = run.round_trips as f64 / window_s;
+    assert!((run.round_trips_per_s - expected).abs() < 1e-6 * expected);
+    let p = &run.rtt;
+    assert!(p.min_us > 0.0 && p.min_us <= p.p50_us && p.p50_us <= p.p90_us);
+    assert!(p.p90_us <= p.p99_us && p.p99_us <= p.p999_us && p.p999_us <= p.max_us);
+    assert!(p.mean_us >= p.min_us && p.mean_us <= p.max_us);
+    // A closed loop: no more than `loops` packets are ever out, so the round trips of the
+    // packets sent in the window add up to at most `loops` times the window plus the last
+    // round trip (hdrhistogram's mean is good to 0.1%).
+    let busy_s = run.round_trips as f64 * p.mean_us / 1e6;
+    let bound_s = f64::from(loops) * (window_s + p.max_us / 1e6) * 1.01;
+    assert!(
+        busy_s <= bound_s,
+        "{busy_s} s of round trips, bound {bound_s}: {run:?}"
+    );
+    assert!(run.cpu.bench_cores.is_some() && run.cpu.wall_s > 0.0);
+}
+
+#[test]
+fn pingpong_keeps_one_packet_in_flight_and_times_each_round_trip() {
+    let r: Report<PingpongResult> = bench_json(&[
+        "pingpong",
+        "--spawn-server",
+        "--warmup",
+        "200ms",
+        "--duration",
+        "500ms",
+        "--runs",
+        "2",
+    ]);
+    assert_eq!(r.mode, "pingpong");
+    let c: PingpongConfig = config(&r);
+    assert_eq!(
+        (c.pairs, c.in_flight, c.size_bytes, c.runs),
+        (1, 1, 1200, 2)
+    );
+    assert_eq!(c.client, "tokio");
+    assert_eq!((c.warmup_s, c.duration_s), (0.2, 0.5));
+    assert_eq!(r.result.runs.len(), 2);
+    for run in &r.result.runs {
+        check_pingpong_run(run, 1, 0.5);
+        assert!(run.cpu.server_cpu_s.is_some());
+        assert!(run.server_cpu_us_per_round_trip.is_some());
+        // Sent and not back yet at the end of the window: at most the one in flight.
+        assert!(run.sent_packets - run.round_trips <= 1, "{run:?}");
+    }
+    let m = &r.result.median;
+    assert!(m.rtt.p50_us > 0.0 && m.round_trips_per_s > 0.0);
+    assert!(m.bench_cores.is_some() && m.server_cores.is_some());
+    assert!(m.server_cpu_us_per_round_trip.is_some());
+
+    // Several pairs with several packets in flight each.
+    let r: Report<PingpongResult> = bench_json(&[
+        "pingpong",
+        "--spawn-server",
+        "--pairs",
+        "2",
+        "--in-flight",
+        "4",
+        "--size",
+        "100",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "400ms",
+    ]);
+    let c: PingpongConfig = config(&r);
+    assert_eq!((c.pairs, c.in_flight, c.size_bytes), (2, 4, 100));
+    let run = &r.result.runs[0];
+    check_pingpong_run(run, 8, 0.4);
+    assert!(run.sent_packets - run.round_trips <= 8, "{run:?}");
+}
+
+// ---- The floor relay ----
+
+/// A `derp-bench floor-relay` process, stopped when dropped.
+struct FloorRelay {
+    child: std::process::Child,
+    url: String,
+}
+
+impl FloorRelay {
+    fn start() -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_derp-bench"))
+            .args(["floor-relay", "--listen", "127.0.0.1:0"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting the floor relay");
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .unwrap();
+        let url = line.trim().to_owned();
+        assert!(
+            url.starts_with("http://127.0.0.1:") && url.ends_with("/derp"),
+            "{url:?}"
+        );
+        Self { child, url }
+    }
+}
+
+impl Drop for FloorRelay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn floor_relay_carries_every_client_and_mode() {
+    let floor = FloorRelay::start();
+    let pid = floor.child.id().to_string();
+    let target = ["--url", floor.url.as_str(), "--server-pid", pid.as_str()];
+    let with = |mode: &[&str]| -> Vec<String> {
+        mode.iter()
+            .chain(target.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    for client in ["tokio", "blocking"] {
+        let args = with(&[
+            "pingpong",
+            "--client",
+            client,
+            "--pairs",
+            "2",
+            "--in-flight",
+            "2",
+            "--warmup",
+            "100ms",
+            "--duration",
+            "400ms",
+        ]);
+        let r: Report<PingpongResult> =
+            bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let c: PingpongConfig = config(&r);
+        assert_eq!(c.client, client);
+        let run = &r.result.runs[0];
+        check_pingpong_run(run, 4, 0.4);
+        assert!(run.cpu.server_cpu_s.is_some(), "--server-pid gives CPU");
+    }
+
+    // Open-loop probes and paced load go through it too.
+    let args = with(&[
+        "latency",
+        "--probe-rate",
+        "500",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "400ms",
+    ]);
+    let r: Report<LatencyResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let run = &r.result.runs[0];
+    assert!(run.probes_received > 0 && run.probes_lost == 0, "{run:?}");
+    let args = with(&[
+        "throughput",
+        "--pairs",
+        "2",
+        "--rate",
+        "500",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "400ms",
+    ]);
+    let r: Report<ThroughputResult> =
+        bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    check_load_run(&r.result.runs[0], 2);
+    assert_eq!(r.result.runs[0].lost_packets, 0);
+
+    // Anything but a DERP upgrade gets a 400 and the connection closes.
+    let mut s = std::net::TcpStream::connect(
+        floor
+            .url
+            .trim_start_matches("http://")
+            .trim_end_matches("/derp"),
+    )
+    .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+}
+
+#[test]
+fn pingpong_and_floor_relay_refuse_what_they_cannot_do() {
+    let out = bench(&["floor-relay", "--url", "http://127.0.0.1:1/derp"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("only --listen"));
+    let out = bench(&[
+        "pingpong",
+        "--spawn-server",
+        "--client",
+        "blocking",
+        "--in-flight",
+        "1000",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("at most 64 KiB in flight"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn soak_over_tls_with_a_private_ca() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, addr, ca_file, registry) = private_ca_relay(&rt);
+    let metrics = rt.block_on(serve_metrics(registry));
+    let pid = std::process::id().to_string();
+    // Hostile clients and slow readers dial their own sockets: over TLS too, for both
+    // schemes (a wss:// node serves plain DERP upgrades on the same port).
+    for url in [format!("https://{addr}/derp"), format!("wss://{addr}/derp")] {
+        let r: Report<SoakResult> = bench_json(&[
+            "soak",
+            "--url",
+            &url,
+            "--ca",
+            ca_file.to_str().unwrap(),
+            "--metrics-url",
+            &format!("http://{metrics}/metrics"),
+            "--server-pid",
+            &pid,
+            "--clients",
+            "20",
+            "--duration",
+            "2s",
+            "--settle",
+            "10s",
+        ]);
+        assert!(r.result.passed, "{url}: {:#?}", r.result.checks);
+        assert!(!r.result.hostile_attempts.is_empty(), "{url}");
+        assert!(r.result.closed_loop_sent > 0, "{url}");
+    }
+    let _ = std::fs::remove_file(&ca_file);
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
+            .await
+            .unwrap()
+    });
+}
+
+// ---- Several bench processes ----
+
+#[test]
+fn procs_split_the_load_and_merge_the_figures() {
+    let window = ["--warmup", "150ms", "--duration", "500ms"];
+    let with = |mode: &[&str]| -> Vec<String> {
+        mode.iter()
+            .chain(["--spawn-server", "--procs", "2"].iter())
+            .chain(window.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let json = |args: Vec<String>| -> serde_json::Value {
+        let r: Report<serde_json::Value> =
+            bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(r.procs, 2, "{:?}", r.warnings);
+        assert!(r.target.spawned_server);
+        r.result
+    };
+
+    // Three pairs over two processes: every pair reported once, counted as one run.
+    let r: ThroughputResult =
+        serde_json::from_value(json(with(&["throughput", "--pairs", "3", "--rate", "300"])))
+            .unwrap();
+    let run = &r.runs[0];
+    check_load_run(run, 3);
+    let ids: Vec<u32> = run.pairs.iter().map(|p| p.pair).collect();
+    assert_eq!(ids, [0, 1, 2]);
+    // 3 pairs x 300/s over 0.5 s from both processes: about 450 (fewer on a starved machine).
+    assert!(
+        (150..=520).contains(&run.sent_packets),
+        "sent {}",
+        run.sent_packets
+    );
+    assert_eq!(run.offered_pps, Some(900.0));
+    assert!(run.cpu.bench_cpu_s.is_some() && run.cpu.server_cpu_s.is_some());
+    assert!(run.server_drops.is_some(), "the parent scrapes the metrics");
+
+    // Probes in one process and background load in both; histograms merged.
+    let r: LatencyResult = serde_json::from_value(json(with(&[
+        "latency",
+        "--probes",
+        "2",
+        "--probe-rate",
+        "200",
+        "--load-pairs",
+        "2",
+        "--load-mbps",
+        "2",
+    ])))
+    .unwrap();
+    let run = &r.runs[0];
+    assert!(run.probes_received > 0, "{run:?}");
+    let bg = run.background.as_ref().unwrap();
+    check_load_run(bg, 2);
+    assert_eq!(
+        bg.pairs.iter().map(|p| p.pair).collect::<Vec<_>>(),
+        [2, 3],
+        "background pairs are numbered after the probes"
+    );
+
+    let r: PingpongResult =
+        serde_json::from_value(json(with(&["pingpong", "--pairs", "2"]))).unwrap();
+    check_pingpong_run(&r.runs[0], 2, 0.5);
+    assert!(r.runs[0].server_cpu_us_per_round_trip.is_some());
+
+    let r: SweepResult = serde_json::from_value(json(vec![
+        "sweep".into(),
+        "--spawn-server".into(),
+        "--procs".into(),
+        "2".into(),
+        "--pairs".into(),
+        "2".into(),
+        "--start-mbps".into(),
+        "2".into(),
+        "--max-steps".into(),
+        "2".into(),
+        "--warmup".into(),
+        "100ms".into(),
+        "--step-duration".into(),
+        "300ms".into(),
+    ]))
+    .unwrap();
+    for step in &r.steps {
+        check_load_run(&step.load, 2);
+    }
+
+    let conn = |mode: &[&str]| -> serde_json::Value {
+        let mut args: Vec<String> = mode.iter().map(|s| s.to_string()).collect();
+        args.extend(["--spawn-server", "--procs", "2"].map(String::from));
+        json(args)
+    };
+    let r: ConnectResult = serde_json::from_value(conn(&[
+        "connect",
+        "--connections",
+        "40",
+        "--concurrency",
+        "6",
+        "--runs",
+        "2",
+    ]))
+    .unwrap();
+    for run in &r.runs {
+        assert_eq!((run.attempted, run.succeeded, run.failed), (40, 40, 0));
+        assert!(run.elapsed_s > 0.0 && run.cpu.bench_cpu_s.is_some());
+        let expected = 40.0 / run.elapsed_s;
+        assert!((run.handshakes_per_s - expected).abs() < 1e-6 * expected);
+        assert!(run.handshake.p50_ms > 0.0 && run.handshake.p50_ms <= run.handshake.max_ms);
+    }
+
+    let r: IdleResult = serde_json::from_value(conn(&[
+        "idle",
+        "--connections",
+        "60",
+        "--hold",
+        "50ms",
+        "--runs",
+        "2",
+    ]))
+    .unwrap();
+    for run in &r.runs {
+        assert_eq!((run.requested, run.opened, run.failed), (60, 60, 0));
+        let before = run.server_connections_before.unwrap();
+        assert_eq!(run.server_connections_held, Some(before + 60));
+        // The clients live in the workers: the relay's process holds only the server side.
+        assert!(!run.rss_includes_bench);
+    }
+}
+
+#[test]
+fn procs_beyond_the_load_or_where_they_do_not_apply() {
+    let r: Report<PingpongResult> = bench_json(&[
+        "pingpong",
+        "--spawn-server",
+        "--procs",
+        "4",
+        "--pairs",
+        "2",
+        "--warmup",
+        "100ms",
+        "--duration",
+        "300ms",
+    ]);
+    assert_eq!(r.procs, 2);
+    assert!(
+        r.warnings.iter().any(|w| w.contains("--procs 4")),
+        "{:?}",
+        r.warnings
+    );
+    let out = bench(&["soak", "--spawn-server", "--procs", "2"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("soak runs in one process"));
+    let out = bench(&["worker"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no job on stdin"));
 }
 
 // ---- Connect ----
@@ -1246,6 +1706,161 @@ fn every_mode_takes_a_quic_url() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--cert-name"), "{stderr}");
 
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
+            .await
+            .unwrap()
+    });
+}
+
+// ---- TLS nodes with a private CA: https:// and wss:// ----
+
+/// A CA made for the test and a relay behind derpd's TLS front with a certificate for
+/// 127.0.0.1 that this CA issued. Returns the server, the relay's address and the CA's PEM
+/// file.
+fn private_ca_relay(
+    rt: &tokio::runtime::Runtime,
+) -> (
+    derp_server::Server,
+    std::net::SocketAddr,
+    PathBuf,
+    prometheus::Registry,
+) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let mut ca_params = CertificateParams::default();
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "derp-bench test CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let mut leaf_params = CertificateParams::default();
+    leaf_params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap())];
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
+    let ca_file = temp_path("ca.pem");
+    std::fs::write(&ca_file, ca_cert.pem()).unwrap();
+
+    let registry = prometheus::Registry::new();
+    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+    let server =
+        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
+    let front = derp_tls::TlsFront::new(
+        &server.public_key(),
+        derp_tls::TlsOptions::new("127.0.0.1"),
+        &registry,
+    )
+    .unwrap();
+    front
+        .install(
+            derp_tls::load_certs_pem(leaf.pem().as_bytes()).unwrap(),
+            derp_tls::load_key_pem(leaf_key.serialize_pem().as_bytes()).unwrap(),
+            derp_tls::CertOrigin::Other,
+        )
+        .unwrap();
+    let addr = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = server.clone();
+        tokio::spawn(async move { front.serve(&serving, listener).await });
+        addr
+    });
+    (server, addr, ca_file, registry)
+}
+
+#[test]
+fn every_mode_takes_https_and_wss_with_a_private_ca() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, addr, ca_file, _) = private_ca_relay(&rt);
+    let ca = ca_file.to_str().unwrap();
+    let https = format!("https://{addr}/derp");
+    let wss = format!("wss://{addr}/derp");
+    let run = |url: &str, ca_flag: &str, mode: &[&str]| -> serde_json::Value {
+        let mut args: Vec<&str> = mode.to_vec();
+        args.extend_from_slice(&["--url", url, ca_flag, ca]);
+        let r: Report<serde_json::Value> = bench_json(&args);
+        assert_eq!(r.target.url, url);
+        r.result
+    };
+    let window = ["--warmup", "100ms", "--duration", "400ms"];
+    for (url, ca_flag) in [(&https, "--ca"), (&wss, "--ca-cert")] {
+        let mut mode = vec!["throughput", "--pairs", "2", "--rate", "200"];
+        mode.extend_from_slice(&window);
+        let r: ThroughputResult = serde_json::from_value(run(url, ca_flag, &mode)).unwrap();
+        check_load_run(&r.runs[0], 2);
+        assert!(r.runs[0].delivered_packets > 0, "{url}: {:?}", r.runs[0]);
+
+        let mut mode = vec!["latency", "--probe-rate", "200"];
+        mode.extend_from_slice(&window);
+        let r: LatencyResult = serde_json::from_value(run(url, ca_flag, &mode)).unwrap();
+        assert!(r.runs[0].probes_received > 0, "{url}: {:?}", r.runs[0]);
+
+        let r: ConnectResult = serde_json::from_value(run(
+            url,
+            ca_flag,
+            &["connect", "--connections", "10", "--concurrency", "4"],
+        ))
+        .unwrap();
+        assert_eq!(r.runs[0].succeeded, 10, "{url}: {:?}", r.runs[0]);
+
+        let r: IdleResult = serde_json::from_value(run(
+            url,
+            ca_flag,
+            &["idle", "--connections", "10", "--hold", "50ms"],
+        ))
+        .unwrap();
+        assert_eq!(r.runs[0].opened, 10, "{url}");
+
+        let r: SweepResult = serde_json::from_value(run(
+            url,
+            ca_flag,
+            &[
+                "sweep",
+                "--pairs",
+                "1",
+                "--start-mbps",
+                "1",
+                "--max-steps",
+                "1",
+                "--warmup",
+                "100ms",
+                "--step-duration",
+                "300ms",
+            ],
+        ))
+        .unwrap();
+        assert!(r.steps[0].load.delivered_packets > 0, "{url}");
+
+        let mut mode = vec!["pingpong", "--in-flight", "2"];
+        mode.extend_from_slice(&window);
+        let r: PingpongResult = serde_json::from_value(run(url, ca_flag, &mode)).unwrap();
+        check_pingpong_run(&r.runs[0], 2, 0.4);
+    }
+
+    // The blocking client speaks plain http:// only, and says so.
+    let out = bench(&[
+        "pingpong", "--url", &https, "--ca", ca, "--client", "blocking",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("plain http:// only"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Without the CA the certificate is refused, and the error says which flag to give.
+    let out = bench(&["connect", "--url", &https, "--connections", "1"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--ca FILE"), "{stderr}");
+
+    let _ = std::fs::remove_file(&ca_file);
     rt.block_on(async {
         tokio::time::timeout(Duration::from_secs(5), server.shutdown())
             .await

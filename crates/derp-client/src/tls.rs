@@ -122,9 +122,11 @@ fn webpki_roots() -> &'static RootCertStore {
 
 /// Builds the rustls client config for `config`: its own `tls_config` if it has one, otherwise
 /// TLS 1.2 and 1.3 with the verifier `cert_name` and `extra_roots` ask for.
-pub(crate) fn client_config(
-    config: &ClientConfig,
-) -> Result<Arc<rustls::ClientConfig>, ConnectError> {
+///
+/// With [`handshake`], for callers that dial the socket themselves (to set socket options
+/// the client does not) and then hand the TLS stream to
+/// [`Client::connect_stream`](crate::Client::connect_stream).
+pub fn client_config(config: &ClientConfig) -> Result<Arc<rustls::ClientConfig>, ConnectError> {
     if let Some(custom) = &config.tls_config {
         return Ok(custom.clone());
     }
@@ -200,9 +202,10 @@ fn build(config: &ClientConfig, quic: bool) -> Result<Arc<rustls::ClientConfig>,
     Ok(Arc::new(tls))
 }
 
-/// Runs the TLS handshake on a connected socket. Returns the stream and, if the server showed
-/// a meta certificate over TLS 1.3, its DERP key.
-pub(crate) async fn handshake(
+/// Runs the TLS handshake on a connected socket, with `host` as SNI (none for an IP
+/// literal). Returns the stream and, if the server showed a meta certificate over TLS 1.3,
+/// its DERP key.
+pub async fn handshake(
     tls: Arc<rustls::ClientConfig>,
     host: &str,
     tcp: TcpStream,

@@ -7,19 +7,24 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::time::Duration;
+
 use derp_client::Client;
 use derp_proto::SecretKey;
 use tokio::time::Instant;
 
 use crate::cli::{ConnectArgs, TargetArgs};
-use crate::load::{new_histogram, sample_cpu};
+use crate::load::{RttHistogram, new_histogram, sample_cpu};
+use crate::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
 use crate::progress::Progress;
 use crate::report::{
     ConnectConfig, ConnectMedian, ConnectResult, ConnectRun, CpuUse, HandshakeTimes, opt, pct,
     table,
 };
-use crate::target::{Target, connect_error_kind};
+use crate::target::{ClientTemplate, SourceAddrs, Target, connect_error_kind};
 use crate::{Ctx, Outcome};
+
+use super::worker::{ANSWER_SLACK, Answer, Command, ConnectionShare, Work, start_workers};
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -27,20 +32,31 @@ pub(crate) async fn run(
     args: &ConnectArgs,
 ) -> anyhow::Result<Outcome> {
     let n = args.connections as usize;
-    // Only `concurrency` connections are open at once (plus the server's side of them).
-    crate::target::check_fd_budget(args.concurrency as usize, ctx.target.spawned)?;
+    let shares = shares(args, ctx.procs_asked);
+    let mut workers = if shares.len() > 1 {
+        let work = shares.iter().map(|s| Work::Storm(*s)).collect();
+        Some(start_workers(ctx, target_args, work).await?)
+    } else {
+        // Only `concurrency` connections are open at once (plus the server's side of them).
+        crate::target::check_fd_budget(args.concurrency as usize, ctx.target.spawned)?;
+        None
+    };
     let progress = Progress::start(
-        args.max_duration.min(std::time::Duration::from_secs(3600)) * args.runs,
+        args.max_duration.min(Duration::from_secs(3600)) * args.runs,
         "connect",
     );
     let mut runs = Vec::new();
     for i in 0..args.runs {
         progress.message(format!("connect run {}/{}", i + 1, args.runs));
-        let run = storm(&ctx.target, args, n).await;
+        let run = match &mut workers {
+            None => storm(&ctx.target, args, n).await,
+            Some(w) => remote_storm(&ctx.target, w, args, n).await?,
+        };
         ctx.check_cpu(&format!("run {}", i + 1), &run.cpu);
         runs.push(run);
     }
     progress.finish();
+    drop(workers);
     if runs.iter().all(|r| r.succeeded == 0) {
         let kinds: Vec<String> = runs[0].failures.keys().cloned().collect();
         anyhow::bail!(
@@ -79,68 +95,200 @@ pub(crate) async fn run(
     })
 }
 
-async fn storm(target: &Target, args: &ConnectArgs, n: usize) -> ConnectRun {
-    // Key generation is the client's share of the handshake; do it before the clock starts.
-    let keys: Arc<Vec<SecretKey>> = Arc::new(
-        (0..n)
-            .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
-            .collect(),
-    );
-    let sources = target.source_addrs(n);
-    let next = Arc::new(AtomicUsize::new(0));
-    let cpu_before = sample_cpu(target);
-    let start = Instant::now();
-    let deadline = start + args.max_duration;
-    let mut workers = Vec::new();
-    for _ in 0..args.concurrency.min(args.connections) {
-        let keys = keys.clone();
-        let next = next.clone();
-        let template = target.template();
-        workers.push(tokio::spawn(async move {
-            let mut hist = new_histogram();
-            let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-            let mut attempted = 0u64;
-            let mut last_done = start;
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= keys.len() || Instant::now() >= deadline {
-                    break;
-                }
-                attempted += 1;
-                let config = template.config(keys[i].clone(), sources.for_index(i));
-                let t0 = Instant::now();
-                match Client::connect(&config).await {
-                    Ok(client) => {
-                        let took = t0.elapsed();
-                        hist.saturating_record((took.as_nanos() as u64).max(1));
-                        drop(client);
-                    }
-                    Err(e) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
-                }
-                last_done = Instant::now();
-            }
-            (hist, failures, attempted, last_done)
-        }));
-    }
-    let mut hist = new_histogram();
-    let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-    let mut attempted = 0;
-    let mut end = start;
-    for w in workers {
-        match w.await {
-            Ok((h, f, a, last)) => {
-                let _ = hist.add(&h);
-                for (k, v) in f {
-                    *failures.entry(k).or_default() += v;
-                }
-                attempted += a;
-                end = end.max(last);
-            }
-            Err(e) => *failures.entry(format!("task_{e}")).or_default() += 1,
+/// The storm split over `procs` processes: connections and concurrency divided, no process
+/// with nothing to do.
+fn shares(args: &ConnectArgs, procs: u32) -> Vec<ConnectionShare> {
+    let n = args.connections as usize;
+    let procs = (procs as usize)
+        .min(n)
+        .min(args.concurrency as usize)
+        .max(1);
+    let counts = split(n as u64, procs);
+    let concurrency = split(u64::from(args.concurrency), procs);
+    let mut first = 0;
+    counts
+        .iter()
+        .zip(&concurrency)
+        .map(|(&count, &c)| {
+            let share = ConnectionShare {
+                count: count as usize,
+                first,
+                total: n,
+                concurrency: c as u32,
+            };
+            first += count as usize;
+            share
+        })
+        .collect()
+}
+
+/// A storm ready to go: keys made (that is the client's share of the handshake work, done
+/// before the clock starts) and source addresses chosen.
+#[derive(Debug)]
+pub(crate) struct Storm {
+    keys: Arc<Vec<SecretKey>>,
+    share: ConnectionShare,
+    sources: SourceAddrs,
+    template: ClientTemplate,
+}
+
+/// What a storm did.
+#[derive(Debug)]
+pub(crate) struct StormDone {
+    pub(crate) attempted: u64,
+    pub(crate) handshakes: RttHistogram,
+    pub(crate) failures: BTreeMap<String, u64>,
+    /// When the last connection completed (or failed).
+    pub(crate) end: Instant,
+}
+
+impl Storm {
+    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
+        Self {
+            keys: Arc::new(
+                (0..share.count)
+                    .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
+                    .collect(),
+            ),
+            share,
+            sources: target.source_addrs(share.total),
+            template: target.template(),
         }
     }
-    let elapsed_s = end.saturating_duration_since(start).as_secs_f64();
+
+    /// Runs the storm from `start` (now, or a start shared with other processes).
+    pub(crate) async fn run(self, start: Instant, max_duration: Duration) -> StormDone {
+        let next = Arc::new(AtomicUsize::new(0));
+        let deadline = start + max_duration;
+        let mut workers = Vec::new();
+        for _ in 0..(self.share.concurrency as usize).min(self.share.count) {
+            let keys = self.keys.clone();
+            let next = next.clone();
+            let template = self.template.clone();
+            let (sources, first) = (self.sources, self.share.first);
+            workers.push(tokio::spawn(async move {
+                let mut hist = new_histogram();
+                let mut failures: BTreeMap<String, u64> = BTreeMap::new();
+                let mut attempted = 0u64;
+                let mut last_done = start;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= keys.len() || Instant::now() >= deadline {
+                        break;
+                    }
+                    attempted += 1;
+                    let config = template.config(keys[i].clone(), sources.for_index(first + i));
+                    let t0 = Instant::now();
+                    match Client::connect(&config).await {
+                        Ok(client) => {
+                            let took = t0.elapsed();
+                            hist.saturating_record((took.as_nanos() as u64).max(1));
+                            drop(client);
+                        }
+                        Err(e) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
+                    }
+                    last_done = Instant::now();
+                }
+                (hist, failures, attempted, last_done)
+            }));
+        }
+        let mut done = StormDone {
+            attempted: 0,
+            handshakes: new_histogram(),
+            failures: BTreeMap::new(),
+            end: start,
+        };
+        for w in workers {
+            match w.await {
+                Ok((h, f, a, last)) => {
+                    let _ = done.handshakes.add(&h);
+                    for (k, v) in f {
+                        *done.failures.entry(k).or_default() += v;
+                    }
+                    done.attempted += a;
+                    done.end = done.end.max(last);
+                }
+                Err(e) => *done.failures.entry(format!("task_{e}")).or_default() += 1,
+            }
+        }
+        done
+    }
+}
+
+async fn storm(target: &Target, args: &ConnectArgs, n: usize) -> ConnectRun {
+    let share = ConnectionShare {
+        count: n,
+        first: 0,
+        total: n,
+        concurrency: args.concurrency,
+    };
+    let storm = Storm::prepare(target, share);
+    let cpu_before = sample_cpu(target);
+    let start = Instant::now();
+    let done = storm.run(start, args.max_duration).await;
+    let elapsed_s = done.end.saturating_duration_since(start).as_secs_f64();
     let cpu = CpuUse::between(cpu_before, sample_cpu(target), elapsed_s);
+    connect_run(
+        done.attempted,
+        &done.handshakes,
+        done.failures,
+        elapsed_s,
+        target.source_addrs(n).count(n),
+        cpu,
+    )
+}
+
+/// One storm over every worker, from a common start; the figures merged.
+async fn remote_storm(
+    target: &Target,
+    workers: &mut Workers,
+    args: &ConnectArgs,
+    n: usize,
+) -> anyhow::Result<ConnectRun> {
+    let start_unix_ns = unix_ns_now() + START_LEAD.as_nanos() as u64;
+    workers.send_all(&Command::Storm {
+        start_unix_ns,
+        max_duration: args.max_duration,
+    })?;
+    tokio::time::sleep_until(instant_at(start_unix_ns)).await;
+    let cpu_before = sample_cpu(target);
+    let answers: Vec<Answer> = workers.recv_all(args.max_duration + ANSWER_SLACK).await?;
+    let cpu_after = sample_cpu(target);
+    let mut handshakes = new_histogram();
+    let mut failures: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut attempted, mut elapsed_s) = (0, 0.0f64);
+    let mut worker_cpu = Some(0.0);
+    for answer in answers {
+        let Answer::Storm(out) = answer else {
+            anyhow::bail!("a bench process answered the storm with {answer:?}");
+        };
+        attempted += out.attempted;
+        out.handshakes.add_to(&mut handshakes);
+        for (k, v) in out.failures {
+            *failures.entry(k).or_default() += v;
+        }
+        elapsed_s = elapsed_s.max(out.elapsed_s);
+        worker_cpu = worker_cpu.zip(out.bench_cpu_s).map(|(a, b)| a + b);
+    }
+    let cpu = CpuUse::between(cpu_before, cpu_after, elapsed_s).plus_bench(worker_cpu);
+    Ok(connect_run(
+        attempted,
+        &handshakes,
+        failures,
+        elapsed_s,
+        target.source_addrs(n).count(n),
+        cpu,
+    ))
+}
+
+fn connect_run(
+    attempted: u64,
+    hist: &RttHistogram,
+    failures: BTreeMap<String, u64>,
+    elapsed_s: f64,
+    source_addresses: usize,
+    cpu: CpuUse,
+) -> ConnectRun {
     let succeeded = hist.len();
     ConnectRun {
         attempted,
@@ -153,8 +301,8 @@ async fn storm(target: &Target, args: &ConnectArgs, n: usize) -> ConnectRun {
         } else {
             0.0
         },
-        handshake: HandshakeTimes::of(&hist),
-        source_addresses: sources.count(n),
+        handshake: HandshakeTimes::of(hist),
+        source_addresses,
         server_cpu_ms_per_handshake: cpu
             .server_cpu_s
             .filter(|_| succeeded > 0)

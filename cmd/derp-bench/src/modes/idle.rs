@@ -14,13 +14,18 @@ use tokio::time::Instant;
 use crate::cli::{IdleArgs, TargetArgs};
 use crate::load::scrape;
 use crate::procfs;
+use crate::procs::{START_LEAD, Workers, split, unix_ns_now};
 use crate::progress::Progress;
 use crate::report::{IdleConfig, IdleMedian, IdleResult, IdleRun, median, median_opt, opt, table};
 use crate::target::{ServerProbe, Target, connect_error_kind};
 use crate::{Ctx, Outcome};
 
+use super::worker::{ANSWER_SLACK, Answer, Command, ConnectionShare, Work, start_workers};
+
 /// How long to wait for the server to notice closed connections before the last RSS reading.
 const CLOSE_SETTLE: Duration = Duration::from_secs(3);
+/// How long worker processes get to open their connections.
+const OPEN_BUDGET: Duration = Duration::from_secs(600);
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -28,14 +33,26 @@ pub(crate) async fn run(
     args: &IdleArgs,
 ) -> anyhow::Result<Outcome> {
     let n = args.connections as usize;
-    crate::target::check_fd_budget(n, ctx.target.spawned)?;
+    let shares = shares(args, ctx.procs_asked);
+    let mut workers = if shares.len() > 1 {
+        if ctx.target.spawned {
+            // The in-process relay holds the server side of every connection here.
+            crate::target::check_fd_budget(n, false)?;
+        }
+        let work = shares.iter().map(|s| Work::Idle(*s)).collect();
+        Some(start_workers(ctx, target_args, work).await?)
+    } else {
+        crate::target::check_fd_budget(n, ctx.target.spawned)?;
+        None
+    };
     let progress = Progress::start((args.hold + Duration::from_secs(2)) * args.runs, "idle");
     let mut runs = Vec::new();
     for i in 0..args.runs {
         progress.message(format!("idle run {}/{}", i + 1, args.runs));
-        runs.push(hold_run(&ctx.target, args, n).await);
+        runs.push(hold_run(&ctx.target, args, n, workers.as_mut()).await?);
     }
     progress.finish();
+    drop(workers);
     if runs.iter().all(|r| r.opened == 0) {
         let kinds: Vec<String> = runs[0].failures.keys().cloned().collect();
         anyhow::bail!("no connection could be opened ({})", kinds.join(", "));
@@ -83,6 +100,78 @@ pub(crate) async fn run(
         warnings: ctx.warnings.clone(),
         failure: None,
     })
+}
+
+/// The connections split over `procs` processes, none with nothing to do.
+fn shares(args: &IdleArgs, procs: u32) -> Vec<ConnectionShare> {
+    let n = args.connections as usize;
+    let procs = (procs as usize)
+        .min(n)
+        .min(args.concurrency as usize)
+        .max(1);
+    let counts = split(n as u64, procs);
+    let concurrency = split(u64::from(args.concurrency), procs);
+    let mut first = 0;
+    counts
+        .iter()
+        .zip(&concurrency)
+        .map(|(&count, &c)| {
+            let share = ConnectionShare {
+                count: count as usize,
+                first,
+                total: n,
+                concurrency: c as u32,
+            };
+            first += count as usize;
+            share
+        })
+        .collect()
+}
+
+/// Connections about to be opened: keys made and addresses chosen.
+#[derive(Debug)]
+pub(crate) struct Opening {
+    configs: Vec<derp_client::ClientConfig>,
+    concurrency: usize,
+}
+
+impl Opening {
+    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
+        let sources = target.source_addrs(share.total);
+        let template = target.template();
+        Self {
+            configs: (0..share.count)
+                .map(|i| {
+                    let key = SecretKey::generate(&mut rand::rngs::OsRng);
+                    template.config(key, sources.for_index(share.first + i))
+                })
+                .collect(),
+            concurrency: share.concurrency as usize,
+        }
+    }
+
+    /// Opens them all, `concurrency` at a time; the clients and the failures by kind.
+    pub(crate) async fn open(self) -> (Vec<Client>, BTreeMap<String, u64>) {
+        let gate = Arc::new(Semaphore::new(self.concurrency.max(1)));
+        let mut tasks = Vec::with_capacity(self.configs.len());
+        for config in self.configs {
+            let gate = gate.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire_owned().await;
+                Client::connect(&config).await
+            }));
+        }
+        let mut clients = Vec::with_capacity(tasks.len());
+        let mut failures: BTreeMap<String, u64> = BTreeMap::new();
+        for t in tasks {
+            match t.await {
+                Ok(Ok(c)) => clients.push(c),
+                Ok(Err(e)) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
+                Err(e) => *failures.entry(format!("task_{e}")).or_default() += 1,
+            }
+        }
+        (clients, failures)
+    }
 }
 
 /// The server's RSS and where it came from: `--server-pid`, then the metrics'
@@ -135,41 +224,59 @@ async fn settled_connections(target: &Target) -> Option<u64> {
     }
 }
 
-async fn hold_run(target: &Target, args: &IdleArgs, n: usize) -> IdleRun {
+async fn hold_run(
+    target: &Target,
+    args: &IdleArgs,
+    n: usize,
+    workers: Option<&mut Workers>,
+) -> anyhow::Result<IdleRun> {
     let connections_before = settled_connections(target).await;
     let rss_before = server_rss(target).await;
 
-    let keys: Vec<SecretKey> = (0..n)
-        .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
-        .collect();
-    let sources = target.source_addrs(n);
-    let template = target.template();
-    let gate = Arc::new(Semaphore::new(args.concurrency as usize));
-    let started = Instant::now();
-    let mut tasks = Vec::with_capacity(n);
-    for (i, key) in keys.into_iter().enumerate() {
-        let config = template.config(key, sources.for_index(i));
-        let gate = gate.clone();
-        tasks.push(tokio::spawn(async move {
-            let _permit = gate.acquire_owned().await;
-            Client::connect(&config).await
-        }));
-    }
-    let mut clients = Vec::with_capacity(n);
-    let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-    for t in tasks {
-        match t.await {
-            Ok(Ok(c)) => clients.push(c),
-            Ok(Err(e)) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
-            Err(e) => *failures.entry(format!("task_{e}")).or_default() += 1,
+    // With worker processes the clients live elsewhere: an in-process relay's memory is then
+    // the server's alone.
+    let clients_here = workers.is_none();
+    let (opened, failures, open_s, clients, workers) = match workers {
+        None => {
+            let share = ConnectionShare {
+                count: n,
+                first: 0,
+                total: n,
+                concurrency: args.concurrency,
+            };
+            let opening = Opening::prepare(target, share);
+            let started = Instant::now();
+            let (clients, failures) = opening.open().await;
+            let open_s = started.elapsed().as_secs_f64();
+            (clients.len() as u64, failures, open_s, clients, None)
         }
-    }
-    let open_s = started.elapsed().as_secs_f64();
+        Some(workers) => {
+            let start_unix_ns = unix_ns_now() + START_LEAD.as_nanos() as u64;
+            workers.send_all(&Command::Open { start_unix_ns })?;
+            let answers: Vec<Answer> = workers.recv_all(OPEN_BUDGET).await?;
+            let (mut opened, mut open_s) = (0, 0.0f64);
+            let mut failures: BTreeMap<String, u64> = BTreeMap::new();
+            for answer in answers {
+                let Answer::Opened(out) = answer else {
+                    anyhow::bail!("a bench process answered Open with {answer:?}");
+                };
+                opened += out.opened;
+                open_s = open_s.max(out.open_s);
+                for (k, v) in out.failures {
+                    *failures.entry(k).or_default() += v;
+                }
+            }
+            (opened, failures, open_s, Vec::new(), Some(workers))
+        }
+    };
     tokio::time::sleep(args.hold).await;
     let connections_held = server_connections(target).await;
     let rss_held = server_rss(target).await;
-    let opened = clients.len() as u64;
     drop(clients);
+    if let Some(workers) = workers {
+        workers.send_all(&Command::Close)?;
+        let _: Vec<Answer> = workers.recv_all(ANSWER_SLACK).await?;
+    }
 
     // Let the server see the closes before the last reading (derper's RSS never shrinks;
     // that is worth seeing too).
@@ -191,22 +298,22 @@ async fn hold_run(target: &Target, args: &IdleArgs, n: usize) -> IdleRun {
         }
         _ => None,
     };
-    IdleRun {
+    Ok(IdleRun {
         requested: n as u64,
         opened,
         failed: n as u64 - opened,
         failures,
-        source_addresses: sources.count(n),
+        source_addresses: target.source_addrs(n).count(n),
         open_s,
         server_connections_before: connections_before,
         server_connections_held: connections_held,
         rss_source: rss_held.map(|(_, s, _)| s.to_owned()),
-        rss_includes_bench: rss_held.is_some_and(|(_, _, b)| b),
+        rss_includes_bench: clients_here && rss_held.is_some_and(|(_, _, b)| b),
         rss_before_bytes: rss_before.map(|r| r.0),
         rss_held_bytes: rss_held.map(|r| r.0),
         rss_after_close_bytes: rss_after.map(|r| r.0),
         bytes_per_connection,
-    }
+    })
 }
 
 fn human(args: &IdleArgs, runs: &[IdleRun], median: &IdleMedian) -> String {

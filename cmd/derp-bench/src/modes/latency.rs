@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use anyhow::bail;
 
 use crate::cli::{LatencyArgs, OutputArgs, TargetArgs};
-use crate::load::{Fleet, RttHistogram, new_histogram};
+use crate::load::{RttHistogram, new_histogram};
 use crate::modes::throughput::note_shortfall;
 use crate::packet::Kind;
 use crate::progress::Progress;
@@ -14,6 +14,9 @@ use crate::report::{
     LatencyConfig, LatencyMedian, LatencyResult, LatencyRun, Percentiles, opt, pct, table,
 };
 use crate::{Ctx, Outcome};
+
+use super::fleets::Generator;
+use super::worker::FleetShare;
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -30,16 +33,19 @@ pub(crate) async fn run(
         Some(m) => Some(m * 1e6 / 8.0 / f64::from(args.size) / f64::from(args.load_pairs)),
         None => None,
     };
-    crate::target::check_fd_budget(
-        (args.probes + args.load_pairs) as usize * 2,
-        ctx.target.spawned,
-    )?;
-    let mut probes = Fleet::connect(&ctx.target, args.probes, 0, true).await?;
-    let mut load = if args.load_pairs > 0 {
-        Some(Fleet::connect(&ctx.target, args.load_pairs, args.probes, false).await?)
-    } else {
-        None
-    };
+    let mut fleets = vec![FleetShare {
+        pairs: args.probes,
+        first_pair: 0,
+        echo: true,
+    }];
+    if args.load_pairs > 0 {
+        fleets.push(FleetShare {
+            pairs: args.load_pairs,
+            first_pair: args.probes,
+            echo: false,
+        });
+    }
+    let mut generator = Generator::connect(ctx, target_args, &fleets).await?;
     let progress = Progress::start((args.warmup + args.duration) * args.runs, "latency");
     let mut all = new_histogram();
     let mut runs = Vec::new();
@@ -60,18 +66,15 @@ pub(crate) async fn run(
             kind: Kind::Load,
             ..probe_spec.clone()
         };
-        let target = &ctx.target;
-        let clock = ctx.clock;
-        let background = async {
-            match load.as_mut() {
-                Some(fleet) => Some(fleet.run_window(&load_spec, clock, target).await),
-                None => None,
-            }
+        let mut specs = vec![probe_spec];
+        if args.load_pairs > 0 {
+            specs.push(load_spec);
+        }
+        let mut results = generator.run_windows(ctx, &specs).await?.into_iter();
+        let Some((probe_run, hist)) = results.next() else {
+            bail!("the probe window gave no result");
         };
-        let (probe_result, background) =
-            tokio::join!(probes.run_window(&probe_spec, clock, target), background);
-        let (probe_run, hist) = probe_result?;
-        let background = background.transpose()?.map(|(run, _)| run);
+        let background = results.next().map(|(run, _)| run);
         ctx.check_cpu(&format!("run {}", i + 1), &probe_run.cpu);
         if let Some(bg) = &background {
             note_shortfall(ctx, bg);
@@ -92,8 +95,7 @@ pub(crate) async fn run(
         });
     }
     progress.finish();
-    drop(probes);
-    drop(load);
+    drop(generator);
     if runs.iter().all(|r| r.probes_received == 0) {
         bail!("no probe came back through the relay: nothing to measure");
     }

@@ -33,10 +33,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use derp_client::{Client, ClientError, ClientReader, ClientWriter, ReceivedFrame};
+use derp_client::{Client, ClientError, ClientReader, ClientWriter, ReceivedFrame, Scheme};
 use derp_proto::{PublicKey, SecretKey};
 use rand::Rng;
 use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -124,6 +126,9 @@ struct Shared {
     sources: SourceAddrs,
     /// `host:port` of the relay, for the hostile clients' raw sockets.
     addr: String,
+    /// For https:// and wss:// nodes: TLS over those sockets, checked as the clients check
+    /// it, with the URL's host as SNI.
+    tls: Option<(Arc<derp_client::rustls::ClientConfig>, String)>,
     stop: watch::Receiver<bool>,
     stats: Stats,
     connect_gate: Semaphore,
@@ -132,7 +137,22 @@ struct Shared {
     churn_keys: Vec<PublicKey>,
 }
 
+/// A socket, or TLS over one.
+pub(super) trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
 impl Shared {
+    /// TLS over a connected socket for a TLS node; the socket itself otherwise.
+    async fn secure(&self, tcp: TcpStream) -> Result<Box<dyn Stream>, derp_client::ConnectError> {
+        match &self.tls {
+            None => Ok(Box::new(tcp)),
+            Some((tls, host)) => {
+                let (stream, _) = derp_client::tls::handshake(tls.clone(), host, tcp).await?;
+                Ok(Box::new(stream))
+            }
+        }
+    }
+
     fn stopping(&self) -> bool {
         *self.stop.borrow()
     }
@@ -335,7 +355,7 @@ async fn connect_small_rcvbuf(
     }
     let timeout = Duration::from_secs(10);
     let work = async {
-        let stream = socket.connect(addr).await?;
+        let stream = sh.secure(socket.connect(addr).await?).await?;
         Client::connect_stream(config, stream).await
     };
     tokio::time::timeout(timeout, work)
@@ -823,6 +843,20 @@ pub(crate) async fn run(
         _ => {}
     }
     let target = &ctx.target;
+    if target.url.scheme() == Scheme::Quic {
+        anyhow::bail!(
+            "soak's hostile clients and slow readers need TCP: give the node's https:// URL \
+             (with --quic-port for QUIC clients)"
+        );
+    }
+    let tls = if target.url.scheme().is_tls() {
+        let config = target.client_config(new_key(), None);
+        let tls = derp_client::tls::client_config(&config)
+            .map_err(|e| anyhow::anyhow!("TLS for the soak's raw sockets: {e}"))?;
+        Some((tls, target.url.host().to_owned()))
+    } else {
+        None
+    };
     // Role sizes: 40% closed-loop pairs, 10% floods (sender + receiver), 25% churn, 5%
     // hostile, the rest idle.
     let closed_pairs = (n * 40 / 100 / 2).max(1);
@@ -844,6 +878,7 @@ pub(crate) async fn run(
         template: target.template(),
         sources: target.source_addrs(n),
         addr: format!("{}:{}", target.url.host(), target.url.port()),
+        tls,
         stop: stop_rx,
         stats: Stats::default(),
         connect_gate: Semaphore::new(CONNECT_CONCURRENCY),

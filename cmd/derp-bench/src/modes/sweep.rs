@@ -10,12 +10,14 @@ use std::fmt::Write as _;
 use anyhow::bail;
 
 use crate::cli::{OutputArgs, SweepArgs, TargetArgs};
-use crate::load::Fleet;
 use crate::packet::Kind;
 use crate::progress::Progress;
 use crate::report::WindowSpec;
 use crate::report::{Saturation, SweepConfig, SweepResult, SweepStep, opt, pct, table};
 use crate::{Ctx, Outcome};
+
+use super::fleets::Generator;
+use super::worker::FleetShare;
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -38,8 +40,16 @@ pub(crate) async fn run(
     }
     let size = args.load.size as usize;
     let pairs = args.load.pairs;
-    crate::target::check_fd_budget(pairs as usize * 2, ctx.target.spawned)?;
-    let mut fleet = Fleet::connect(&ctx.target, pairs, 0, false).await?;
+    let mut fleet = Generator::connect(
+        ctx,
+        target_args,
+        &[FleetShare {
+            pairs,
+            first_pair: 0,
+            echo: false,
+        }],
+    )
+    .await?;
     let progress = Progress::start(
         (args.load.warmup + args.step_duration) * args.max_steps,
         "sweep",
@@ -58,7 +68,10 @@ pub(crate) async fn run(
             stop_receivers_after: None,
             kind: Kind::Load,
         };
-        let (load, _) = fleet.run_window(&spec, ctx.clock, &ctx.target).await?;
+        let (load, _) = fleet
+            .run_windows(ctx, std::slice::from_ref(&spec))
+            .await?
+            .remove(0);
         ctx.check_cpu(&format!("step {} ({offered:.0} Mbit/s)", i + 1), &load.cpu);
         for e in &load.errors {
             ctx.warnings

@@ -5,12 +5,14 @@ use std::fmt::Write as _;
 use anyhow::bail;
 
 use crate::cli::{TargetArgs, ThroughputArgs};
-use crate::load::Fleet;
 use crate::packet::Kind;
 use crate::progress::Progress;
 use crate::report::WindowSpec;
 use crate::report::{LoadMedian, LoadRun, ThroughputConfig, ThroughputResult, opt, pct, table};
 use crate::{Ctx, Outcome};
+
+use super::fleets::Generator;
+use super::worker::FleetShare;
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -25,8 +27,16 @@ pub(crate) async fn run(
         (None, Some(mbps)) => Some(mbps * 1e6 / 8.0 / size as f64 / f64::from(args.load.pairs)),
         (None, None) => None,
     };
-    crate::target::check_fd_budget(args.load.pairs as usize * 2, ctx.target.spawned)?;
-    let mut fleet = Fleet::connect(&ctx.target, args.load.pairs, 0, false).await?;
+    let mut fleet = Generator::connect(
+        ctx,
+        target_args,
+        &[FleetShare {
+            pairs: args.load.pairs,
+            first_pair: 0,
+            echo: false,
+        }],
+    )
+    .await?;
     let progress = Progress::start((args.load.warmup + args.duration) * args.runs, "throughput");
     let mut runs = Vec::new();
     for i in 0..args.runs {
@@ -40,7 +50,10 @@ pub(crate) async fn run(
             stop_receivers_after: args.stop_receivers_after,
             kind: Kind::Load,
         };
-        let (result, _) = fleet.run_window(&spec, ctx.clock, &ctx.target).await?;
+        let (result, _) = fleet
+            .run_windows(ctx, std::slice::from_ref(&spec))
+            .await?
+            .remove(0);
         ctx.check_cpu(&format!("run {}", i + 1), &result.cpu);
         note_shortfall(ctx, &result);
         runs.push(result);

@@ -13,7 +13,7 @@ use rand::{Rng, RngCore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::{Shared, Stats};
+use super::{Shared, Stats, Stream};
 
 /// The relay's handshake and request-head deadline is 10 s; allow for a loaded machine.
 const CLOSE_DEADLINE: Duration = Duration::from_secs(20);
@@ -43,7 +43,7 @@ pub(super) async fn worker(sh: Arc<Shared>, index: usize) {
             continue;
         }
         let attempt = tokio::select! {
-            r = attempt(&sh.addr, kind) => r,
+            r = attempt(&sh, kind) => r,
             _ = sh.stopped() => return,
         };
         match attempt {
@@ -69,11 +69,15 @@ pub(super) async fn worker(sh: Arc<Shared>, index: usize) {
     }
 }
 
-async fn attempt(addr: &str, kind: &str) -> Result<(), String> {
-    let mut s = TcpStream::connect(addr)
+async fn attempt(sh: &Shared, kind: &str) -> Result<(), String> {
+    let tcp = TcpStream::connect(&sh.addr)
         .await
         .map_err(|e| format!("connect: {e}"))?;
-    let _ = s.set_nodelay(true);
+    let _ = tcp.set_nodelay(true);
+    let mut s = sh
+        .secure(tcp)
+        .await
+        .map_err(|e| format!("TLS handshake: {e}"))?;
     match kind {
         "garbage_request" => {
             let mut junk = vec![0u8; 64];
@@ -157,14 +161,14 @@ fn frame(ty: u8, body: &[u8]) -> Vec<u8> {
     out
 }
 
-async fn write(s: &mut TcpStream, bytes: &[u8]) -> Result<(), String> {
+async fn write(s: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
     tokio::time::timeout(CLOSE_DEADLINE, s.write_all(bytes))
         .await
         .map_err(|_| "write timed out".to_owned())?
         .map_err(|e| format!("write: {e}"))
 }
 
-async fn read_more(s: &mut TcpStream, buf: &mut BytesMut) -> Result<usize, String> {
+async fn read_more(s: &mut Box<dyn Stream>, buf: &mut BytesMut) -> Result<usize, String> {
     buf.reserve(4096);
     tokio::time::timeout(CLOSE_DEADLINE, s.read_buf(buf))
         .await
@@ -174,7 +178,7 @@ async fn read_more(s: &mut TcpStream, buf: &mut BytesMut) -> Result<usize, Strin
 
 /// Upgrades with `Upgrade: DERP` and reads the 101 head and the ServerKey frame; returns
 /// what followed.
-async fn upgrade(s: &mut TcpStream) -> Result<BytesMut, String> {
+async fn upgrade(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
     write(
         s,
         b"GET /derp HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\r\n",
@@ -212,7 +216,7 @@ async fn upgrade(s: &mut TcpStream) -> Result<BytesMut, String> {
 }
 
 /// A full, valid handshake (up to ServerInfo) with a fresh key.
-async fn handshaken(s: &mut TcpStream) -> Result<BytesMut, String> {
+async fn handshaken(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
     let mut buf = BytesMut::new();
     write(
         s,
@@ -266,7 +270,7 @@ async fn handshaken(s: &mut TcpStream) -> Result<BytesMut, String> {
 }
 
 /// The server must close without sending anything more (keepalives excepted).
-async fn expect_silent_close(s: &mut TcpStream, buf: &mut BytesMut) -> Result<(), String> {
+async fn expect_silent_close(s: &mut Box<dyn Stream>, buf: &mut BytesMut) -> Result<(), String> {
     let mut decoder = ClientDecoder::new();
     loop {
         loop {
@@ -288,7 +292,7 @@ async fn expect_silent_close(s: &mut TcpStream, buf: &mut BytesMut) -> Result<()
 }
 
 /// The server must answer with `status` and then close.
-async fn expect_answer_then_close(s: &mut TcpStream, status: &str) -> Result<(), String> {
+async fn expect_answer_then_close(s: &mut Box<dyn Stream>, status: &str) -> Result<(), String> {
     let mut buf = BytesMut::new();
     loop {
         match read_more(s, &mut buf).await {

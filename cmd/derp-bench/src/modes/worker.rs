@@ -1,0 +1,391 @@
+//! The worker side of `--procs`: what a worker process is asked to do, and doing it. The
+//! parent side of each mode sends a [`Job`] with the worker's share, then [`Command`]s with a
+//! common start time; the worker answers each with an [`Answer`].
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use anyhow::bail;
+
+use crate::cli::{ClientKind, TargetArgs};
+use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
+use crate::load::{Clock, Fleet, HistWire, new_histogram, run_fleets};
+use crate::procs::{Parent, Workers, instant_at};
+use crate::report::{LoadRun, WindowSpec};
+use crate::target::Target;
+
+use super::{connect, idle};
+use crate::Ctx;
+
+/// How long the parent waits for answers beyond the window itself: stragglers, the
+/// senders' grace period and a loaded machine.
+pub(crate) const ANSWER_SLACK: Duration = Duration::from_secs(30);
+/// How long workers get to connect their share, beyond the connect timeout.
+const CONNECT_SLACK: Duration = Duration::from_secs(120);
+
+/// Starts one worker per share of work (the caller leaves out empty shares) and waits until
+/// every one is connected. Records in `ctx` how many processes carry the load.
+pub(crate) async fn start_workers(
+    ctx: &mut Ctx,
+    target_args: &TargetArgs,
+    work: Vec<Work>,
+) -> anyhow::Result<Workers> {
+    let n = work.len();
+    let mut target = target_args.clone();
+    // The parent observes the server; workers only generate load, at the URL the parent
+    // resolved (its in-process relay's, with --spawn-server).
+    target.url = Some(ctx.target.url.to_string());
+    target.spawn_server = false;
+    target.server_pid = Vec::new();
+    target.metrics_url = None;
+    let threads = ctx.cores.div_ceil(n).max(1);
+    let jobs: Vec<Job> = work
+        .into_iter()
+        .map(|work| Job {
+            threads,
+            target: target.clone(),
+            work,
+        })
+        .collect();
+    let (workers, ready) =
+        Workers::start::<Job, Answer>(&jobs, ctx.target.connect_timeout + CONNECT_SLACK).await?;
+    if let Some(other) = ready.iter().find(|a| !matches!(a, Answer::Ready)) {
+        bail!("a bench process answered its job with {other:?}");
+    }
+    ctx.procs = n;
+    if n < ctx.procs_asked as usize {
+        ctx.warnings.push(format!(
+            "--procs {}: the load fits {n} process(es) (each needs at least one pair, \
+             connection or unit of concurrency)",
+            ctx.procs_asked
+        ));
+    }
+    Ok(workers)
+}
+
+/// Everything a worker needs to connect its share.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Job {
+    /// Runtime worker threads: the machine's cores divided among the workers.
+    pub(crate) threads: usize,
+    /// The parent's target flags, with the URL resolved (an in-process relay is the parent's)
+    /// and the server's observation left to the parent.
+    pub(crate) target: TargetArgs,
+    pub(crate) work: Work,
+}
+
+/// A worker's share of the connections.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Work {
+    /// Sender/receiver fleets (throughput, sweep; latency's probes and background load).
+    Fleets(Vec<FleetShare>),
+    /// Closed-loop pairs (pingpong).
+    Loops(LoopShare),
+    /// Connections of a storm (connect).
+    Storm(ConnectionShare),
+    /// Connections opened and held (idle).
+    Idle(ConnectionShare),
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(crate) struct FleetShare {
+    pub(crate) pairs: u32,
+    pub(crate) first_pair: u32,
+    pub(crate) echo: bool,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(crate) struct LoopShare {
+    pub(crate) pairs: u32,
+    pub(crate) first_pair: u32,
+    pub(crate) size: usize,
+    pub(crate) in_flight: u32,
+    pub(crate) client: ClientKind,
+}
+
+/// `count` connections, numbered from `first` of `total` (source addresses are chosen by
+/// number), `concurrency` of them opening at once.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(crate) struct ConnectionShare {
+    pub(crate) count: usize,
+    pub(crate) first: usize,
+    pub(crate) total: usize,
+    pub(crate) concurrency: u32,
+}
+
+/// What the parent asks, after the job.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Command {
+    /// Run a window on every fleet (one spec each) or on the closed loops (the first spec's
+    /// run, warm-up and duration), from `start_unix_ns`.
+    Window {
+        start_unix_ns: u64,
+        specs: Vec<WindowSpec>,
+    },
+    /// Connect-mode storm from `start_unix_ns`, stopping at `max_duration`.
+    Storm {
+        start_unix_ns: u64,
+        max_duration: Duration,
+    },
+    /// Idle mode: open the connections from `start_unix_ns` and hold them.
+    Open { start_unix_ns: u64 },
+    /// Idle mode: close the connections held.
+    Close,
+}
+
+/// A worker's answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Answer {
+    /// Connected (or, for connections, keys made) and waiting for commands.
+    Ready,
+    /// One per fleet.
+    Windows(Vec<WindowOut>),
+    /// One per closed loop, and the worker's CPU over the measured window.
+    Loops {
+        results: Vec<LoopOut>,
+        bench_cpu_s: Option<f64>,
+    },
+    Storm(StormOut),
+    Opened(OpenOut),
+    Closed,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct WindowOut {
+    pub(crate) run: LoadRun,
+    pub(crate) rtt: HistWire,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct LoopOut {
+    pub(crate) pair: u32,
+    pub(crate) sent: u64,
+    pub(crate) round_trips: u64,
+    pub(crate) lost: u64,
+    pub(crate) rtt: HistWire,
+    pub(crate) error: Option<String>,
+}
+
+impl LoopOut {
+    pub(crate) fn into_result(self) -> LoopResult {
+        let mut rtt = new_histogram();
+        self.rtt.add_to(&mut rtt);
+        LoopResult {
+            pair: self.pair,
+            sent: self.sent,
+            round_trips: self.round_trips,
+            lost: self.lost,
+            rtt,
+            error: self.error,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct StormOut {
+    pub(crate) attempted: u64,
+    pub(crate) handshakes: HistWire,
+    pub(crate) failures: BTreeMap<String, u64>,
+    /// From the common start to the last completion.
+    pub(crate) elapsed_s: f64,
+    pub(crate) bench_cpu_s: Option<f64>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct OpenOut {
+    pub(crate) opened: u64,
+    pub(crate) failures: BTreeMap<String, u64>,
+    pub(crate) open_s: f64,
+}
+
+/// Runs a worker: the job has been read; this connects, answers `Ready`, then serves
+/// commands until the parent closes stdin. Errors go back to the parent as answers.
+pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
+    let mut parent = Parent::listen()?;
+    let setup = async {
+        let target = Target::new(&job.target, None)?;
+        let clock = Clock::new();
+        let connections = match &job.work {
+            Work::Fleets(shares) => shares.iter().map(|s| s.pairs as usize * 2).sum(),
+            Work::Loops(s) => s.pairs as usize * 2,
+            Work::Storm(s) => s.concurrency as usize,
+            Work::Idle(s) => s.count,
+        };
+        crate::target::check_fd_budget(connections, false)?;
+        let held = match job.work {
+            Work::Fleets(shares) => {
+                let mut fleets = Vec::new();
+                for s in shares {
+                    fleets.push(Fleet::connect(&target, s.pairs, s.first_pair, s.echo).await?);
+                }
+                Held::Fleets(fleets)
+            }
+            Work::Loops(s) => {
+                let spec = LoopSpec {
+                    size: s.size,
+                    in_flight: s.in_flight,
+                    client: s.client,
+                };
+                Held::Loops(LoopPairs::connect(&target, spec, s.first_pair, s.pairs, clock).await?)
+            }
+            Work::Storm(s) => Held::Storm(Some(connect::Storm::prepare(&target, s)), s),
+            Work::Idle(s) => Held::Idle(Some(idle::Opening::prepare(&target, s)), None, s),
+        };
+        anyhow::Ok((target, clock, held))
+    };
+    let (target, clock, mut held) = match setup.await {
+        Ok(s) => s,
+        Err(e) => {
+            Parent::answer::<Answer>(&Err(format!("{e:#}")))?;
+            return Ok(());
+        }
+    };
+    Parent::answer(&Ok(Answer::Ready))?;
+    while let Some(command) = parent.recv::<Command>().await? {
+        let answer = serve(&target, clock, &mut held, command)
+            .await
+            .map_err(|e| format!("{e:#}"));
+        Parent::answer(&answer)?;
+    }
+    Ok(())
+}
+
+/// What a worker holds between commands.
+#[derive(Debug)]
+enum Held {
+    Fleets(Vec<Fleet>),
+    Loops(LoopPairs),
+    /// The next storm, its keys made ahead so that making them is not timed.
+    Storm(Option<connect::Storm>, ConnectionShare),
+    /// The next opening (keys made ahead), and the connections held between Open and Close.
+    Idle(
+        Option<idle::Opening>,
+        Option<Vec<derp_client::Client>>,
+        ConnectionShare,
+    ),
+}
+
+async fn serve(
+    target: &Target,
+    clock: Clock,
+    held: &mut Held,
+    command: Command,
+) -> anyhow::Result<Answer> {
+    match (held, command) {
+        (
+            Held::Fleets(fleets),
+            Command::Window {
+                start_unix_ns,
+                specs,
+            },
+        ) => {
+            let start = instant_at(start_unix_ns);
+            let runs = run_fleets(fleets, &specs, start, clock, target).await?;
+            Ok(Answer::Windows(
+                runs.into_iter()
+                    .map(|(run, rtt)| WindowOut {
+                        run,
+                        rtt: HistWire::of(&rtt),
+                    })
+                    .collect(),
+            ))
+        }
+        (
+            Held::Loops(pairs),
+            Command::Window {
+                start_unix_ns,
+                specs,
+            },
+        ) => {
+            let spec = specs
+                .first()
+                .ok_or_else(|| anyhow::anyhow!("a window without a spec"))?;
+            let start = instant_at(start_unix_ns);
+            let window = LoopWindow {
+                run: spec.run,
+                start,
+                warm_end: start + spec.warmup,
+                end: start + spec.warmup + spec.duration,
+            };
+            let measure = async {
+                tokio::time::sleep_until(window.warm_end).await;
+                let before = target.bench_cpu();
+                tokio::time::sleep_until(window.end).await;
+                before
+                    .zip(target.bench_cpu())
+                    .map(|(b, a)| a.since(b).total())
+            };
+            let (results, bench_cpu_s) = tokio::join!(pairs.run_window(window), measure);
+            Ok(Answer::Loops {
+                results: results
+                    .into_iter()
+                    .map(|r| LoopOut {
+                        pair: r.pair,
+                        sent: r.sent,
+                        round_trips: r.round_trips,
+                        lost: r.lost,
+                        rtt: HistWire::of(&r.rtt),
+                        error: r.error,
+                    })
+                    .collect(),
+                bench_cpu_s,
+            })
+        }
+        (
+            Held::Storm(next, share),
+            Command::Storm {
+                start_unix_ns,
+                max_duration,
+            },
+        ) => {
+            let storm = match next.take() {
+                Some(s) => s,
+                None => connect::Storm::prepare(target, *share),
+            };
+            let start = instant_at(start_unix_ns);
+            tokio::time::sleep_until(start).await;
+            let before = target.bench_cpu();
+            let done = storm.run(start, max_duration).await;
+            let bench_cpu_s = before
+                .zip(target.bench_cpu())
+                .map(|(b, a)| a.since(b).total());
+            // The next run's keys, made before answering: the parent starts the next run
+            // only when every process has answered.
+            *next = Some(connect::Storm::prepare(target, *share));
+            Ok(Answer::Storm(StormOut {
+                attempted: done.attempted,
+                handshakes: HistWire::of(&done.handshakes),
+                failures: done.failures,
+                elapsed_s: done.end.saturating_duration_since(start).as_secs_f64(),
+                bench_cpu_s,
+            }))
+        }
+        (Held::Idle(next, open @ None, share), Command::Open { start_unix_ns }) => {
+            let opening = match next.take() {
+                Some(o) => o,
+                None => idle::Opening::prepare(target, *share),
+            };
+            tokio::time::sleep_until(instant_at(start_unix_ns)).await;
+            let started = Instant::now();
+            let (clients, failures) = opening.open().await;
+            let out = OpenOut {
+                opened: clients.len() as u64,
+                failures,
+                open_s: started.elapsed().as_secs_f64(),
+            };
+            *open = Some(clients);
+            Ok(Answer::Opened(out))
+        }
+        (Held::Idle(next, open @ Some(_), share), Command::Close) => {
+            *open = None;
+            *next = Some(idle::Opening::prepare(target, *share));
+            Ok(Answer::Closed)
+        }
+        (_, command) => Err(anyhow::anyhow!(
+            "{command:?} does not fit this worker's job"
+        )),
+    }
+}

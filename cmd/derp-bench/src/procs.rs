@@ -1,0 +1,259 @@
+//! Several bench processes as one load generator (`--procs N`): the parent starts N copies
+//! of itself as workers and talks to each over its stdin and stdout, one JSON document per
+//! line.
+//!
+//! The parent sends a job (its share of the pairs or connections), waits until every worker
+//! has connected, then sends commands that carry a common start time as Unix nanoseconds, so
+//! every worker's window opens at the same instant; each worker answers with its own figures
+//! and the parent merges them. This module is only the plumbing: processes, lines and
+//! clocks. What the lines mean is up to the modes.
+//!
+//! A worker whose parent goes away sees its stdin close and exits; the parent kills the
+//! workers it started when it is done with them, or when it fails.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, anyhow, bail};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// The hidden subcommand a worker runs.
+pub(crate) const WORKER_SUBCOMMAND: &str = "worker";
+
+/// How far ahead of "now" a common start time is set, so every worker has the command
+/// before the moment comes.
+pub(crate) const START_LEAD: Duration = Duration::from_millis(100);
+
+#[derive(Debug)]
+struct Worker {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+/// The worker processes of one run.
+#[derive(Debug)]
+pub(crate) struct Workers {
+    workers: Vec<Worker>,
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            // Closing stdin asks a worker to leave; the kill makes sure it does.
+            w.stdin = None;
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+    }
+}
+
+impl Workers {
+    /// Starts one worker per job and waits (up to `timeout`) until each has answered the
+    /// job with `ready` of type `R`.
+    pub(crate) async fn start<J: Serialize, R: DeserializeOwned>(
+        jobs: &[J],
+        timeout: Duration,
+    ) -> anyhow::Result<(Self, Vec<R>)> {
+        let exe = std::env::current_exe().context("finding derp-bench's own executable")?;
+        let mut workers = Self {
+            workers: Vec::new(),
+        };
+        for (i, job) in jobs.iter().enumerate() {
+            let mut child = Command::new(&exe)
+                .arg(WORKER_SUBCOMMAND)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .with_context(|| format!("starting bench process {i}"))?;
+            let stdout = child
+                .stdout
+                .take()
+                .ok_or_else(|| anyhow!("bench process {i} has no stdout"))?;
+            let (tx, lines) = mpsc::unbounded_channel();
+            std::thread::Builder::new()
+                .name("derp-bench-procs".into())
+                .spawn(move || {
+                    for line in BufReader::new(stdout).lines() {
+                        let Ok(line) = line else { return };
+                        if tx.send(line).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .context("starting a reader thread")?;
+            let stdin = child.stdin.take();
+            workers.workers.push(Worker {
+                child,
+                stdin,
+                lines,
+            });
+            workers.send(i, job)?;
+        }
+        let ready = workers.recv_all(timeout).await?;
+        Ok((workers, ready))
+    }
+
+    /// Sends worker `i` one message.
+    pub(crate) fn send<C: Serialize>(&mut self, i: usize, msg: &C) -> anyhow::Result<()> {
+        let mut line = serde_json::to_vec(msg)?;
+        line.push(b'\n');
+        let w = &mut self.workers[i];
+        let stdin = w
+            .stdin
+            .as_mut()
+            .ok_or_else(|| anyhow!("bench process {i} is closed"))?;
+        stdin
+            .write_all(&line)
+            .and_then(|()| stdin.flush())
+            .with_context(|| format!("writing to bench process {i}"))
+    }
+
+    /// Sends every worker the same message.
+    pub(crate) fn send_all<C: Serialize>(&mut self, msg: &C) -> anyhow::Result<()> {
+        for i in 0..self.workers.len() {
+            self.send(i, msg)?;
+        }
+        Ok(())
+    }
+
+    /// One answer from every worker, in worker order, within `timeout` in all. A worker that
+    /// reports an error, exits or says nothing in time fails the call.
+    pub(crate) async fn recv_all<R: DeserializeOwned>(
+        &mut self,
+        timeout: Duration,
+    ) -> anyhow::Result<Vec<R>> {
+        let deadline = Instant::now() + timeout;
+        let mut out = Vec::with_capacity(self.workers.len());
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            let line = match tokio::time::timeout_at(deadline, w.lines.recv()).await {
+                Ok(Some(line)) => line,
+                Ok(None) => {
+                    let status = w
+                        .child
+                        .try_wait()
+                        .ok()
+                        .flatten()
+                        .map_or_else(|| "closed its output".to_owned(), |s| s.to_string());
+                    bail!("bench process {i} stopped ({status})");
+                }
+                Err(_) => bail!("bench process {i} did not answer within {timeout:?}"),
+            };
+            let answer: Result<R, String> = serde_json::from_str(&line)
+                .with_context(|| format!("bench process {i} said {line:?}"))?;
+            out.push(answer.map_err(|e| anyhow!("bench process {i}: {e}"))?);
+        }
+        Ok(out)
+    }
+}
+
+/// A worker's side of the conversation: commands from stdin, answers to stdout.
+#[derive(Debug)]
+pub(crate) struct Parent {
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl Parent {
+    /// Reads the job, the first line on stdin, before any runtime exists (the job says how
+    /// many threads the runtime gets).
+    pub(crate) fn read_job<J: DeserializeOwned>() -> anyhow::Result<J> {
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .context("reading the job")?;
+        if line.is_empty() {
+            bail!("no job on stdin: `worker` is started by derp-bench --procs, not by hand");
+        }
+        serde_json::from_str(&line).context("parsing the job")
+    }
+
+    /// Starts reading the commands that follow the job.
+    pub(crate) fn listen() -> anyhow::Result<Self> {
+        let (tx, lines) = mpsc::unbounded_channel();
+        std::thread::Builder::new()
+            .name("derp-bench-parent".into())
+            .spawn(move || {
+                for line in std::io::stdin().lines() {
+                    let Ok(line) = line else { return };
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            })
+            .context("starting the command reader")?;
+        Ok(Self { lines })
+    }
+
+    /// The next command; `None` when the parent has closed stdin (time to leave).
+    pub(crate) async fn recv<C: DeserializeOwned>(&mut self) -> anyhow::Result<Option<C>> {
+        match self.lines.recv().await {
+            None => Ok(None),
+            Some(line) => serde_json::from_str(&line)
+                .map(Some)
+                .with_context(|| format!("parsing command {line:?}")),
+        }
+    }
+
+    /// Answers the last command.
+    pub(crate) fn answer<R: Serialize>(answer: &Result<R, String>) -> anyhow::Result<()> {
+        let mut line = serde_json::to_vec(answer)?;
+        line.push(b'\n');
+        let mut out = std::io::stdout().lock();
+        out.write_all(&line)?;
+        out.flush()?;
+        Ok(())
+    }
+}
+
+/// Now, as Unix nanoseconds: the clock every process on the machine shares.
+pub(crate) fn unix_ns_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// The local instant of a Unix time in nanoseconds (now, if it has passed).
+pub(crate) fn instant_at(unix_ns: u64) -> Instant {
+    let now_unix = unix_ns_now();
+    let now = Instant::now();
+    now + Duration::from_nanos(unix_ns.saturating_sub(now_unix))
+}
+
+/// `total` split into `parts` near-equal shares, the larger ones first.
+pub(crate) fn split(total: u64, parts: usize) -> Vec<u64> {
+    let parts = parts.max(1) as u64;
+    (0..parts)
+        .map(|i| total / parts + u64::from(i < total % parts))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_add_up() {
+        assert_eq!(split(10, 3), [4, 3, 3]);
+        assert_eq!(split(2, 4), [1, 1, 0, 0]);
+        assert_eq!(split(0, 2), [0, 0]);
+        assert_eq!(split(7, 0), [7]);
+        for (total, parts) in [(1000, 7), (5, 5), (64, 3)] {
+            assert_eq!(split(total, parts).iter().sum::<u64>(), total);
+        }
+    }
+
+    #[test]
+    fn a_past_start_is_now() {
+        let before = Instant::now();
+        let at = instant_at(unix_ns_now() - 1_000_000_000);
+        assert!(at >= before && at <= Instant::now());
+        let ahead = instant_at(unix_ns_now() + 500_000_000);
+        let lead = ahead - Instant::now();
+        assert!(lead > Duration::from_millis(400) && lead <= Duration::from_millis(500));
+    }
+}

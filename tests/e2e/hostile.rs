@@ -222,6 +222,14 @@ async fn malformed_frames_after_the_handshake_close_only_the_sender() {
     }
     // Nothing was relayed on the offenders' behalf.
     assert_eq!(gauge(&srv, "derp_packets_received"), 2.0 * 8.0);
+    // Each ended on its connection's own steady-state task, which still counts how.
+    srv.eventually("every offender counted", |s| {
+        s.metric(
+            "derp_connection_errors",
+            &[("class", "peer_misbehaved"), ("reason", "malformed_frame")],
+        ) == 8.0
+    })
+    .await;
 
     // The largest ping allowed is answered with its first eight bytes.
     let mut m = RawClient::connect(srv.addr).await;

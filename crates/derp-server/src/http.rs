@@ -123,6 +123,7 @@ async fn take_over(
         not_ideal: up.not_ideal,
         quic: None,
         guard,
+        detach: true,
     };
     conn::serve(shared, accepted).await;
 }
@@ -452,6 +453,7 @@ fn derp_via_hyper(
                     not_ideal: up.not_ideal,
                     quic: None,
                     guard,
+                    detach: true,
                 };
                 conn::serve(shared, accepted).await;
             }

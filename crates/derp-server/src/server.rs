@@ -263,6 +263,7 @@ impl Server {
             not_ideal: false,
             quic: None,
             guard: ConnGuard::none(),
+            detach: false,
         };
         conn::serve(self.shared.clone(), accepted).await;
     }

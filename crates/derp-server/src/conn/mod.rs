@@ -28,7 +28,7 @@ use tracing::debug;
 
 use crate::admission::{AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict};
 use crate::handle::ConnHandle;
-use crate::listen::ConnGuard;
+use crate::listen::{ConnGuard, OpenPermit};
 use crate::metrics::{DropReason, PacketKind, TransportLabel};
 use crate::queue::{Batch, Control};
 use crate::quic::QuicLink;
@@ -55,6 +55,13 @@ pub(crate) struct Accepted {
     pub(crate) quic: Option<Arc<QuicLink>>,
     /// The connection's place among the open and the unproven connections.
     pub(crate) guard: ConnGuard,
+    /// Once established, the connection continues on a task of its own on the server's
+    /// tracker and [`serve`] returns. The handshake's future (the HTTP front, the handshake
+    /// and admission state, every layer's arguments) is several times the size of what an
+    /// established connection needs, and a task is as big as its largest state: a fresh task
+    /// for the steady state is what keeps idle connections small. Off where the caller awaits
+    /// the connection to its end (an embedder's [`crate::Server::accept`], the QUIC front).
+    pub(crate) detach: bool,
 }
 
 impl Accepted {
@@ -86,7 +93,13 @@ pub(crate) async fn serve_counted(
     }
     let remote = accepted.remote;
     let result = run(shared.clone(), accepted, label).await;
-    if let Err(e) = &result {
+    count_end(&shared, remote, &result);
+    result
+}
+
+/// Counts and logs how a connection ended.
+fn count_end(shared: &ServerState, remote: SocketAddr, result: &Result<(), ConnError>) {
+    if let Err(e) = result {
         shared
             .metrics
             .connection_errors
@@ -94,7 +107,6 @@ pub(crate) async fn serve_counted(
             .inc();
         debug!(%remote, error = %e, "derp connection ended");
     }
-    result
 }
 
 async fn run(
@@ -111,6 +123,7 @@ async fn run(
         not_ideal,
         quic,
         guard,
+        detach,
     } = accepted;
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
@@ -120,7 +133,7 @@ async fn run(
     // and in a block of its own, so that the handshake's state (deadlines, the admission
     // checks, the ClientInfo) is freed once it is done instead of sizing every idle
     // connection's task.
-    let (client_key, flags, can_mesh, _open) = {
+    let (client_key, flags, can_mesh, open) = {
         let proven = Box::pin(async {
             let (client_key, info) = match handshake(
                 &mut hs,
@@ -182,7 +195,7 @@ async fn run(
         let early = reader.attach_quic(link.clone());
         shared.metrics.quic_garbage_datagrams.inc_by(early);
     }
-    let registration = Registration::new(&shared, &handle, not_ideal, label);
+    let registration = Registration::new(shared.clone(), handle.clone(), not_ideal, label);
     let write_timeout = if can_mesh {
         config.mesh_write_timeout
     } else {
@@ -221,64 +234,110 @@ async fn run(
                         write_timeout,
                         quic.clone(),
                     );
-                    let mut read_loop = ReadLoop::new(&shared, &handle, reader);
-                    let result = match &quic {
-                        None => read_loop.run().await,
-                        // The path watcher runs on the connection's own task, beside its
-                        // read loop, and stops with it.
-                        Some(link) => tokio::select! {
-                            r = read_loop.run() => r,
-                            never = link.watch_path(&handle, &shared.metrics) => match never {},
-                        },
+                    let established = Established {
+                        reader,
+                        quic,
+                        registration,
+                        _open: open,
+                        remote,
                     };
-                    if let Some(code) = read_loop.reader.ws_close {
-                        handle.ws_close_code.store(code, Ordering::Relaxed);
+                    if detach {
+                        shared.tasks.spawn(established.run(true));
+                        return Ok(());
                     }
-                    if read_loop.drained {
-                        // Stay registered while the writer drains the queue; the server
-                        // ends the connection once every queue is out or the drain
-                        // deadline passes.
-                        match &quic {
-                            None => handle.cancel.cancelled().await,
-                            Some(link) => tokio::select! {
-                                _ = handle.cancel.cancelled() => {}
-                                never = link.watch_path(&handle, &shared.metrics) => match never {},
-                            },
-                        }
-                    }
-                    // Leaving the registry closes the queues; the writer (running, or
-                    // resumed from its parked state by the close) then finishes the socket.
-                    drop(registration);
-                    result
+                    established.run(false).await
                 }
                 Err(e) => Err(e.into()),
             }
         }
         Err(e) => Err(e.into()),
     };
-
     debug!(%remote, key = %client_key.short(), id, "client disconnected");
     result
+}
+
+/// An established connection: registered, ServerInfo sent, its writer started. Only what the
+/// read loop needs from here on, so that a task running just this stays small.
+struct Established {
+    reader: FrameReader,
+    quic: Option<Arc<QuicLink>>,
+    registration: Registration,
+    /// Counts the connection as open until it ends.
+    _open: Option<OpenPermit>,
+    remote: SocketAddr,
+}
+
+impl Established {
+    /// Runs the read loop until the connection ends, then unregisters it. A `detached`
+    /// connection, with nobody awaiting its end, counts how it ended itself.
+    async fn run(self, detached: bool) -> Result<(), ConnError> {
+        if let Some(link) = self.quic.clone() {
+            // Boxed: QUIC's path watcher would otherwise size every TCP connection's task.
+            return Box::pin(self.run_quic(link)).await;
+        }
+        let shared = &self.registration.shared;
+        let handle = &self.registration.handle;
+        let mut read_loop = ReadLoop::new(shared, handle, self.reader);
+        let result = read_loop.run().await;
+        if let Some(code) = read_loop.reader.ws_close {
+            handle.ws_close_code.store(code, Ordering::Relaxed);
+        }
+        if read_loop.drained {
+            // Stay registered while the writer drains the queue; the server ends the
+            // connection once every queue is out or the drain deadline passes.
+            handle.cancel.cancelled().await;
+        }
+        debug!(remote = %self.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
+        if detached {
+            count_end(shared, self.remote, &result);
+        }
+        // Leaving the registry (when `self.registration` drops) closes the queues; the writer
+        // (running, or resumed from its parked state by the close) then finishes the socket.
+        result
+    }
+
+    /// [`Established::run`] for DERP over QUIC: the path watcher runs beside the read loop,
+    /// on the connection's own task, and stops with it.
+    async fn run_quic(self, link: Arc<QuicLink>) -> Result<(), ConnError> {
+        let shared = &self.registration.shared;
+        let handle = &self.registration.handle;
+        let mut read_loop = ReadLoop::new(shared, handle, self.reader);
+        let result = tokio::select! {
+            r = read_loop.run() => r,
+            never = link.watch_path(handle, &shared.metrics) => match never {},
+        };
+        if let Some(code) = read_loop.reader.ws_close {
+            handle.ws_close_code.store(code, Ordering::Relaxed);
+        }
+        if read_loop.drained {
+            tokio::select! {
+                _ = handle.cancel.cancelled() => {}
+                never = link.watch_path(handle, &shared.metrics) => match never {},
+            }
+        }
+        debug!(remote = %self.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
+        result
+    }
 }
 
 /// A registered connection. Dropping it (on every path: normal end, error, panic, or the
 /// connection's future being dropped by an embedder) unregisters the connection, closes its
 /// queues and counts what they still held.
-struct Registration<'a> {
-    shared: &'a ServerState,
-    handle: &'a Arc<ConnHandle>,
+struct Registration {
+    shared: Arc<ServerState>,
+    handle: Arc<ConnHandle>,
     not_ideal: bool,
     label: TransportLabel,
 }
 
-impl<'a> Registration<'a> {
+impl Registration {
     fn new(
-        shared: &'a ServerState,
-        handle: &'a Arc<ConnHandle>,
+        shared: Arc<ServerState>,
+        handle: Arc<ConnHandle>,
         not_ideal: bool,
         label: TransportLabel,
     ) -> Self {
-        shared.registry.register(handle);
+        shared.registry.register(&handle);
         shared.metrics.current_connections_by_transport[label as usize].inc();
         if not_ideal {
             shared.metrics.current_notideal_connections.inc();
@@ -292,16 +351,16 @@ impl<'a> Registration<'a> {
     }
 }
 
-impl Drop for Registration<'_> {
+impl Drop for Registration {
     fn drop(&mut self) {
         self.handle.cancel.cancel();
-        self.shared.registry.unregister(self.handle);
+        self.shared.registry.unregister(&self.handle);
         self.shared.registry.remove_watcher(self.handle.id);
         self.shared.metrics.current_connections_by_transport[self.label as usize].dec();
         if self.not_ideal {
             self.shared.metrics.current_notideal_connections.dec();
         }
-        count_gone(self.shared, self.handle.close());
+        count_gone(&self.shared, self.handle.close());
     }
 }
 

@@ -144,6 +144,7 @@ async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
         quic: Some(link.clone()),
         // The QUIC listener bounds its own handshakes (an in-flight cap, then Retry).
         guard: ConnGuard::none(),
+        detach: false,
     };
     let result = super::serve_counted(shared.clone(), accepted).await;
     close_code_for(shared, &link, &result)

@@ -560,13 +560,51 @@ async fn idle_connection_gets_keepalives() {
     })
     .await;
     let mut c = RawClient::connect(srv.addr).await;
-    // Each connection adds up to 5 s of jitter to the period.
+    // Each connection adds up to 5 s of jitter to the period (at most the period itself).
     let frame = tokio::time::timeout(STEP, c.recv_any())
         .await
         .expect("no keepalive within the period plus jitter");
     assert_eq!(frame, RelayToClient::KeepAlive);
     // The connection is still fine afterwards.
     c.expect_quiet().await;
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn a_connection_quiet_for_a_keepalive_period_still_relays_its_next_packet() {
+    let srv = TestServer::start(ServerConfig {
+        keepalive_interval: Duration::from_millis(50),
+        ..config()
+    })
+    .await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    for round in 0..3 {
+        let packet = format!("after {round} quiet periods");
+        a.send_packet(b.key, packet.as_bytes()).await;
+        assert_eq!(b.recv_packet().await, (a.key, packet.into_bytes()));
+        // A period with a read, then one without: the read loop leaves its busy state and
+        // waits for traffic, still sending keepalives, and wakes for the next packet.
+        for _ in 0..3 {
+            let frame = tokio::time::timeout(STEP, a.recv_any())
+                .await
+                .expect("a keepalive within the period plus jitter");
+            assert_eq!(frame, RelayToClient::KeepAlive);
+        }
+    }
+    // The same for a client that has only ever been quiet and then talks.
+    let mut c = RawClient::connect(srv.addr).await;
+    for _ in 0..2 {
+        let frame = tokio::time::timeout(STEP, c.recv_any())
+            .await
+            .expect("keepalive");
+        assert_eq!(frame, RelayToClient::KeepAlive);
+    }
+    c.send_packet(b.key, b"from a quiet client").await;
+    assert_eq!(
+        b.recv_packet().await,
+        (c.key, b"from a quiet client".to_vec())
+    );
     srv.stop().await;
 }
 
@@ -753,13 +791,49 @@ impl WsClient {
 
     async fn recv(&mut self) -> RelayToClient {
         loop {
+            match self.recv_any().await {
+                RelayToClient::KeepAlive => continue,
+                frame => return frame,
+            }
+        }
+    }
+
+    /// The next frame from the server, keepalives included.
+    async fn recv_any(&mut self) -> RelayToClient {
+        loop {
             match self.decoder.decode(&mut self.derp).expect("decode") {
-                Some(RelayToClient::KeepAlive) => continue,
                 Some(frame) => return frame,
                 None => self.read_message().await,
             }
         }
     }
+}
+
+#[tokio::test]
+async fn a_websocket_connection_quiet_for_a_keepalive_period_still_relays() {
+    let srv = TestServer::start(ServerConfig {
+        keepalive_interval: Duration::from_millis(50),
+        ..config()
+    })
+    .await;
+    let mut ws = WsClient::connect(srv.addr, random_secret()).await;
+    let mut plain = RawClient::connect(srv.addr).await;
+    for round in 0..2 {
+        let packet = format!("websocket, after {round} quiet periods");
+        ws.send(ClientToRelay::SendPacket {
+            dst: plain.key,
+            packet: Bytes::from(packet.clone()),
+        })
+        .await;
+        assert_eq!(plain.recv_packet().await, (ws.key, packet.into_bytes()));
+        for _ in 0..3 {
+            let frame = tokio::time::timeout(STEP, ws.recv_any())
+                .await
+                .expect("a keepalive within the period plus jitter");
+            assert_eq!(frame, RelayToClient::KeepAlive);
+        }
+    }
+    srv.stop().await;
 }
 
 #[tokio::test]

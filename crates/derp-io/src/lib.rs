@@ -163,6 +163,12 @@ impl std::fmt::Debug for ReadHalf {
 }
 
 impl ReadHalf {
+    /// Whether [`ReadHalf::ready`] really waits for the socket (plain TCP), rather than
+    /// returning at once because the stream cannot tell without reading.
+    pub fn tells_readiness(&self) -> bool {
+        matches!(self, Self::Tcp(_))
+    }
+
     /// Waits until a read would make progress, where the stream can tell without reading.
     ///
     /// Polls the socket's read readiness directly rather than awaiting `readable()`: the

@@ -382,6 +382,13 @@ struct FrameHeader {
 }
 
 impl WsDecoder {
+    /// Whether the next event needs more bytes. False once the stream is closed or failed:
+    /// the decoder then repeats that event without reading anything, so a caller that
+    /// waits for the socket before decoding again would wait for nothing.
+    pub fn needs_input(&self) -> bool {
+        matches!(self.state, State::Header | State::Payload { .. })
+    }
+
     /// A decoder at the start of the stream, for the given end of the connection.
     pub fn new(role: Role) -> Self {
         Self {
@@ -892,12 +899,15 @@ mod tests {
             .concat()[..],
         );
         let mut decoder = WsDecoder::new(Role::Server);
+        assert!(decoder.needs_input());
         let mut out = BytesMut::new();
         for _ in 0..2 {
             assert_eq!(
                 decoder.decode(&mut input, &mut out),
                 Ok(WsEvent::Close { code: Some(1000) })
             );
+            // The close repeats without input: nothing to wait for.
+            assert!(!decoder.needs_input());
         }
         assert!(out.is_empty());
     }

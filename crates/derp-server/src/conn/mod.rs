@@ -270,30 +270,37 @@ struct Established {
 impl Established {
     /// Runs the read loop until the connection ends, then unregisters it. A `detached`
     /// connection, with nobody awaiting its end, counts how it ended itself.
-    async fn run(self, detached: bool) -> Result<(), ConnError> {
-        if let Some(link) = self.quic.clone() {
-            // Boxed: QUIC's path watcher would otherwise size every TCP connection's task.
-            return Box::pin(self.run_quic(link)).await;
+    ///
+    /// An `async move` block rather than an `async fn`: an `async fn` taking `self` keeps a
+    /// second copy of it in its state for the connection's life.
+    #[allow(clippy::manual_async_fn)]
+    fn run(self, detached: bool) -> impl Future<Output = Result<(), ConnError>> + Send {
+        async move {
+            if let Some(link) = self.quic.clone() {
+                // Boxed: QUIC's path watcher would otherwise size every TCP connection's task.
+                return Box::pin(self.run_quic(link)).await;
+            }
+            let shared = &self.registration.shared;
+            let handle = &self.registration.handle;
+            let mut read_loop = ReadLoop::new(shared, handle, self.reader);
+            let result = read_loop.run().await;
+            if let Some(code) = read_loop.reader.ws_close {
+                handle.ws_close_code.store(code, Ordering::Relaxed);
+            }
+            if read_loop.drained {
+                // Stay registered while the writer drains the queue; the server ends the
+                // connection once every queue is out or the drain deadline passes.
+                handle.cancel.cancelled().await;
+            }
+            debug!(remote = %self.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
+            if detached {
+                count_end(shared, self.remote, &result);
+            }
+            // Leaving the registry (when `self.registration` drops) closes the queues; the
+            // writer (running, or resumed from its parked state by the close) then finishes
+            // the socket.
+            result
         }
-        let shared = &self.registration.shared;
-        let handle = &self.registration.handle;
-        let mut read_loop = ReadLoop::new(shared, handle, self.reader);
-        let result = read_loop.run().await;
-        if let Some(code) = read_loop.reader.ws_close {
-            handle.ws_close_code.store(code, Ordering::Relaxed);
-        }
-        if read_loop.drained {
-            // Stay registered while the writer drains the queue; the server ends the
-            // connection once every queue is out or the drain deadline passes.
-            handle.cancel.cancelled().await;
-        }
-        debug!(remote = %self.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
-        if detached {
-            count_end(shared, self.remote, &result);
-        }
-        // Leaving the registry (when `self.registration` drops) closes the queues; the writer
-        // (running, or resumed from its parked state by the close) then finishes the socket.
-        result
     }
 
     /// [`Established::run`] for DERP over QUIC: the path watcher runs beside the read loop,

@@ -167,6 +167,26 @@ impl FrameReader {
 
     /// Gives back an empty buffer's memory, so an idle connection holds no read buffer.
     /// Packets still queued elsewhere keep their slices of the old allocation alive.
+    /// Whether this reader can wait for the socket to become readable holding nothing:
+    /// nothing is buffered, and the transport can tell readiness (plain TCP, with or without
+    /// WebSocket framing; not TLS, whose records may hold bytes the socket no longer does,
+    /// nor QUIC, whose datagrams arrive apart from the stream).
+    pub(super) fn can_wait_idle(&self) -> bool {
+        self.quic.is_none()
+            && self.half.tells_readiness()
+            && self.buf.is_empty()
+            && self.ws_close.is_none()
+            && self
+                .ws
+                .as_ref()
+                .is_none_or(|ws| ws.raw.is_empty() && ws.decoder.needs_input())
+    }
+
+    /// Waits until the socket is readable (see [`FrameReader::can_wait_idle`]).
+    async fn ready(&mut self) -> std::io::Result<()> {
+        self.half.ready().await
+    }
+
     fn release_if_empty(&mut self) {
         if self.buf.is_empty() && self.buf.capacity() > 0 {
             self.buf = BytesMut::new();
@@ -217,6 +237,14 @@ impl NotHereLimiter {
     }
 }
 
+/// How a busy stretch of the read loop ended.
+enum Stretch {
+    /// The connection is to end.
+    Ended,
+    /// Nothing was read for a keepalive period: wait for traffic holding little.
+    Quiet,
+}
+
 pub(super) struct ReadLoop<'a> {
     shared: &'a Arc<ServerState>,
     handle: &'a Arc<ConnHandle>,
@@ -235,6 +263,8 @@ pub(super) struct ReadLoop<'a> {
     next_keepalive: Instant,
     /// The loop stopped because the server is draining, not because the client left.
     pub(super) drained: bool,
+    /// Something was read since the last keepalive: the connection is not quiet.
+    read_since_keepalive: bool,
     /// The receive rate limit's bucket; `None` for mesh peers and when no limit is
     /// configured. Boxed, so connections without a limit pay one pointer for it.
     limiter: Option<Box<ClientLimiter>>,
@@ -250,8 +280,12 @@ impl<'a> ReadLoop<'a> {
         reader: FrameReader,
     ) -> Self {
         let now = Instant::now();
-        let keepalive_period = shared.config.keepalive_interval
-            + Duration::from_millis(rand::thread_rng().gen_range(0..KEEPALIVE_JITTER_MS));
+        // The jitter is at most the interval itself, which only matters for the short
+        // intervals tests use.
+        let interval = shared.config.keepalive_interval;
+        let jitter_ms = (KEEPALIVE_JITTER_MS as u128).min(interval.as_millis().max(1)) as u64;
+        let keepalive_period =
+            interval + Duration::from_millis(rand::thread_rng().gen_range(0..jitter_ms));
         Self {
             shared,
             handle,
@@ -266,17 +300,59 @@ impl<'a> ReadLoop<'a> {
             keepalive_period,
             next_keepalive: now + keepalive_period,
             drained: false,
+            read_since_keepalive: false,
             limiter: (shared.config.rate_limit.is_some() && !handle.can_mesh)
                 .then(|| Box::new(ClientLimiter::new(&shared.rate_limits, now))),
             inline: Inline::default(),
         }
     }
 
+    /// Reads and relays until the connection ends. A connection that has been quiet for a
+    /// keepalive period waits for its next bytes in [`ReadLoop::wait_for_traffic`], which
+    /// holds little; the state of the loop that moves traffic (its reads, its timers, the
+    /// rate limiter's wait) is several times larger and is boxed, allocated only while the
+    /// connection is busy. A task is as large as its largest state, so this is what keeps
+    /// an idle connection's task small.
     pub(super) async fn run(&mut self) -> Result<(), ConnError> {
-        self.run_inner().await
+        loop {
+            // What the handshake left, or the last read, is not kept while waiting.
+            self.reader.release_if_empty();
+            if self.reader.can_wait_idle() && !self.wait_for_traffic().await? {
+                return Ok(());
+            }
+            match Box::pin(self.run_busy()).await? {
+                Stretch::Ended => return Ok(()),
+                Stretch::Quiet => {}
+            }
+        }
     }
 
-    async fn run_inner(&mut self) -> Result<(), ConnError> {
+    /// Waits until the socket has something to read, queueing keepalives meanwhile. False
+    /// when the connection is to end instead.
+    async fn wait_for_traffic(&mut self) -> Result<bool, ConnError> {
+        let handle: &'a ConnHandle = self.handle;
+        let shared: &'a ServerState = self.shared;
+        loop {
+            tokio::select! {
+                biased;
+                _ = handle.cancel.cancelled() => return Ok(false),
+                _ = shared.draining.cancelled() => {
+                    self.drained = true;
+                    return Ok(false);
+                }
+                _ = tokio::time::sleep_until(self.next_keepalive) => self.keepalive(),
+                ready = self.reader.ready() => {
+                    ready?;
+                    return Ok(true);
+                }
+            }
+        }
+    }
+
+    /// The loop while traffic flows. Returns [`Stretch::Quiet`] when a whole keepalive
+    /// period passed without a read and the connection can wait in
+    /// [`ReadLoop::wait_for_traffic`] instead.
+    async fn run_busy(&mut self) -> Result<Stretch, ConnError> {
         // Borrowed for the connection's lifetime, not through `self`, so the select below
         // can poll them beside the reader without cloning a token on every read.
         let handle: &'a ConnHandle = self.handle;
@@ -305,10 +381,10 @@ impl<'a> ReadLoop<'a> {
             if let Some(at) = resume_at {
                 tokio::select! {
                     biased;
-                    _ = handle.cancel.cancelled() => return Ok(()),
+                    _ = handle.cancel.cancelled() => return Ok(Stretch::Ended),
                     _ = shared.draining.cancelled() => {
                         self.drained = true;
-                        return Ok(());
+                        return Ok(Stretch::Ended);
                     }
                     _ = &mut keepalive => {
                         self.keepalive();
@@ -320,22 +396,28 @@ impl<'a> ReadLoop<'a> {
             }
             let n = tokio::select! {
                 biased;
-                _ = handle.cancel.cancelled() => return Ok(()),
+                _ = handle.cancel.cancelled() => return Ok(Stretch::Ended),
                 _ = shared.draining.cancelled() => {
                     // Graceful shutdown: nothing more is read, so what is queued can drain.
                     self.drained = true;
-                    return Ok(());
+                    return Ok(Stretch::Ended);
                 }
                 _ = &mut keepalive => {
                     self.keepalive();
                     keepalive.as_mut().reset(self.next_keepalive);
+                    if !std::mem::take(&mut self.read_since_keepalive)
+                        && self.reader.can_wait_idle()
+                    {
+                        return Ok(Stretch::Quiet);
+                    }
                     continue;
                 }
                 n = self.reader.read_more(Some(handle), self.chunk) => n?,
             };
             if n == 0 {
-                return Ok(());
+                return Ok(Stretch::Ended);
             }
+            self.read_since_keepalive = true;
             self.adapt_to_read(n);
         }
     }

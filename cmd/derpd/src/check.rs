@@ -167,6 +167,7 @@ fn check(cli: &Cli, r: &mut Report) {
     }
 
     check_mesh(cli, r);
+    check_limits(cli, r);
 
     r.ok(
         "relay",
@@ -483,6 +484,63 @@ fn utc_date(t: SystemTime) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// The admission checks and limits, configured exactly as a start would (files read and
+/// parsed, the admission URL and its TLS roots prepared), into a throwaway config: nothing
+/// is asked of the admission server or the local tailscaled.
+fn check_limits(cli: &Cli, r: &mut Report) {
+    let args = &cli.limits;
+    // Any identity will do: only the limits' fields are filled in and read.
+    let mut config = derp_server::ServerConfig::new(SecretKey::from_bytes([1; 32]));
+    if let Err(e) = crate::limits::configure(args, &mut config, &prometheus::Registry::new()) {
+        r.error("admission", e);
+        return;
+    }
+    let mut checks = Vec::new();
+    if let Some(path) = &args.allow_keys_file {
+        checks.push(format!("the keys in {}", path.display()));
+    }
+    if args.verify_clients {
+        checks.push(format!(
+            "peers of the local tailscaled ({})",
+            args.socket.display()
+        ));
+    }
+    if let Some(url) = &args.verify_client_url {
+        checks.push(format!(
+            "{url} ({})",
+            if args.verify_client_url_fail_open {
+                "fail open"
+            } else {
+                "fail closed"
+            }
+        ));
+    }
+    r.ok(
+        "admission",
+        if checks.is_empty() {
+            "every client (no --allow-keys-file, --verify-clients or --verify-client-url)"
+                .to_owned()
+        } else {
+            format!("only {}", checks.join(", then "))
+        },
+    );
+    let mut limits = Vec::new();
+    match config.rate_limit {
+        Some(l) if l.bytes_per_sec > 0 => limits.push(format!(
+            "receive {} bytes/s per client, burst {}",
+            l.bytes_per_sec, l.burst_bytes
+        )),
+        _ => limits.push("no per-client receive limit".to_owned()),
+    }
+    if let Some(a) = config.limits.accept_rate {
+        limits.push(format!("accept {}/s, burst {}", a.per_sec, a.burst));
+    }
+    if let Some(n) = config.limits.max_connections {
+        limits.push(format!("at most {n} connections"));
+    }
+    r.ok("limits", limits.join("; "));
 }
 
 fn check_mesh(cli: &Cli, r: &mut Report) {

@@ -79,7 +79,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let tls = cli.tls.tls_enabled(addrs[0].port());
     let quic_port = quic_port(&cli, tls, addrs[0].port())?;
     let home = parse_home(&cli.home)?;
-    let secret_key = load_key(&cli)?;
     let mesh_key = mesh_key(&cli)?;
     let own_hostname = Some(cli.tls.hostname.as_str());
     let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with, own_hostname)
@@ -90,6 +89,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         None if siblings.iter().any(|s| s.url.scheme().is_tls()) => Some(mesh_tls_system()?),
         None => None,
     };
+    // Last of the checks above, since a missing key file is created: a bad flag or file
+    // must not leave a new key behind.
+    let secret_key = load_key(&cli)?;
 
     let mut config = ServerConfig::new(secret_key.clone());
     config.home = home;

@@ -202,6 +202,16 @@ fn check_fails_on_every_error_a_start_would_hit() {
     let bad_key = dir.file("bad.key", "{\"PrivateKey\":\"nodekey:00\"}");
     let bad_mesh = dir.file("bad-mesh.key", "not hex\n");
     let zero_mesh = dir.file("zero-mesh.key", &"0".repeat(64));
+    let missing_mesh = dir.path("missing-mesh.key").display().to_string();
+    let bad_allow = dir.file(
+        "bad-allow.txt",
+        &format!("# allowed\nnodekey:{}\nnot a key\n", "ab".repeat(32)),
+    );
+    let missing_allow = dir.path("missing-allow.txt").display().to_string();
+    let bad_rate = dir.file(
+        "bad-rate.json",
+        "{\"PerClientRateLimitBytesPerSec\": \"fast\"}",
+    );
     let mesh = dir.file("mesh.key", MESH_KEY);
     let garbage_pem = dir.file("garbage.pem", "-----BEGIN CERTIFICATE-----\nnope\n");
     let certs = dir.path("certs");
@@ -220,6 +230,20 @@ fn check_fails_on_every_error_a_start_would_hit() {
         (vec!["--quic-port", "4433"], "--quic-port needs TLS"),
         (vec!["-c", &bad_key], "bad.key"),
         (vec!["--mesh-psk-file", &bad_mesh], "bad-mesh.key"),
+        (
+            vec!["--mesh-psk-file", &missing_mesh, "--mesh-with", "a.example"],
+            "missing-mesh.key",
+        ),
+        (
+            vec!["--allow-keys-file", &bad_allow],
+            "bad-allow.txt:3: not a node key",
+        ),
+        (vec!["--allow-keys-file", &missing_allow], "missing-allow"),
+        (vec!["--rate-config", &bad_rate], "bad-rate.json"),
+        (
+            vec!["--verify-client-url", "ftp://admission.example/verify"],
+            "--verify-client-url",
+        ),
         (
             vec!["--mesh-psk-file", &zero_mesh, "--mesh-with", "a.example"],
             "all zeros",
@@ -347,4 +371,48 @@ fn check_warns_about_a_key_file_others_can_read() {
         out.contains("readable by group or others (mode 644)"),
         "{out}"
     );
+}
+
+#[test]
+fn check_reports_the_admission_checks_and_limits_a_start_would_use() {
+    let dir = TempDir::new("admission");
+    let key = dir.path("derp.key").display().to_string();
+    let allow = dir.file("allow.txt", &format!("nodekey:{}\n", "cd".repeat(32)));
+    let rate = dir.file(
+        "rate.json",
+        "{\"PerClientRateLimitBytesPerSec\": 125000, \"PerClientRateBurstBytes\": 250000}",
+    );
+    let (ok, out) = check(&[
+        "-a",
+        "127.0.0.1:0",
+        "-c",
+        &key,
+        "--allow-keys-file",
+        &allow,
+        "--verify-client-url",
+        "http://127.0.0.1:9/verify",
+        "--rate-config",
+        &rate,
+        "--max-connections",
+        "5000",
+    ]);
+    assert!(ok, "{out}");
+    let line = |what: &str| {
+        out.lines()
+            .find(|l| l.starts_with("ok") && l.split_whitespace().nth(1) == Some(what))
+            .unwrap_or_else(|| panic!("no {what} line:\n{out}"))
+            .to_owned()
+    };
+    let admission = line("admission");
+    assert!(admission.contains("allow.txt"), "{admission}");
+    assert!(
+        admission.contains("http://127.0.0.1:9/verify (fail closed)"),
+        "{admission}"
+    );
+    let limits = line("limits");
+    assert!(
+        limits.contains("receive 125000 bytes/s per client, burst 250000"),
+        "{limits}"
+    );
+    assert!(limits.contains("at most 5000 connections"), "{limits}");
 }

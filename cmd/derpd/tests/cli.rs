@@ -122,6 +122,38 @@ fn bad_flags_fail_with_one_clear_line() {
 }
 
 #[test]
+fn an_unreadable_or_malformed_mesh_key_fails_with_one_line() {
+    let dir = temp_dir("mesh-psk");
+    let key = dir.join("derp.key");
+    let bad = dir.join("mesh.key");
+    std::fs::write(&bad, "f00d not hex\n").expect("write");
+    let missing = dir.join("no-such-mesh.key");
+    for (psk, want) in [(&bad, "mesh.key"), (&missing, "no-such-mesh.key")] {
+        let args = [
+            "--dev",
+            "-a",
+            "127.0.0.1:0",
+            "-c",
+            key.to_str().expect("utf8"),
+            "--mesh-psk-file",
+            psk.to_str().expect("utf8"),
+        ];
+        let (ok, stderr) = run(&args);
+        assert!(!ok, "{args:?} should fail");
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: want one line, got {stderr}");
+        assert!(
+            lines[0].starts_with("derpd: ") && lines[0].contains(want),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            !key.exists(),
+            "{args:?}: a failed start left a new key behind"
+        );
+    }
+}
+
+#[test]
 fn missing_key_file_is_created_private_and_reused() {
     let dir = temp_dir("create");
     let path = dir.join("sub/derper.key");

@@ -43,6 +43,8 @@ enum Mode {
     SlowBody,
     /// An allow padded past the 4 KiB cap.
     Huge,
+    /// Decides as `Decide`, but only once the test calls [`AdmissionServer::release`].
+    Held,
 }
 
 #[derive(Debug)]
@@ -50,6 +52,10 @@ struct AdmissionState {
     mode: Mode,
     allowed: HashSet<String>,
     requests: Vec<serde_json::Value>,
+    /// Signalled on every request that arrives.
+    arrived: Arc<tokio::sync::Notify>,
+    /// Lets the held answers go (mode `Held`).
+    release: Arc<tokio::sync::Semaphore>,
 }
 
 /// A local HTTP(S) admission server speaking derper's admission request and response.
@@ -67,6 +73,8 @@ impl AdmissionServer {
             mode: Mode::Decide,
             allowed: HashSet::new(),
             requests: Vec::new(),
+            arrived: Arc::new(tokio::sync::Notify::new()),
+            release: Arc::new(tokio::sync::Semaphore::new(0)),
         }));
         let s = state.clone();
         let task = tokio::spawn(async move {
@@ -118,6 +126,31 @@ impl AdmissionServer {
         self.state.lock().expect("lock").requests.clone()
     }
 
+    /// Waits until `n` requests have arrived in all.
+    async fn wait_requests(&self, n: usize) {
+        loop {
+            let arrived = {
+                let st = self.state.lock().expect("lock");
+                if st.requests.len() >= n {
+                    return;
+                }
+                st.arrived.clone()
+            };
+            let notified = arrived.notified();
+            if self.requests().len() >= n {
+                return;
+            }
+            tokio::time::timeout(STEP, notified)
+                .await
+                .expect("the admission request never arrived");
+        }
+    }
+
+    /// Lets one held answer go.
+    fn release(&self) {
+        self.state.lock().expect("lock").release.add_permits(1);
+    }
+
     fn stop(self) {
         self.task.abort();
     }
@@ -134,14 +167,22 @@ async fn serve_admission<S: AsyncRead + AsyncWrite + Unpin>(
             return;
         };
         let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-        let (mode, allowed) = {
+        let (mode, allowed, release) = {
             let mut st = state.lock().expect("lock");
             st.requests.push(json.clone());
+            st.arrived.notify_waiters();
             let key = json["NodePublic"].as_str().unwrap_or_default().to_owned();
-            (st.mode, st.allowed.contains(&key))
+            (st.mode, st.allowed.contains(&key), st.release.clone())
         };
         let reply = match mode {
             Mode::Decide => respond(200, &format!("{{\"Allow\": {allowed}}}")),
+            Mode::Held => {
+                let Ok(permit) = release.acquire().await else {
+                    return;
+                };
+                permit.forget();
+                respond(200, &format!("{{\"Allow\": {allowed}}}"))
+            }
             Mode::Status500 => respond(500, "{\"Allow\": true}"),
             Mode::Garbage => respond(200, "<html>welcome</html>"),
             Mode::Huge => respond(
@@ -304,6 +345,70 @@ async fn the_admission_server_decides_and_refused_clients_are_never_registered()
     assert_eq!(
         b_conn.recv_packet().await,
         (a.public_key(), b"hello".to_vec())
+    );
+    adm.stop();
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn a_pending_admission_holds_up_no_one_else() {
+    let adm = AdmissionServer::start(None).await;
+    let check = Arc::new(
+        VerifyUrl::new(
+            &adm.url,
+            UrlOptions {
+                timeout: Duration::from_secs(30),
+                cache: no_cache(),
+                ..UrlOptions::default()
+            },
+            &AdmissionMetrics::unregistered(),
+        )
+        .expect("verify url"),
+    );
+    let srv = relay(vec![check]).await;
+    let (a, b, c) = (new_key(), new_key(), new_key());
+    for k in [&a, &b, &c] {
+        adm.allow(&k.public_key());
+    }
+    let mut a_conn = admitted(&srv, &a).await.expect("a admitted");
+    let mut b_conn = admitted(&srv, &b).await.expect("b admitted");
+
+    // C's admission is asked and not answered.
+    adm.set_mode(Mode::Held);
+    let addr = srv.addr;
+    let c_key = c.clone();
+    let pending =
+        tokio::spawn(async move { RawClient::try_connect(addr, c_key, plain_info()).await });
+    adm.wait_requests(3).await;
+
+    // Meanwhile A and B relay as before.
+    for i in 0..100u32 {
+        a_conn.send_packet(b.public_key(), &i.to_be_bytes()).await;
+    }
+    for i in 0..100u32 {
+        assert_eq!(
+            b_conn.recv_packet().await,
+            (a.public_key(), i.to_be_bytes().to_vec())
+        );
+    }
+    assert!(
+        !pending.is_finished(),
+        "C's handshake ended before its answer"
+    );
+
+    // The answer comes: C is admitted and relays.
+    adm.release();
+    let mut c_conn = tokio::time::timeout(STEP, pending)
+        .await
+        .expect("C admitted within a step of its answer")
+        .expect("join")
+        .expect("C admitted");
+    c_conn
+        .send_packet(b.public_key(), b"late but welcome")
+        .await;
+    assert_eq!(
+        b_conn.recv_packet().await,
+        (c.public_key(), b"late but welcome".to_vec())
     );
     adm.stop();
     srv.stop().await;

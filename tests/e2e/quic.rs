@@ -840,3 +840,67 @@ async fn a_mesh_peer_can_use_quic() {
     assert_eq!(relay.metric("derp_packets_forwarded_in", &[]), 1.0);
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn quic_clients_are_put_to_the_admission_checks_like_any_other() {
+    let dir = std::env::temp_dir().join(format!("derp-quic-admission-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let (allowed, refused) = (
+        SecretKey::generate(&mut rand::rngs::OsRng),
+        SecretKey::generate(&mut rand::rngs::OsRng),
+    );
+    let tcp_peer = SecretKey::generate(&mut rand::rngs::OsRng);
+    let list = dir.join("allow.txt");
+    std::fs::write(
+        &list,
+        format!("{}\n{}\n", allowed.public_key(), tcp_peer.public_key()),
+    )
+    .expect("write list");
+    let check =
+        derp_admission::AllowKeys::load(&list, &derp_admission::AdmissionMetrics::unregistered())
+            .expect("allow list");
+    let config = ServerConfig {
+        admission: vec![Arc::new(check)],
+        ..ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng))
+    };
+    let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
+
+    // Not listed: closed after its ClientInfo, never registered.
+    let outcome = within(
+        "refused quic client",
+        Client::connect(&relay.quic_config(refused.clone())),
+    )
+    .await;
+    assert!(outcome.is_err(), "an unlisted QUIC client was admitted");
+    assert_eq!(
+        relay.metric("derp_admission_refused", &[("reason", "not_listed")]),
+        1.0
+    );
+    assert_eq!(relay.server.local_clients(), 0);
+
+    // Listed: admitted, and relays to a listed TCP client.
+    let mut q = within(
+        "allowed quic client",
+        Client::connect(&relay.quic_config(allowed.clone())),
+    )
+    .await
+    .expect("a listed QUIC client refused");
+    let config =
+        ClientConfig::new(&format!("http://{}/derp", relay.tcp), tcp_peer.clone()).expect("config");
+    let mut t = within("tcp connect", Client::connect(&config))
+        .await
+        .expect("a listed TCP client refused");
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    q.send_packet(tcp_peer.public_key(), b"admitted over quic")
+        .await
+        .expect("send");
+    let (src, packet) = next_packet(&mut t).await;
+    assert_eq!(
+        (src, &packet[..]),
+        (allowed.public_key(), &b"admitted over quic"[..])
+    );
+    relay.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -682,6 +682,93 @@ mod tests {
         }
     }
 
+    /// A head's header lines as (lowercase name, value), without `Date` (only hyper adds
+    /// it).
+    fn header_set(head: &[u8]) -> std::collections::BTreeSet<(String, String)> {
+        String::from_utf8_lossy(head)
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .filter(|(n, _)| n != "date")
+            .collect()
+    }
+
+    /// Reads up to and including the blank line that ends a head.
+    async fn read_head(client: &mut tokio::net::TcpStream) -> Vec<u8> {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            let within = std::time::Duration::from_secs(5);
+            tokio::time::timeout(within, client.read_exact(&mut byte))
+                .await
+                .expect("in time")
+                .expect("read");
+            head.push(byte[0]);
+        }
+        head
+    }
+
+    #[tokio::test]
+    async fn an_upgrade_after_another_request_gets_the_same_101_through_hyper() {
+        let config = crate::ServerConfig::new(derp_testkit::server_secret());
+        let shared =
+            Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let mut client = client.expect("connect");
+        let (stream, remote) = accepted.expect("accept");
+        let serving = tokio::spawn(serve_conn(
+            shared.clone(),
+            Transport::Tcp(stream),
+            remote,
+            ConnGuard::none(),
+        ));
+        // A probe first: everything after it on this connection goes through hyper.
+        client
+            .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .expect("probe");
+        let probe = read_head(&mut client).await;
+        assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
+        let mut request = Vec::new();
+        upgrade::write_request(
+            &upgrade::RequestOptions {
+                path: "/derp",
+                host: "localhost",
+                user_agent: "test",
+                fast_start: false,
+                ideal_node: None,
+                websocket_key: None,
+            },
+            &mut request,
+        );
+        client.write_all(&request).await.expect("request");
+        let head = read_head(&mut client).await;
+        let fast_path = upgrade::derp_response_head(&shared.public_key);
+        assert_eq!(
+            head.split(|&b| b == b'\r').next(),
+            fast_path.split(|&b| b == b'\r').next(),
+            "status line"
+        );
+        assert_eq!(header_set(&head), header_set(&fast_path));
+        let mut expected = Vec::new();
+        derp_proto::RelayToClient::ServerKey(shared.public_key).encode(&mut expected);
+        let mut got = vec![0; expected.len()];
+        client.read_exact(&mut got).await.expect("server key");
+        assert_eq!(got, expected);
+        drop(client);
+        let within = std::time::Duration::from_secs(5);
+        tokio::time::timeout(within, serving)
+            .await
+            .expect("task ended")
+            .expect("no panic");
+    }
+
     #[test]
     fn every_forwarding_header_names_a_proxy() {
         for name in [

@@ -2,10 +2,12 @@
 //! network namespace of its own behind a veth pair with `tc netem` (1 % loss, 20 ms delay
 //! each way), and clients in this process relay packets through it over each transport.
 //!
-//! It needs root (CAP_NET_ADMIN), iproute2 and a kernel with `sch_netem`; without them it
-//! says why and skips. It prints delivered packets/s and round-trip times for both transports
-//! and asserts only that packets get through: speed is measured by `scripts/bench-quic`, not
-//! asserted here.
+//! It needs root (CAP_NET_ADMIN), iproute2 and a kernel with `sch_netem`, which many
+//! machines (this project's CI among them) lack, so it is ignored by default rather than
+//! passing without having run; run it where netem exists with
+//! `cargo test -p derpd --test netem -- --ignored`, and it fails if the link cannot be made.
+//! It prints delivered packets/s and round-trip times for both transports and asserts only
+//! that packets get through: speed is measured by `scripts/bench-quic`, not asserted here.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -238,14 +240,9 @@ async fn measure(config: impl Fn() -> ClientConfig, window: Duration) -> (f64, D
 }
 
 #[tokio::test]
+#[ignore = "needs root, iproute2 and sch_netem: cargo test -p derpd --test netem -- --ignored"]
 async fn quic_and_tcp_under_netem_loss_and_delay() {
-    let link = match make_link() {
-        Ok(link) => link,
-        Err(why) => {
-            println!("skipping the netem loss test: {why}");
-            return;
-        }
-    };
+    let link = make_link().unwrap_or_else(|why| panic!("cannot make the netem link: {why}"));
     let certdir = std::env::temp_dir().join(format!("derpd-netem-{}", std::process::id()));
     let _ = std::fs::create_dir_all(&certdir);
     let (_derpd, pin) = start_derpd(&link.ns, &certdir);

@@ -904,3 +904,33 @@ async fn quic_clients_are_put_to_the_admission_checks_like_any_other() {
     relay.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn an_https_url_with_a_quic_port_connects_over_quic() {
+    let relay = QuicRelay::start().await;
+    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+    let key = secret.public_key();
+    // The URL names the node as a DERP map does; the QUIC port says to use QUIC there.
+    // Nothing listens for TLS on the URL's TCP port, so only QUIC can succeed.
+    let config = ClientConfig::new("https://127.0.0.1:9/derp", secret)
+        .expect("config")
+        .with_quic_port(relay.quic.port())
+        .with_cert_name(relay.pin.clone())
+        .with_local_addr("127.0.0.1:0".parse().expect("addr"))
+        .with_connect_timeout(STEP);
+    let mut q = within("https + quic port", Client::connect(&config))
+        .await
+        .expect("connect over quic");
+    let (mut t, kt) = relay.tcp_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    q.send_packet(kt, b"via the quic port").await.expect("send");
+    let (src, packet) = next_packet(&mut t).await;
+    assert_eq!((src, &packet[..]), (key, &b"via the quic port"[..]));
+    assert_eq!(
+        relay.metric("derp_accepts_by_transport", &[("transport", "quic")]),
+        1.0
+    );
+    relay.stop().await;
+}

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use crate::cli::{ConnectArgs, TargetArgs};
 use crate::load::{RttHistogram, new_histogram, sample_cpu};
-use crate::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
+use crate::procs::{START_LEAD, Workers, instant_at, unix_ns_now};
 use crate::progress::Progress;
 use crate::report::{
     ConnectConfig, ConnectMedian, ConnectResult, ConnectRun, CpuUse, HandshakeTimes, opt, pct,
@@ -32,7 +32,7 @@ pub(crate) async fn run(
     args: &ConnectArgs,
 ) -> anyhow::Result<Outcome> {
     let n = args.connections as usize;
-    let shares = shares(args, ctx.procs_asked);
+    let shares = ConnectionShare::split(args.connections, args.concurrency, ctx.procs_asked);
     let mut workers = if shares.len() > 1 {
         let work = shares.iter().map(|s| Work::Storm(*s)).collect();
         Some(start_workers(ctx, target_args, work).await?)
@@ -93,33 +93,6 @@ pub(crate) async fn run(
         warnings: ctx.warnings.clone(),
         failure: None,
     })
-}
-
-/// The storm split over `procs` processes: connections and concurrency divided, no process
-/// with nothing to do.
-fn shares(args: &ConnectArgs, procs: u32) -> Vec<ConnectionShare> {
-    let n = args.connections as usize;
-    let procs = (procs as usize)
-        .min(n)
-        .min(args.concurrency as usize)
-        .max(1);
-    let counts = split(n as u64, procs);
-    let concurrency = split(u64::from(args.concurrency), procs);
-    let mut first = 0;
-    counts
-        .iter()
-        .zip(&concurrency)
-        .map(|(&count, &c)| {
-            let share = ConnectionShare {
-                count: count as usize,
-                first,
-                total: n,
-                concurrency: c as u32,
-            };
-            first += count as usize;
-            share
-        })
-        .collect()
 }
 
 /// A storm ready to go: keys made (that is the client's share of the handshake work, done

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::cli::{IdleArgs, TargetArgs};
 use crate::load::scrape;
 use crate::procfs;
-use crate::procs::{START_LEAD, Workers, split, unix_ns_now};
+use crate::procs::{START_LEAD, Workers, unix_ns_now};
 use crate::progress::Progress;
 use crate::report::{IdleConfig, IdleMedian, IdleResult, IdleRun, median, median_opt, opt, table};
 use crate::target::{ServerProbe, Target, connect_error_kind};
@@ -33,7 +33,7 @@ pub(crate) async fn run(
     args: &IdleArgs,
 ) -> anyhow::Result<Outcome> {
     let n = args.connections as usize;
-    let shares = shares(args, ctx.procs_asked);
+    let shares = ConnectionShare::split(args.connections, args.concurrency, ctx.procs_asked);
     let mut workers = if shares.len() > 1 {
         if ctx.target.spawned {
             // The in-process relay holds the server side of every connection here.
@@ -100,32 +100,6 @@ pub(crate) async fn run(
         warnings: ctx.warnings.clone(),
         failure: None,
     })
-}
-
-/// The connections split over `procs` processes, none with nothing to do.
-fn shares(args: &IdleArgs, procs: u32) -> Vec<ConnectionShare> {
-    let n = args.connections as usize;
-    let procs = (procs as usize)
-        .min(n)
-        .min(args.concurrency as usize)
-        .max(1);
-    let counts = split(n as u64, procs);
-    let concurrency = split(u64::from(args.concurrency), procs);
-    let mut first = 0;
-    counts
-        .iter()
-        .zip(&concurrency)
-        .map(|(&count, &c)| {
-            let share = ConnectionShare {
-                count: count as usize,
-                first,
-                total: n,
-                concurrency: c as u32,
-            };
-            first += count as usize;
-            share
-        })
-        .collect()
 }
 
 /// Connections about to be opened: keys made and addresses chosen.

@@ -116,6 +116,32 @@ pub(crate) struct ConnectionShare {
     pub(crate) concurrency: u32,
 }
 
+impl ConnectionShare {
+    /// `connections` opened `concurrency` at a time, split over up to `procs` processes:
+    /// both divided as evenly as they go, no process with nothing to do.
+    pub(crate) fn split(connections: u32, concurrency: u32, procs: u32) -> Vec<Self> {
+        let n = connections as usize;
+        let procs = (procs as usize).min(n).min(concurrency as usize).max(1);
+        let counts = crate::procs::split(n as u64, procs);
+        let concurrencies = crate::procs::split(u64::from(concurrency), procs);
+        let mut first = 0;
+        counts
+            .iter()
+            .zip(&concurrencies)
+            .map(|(&count, &c)| {
+                let share = Self {
+                    count: count as usize,
+                    first,
+                    total: n,
+                    concurrency: c as u32,
+                };
+                first += count as usize;
+                share
+            })
+            .collect()
+    }
+}
+
 /// What the parent asks, after the job.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Command {

@@ -3,37 +3,12 @@
 //! writes nothing.
 
 use std::net::{TcpListener, UdpSocket};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
+mod support;
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("derpd-check-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("temp dir");
-        Self(path)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn file(&self, name: &str, contents: &str) -> String {
-        let path = self.path(name);
-        std::fs::write(&path, contents).expect("write");
-        path.display().to_string()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use support::{DERPD, TempDir};
 
 /// Runs derpd to completion: (exit success, stdout, stderr).
 fn derpd(args: &[&str]) -> (bool, String, String) {

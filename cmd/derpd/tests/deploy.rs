@@ -18,37 +18,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
+mod support;
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("derpd-deploy-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("temp dir");
-        Self(path)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-
-    fn write(&self, name: &str, contents: &str) -> PathBuf {
-        let path = self.path(name);
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).expect("dir");
-        }
-        std::fs::write(&path, contents).expect("write");
-        path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use support::{DERPD, TempDir};
 
 fn deploy(rel: &str) -> PathBuf {
     tools::repo().join("deploy").join(rel)

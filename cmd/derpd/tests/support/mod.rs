@@ -43,6 +43,21 @@ impl TempDir {
         self.0.join(name)
     }
 
+    /// Writes `contents` to `name` (making its directories) and returns its path.
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        let path = self.path(name);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).expect("dir");
+        }
+        std::fs::write(&path, contents).expect("write");
+        path
+    }
+
+    /// [`TempDir::write`], the path as a string for a command line.
+    pub fn file(&self, name: &str, contents: &str) -> String {
+        self.write(name, contents).display().to_string()
+    }
+
     /// File names in the directory, sorted.
     pub fn names(&self) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(&self.0)

@@ -332,6 +332,18 @@ fn current_thread_runtime() -> Result<tokio::runtime::Runtime, String> {
         .map_err(|e| format!("starting a runtime: {e}"))
 }
 
+/// One side of a pair: a current-thread runtime of its own and a client connected on it.
+fn connect_lean(
+    config: &ClientConfig,
+) -> Result<(tokio::runtime::Runtime, ClientReader, ClientWriter), String> {
+    let rt = current_thread_runtime()?;
+    let client = rt
+        .block_on(Client::connect(config))
+        .map_err(|e| describe_connect_error(&e))?;
+    let (reader, writer) = client.split();
+    Ok((rt, reader, writer))
+}
+
 /// What a sender's thread starts with.
 struct Setup {
     dst: PublicKey,
@@ -429,17 +441,10 @@ fn tokio_sender(config: ClientConfig, setup: Setup) {
         ready,
         commands,
     } = setup;
-    let rt = match current_thread_runtime() {
-        Ok(rt) => rt,
+    let (rt, mut reader, mut writer) = match connect_lean(&config) {
+        Ok(connected) => connected,
         Err(e) => {
             let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let (mut reader, mut writer) = match rt.block_on(Client::connect(&config)) {
-        Ok(c) => c.split(),
-        Err(e) => {
-            let _ = ready.send(Err(describe_connect_error(&e)));
             return;
         }
     };
@@ -535,17 +540,10 @@ fn tokio_echo(
     mut stop: watch::Receiver<bool>,
     error: Arc<Mutex<Option<String>>>,
 ) {
-    let rt = match current_thread_runtime() {
-        Ok(rt) => rt,
+    let (rt, mut reader, mut writer) = match connect_lean(&config) {
+        Ok(connected) => connected,
         Err(e) => {
             let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let (mut reader, mut writer) = match rt.block_on(Client::connect(&config)) {
-        Ok(c) => c.split(),
-        Err(e) => {
-            let _ = ready.send(Err(describe_connect_error(&e)));
             return;
         }
     };

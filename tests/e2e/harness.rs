@@ -127,6 +127,18 @@ pub(crate) struct RawClient {
 }
 
 impl RawClient {
+    /// A client on `stream` that has done nothing yet: no upgrade, no handshake.
+    pub(crate) fn on_stream(stream: TcpStream, secret: SecretKey) -> Self {
+        Self {
+            stream,
+            buf: BytesMut::new(),
+            decoder: ClientDecoder::new(),
+            key: secret.public_key(),
+            secret,
+            server_info: None,
+        }
+    }
+
     /// Connects with a fresh random key.
     pub(crate) async fn connect(addr: SocketAddr) -> Self {
         Self::connect_with(addr, SecretKey::generate(&mut rand::rngs::OsRng)).await
@@ -153,14 +165,7 @@ impl RawClient {
             "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n{extra_headers}\r\n"
         );
         stream.write_all(req.as_bytes()).await.expect("write");
-        let mut c = Self {
-            stream,
-            buf: BytesMut::new(),
-            decoder: ClientDecoder::new(),
-            key: secret.public_key(),
-            secret,
-            server_info: None,
-        };
+        let mut c = Self::on_stream(stream, secret);
         let head = c.read_http_head().await;
         assert!(
             head.starts_with("HTTP/1.1 101 "),
@@ -296,14 +301,7 @@ impl RawClient {
             "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n{extra_headers}\r\n"
         );
         stream.write_all(req.as_bytes()).await.expect("write");
-        let mut c = Self {
-            stream,
-            buf: BytesMut::new(),
-            decoder: ClientDecoder::new(),
-            key: secret.public_key(),
-            secret,
-            server_info: None,
-        };
+        let mut c = Self::on_stream(stream, secret);
         let head = c.read_http_head().await;
         assert!(
             head.starts_with("HTTP/1.1 101 "),
@@ -520,14 +518,7 @@ impl RawClient {
         );
         stream.write_all(req.as_bytes()).await.ok()?;
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
-        let mut c = Self {
-            stream,
-            buf: BytesMut::new(),
-            decoder: ClientDecoder::new(),
-            key: secret.public_key(),
-            secret,
-            server_info: None,
-        };
+        let mut c = Self::on_stream(stream, secret);
         loop {
             if let Some(i) = c.buf.windows(4).position(|w| w == b"\r\n\r\n") {
                 let head = c.buf.split_to(i + 4);

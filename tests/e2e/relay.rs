@@ -892,14 +892,7 @@ async fn derp_upgrade_works_as_a_later_request_on_a_keepalive_connection() {
     let mut peer = RawClient::connect(srv.addr).await;
     let stream = TcpStream::connect(srv.addr).await.expect("connect");
     let secret = random_secret();
-    let mut c = RawClient {
-        stream,
-        buf: BytesMut::new(),
-        decoder: ClientDecoder::new(),
-        key: secret.public_key(),
-        secret,
-        server_info: None,
-    };
+    let mut c = RawClient::on_stream(stream, secret);
     c.send_raw(format!("GET /derp/probe HTTP/1.1\r\nHost: {}\r\n\r\n", srv.addr).as_bytes())
         .await;
     let probe = c.read_http_head().await;
@@ -926,14 +919,7 @@ async fn absolute_form_request_target_upgrades() {
     let mut peer = RawClient::connect(srv.addr).await;
     let stream = TcpStream::connect(srv.addr).await.expect("connect");
     let secret = random_secret();
-    let mut c = RawClient {
-        stream,
-        buf: BytesMut::new(),
-        decoder: ClientDecoder::new(),
-        key: secret.public_key(),
-        secret,
-        server_info: None,
-    };
+    let mut c = RawClient::on_stream(stream, secret);
     c.send_raw(
         format!(
             "POST http://{0}/derp HTTP/1.1\r\nHost: {0}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\r\n",
@@ -1158,14 +1144,7 @@ async fn derp_upgrade_methods_other_than_get_and_post_get_405() {
     // connection stays usable for a proper upgrade.
     let stream = TcpStream::connect(srv.addr).await.expect("connect");
     let secret = random_secret();
-    let mut c = RawClient {
-        stream,
-        buf: BytesMut::new(),
-        decoder: ClientDecoder::new(),
-        key: secret.public_key(),
-        secret,
-        server_info: None,
-    };
+    let mut c = RawClient::on_stream(stream, secret);
     c.send_raw(format!("GET /derp/probe HTTP/1.1\r\nHost: {}\r\n\r\n", srv.addr).as_bytes())
         .await;
     let probe = c.read_http_head().await;
@@ -1234,14 +1213,7 @@ async fn websocket_upgrade_variants() {
     // `Upgrade: websocket` with no subprotocol at all is an old client speaking plain DERP.
     let stream = TcpStream::connect(srv.addr).await.expect("connect");
     let secret = random_secret();
-    let mut old = RawClient {
-        stream,
-        buf: BytesMut::new(),
-        decoder: ClientDecoder::new(),
-        key: secret.public_key(),
-        secret,
-        server_info: None,
-    };
+    let mut old = RawClient::on_stream(stream, secret);
     old.send_raw(
         format!(
             "GET /derp HTTP/1.1\r\nHost: {}\r\nConnection: Upgrade\r\nUpgrade: WebSocket\r\n\r\n",

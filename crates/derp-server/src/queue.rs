@@ -71,6 +71,9 @@ pub(crate) trait Resume: Send + std::fmt::Debug {
     fn write_inline(self: Box<Self>) {
         self.resume();
     }
+
+    /// Gives back what bursts grew its buffers to; called while it is parked.
+    fn shrink_idle(&mut self) {}
 }
 
 /// Writers a sender took from their queues while handling one read batch, to be run with
@@ -306,9 +309,22 @@ impl SendQueue {
         }
         // A writer parks only once what it took is out.
         state.writing = false;
-        state.pending.shrink_idle();
         state.parked = Some(writer);
         Ok(())
+    }
+
+    /// Gives back the memory bursts left in a parked writer and its empty queue. Called by
+    /// the connection's read loop on its keepalive ticks, not on every park: a writer that
+    /// parks between the batches of a busy stream keeps its buffers for the next one.
+    pub(crate) fn shrink_if_parked(&self) {
+        let mut state = self.lock();
+        let state = &mut *state;
+        if let Some(writer) = &mut state.parked
+            && state.pending.is_empty()
+        {
+            state.pending.shrink_idle();
+            writer.shrink_idle();
+        }
     }
 
     /// Waits until something is queued (or the queue closes).
@@ -430,13 +446,19 @@ mod tests {
         batch.other.clear();
         assert!(h.take(&mut batch));
         assert!(h.lock().pending.other.capacity() >= 200);
+        let shrunk = std::sync::Arc::new(Mutex::new(Vec::new()));
         h.park(Box::new(Probe {
-            log: Default::default(),
+            log: shrunk.clone(),
             inline: false,
             queue: None,
         }))
         .expect("parks");
+        // Parking keeps the buffers, for a busy stream's next batch; the keepalive chore
+        // gives them back, the parked writer's included.
+        assert!(h.lock().pending.other.capacity() >= 200);
+        h.shrink_if_parked();
         assert!(h.lock().pending.other.capacity() <= IDLE_QUEUE_CAPACITY);
+        assert_eq!(*shrunk.lock().expect("log"), vec!["shrunk"]);
     }
 
     #[test]
@@ -584,6 +606,10 @@ mod tests {
 
         fn can_write_inline(&self) -> bool {
             self.inline
+        }
+
+        fn shrink_idle(&mut self) {
+            self.log.lock().expect("log").push("shrunk");
         }
 
         fn write_inline(self: Box<Self>) {

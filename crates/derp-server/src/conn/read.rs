@@ -423,8 +423,11 @@ impl<'a> ReadLoop<'a> {
     }
 
     /// Queues a keepalive. Timed here rather than by the writer, which may be parked.
+    /// Also the connection's periodic chore: a parked writer gives back what bursts grew
+    /// its buffers to.
     fn keepalive(&mut self) {
         self.next_keepalive = Instant::now() + self.keepalive_period;
+        self.handle.queue.shrink_if_parked();
         self.handle.queue.push_control(Control::KeepAlive);
     }
 

@@ -94,6 +94,22 @@ enum Step {
 }
 
 impl Resume for Writer {
+    /// Gives back what a burst grew the batch and the scratch buffers to, so an idle
+    /// connection holds only small ones.
+    fn shrink_idle(&mut self) {
+        self.batch.shrink_idle();
+        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
+            self.headers = Vec::new();
+        }
+        if self.segs.capacity() > MAX_IDLE_SEGS {
+            self.segs = Vec::new();
+        }
+        if self.datagrams.capacity() > MAX_IDLE_SEGS {
+            self.datagrams = Vec::new();
+            self.datagrams_sent = Vec::new();
+        }
+    }
+
     fn resume(self: Box<Self>) {
         let tasks = self.shared.tasks.clone();
         tasks.spawn(self.run());
@@ -108,7 +124,6 @@ impl Resume for Writer {
     fn write_inline(mut self: Box<Self>) {
         match self.try_write_now() {
             Poll::Ready(Ok(())) => {
-                self.shrink_idle();
                 let handle = self.handle.clone();
                 if let Err(back) = handle.queue.park(self) {
                     // More arrived, or the connection is closing: the task takes over.
@@ -164,7 +179,6 @@ impl Writer {
         loop {
             match self.serve().await {
                 Ok(Step::Idle) => {
-                    self.shrink_idle();
                     let handle = self.handle.clone();
                     match handle.queue.park(self) {
                         Ok(()) => return,
@@ -700,22 +714,6 @@ impl Writer {
         self.batch.disco.clear();
         self.batch.other.clear();
         self.batch.control.clear();
-    }
-
-    /// Before parking: gives back what a burst grew the batch and the scratch buffers to, so
-    /// an idle connection holds only small ones.
-    fn shrink_idle(&mut self) {
-        self.batch.shrink_idle();
-        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
-            self.headers = Vec::new();
-        }
-        if self.segs.capacity() > MAX_IDLE_SEGS {
-            self.segs = Vec::new();
-        }
-        if self.datagrams.capacity() > MAX_IDLE_SEGS {
-            self.datagrams = Vec::new();
-            self.datagrams_sent = Vec::new();
-        }
     }
 }
 

@@ -50,7 +50,13 @@ fn crypto(c: &mut Criterion) {
     let (_, sealed) = client_info_frame(server.public_key());
     let json = client_info().to_json();
     let box_key = BoxKey::new(&server, &client_key);
+    // The server's way (aws-lc, through the KeyPair it keeps) and the portable one
+    // (x25519-dalek, what clients use).
+    let pair = KeyPair::new(server.clone());
     c.bench_function("x25519_box_key", |b| {
+        b.iter(|| BoxKey::with_key_pair(black_box(&pair), black_box(&client_key)))
+    });
+    c.bench_function("x25519_box_key_portable", |b| {
         b.iter(|| BoxKey::new(black_box(&server), black_box(&client_key)))
     });
     c.bench_function("public_key_from_secret", |b| {

@@ -11,7 +11,7 @@ use crypto_secretbox::XSalsa20Poly1305;
 use crypto_secretbox::aead::generic_array::GenericArray;
 use crypto_secretbox::aead::{AeadInPlace, KeyInit};
 
-use crate::keys::{PublicKey, SecretKey};
+use crate::keys::{KeyPair, PublicKey, SecretKey, SharedSecret};
 
 /// Length of a box nonce.
 pub const NONCE_LEN: usize = 24;
@@ -52,7 +52,16 @@ impl std::fmt::Debug for BoxKey {
 impl BoxKey {
     /// Runs X25519 between `secret` and `peer` and derives the box key from the result.
     pub fn new(secret: &SecretKey, peer: &PublicKey) -> Self {
-        let shared = secret.diffie_hellman(peer);
+        Self::from_shared(&secret.diffie_hellman(peer))
+    }
+
+    /// The same box key as [`BoxKey::new`] with the pair's secret, computed the faster way
+    /// [`KeyPair`] keeps ready: what a server uses once per handshake.
+    pub fn with_key_pair(keys: &KeyPair, peer: &PublicKey) -> Self {
+        Self::from_shared(&keys.diffie_hellman(peer))
+    }
+
+    fn from_shared(shared: &SharedSecret) -> Self {
         // Checked in constant time: for an honest peer the shared secret is secret.
         let contributory = shared.was_contributory();
         let key = salsa20::hsalsa::<salsa20::cipher::consts::U10>(

@@ -76,7 +76,7 @@ impl ServerHandshake {
         if self.client.is_some() {
             return Err(HandshakeError::OutOfOrder);
         }
-        let box_key = BoxKey::new(self.keys.secret(), &key);
+        let box_key = BoxKey::with_key_pair(&self.keys, &key);
         if !box_key.is_contributory() {
             return Err(HandshakeError::LowOrderKey);
         }

@@ -9,6 +9,9 @@
 //! ([`upgrade`]) and the WebSocket framing DERP can travel in ([`ws`]), for both sides; and a
 //! STUN codec ([`stun`]); derper's rate configuration file ([`rate_config`]).
 //!
+//! Cryptography: x25519-dalek and `crypto_secretbox`, except a server's per-handshake X25519
+//! ([`KeyPair`]), which runs on aws-lc for speed and gives the same bytes.
+//!
 //! What it does not do: no sockets or other IO, no clock or timers, and no randomness of its
 //! own. Callers read bytes into a [`bytes::BytesMut`], feed it to a decoder, write encoded
 //! frames out themselves, and pass in nonces and RNGs.

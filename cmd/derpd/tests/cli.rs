@@ -2,19 +2,15 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
+use support::TempDir;
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("derpd-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
+mod support;
+
+const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
 
 /// Runs derpd to completion and returns (exit success, stderr).
 fn run(args: &[&str]) -> (bool, String) {
@@ -123,11 +119,11 @@ fn bad_flags_fail_with_one_clear_line() {
 
 #[test]
 fn an_unreadable_or_malformed_mesh_key_fails_with_one_line() {
-    let dir = temp_dir("mesh-psk");
-    let key = dir.join("derp.key");
-    let bad = dir.join("mesh.key");
+    let dir = TempDir::new("cli-mesh-psk");
+    let key = dir.path("derp.key");
+    let bad = dir.path("mesh.key");
     std::fs::write(&bad, "f00d not hex\n").expect("write");
-    let missing = dir.join("no-such-mesh.key");
+    let missing = dir.path("no-such-mesh.key");
     for (psk, want) in [(&bad, "mesh.key"), (&missing, "no-such-mesh.key")] {
         let args = [
             "--dev",
@@ -155,8 +151,8 @@ fn an_unreadable_or_malformed_mesh_key_fails_with_one_line() {
 
 #[test]
 fn missing_key_file_is_created_private_and_reused() {
-    let dir = temp_dir("create");
-    let path = dir.join("sub/derper.key");
+    let dir = TempDir::new("cli-create");
+    let path = dir.path("sub/derper.key");
     let p = path.to_str().expect("utf8");
     let key1 = {
         let r = start(&["-c", p]);
@@ -177,13 +173,12 @@ fn missing_key_file_is_created_private_and_reused() {
         key1,
         "key reused"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn corrupt_key_file_is_an_error_and_left_alone() {
-    let dir = temp_dir("corrupt");
-    let path = dir.join("derper.key");
+    let dir = TempDir::new("cli-corrupt");
+    let path = dir.path("derper.key");
     for contents in ["{not json", "{}", "{\"PrivateKey\":\"privkey:1234\"}"] {
         std::fs::write(&path, contents).expect("write");
         let (ok, stderr) = run(&["-c", path.to_str().expect("utf8"), "-a", "127.0.0.1:0"]);
@@ -191,13 +186,12 @@ fn corrupt_key_file_is_an_error_and_left_alone() {
         assert!(stderr.contains("config file"), "{stderr}");
         assert_eq!(std::fs::read_to_string(&path).expect("read"), contents);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn reference_key_file_loads_in_both_forms() {
-    let dir = temp_dir("reference");
-    let path = dir.join("derper.key");
+    let dir = TempDir::new("cli-reference");
+    let path = dir.path("derper.key");
     let private = "privkey:1050eb254dc4ff1e762df3c9944e7960f36440775958a35cea4eb88b130ee34c";
     let public = "a5cc7c231e1ccce44f37e2fafeff3f1520fdf68d7eccd28d45e78f668ee93e29";
     for contents in [
@@ -224,7 +218,6 @@ fn reference_key_file_loads_in_both_forms() {
             "{head}"
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //!
 //! Both decoders read from a caller-owned [`BytesMut`] and return `Ok(None)` until a whole
 //! frame (or the part of it that matters) has arrived. Payloads come back as
-//! [`Bytes`](bytes::Bytes) slices of that buffer, so decoding copies and allocates nothing per
+//! [`Bytes`] slices of that buffer, so decoding copies and allocates nothing per
 //! frame. A frame's length is checked against its type's limits as soon as its header is in,
 //! before any body is waited for. Skipped frames are reported at once as `Unknown` and their
 //! bodies are then discarded as they arrive, whatever their size, without ever being held in

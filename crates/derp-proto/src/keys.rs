@@ -204,7 +204,8 @@ impl Drop for SharedSecret {
 /// keeps a `KeyPair` instead of deriving its public key each time. The only way to build one
 /// is from the secret, so the two always match.
 ///
-/// The pair also holds the secret in aws-lc's form, which [`KeyPair::diffie_hellman`] uses:
+/// The pair also holds the secret in aws-lc's form, which [`KeyPair::shared_secret`] and
+/// [`BoxKey::with_key_pair`](crate::crypto::BoxKey::with_key_pair) use:
 /// aws-lc's X25519 (assembly using the CPU's wide multiply-add instructions) takes about
 /// 24 µs on the machines the benchmarks ran on, where x25519-dalek's portable ladder takes
 /// 54 µs, and that one X25519 was the largest single cost of a server handshake. Loading the

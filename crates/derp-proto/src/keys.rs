@@ -206,7 +206,7 @@ impl Drop for SharedSecret {
 ///
 /// The pair also holds the secret in aws-lc's form, which [`KeyPair::shared_secret`] and
 /// [`BoxKey::with_key_pair`](crate::crypto::BoxKey::with_key_pair) use:
-/// aws-lc's X25519 (assembly using the CPU's wide multiply-add instructions) takes about
+/// aws-lc's X25519 (hand-written assembly using the CPU's MULX and ADX instructions) takes about
 /// 24 µs on the machines the benchmarks ran on, where x25519-dalek's portable ladder takes
 /// 54 µs, and that one X25519 was the largest single cost of a server handshake. Loading the
 /// key into aws-lc costs as much as a handshake's X25519, so it is done here, once, and

@@ -7,8 +7,8 @@ use bytes::{Bytes, BytesMut};
 use derp_proto::frame::{MAGIC, looks_like_disco};
 use derp_proto::{
     BoxError, ClientDecoder, ClientHandshake, ClientInfo, ClientToRelay, DecodeError,
-    HandshakeError, MeshKey, PeerGoneReason, PublicKey, RelayToClient, SecretKey, ServerDecoder,
-    ServerHandshake, ServerInfo,
+    HandshakeError, KeyPair, MeshKey, PeerGoneReason, PublicKey, RelayToClient, SecretKey,
+    ServerDecoder, ServerHandshake, ServerInfo,
 };
 use derp_testkit::{client_a_secret, client_b_secret, public_key, server_secret, unhex, vectors};
 use serde_json::Value;
@@ -187,6 +187,10 @@ fn pairwise_shared_secrets_and_box_keys() {
         let shared = a.shared_secret(&b.public_key());
         assert_eq!(shared.to_vec(), expected);
         assert_eq!(b.shared_secret(&a.public_key()), shared);
+        // The server's X25519 (aws-lc, through the key pair it keeps) gives the same bytes.
+        let (pub_a, pub_b) = (a.public_key(), b.public_key());
+        assert_eq!(KeyPair::new(a).shared_secret(&pub_b), shared);
+        assert_eq!(KeyPair::new(b).shared_secret(&pub_a), shared);
         assert_eq!(
             hsalsa20_zero_nonce(&shared).to_vec(),
             hex_field(pair, "nacl_box_precomputed_key_hex")

@@ -239,7 +239,6 @@ async fn run(
                         quic,
                         registration,
                         _open: open,
-                        remote,
                     };
                     if detach {
                         shared.tasks.spawn(established.run(true));
@@ -264,7 +263,6 @@ struct Established {
     registration: Registration,
     /// Counts the connection as open until it ends.
     _open: Option<OpenPermit>,
-    remote: SocketAddr,
 }
 
 impl Established {
@@ -274,7 +272,7 @@ impl Established {
     /// An `async move` block rather than an `async fn`: an `async fn` taking `self` keeps a
     /// second copy of it in its state for the connection's life.
     #[allow(clippy::manual_async_fn)]
-    fn run(self, detached: bool) -> impl Future<Output = Result<(), ConnError>> + Send {
+    fn run(mut self, detached: bool) -> impl Future<Output = Result<(), ConnError>> + Send {
         async move {
             if let Some(link) = self.quic.clone() {
                 // Boxed: QUIC's path watcher would otherwise size every TCP connection's task.
@@ -282,7 +280,7 @@ impl Established {
             }
             let shared = &self.registration.shared;
             let handle = &self.registration.handle;
-            let mut read_loop = ReadLoop::new(shared, handle, self.reader);
+            let mut read_loop = ReadLoop::new(shared, handle, &mut self.reader);
             let result = read_loop.run().await;
             if let Some(code) = read_loop.reader.ws_close {
                 handle.ws_close_code.store(code, Ordering::Relaxed);
@@ -292,9 +290,9 @@ impl Established {
                 // connection once every queue is out or the drain deadline passes.
                 handle.cancel.cancelled().await;
             }
-            debug!(remote = %self.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
+            debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
             if detached {
-                count_end(shared, self.remote, &result);
+                count_end(shared, handle.remote, &result);
             }
             // Leaving the registry (when `self.registration` drops) closes the queues; the
             // writer (running, or resumed from its parked state by the close) then finishes
@@ -305,10 +303,10 @@ impl Established {
 
     /// [`Established::run`] for DERP over QUIC: the path watcher runs beside the read loop,
     /// on the connection's own task, and stops with it.
-    async fn run_quic(self, link: Arc<QuicLink>) -> Result<(), ConnError> {
+    async fn run_quic(mut self, link: Arc<QuicLink>) -> Result<(), ConnError> {
         let shared = &self.registration.shared;
         let handle = &self.registration.handle;
-        let mut read_loop = ReadLoop::new(shared, handle, self.reader);
+        let mut read_loop = ReadLoop::new(shared, handle, &mut self.reader);
         let result = tokio::select! {
             r = read_loop.run() => r,
             never = link.watch_path(handle, &shared.metrics) => match never {},
@@ -322,7 +320,7 @@ impl Established {
                 never = link.watch_path(handle, &shared.metrics) => match never {},
             }
         }
-        debug!(remote = %self.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
+        debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
         result
     }
 }

@@ -248,7 +248,9 @@ enum Stretch {
 pub(super) struct ReadLoop<'a> {
     shared: &'a Arc<ServerState>,
     handle: &'a Arc<ConnHandle>,
-    pub(super) reader: FrameReader,
+    /// Borrowed from the connection, so that the task running the loop does not hold the
+    /// reader twice (once where it was, once here).
+    pub(super) reader: &'a mut FrameReader,
     decoder: ServerDecoder,
     not_here: NotHereLimiter,
     router: Router,
@@ -257,9 +259,11 @@ pub(super) struct ReadLoop<'a> {
     chunk: usize,
     /// The last read was tiny: copy its payloads rather than pin the buffer.
     copy_payloads: bool,
-    /// This connection's keepalive period: the base interval plus its own jitter, so
-    /// connections that arrived together do not all send keepalives at once.
-    keepalive_period: Duration,
+    /// This connection's keepalive period in milliseconds: the base interval plus its own
+    /// jitter, so connections that arrived together do not all send keepalives at once.
+    /// Milliseconds in a `u32` rather than a `Duration`: it fits in the struct's padding, and
+    /// every idle connection's task holds this struct.
+    keepalive_period_ms: u32,
     next_keepalive: Instant,
     /// The loop stopped because the server is draining, not because the client left.
     pub(super) drained: bool,
@@ -277,7 +281,7 @@ impl<'a> ReadLoop<'a> {
     pub(super) fn new(
         shared: &'a Arc<ServerState>,
         handle: &'a Arc<ConnHandle>,
-        reader: FrameReader,
+        reader: &'a mut FrameReader,
     ) -> Self {
         let now = Instant::now();
         // The jitter is at most the interval itself, which only matters for the short
@@ -297,7 +301,7 @@ impl<'a> ReadLoop<'a> {
             chunk: MIN_READ_CHUNK,
             // What arrived with the handshake is small.
             copy_payloads: true,
-            keepalive_period,
+            keepalive_period_ms: u32::try_from(keepalive_period.as_millis()).unwrap_or(u32::MAX),
             next_keepalive: now + keepalive_period,
             drained: false,
             read_since_keepalive: false,
@@ -426,7 +430,8 @@ impl<'a> ReadLoop<'a> {
     /// Also the connection's periodic chore: a parked writer gives back what bursts grew
     /// its buffers to.
     fn keepalive(&mut self) {
-        self.next_keepalive = Instant::now() + self.keepalive_period;
+        self.next_keepalive =
+            Instant::now() + Duration::from_millis(self.keepalive_period_ms.into());
         self.handle.queue.shrink_if_parked();
         self.handle.queue.push_control(Control::KeepAlive);
     }
@@ -745,11 +750,14 @@ mod tests {
     fn read_loop<'a>(shared: &'a Arc<ServerState>, handle: &'a Arc<ConnHandle>) -> ReadLoop<'a> {
         let (_, server_side) = tokio::io::duplex(64);
         let (read_half, _) = Transport::Boxed(Box::new(server_side)).split();
-        ReadLoop::new(
-            shared,
-            handle,
-            FrameReader::new(read_half, Framing::Raw, BytesMut::new()),
-        )
+        // Leaked: the loop borrows its reader, and a test's reader is small and lives as long
+        // as the test anyway.
+        let reader = Box::leak(Box::new(FrameReader::new(
+            read_half,
+            Framing::Raw,
+            BytesMut::new(),
+        )));
+        ReadLoop::new(shared, handle, reader)
     }
 
     /// Handles one frame; returns the server's LRU misses so far.

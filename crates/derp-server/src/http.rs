@@ -627,39 +627,68 @@ clients that cannot reach each other directly. It cannot read the traffic it car
 mod tests {
     use super::*;
 
+    const WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+    fn test_state() -> Arc<ServerState> {
+        let config = crate::ServerConfig::new(derp_testkit::server_secret());
+        Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"))
+    }
+
+    /// A client connection to `listener` and the task serving its other end.
+    async fn served_connection(
+        shared: &Arc<ServerState>,
+        listener: &tokio::net::TcpListener,
+    ) -> (tokio::net::TcpStream, tokio::task::JoinHandle<()>) {
+        let addr = listener.local_addr().expect("address");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (stream, remote) = accepted.expect("accept");
+        let serving = tokio::spawn(serve_conn(
+            shared.clone(),
+            Transport::Tcp(stream),
+            remote,
+            ConnGuard::none(),
+        ));
+        (client.expect("connect"), serving)
+    }
+
+    /// The DERP upgrade request the Go client sends.
+    fn derp_request(fast_start: bool) -> Vec<u8> {
+        let mut request = Vec::new();
+        upgrade::write_request(
+            &upgrade::RequestOptions {
+                path: "/derp",
+                host: "localhost",
+                user_agent: "test",
+                fast_start,
+                ideal_node: None,
+                websocket_key: None,
+            },
+            &mut request,
+        );
+        request
+    }
+
+    /// Leaving mid-handshake ends the connection's task, without a panic.
+    async fn ends_in_time(serving: tokio::task::JoinHandle<()>) {
+        tokio::time::timeout(WITHIN, serving)
+            .await
+            .expect("task ended")
+            .expect("no panic");
+    }
+
     #[tokio::test]
     async fn a_derp_upgrade_gets_derpers_101_then_the_server_key_and_a_fast_start_only_the_key() {
-        let config = crate::ServerConfig::new(derp_testkit::server_secret());
-        let shared =
-            Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"));
+        let shared = test_state();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let addr = listener.local_addr().expect("address");
         for fast_start in [false, true] {
-            let (client, accepted) =
-                tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-            let mut client = client.expect("connect");
-            let (stream, remote) = accepted.expect("accept");
-            let serving = tokio::spawn(serve_conn(
-                shared.clone(),
-                Transport::Tcp(stream),
-                remote,
-                ConnGuard::none(),
-            ));
-            let mut request = Vec::new();
-            upgrade::write_request(
-                &upgrade::RequestOptions {
-                    path: "/derp",
-                    host: "localhost",
-                    user_agent: "test",
-                    fast_start,
-                    ideal_node: None,
-                    websocket_key: None,
-                },
-                &mut request,
-            );
-            client.write_all(&request).await.expect("request");
+            let (mut client, serving) = served_connection(&shared, &listener).await;
+            client
+                .write_all(&derp_request(fast_start))
+                .await
+                .expect("request");
             let mut expected = if fast_start {
                 Vec::new()
             } else {
@@ -667,18 +696,13 @@ mod tests {
             };
             derp_proto::RelayToClient::ServerKey(shared.public_key).encode(&mut expected);
             let mut got = vec![0; expected.len()];
-            let within = std::time::Duration::from_secs(5);
-            tokio::time::timeout(within, client.read_exact(&mut got))
+            tokio::time::timeout(WITHIN, client.read_exact(&mut got))
                 .await
                 .expect("in time")
                 .expect("read");
             assert_eq!(got, expected, "fast start {fast_start}");
-            // Leaving mid-handshake ends the connection's task.
             drop(client);
-            tokio::time::timeout(within, serving)
-                .await
-                .expect("task ended")
-                .expect("no panic");
+            ends_in_time(serving).await;
         }
     }
 
@@ -699,8 +723,7 @@ mod tests {
         let mut head = Vec::new();
         let mut byte = [0u8; 1];
         while !head.ends_with(b"\r\n\r\n") {
-            let within = std::time::Duration::from_secs(5);
-            tokio::time::timeout(within, client.read_exact(&mut byte))
+            tokio::time::timeout(WITHIN, client.read_exact(&mut byte))
                 .await
                 .expect("in time")
                 .expect("read");
@@ -711,23 +734,11 @@ mod tests {
 
     #[tokio::test]
     async fn an_upgrade_after_another_request_gets_the_same_101_through_hyper() {
-        let config = crate::ServerConfig::new(derp_testkit::server_secret());
-        let shared =
-            Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"));
+        let shared = test_state();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let addr = listener.local_addr().expect("address");
-        let (client, accepted) =
-            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let mut client = client.expect("connect");
-        let (stream, remote) = accepted.expect("accept");
-        let serving = tokio::spawn(serve_conn(
-            shared.clone(),
-            Transport::Tcp(stream),
-            remote,
-            ConnGuard::none(),
-        ));
+        let (mut client, serving) = served_connection(&shared, &listener).await;
         // A probe first: everything after it on this connection goes through hyper.
         client
             .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
@@ -735,19 +746,10 @@ mod tests {
             .expect("probe");
         let probe = read_head(&mut client).await;
         assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
-        let mut request = Vec::new();
-        upgrade::write_request(
-            &upgrade::RequestOptions {
-                path: "/derp",
-                host: "localhost",
-                user_agent: "test",
-                fast_start: false,
-                ideal_node: None,
-                websocket_key: None,
-            },
-            &mut request,
-        );
-        client.write_all(&request).await.expect("request");
+        client
+            .write_all(&derp_request(false))
+            .await
+            .expect("request");
         let head = read_head(&mut client).await;
         let fast_path = upgrade::derp_response_head(&shared.public_key);
         assert_eq!(
@@ -762,11 +764,7 @@ mod tests {
         client.read_exact(&mut got).await.expect("server key");
         assert_eq!(got, expected);
         drop(client);
-        let within = std::time::Duration::from_secs(5);
-        tokio::time::timeout(within, serving)
-            .await
-            .expect("task ended")
-            .expect("no panic");
+        ends_in_time(serving).await;
     }
 
     #[test]

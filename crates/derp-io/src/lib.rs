@@ -1,17 +1,19 @@
 //! The byte streams a DERP connection runs over, for the server and the client alike, split
 //! into independently owned halves so a reader and a writer can run as separate tasks.
 //!
-//! What it does: the [`Transport`] enum (plain TCP, any boxed stream such as TLS or a hyper
-//! upgrade, or a pair of separately owned halves such as a QUIC stream's), its lock-free
-//! split into [`ReadHalf`] and [`WriteHalf`], and the socket options a relay connection
-//! wants ([`tune_socket`], or [`tune_listener`] once for every connection a listener
-//! accepts).
+//! What it does: the [`Transport`] enum (plain TCP, TLS 1.3 over TCP with derpd's own record
+//! layer, any boxed stream such as rustls's TLS 1.2 or a hyper upgrade, or a pair of
+//! separately owned halves such as a QUIC stream's), its lock-free split into [`ReadHalf`]
+//! and [`WriteHalf`], the socket options a relay connection wants ([`tune_socket`], or
+//! [`tune_listener`] once for every connection a listener accepts), and the TLS 1.3 record
+//! layer that takes over from rustls after the handshake ([`tls`]).
 //!
-//! What it does not do: framing, TLS, HTTP or anything else above the byte stream.
+//! What it does not do: framing, HTTP, certificates, or anything else above the byte stream;
+//! the TLS handshake itself is rustls's.
 //!
-//! Plain TCP is kept unboxed: its halves need no lock, its writes are real `writev` calls, and
+//! Plain TCP and TLS 1.3 are kept unboxed in the halves' sense: they split without a lock, and
 //! the read loop can wait for readability before it allocates a buffer, so an idle connection
-//! holds no read buffer at all. Anything else (TLS, a hyper upgrade) is boxed.
+//! holds no read buffer (and no record buffer) at all. Anything else is boxed.
 
 use std::io;
 use std::pin::Pin;
@@ -20,6 +22,10 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+pub mod tls;
+
+use tls::{TlsRead, TlsStream, TlsWrite};
 
 /// Sets the socket options a relay connection needs, as derper does: `TCP_NODELAY` (relayed
 /// packets must not wait for Nagle), TCP keepalive after 10 minutes idle, and
@@ -100,6 +106,8 @@ impl<T: AsyncWrite + Send + Unpin + 'static> BoxedWrite for T {}
 pub enum Transport {
     /// Plain TCP.
     Tcp(TcpStream),
+    /// TLS 1.3 over TCP, records sealed and opened by [`tls`].
+    Tls(Box<TlsStream>),
     /// Any other stream.
     Boxed(Box<dyn BoxedIo>),
     /// A stream whose two directions are separate objects (a QUIC stream's receive and send
@@ -111,6 +119,7 @@ impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Tcp(s) => f.debug_tuple("Tcp").field(s).finish(),
+            Self::Tls(s) => f.debug_tuple("Tls").field(s.tcp()).finish(),
             Self::Boxed(_) => f.write_str("Boxed"),
             Self::Halves(..) => f.write_str("Halves"),
         }
@@ -133,6 +142,10 @@ impl Transport {
                 let (r, w) = s.into_split();
                 (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
             }
+            Self::Tls(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Tls(Box::new(r)), WriteHalf::Tls(Box::new(w)))
+            }
             Self::Boxed(b) => {
                 let (r, w) = tokio::io::split(b);
                 (ReadHalf::Boxed(r), WriteHalf::Boxed(w))
@@ -146,6 +159,8 @@ impl Transport {
 pub enum ReadHalf {
     /// Plain TCP, split without a lock.
     Tcp(OwnedReadHalf),
+    /// TLS 1.3, split without a lock.
+    Tls(Box<TlsRead>),
     /// Any other stream, split through tokio's lock.
     Boxed(tokio::io::ReadHalf<Box<dyn BoxedIo>>),
     /// The receiving half of a stream that came split.
@@ -156,6 +171,7 @@ impl std::fmt::Debug for ReadHalf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Tcp(_) => "ReadHalf::Tcp",
+            Self::Tls(_) => "ReadHalf::Tls",
             Self::Boxed(_) => "ReadHalf::Boxed",
             Self::Halves(_) => "ReadHalf::Halves",
         })
@@ -163,10 +179,18 @@ impl std::fmt::Debug for ReadHalf {
 }
 
 impl ReadHalf {
-    /// Whether [`ReadHalf::ready`] really waits for the socket (plain TCP), rather than
-    /// returning at once because the stream cannot tell without reading.
+    /// Whether [`ReadHalf::ready`] really waits for the socket (plain TCP, TLS 1.3), rather
+    /// than returning at once because the stream cannot tell without reading.
     pub fn tells_readiness(&self) -> bool {
-        matches!(self, Self::Tcp(_))
+        matches!(self, Self::Tcp(_) | Self::Tls(_))
+    }
+
+    /// Gives back buffers the stream holds while nothing is buffered in them (TLS 1.3's
+    /// record buffer), so an idle connection keeps none.
+    pub fn release_idle(&mut self) {
+        if let Self::Tls(r) = self {
+            r.release_idle();
+        }
     }
 
     /// Waits until a read would make progress, where the stream can tell without reading.
@@ -181,6 +205,7 @@ impl ReadHalf {
                 let stream: &TcpStream = r.as_ref();
                 std::future::poll_fn(|cx| stream.poll_read_ready(cx)).await
             }
+            Self::Tls(r) => std::future::poll_fn(|cx| r.poll_ready(cx)).await,
             Self::Boxed(_) | Self::Halves(_) => Ok(()),
         }
     }
@@ -190,6 +215,8 @@ impl ReadHalf {
 pub enum WriteHalf {
     /// Plain TCP, split without a lock.
     Tcp(OwnedWriteHalf),
+    /// TLS 1.3, split without a lock.
+    Tls(Box<TlsWrite>),
     /// Any other stream, split through tokio's lock.
     Boxed(tokio::io::WriteHalf<Box<dyn BoxedIo>>),
     /// The sending half of a stream that came split.
@@ -200,9 +227,20 @@ impl std::fmt::Debug for WriteHalf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Tcp(_) => "WriteHalf::Tcp",
+            Self::Tls(_) => "WriteHalf::Tls",
             Self::Boxed(_) => "WriteHalf::Boxed",
             Self::Halves(_) => "WriteHalf::Halves",
         })
+    }
+}
+
+impl WriteHalf {
+    /// Gives back buffers the stream holds while they are empty (TLS 1.3's record buffer),
+    /// so an idle connection keeps none.
+    pub fn shrink_idle(&mut self) {
+        if let Self::Tls(w) = self {
+            w.shrink_idle();
+        }
     }
 }
 
@@ -269,10 +307,10 @@ macro_rules! delegate_async_write {
     };
 }
 
-delegate_async_read!(Transport, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(s, _));
-delegate_async_write!(Transport, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(_, s));
-delegate_async_read!(ReadHalf, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(s));
-delegate_async_write!(WriteHalf, s: Self::Tcp(s), Self::Boxed(s), Self::Halves(s));
+delegate_async_read!(Transport, s: Self::Tcp(s), Self::Tls(s), Self::Boxed(s), Self::Halves(s, _));
+delegate_async_write!(Transport, s: Self::Tcp(s), Self::Tls(s), Self::Boxed(s), Self::Halves(_, s));
+delegate_async_read!(ReadHalf, s: Self::Tcp(s), Self::Tls(s), Self::Boxed(s), Self::Halves(s));
+delegate_async_write!(WriteHalf, s: Self::Tcp(s), Self::Tls(s), Self::Boxed(s), Self::Halves(s));
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,804 @@
+//! TLS 1.3 with the record layer in derpd's hands: rustls runs the handshake (through its
+//! unbuffered API, on buffers this module owns) and keeps the key schedule; once the handshake
+//! is done, records are sealed and opened here, in place, with the traffic keys rustls hands
+//! over. This is what kernel TLS does, in user space: kernel TLS is missing on many hosts
+//! (no `tls` module), and without it rustls's buffered connection keeps a 4 KiB record
+//! buffer and its whole connection state in every idle connection, copies every received
+//! record twice and allocates for every record it receives or sends.
+//!
+//! What it does: [`accept`] finishes a handshake whose ClientHello has already been read,
+//! and yields a [`TlsStream`] that splits without a lock into a [`TlsRead`] and a
+//! [`TlsWrite`]. Received records are decrypted where they were read and handed over with
+//! one copy; sent bytes are copied once into the record buffer and sealed there. An idle
+//! connection holds no record buffer in either direction ([`TlsRead::release_idle`],
+//! [`TlsWrite::shrink_idle`]), and its reader can wait for the socket to become readable
+//! without reading. Key updates work both ways: a peer's KeyUpdate is followed (and answered
+//! when it asks), and the sending side updates its own key long before the AEAD's
+//! confidentiality limit.
+//!
+//! What it does not do: TLS 1.2 (a client that cannot speak TLS 1.3 is served by rustls's
+//! buffered connection instead), early data (not enabled), the client side, or alerts on
+//! errors: a connection that breaks the protocol is closed, the error returned to the caller.
+
+use std::io;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
+
+use ring::aead::{
+    AES_128_GCM, AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
+};
+use rustls::kernel::KernelConnection;
+use rustls::server::{ServerConfig, ServerConnectionData, UnbufferedServerConnection};
+use rustls::unbuffered::{ConnectionState, EncodeError, InsufficientSizeError, UnbufferedStatus};
+use rustls::{ConnectionTrafficSecrets, ProtocolVersion};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+/// Why a TLS 1.3 handshake did not yield a stream.
+#[derive(Debug, thiserror::Error)]
+pub enum AcceptError {
+    /// The socket failed, or the peer closed it.
+    #[error("tls handshake i/o: {0}")]
+    Io(#[from] io::Error),
+    /// The handshake failed (bad ClientHello, no common parameters, and so on).
+    #[error("tls handshake: {0}")]
+    Tls(#[from] rustls::Error),
+    /// The peer closed the TLS session before the handshake finished.
+    #[error("tls peer closed the connection during the handshake")]
+    Closed,
+    /// The handshake settled on a version other than TLS 1.3 (the caller sends clients that
+    /// cannot speak TLS 1.3 elsewhere).
+    #[error("tls handshake negotiated {0:?}, not TLS 1.3")]
+    NotTls13(Option<ProtocolVersion>),
+    /// The peer sent more handshake bytes than any handshake needs.
+    #[error("tls handshake larger than {MAX_HANDSHAKE_BUFFER} bytes")]
+    TooLarge,
+    /// rustls handed over traffic keys for an AEAD this module does not implement.
+    #[error("tls cipher suite not supported by the record layer")]
+    UnsupportedSuite,
+}
+
+/// A finished handshake.
+#[derive(Debug)]
+pub struct Accepted {
+    /// The connection, ready for application data.
+    pub stream: TlsStream,
+    /// The ALPN protocol agreed, if any.
+    pub alpn: Option<Vec<u8>>,
+}
+
+/// Handshake bytes buffered at most before the handshake must have finished (a client's
+/// flights are a few KiB; rustls bounds each message as well).
+const MAX_HANDSHAKE_BUFFER: usize = 64 * 1024;
+
+/// Runs a TLS 1.3 server handshake on `tcp` under `config`, whose ClientHello (and whatever
+/// followed it) was read already into `received`. `config` must enable secret extraction.
+///
+/// Application data the client sent with its last flight is kept for the stream to return.
+pub async fn accept(
+    mut tcp: TcpStream,
+    mut received: Vec<u8>,
+    config: Arc<ServerConfig>,
+) -> Result<Accepted, AcceptError> {
+    let mut conn = UnbufferedServerConnection::new(config)?;
+    let mut outgoing: Vec<u8> = Vec::new();
+    let mut plaintext: Vec<u8> = Vec::new();
+    let mut peer_closed = false;
+    loop {
+        let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut received);
+        let next = match state? {
+            ConnectionState::EncodeTlsData(mut data) => {
+                let start = outgoing.len();
+                outgoing.resize(start + 4096, 0);
+                let n = match data.encode(&mut outgoing[start..]) {
+                    Ok(n) => n,
+                    Err(EncodeError::InsufficientSize(InsufficientSizeError { required_size })) => {
+                        outgoing.resize(start + required_size, 0);
+                        data.encode(&mut outgoing[start..])
+                            .map_err(|e| rustls::Error::General(e.to_string()))?
+                    }
+                    Err(e) => return Err(rustls::Error::General(e.to_string()).into()),
+                };
+                outgoing.truncate(start + n);
+                Step::Again
+            }
+            ConnectionState::TransmitTlsData(data) => {
+                // Written below, once the state's borrows are gone; nothing is read before.
+                data.done();
+                Step::Write
+            }
+            ConnectionState::BlockedHandshake => Step::Read,
+            ConnectionState::ReadTraffic(mut records) => {
+                while let Some(record) = records.next_record() {
+                    plaintext.extend_from_slice(record?.payload);
+                }
+                Step::Again
+            }
+            ConnectionState::WriteTraffic(_) => Step::Done,
+            ConnectionState::PeerClosed | ConnectionState::Closed => Step::PeerClosed,
+            // Early data is not enabled, so this is a peer breaking the protocol.
+            _ => return Err(rustls::Error::General("unexpected tls state".into()).into()),
+        };
+        received.drain(..discard);
+        if !outgoing.is_empty() && !matches!(next, Step::Again) {
+            tcp.write_all(&outgoing).await?;
+            outgoing.clear();
+        }
+        match next {
+            Step::Again | Step::Write => {}
+            Step::Read => {
+                if received.len() >= MAX_HANDSHAKE_BUFFER {
+                    return Err(AcceptError::TooLarge);
+                }
+                received.reserve(4096);
+                if tokio::io::AsyncReadExt::read_buf(&mut tcp, &mut received).await? == 0 {
+                    return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+                }
+            }
+            Step::Done => break,
+            // A client that closes right after its Finished (an ACME validator does) has
+            // still completed the handshake; the stream it gets reads as ended.
+            Step::PeerClosed if !conn.is_handshaking() => {
+                peer_closed = true;
+                break;
+            }
+            Step::PeerClosed => return Err(AcceptError::Closed),
+        }
+    }
+    let version = conn.protocol_version();
+    if version != Some(ProtocolVersion::TLSv1_3) {
+        return Err(AcceptError::NotTls13(version));
+    }
+    let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
+    let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
+    let rx = Keys::new(secrets.rx).ok_or(AcceptError::UnsupportedSuite)?;
+    let tx = Keys::new(secrets.tx).ok_or(AcceptError::UnsupportedSuite)?;
+    let shared = Arc::new(Shared {
+        kernel: Mutex::new(kernel),
+        update_requested: AtomicBool::new(false),
+    });
+    let (r, w) = tcp.into_split();
+    // What was decrypted already goes first, as the current record's plaintext; the bytes
+    // of records not yet opened follow it.
+    let plain = 0..plaintext.len();
+    let pos = plaintext.len();
+    plaintext.extend_from_slice(&received);
+    Ok(Accepted {
+        stream: TlsStream {
+            read: TlsRead {
+                half: r,
+                keys: rx,
+                buf: plaintext,
+                pos,
+                plain,
+                closed: peer_closed,
+                shared: shared.clone(),
+            },
+            write: TlsWrite {
+                half: w,
+                keys: tx,
+                out: Vec::new(),
+                sent: 0,
+                shared,
+                update_after: KEY_UPDATE_AFTER,
+                close_sent: false,
+            },
+        },
+        alpn,
+    })
+}
+
+enum Step {
+    Again,
+    Write,
+    Read,
+    Done,
+    PeerClosed,
+}
+
+/// Whether the ClientHello at the start of `bytes` (as read from the socket, in one or more
+/// handshake records) offers TLS 1.3 in its supported_versions extension. False when it
+/// does not, or when the bytes do not hold a whole, well-formed ClientHello: such a client
+/// is left to rustls's buffered connection, which handles (or refuses) everything.
+pub fn client_hello_offers_tls13(bytes: &[u8]) -> bool {
+    let mut hello = Vec::new();
+    let mut rest = bytes;
+    while let [CONTENT_HANDSHAKE, _, _, hi, lo, ..] = *rest {
+        let len = usize::from(u16::from_be_bytes([hi, lo]));
+        let Some(payload) = rest.get(HEADER_LEN..HEADER_LEN + len) else {
+            break;
+        };
+        hello.extend_from_slice(payload);
+        rest = &rest[HEADER_LEN + len..];
+        if let [_, a, b, c, ..] = hello[..]
+            && hello.len() >= 4 + (usize::from(a) << 16 | usize::from(b) << 8 | usize::from(c))
+        {
+            break;
+        }
+    }
+    hello_offers_tls13(&hello).unwrap_or(false)
+}
+
+/// Reads a ClientHello message (RFC 8446, section 4.1.2) as far as its supported_versions.
+fn hello_offers_tls13(message: &[u8]) -> Option<bool> {
+    const CLIENT_HELLO: u8 = 1;
+    const SUPPORTED_VERSIONS: u16 = 43;
+    let mut r = Reader(message);
+    if r.u8()? != CLIENT_HELLO {
+        return None;
+    }
+    let len = r.u24()?;
+    let mut r = Reader(r.take(len)?);
+    r.take(2 + 32)?; // legacy_version, random
+    let n = r.u8()?;
+    r.take(usize::from(n))?; // legacy_session_id
+    let n = r.u16()?;
+    r.take(usize::from(n))?; // cipher_suites
+    let n = r.u8()?;
+    r.take(usize::from(n))?; // legacy_compression_methods
+    let n = r.u16()?;
+    let mut extensions = Reader(r.take(usize::from(n))?);
+    while !extensions.0.is_empty() {
+        let kind = extensions.u16()?;
+        let n = extensions.u16()?;
+        let body = extensions.take(usize::from(n))?;
+        if kind == SUPPORTED_VERSIONS {
+            let mut b = Reader(body);
+            let n = b.u8()?;
+            let versions = b.take(usize::from(n))?;
+            return Some(versions.chunks_exact(2).any(|v| v == [3, 4]));
+        }
+    }
+    Some(false)
+}
+
+/// Big-endian fields off the front of a byte slice.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = self.0.split_at_checked(n)?;
+        self.0 = rest;
+        Some(head)
+    }
+
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Option<u16> {
+        let b = self.take(2)?;
+        Some(u16::from_be_bytes([b[0], b[1]]))
+    }
+
+    fn u24(&mut self) -> Option<usize> {
+        let b = self.take(3)?;
+        Some(usize::from(b[0]) << 16 | usize::from(b[1]) << 8 | usize::from(b[2]))
+    }
+}
+
+/// Record content types (RFC 8446, section 5.1).
+const CONTENT_ALERT: u8 = 21;
+const CONTENT_HANDSHAKE: u8 = 22;
+const CONTENT_APPLICATION_DATA: u8 = 23;
+/// The handshake message type of KeyUpdate, the only one a TLS 1.3 server takes after the
+/// handshake.
+const HANDSHAKE_KEY_UPDATE: u8 = 24;
+/// A record header: type, legacy version, length.
+const HEADER_LEN: usize = 5;
+const TAG_LEN: usize = 16;
+/// Largest plaintext per record (2^14).
+const MAX_FRAGMENT: usize = 16 * 1024;
+/// Largest ciphertext a peer may send per record (2^14 + 256).
+const MAX_CIPHERTEXT: usize = MAX_FRAGMENT + 256;
+/// Records sealed under one key before the sender updates it: well below AES-GCM's
+/// confidentiality limit of 2^24.5 full-size records (RFC 8446, section 5.5).
+const KEY_UPDATE_AFTER: u64 = 1 << 23;
+/// What a busy reader reads per system call, at least.
+const READ_CHUNK: usize = 32 * 1024;
+/// Plaintext sealed per write call at most, so the record buffer stays bounded when the
+/// caller hands over a large batch.
+const MAX_SEAL_PER_WRITE: usize = 64 * 1024;
+
+/// What both halves share: the key schedule (touched only on key updates) and whether the
+/// peer asked for a key update the sending half has yet to answer.
+struct Shared {
+    kernel: Mutex<KernelConnection<ServerConnectionData>>,
+    update_requested: AtomicBool,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("update_requested", &self.update_requested)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One direction's traffic key, its IV and the next record's sequence number.
+struct Keys {
+    key: LessSafeKey,
+    iv: [u8; 12],
+    seq: u64,
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keys").field("seq", &self.seq).finish()
+    }
+}
+
+impl Keys {
+    fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> Option<Self> {
+        let (alg, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+            _ => return None,
+        };
+        Some(Self {
+            key: LessSafeKey::new(UnboundKey::new(alg, key.as_ref()).ok()?),
+            iv: iv.as_ref().try_into().ok()?,
+            seq,
+        })
+    }
+
+    /// The per-record nonce: the IV with the sequence number XORed into its last 8 bytes
+    /// (RFC 8446, section 5.3).
+    fn nonce(&self) -> Nonce {
+        let mut n = self.iv;
+        for (b, s) in n[4..].iter_mut().zip(self.seq.to_be_bytes()) {
+            *b ^= s;
+        }
+        Nonce::assume_unique_for_key(n)
+    }
+}
+
+fn protocol_error(what: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// A TLS 1.3 connection after its handshake. Read and write it whole, or split it.
+#[derive(Debug)]
+pub struct TlsStream {
+    read: TlsRead,
+    write: TlsWrite,
+}
+
+impl TlsStream {
+    /// Splits the stream into halves that need no lock between them.
+    pub fn into_split(self) -> (TlsRead, TlsWrite) {
+        (self.read, self.write)
+    }
+
+    /// The underlying socket.
+    pub fn tcp(&self) -> &TcpStream {
+        self.read.half.as_ref()
+    }
+}
+
+impl AsyncRead for TlsStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().read).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().write).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().write).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().write).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().write).poll_shutdown(cx)
+    }
+}
+
+/// The receiving half: opens records in place in its buffer and hands their plaintext over.
+#[derive(Debug)]
+pub struct TlsRead {
+    half: OwnedReadHalf,
+    keys: Keys,
+    /// Bytes from the socket; before `pos`, records already opened (their plaintext in
+    /// place), from `pos`, records not opened yet.
+    buf: Vec<u8>,
+    pos: usize,
+    /// The part of `buf` holding plaintext not handed over yet.
+    plain: Range<usize>,
+    /// The peer sent close_notify.
+    closed: bool,
+    shared: Arc<Shared>,
+}
+
+/// What opening the next buffered record did.
+enum Opened {
+    /// A record was opened (its plaintext, if any, is ready).
+    Record,
+    /// The next record is not all here: this many bytes from `pos` are needed.
+    NeedMore(usize),
+}
+
+impl TlsRead {
+    /// Whether a read would return without touching the socket.
+    fn has_buffered(&self) -> bool {
+        if !self.plain.is_empty() || self.closed {
+            return true;
+        }
+        let avail = &self.buf[self.pos..];
+        avail.len() >= HEADER_LEN
+            && avail.len() >= HEADER_LEN + usize::from(u16::from_be_bytes([avail[3], avail[4]]))
+    }
+
+    /// Ready when a read would make progress: something is buffered, or the socket is
+    /// readable. Holds no state of its own while it waits.
+    pub fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.has_buffered() {
+            return Poll::Ready(Ok(()));
+        }
+        let stream: &TcpStream = self.half.as_ref();
+        stream.poll_read_ready(cx)
+    }
+
+    /// Gives back the record buffer when nothing is in it, so an idle connection holds none.
+    pub fn release_idle(&mut self) {
+        if self.plain.is_empty() && self.pos == self.buf.len() && self.buf.capacity() > 0 {
+            self.buf = Vec::new();
+            self.pos = 0;
+            self.plain = 0..0;
+        }
+    }
+
+    /// Opens the record at `pos`, if it is all here.
+    fn open_next(&mut self) -> io::Result<Opened> {
+        let avail = &self.buf[self.pos..];
+        if avail.len() < HEADER_LEN {
+            return Ok(Opened::NeedMore(HEADER_LEN));
+        }
+        let header: [u8; HEADER_LEN] = [avail[0], avail[1], avail[2], avail[3], avail[4]];
+        let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+        if header[0] != CONTENT_APPLICATION_DATA {
+            return Err(protocol_error(format!(
+                "unexpected tls record type {} after the handshake",
+                header[0]
+            )));
+        }
+        if len > MAX_CIPHERTEXT {
+            return Err(protocol_error("tls record overflow"));
+        }
+        if len < TAG_LEN + 1 {
+            return Err(protocol_error("tls record too short"));
+        }
+        if avail.len() < HEADER_LEN + len {
+            return Ok(Opened::NeedMore(HEADER_LEN + len));
+        }
+        let start = self.pos + HEADER_LEN;
+        let end = start + len;
+        let nonce = self.keys.nonce();
+        let opened = self
+            .keys
+            .key
+            .open_in_place(nonce, Aad::from(header), &mut self.buf[start..end])
+            .map_err(|_| protocol_error("tls record failed authentication"))?
+            .len();
+        self.keys.seq += 1;
+        self.pos = end;
+        // The content type is the last non-zero byte; zeros after it are padding.
+        let content = &self.buf[start..start + opened];
+        let Some(last) = content.iter().rposition(|&b| b != 0) else {
+            return Err(protocol_error("tls record without a content type"));
+        };
+        match content[last] {
+            CONTENT_APPLICATION_DATA => self.plain = start..start + last,
+            CONTENT_ALERT => match content[..last] {
+                // close_notify, at whatever level the peer gave it.
+                [_, 0] => self.closed = true,
+                [_, description] => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        format!("tls alert {description} from the peer"),
+                    ));
+                }
+                _ => return Err(protocol_error("malformed tls alert")),
+            },
+            CONTENT_HANDSHAKE => self.handshake_message(start..start + last)?,
+            other => {
+                return Err(protocol_error(format!(
+                    "unexpected tls content type {other}"
+                )));
+            }
+        }
+        Ok(Opened::Record)
+    }
+
+    /// A post-handshake message: only KeyUpdate is allowed from a client, and as the last
+    /// message of its record (a key change ends the record it is in).
+    fn handshake_message(&mut self, range: Range<usize>) -> io::Result<()> {
+        match self.buf[range] {
+            [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request @ (0 | 1)] => {
+                let update = self
+                    .shared
+                    .kernel
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .update_rx_secret()
+                    .map_err(protocol_error)?;
+                self.keys = Keys::new(update)
+                    .ok_or_else(|| protocol_error("tls key update for another suite"))?;
+                if request == 1 {
+                    self.shared.update_requested.store(true, Ordering::Release);
+                }
+                Ok(())
+            }
+            _ => Err(protocol_error(
+                "unexpected tls handshake message after the handshake",
+            )),
+        }
+    }
+}
+
+impl AsyncRead for TlsRead {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if !this.plain.is_empty() {
+                let n = this.plain.len().min(out.remaining());
+                out.put_slice(&this.buf[this.plain.start..this.plain.start + n]);
+                this.plain.start += n;
+                return Poll::Ready(Ok(()));
+            }
+            if this.closed {
+                return Poll::Ready(Ok(()));
+            }
+            let need = match this.open_next()? {
+                Opened::Record => continue,
+                Opened::NeedMore(need) => need,
+            };
+            // Everything before `pos` is handed over: make room at the front.
+            if this.pos > 0 {
+                this.buf.drain(..this.pos);
+                this.pos = 0;
+                this.plain = 0..0;
+            }
+            let missing = need - this.buf.len();
+            if this.buf.capacity() - this.buf.len() < missing.max(READ_CHUNK / 8) {
+                this.buf.reserve(missing.max(READ_CHUNK));
+            }
+            let n = ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut this.half),
+                cx,
+                &mut this.buf
+            ))?;
+            if n == 0 {
+                if this.buf.is_empty() {
+                    // The peer closed without close_notify; nothing was cut short.
+                    this.closed = true;
+                    return Poll::Ready(Ok(()));
+                }
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "tls record cut short by the end of the stream",
+                )));
+            }
+        }
+    }
+}
+
+/// The sending half: seals what it is given into records in its buffer and writes them.
+#[derive(Debug)]
+pub struct TlsWrite {
+    half: OwnedWriteHalf,
+    keys: Keys,
+    /// Sealed records; `out[sent..]` is not written yet.
+    out: Vec<u8>,
+    sent: usize,
+    shared: Arc<Shared>,
+    /// Records sealed under one key before this side updates it.
+    update_after: u64,
+    close_sent: bool,
+}
+
+impl TlsWrite {
+    /// Gives back the record buffer when it is empty, so an idle connection holds none.
+    pub fn shrink_idle(&mut self) {
+        if self.sent == self.out.len() && self.out.capacity() > 0 {
+            self.out = Vec::new();
+            self.sent = 0;
+        }
+    }
+
+    /// Writes out sealed records until none is left.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.sent < self.out.len() {
+            let n = ready!(Pin::new(&mut self.half).poll_write(cx, &self.out[self.sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.sent += n;
+        }
+        self.out.clear();
+        self.sent = 0;
+        Poll::Ready(Ok(()))
+    }
+
+    /// Seals `len` bytes gathered from `bufs` (starting `skip` bytes in) as one record.
+    fn seal(
+        &mut self,
+        content_type: u8,
+        bufs: &[io::IoSlice<'_>],
+        mut skip: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        let start = self.out.len();
+        let sealed_len = len + 1 + TAG_LEN;
+        self.out.reserve(HEADER_LEN + sealed_len);
+        // TLS 1.3 hides the real type inside the record: outside, every one is
+        // application data, version 1.2.
+        self.out
+            .extend_from_slice(&[CONTENT_APPLICATION_DATA, 3, 3]);
+        self.out
+            .extend_from_slice(&u16::try_from(sealed_len).unwrap_or(u16::MAX).to_be_bytes());
+        let mut left = len;
+        for b in bufs {
+            if left == 0 {
+                break;
+            }
+            if skip >= b.len() {
+                skip -= b.len();
+                continue;
+            }
+            let take = (b.len() - skip).min(left);
+            self.out.extend_from_slice(&b[skip..skip + take]);
+            skip = 0;
+            left -= take;
+        }
+        self.out.push(content_type);
+        let header: [u8; HEADER_LEN] = [
+            self.out[start],
+            self.out[start + 1],
+            self.out[start + 2],
+            self.out[start + 3],
+            self.out[start + 4],
+        ];
+        let nonce = self.keys.nonce();
+        let tag = self
+            .keys
+            .key
+            .seal_in_place_separate_tag(
+                nonce,
+                Aad::from(header),
+                &mut self.out[start + HEADER_LEN..],
+            )
+            // Sealing fails only for inputs far larger than a record.
+            .map_err(|_| io::Error::other("tls record could not be sealed"))?;
+        self.out.extend_from_slice(tag.as_ref());
+        self.keys.seq += 1;
+        Ok(())
+    }
+
+    /// Sends a KeyUpdate and moves to the next key when the peer asked for one or this key
+    /// has sealed enough records.
+    fn update_key_if_due(&mut self) -> io::Result<()> {
+        let requested = self.shared.update_requested.swap(false, Ordering::AcqRel);
+        if !requested && self.keys.seq < self.update_after {
+            return Ok(());
+        }
+        // update_not_requested: this side's update needs no answer.
+        let message = [HANDSHAKE_KEY_UPDATE, 0, 0, 1, 0];
+        self.seal(
+            CONTENT_HANDSHAKE,
+            &[io::IoSlice::new(&message)],
+            0,
+            message.len(),
+        )?;
+        let update = self
+            .shared
+            .kernel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .update_tx_secret()
+            .map_err(protocol_error)?;
+        self.keys =
+            Keys::new(update).ok_or_else(|| protocol_error("tls key update for another suite"))?;
+        Ok(())
+    }
+}
+
+impl AsyncWrite for TlsWrite {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
+    }
+
+    /// Takes up to [`MAX_SEAL_PER_WRITE`] bytes once earlier records are written, seals
+    /// them and starts writing; what the socket does not take now goes out at the next
+    /// write or flush.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        let total = bufs
+            .iter()
+            .map(|b| b.len())
+            .sum::<usize>()
+            .min(MAX_SEAL_PER_WRITE);
+        if total == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        this.update_key_if_due()?;
+        let mut taken = 0;
+        while taken < total {
+            let len = (total - taken).min(MAX_FRAGMENT);
+            this.seal(CONTENT_APPLICATION_DATA, bufs, taken, len)?;
+            taken += len;
+        }
+        // The bytes are taken: a socket that pushes back only delays them.
+        if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Poll::Ready(Ok(taken))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.half).poll_flush(cx)
+    }
+
+    /// Sends close_notify, then ends the TCP stream's sending side.
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.close_sent {
+            ready!(this.poll_drain(cx))?;
+            // Level warning, description close_notify.
+            let alert = [1, 0];
+            this.seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())?;
+            this.close_sent = true;
+        }
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.half).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,371 @@
+use std::io::{Read as _, Write as _};
+use std::task::Waker;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, ClientConnection, RootCertStore, SupportedProtocolVersion};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream as ClientStream;
+
+use super::*;
+
+struct Pki {
+    server: Arc<ServerConfig>,
+    root: CertificateDer<'static>,
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn pki() -> Pki {
+    let key = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("cert");
+    let root = key.cert.der().clone();
+    let private = PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into());
+    let mut server = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(vec![root.clone()], private)
+        .expect("server config");
+    server.enable_secret_extraction = true;
+    Pki {
+        server: Arc::new(server),
+        root,
+    }
+}
+
+fn client_config(pki: &Pki, versions: &[&'static SupportedProtocolVersion]) -> Arc<ClientConfig> {
+    let mut roots = RootCertStore::empty();
+    roots.add(pki.root.clone()).expect("root");
+    Arc::new(
+        ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(versions)
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
+fn name() -> ServerName<'static> {
+    ServerName::try_from("localhost").expect("name")
+}
+
+/// A handshake between a tokio-rustls client and [`accept`] over loopback.
+async fn pair() -> (TlsStream, ClientStream<TcpStream>) {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let connector = TlsConnector::from(client_config(&pki, &[&rustls::version::TLS13]));
+    let (client, server) = tokio::join!(
+        async {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            connector
+                .connect(name(), tcp)
+                .await
+                .expect("client handshake")
+        },
+        async {
+            let (tcp, _) = listener.accept().await.expect("accept");
+            accept(tcp, Vec::new(), pki.server.clone())
+                .await
+                .expect("server handshake")
+        }
+    );
+    (server.stream, client)
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
+#[tokio::test]
+async fn bytes_cross_both_ways_in_records_of_every_size() {
+    let (server, client) = pair().await;
+    let sent = pattern(1 << 20);
+    // The server echoes whatever it reads, in the sizes it reads them.
+    let echo = tokio::spawn(async move {
+        let (mut r, mut w) = server.into_split();
+        let mut buf = vec![0u8; 40_000];
+        loop {
+            let n = r.read(&mut buf).await.expect("server read");
+            if n == 0 {
+                break;
+            }
+            // Split each write in two slices, so records gather across them.
+            let (a, b) = buf[..n].split_at(n / 3);
+            let mut done = 0;
+            while done < n {
+                let iov = if done < a.len() {
+                    vec![io::IoSlice::new(&a[done..]), io::IoSlice::new(b)]
+                } else {
+                    vec![io::IoSlice::new(&b[done - a.len()..])]
+                };
+                done += w.write_vectored(&iov).await.expect("server write");
+            }
+            w.flush().await.expect("flush");
+        }
+        w.shutdown().await.expect("shutdown");
+    });
+    let (mut cr, mut cw) = tokio::io::split(client);
+    let to_send = sent.clone();
+    let writer = tokio::spawn(async move {
+        // Sizes from one byte to more than a record.
+        let mut at = 0;
+        let mut size = 1;
+        while at < to_send.len() {
+            let end = (at + size).min(to_send.len());
+            cw.write_all(&to_send[at..end]).await.expect("client write");
+            at = end;
+            size = size * 3 % 20_011 + 1;
+        }
+        cw.flush().await.expect("client flush");
+        cw.shutdown().await.expect("client shutdown");
+    });
+    let mut received = Vec::new();
+    cr.read_to_end(&mut received)
+        .await
+        .expect("echo ends with close_notify");
+    writer.await.expect("writer");
+    echo.await.expect("echo");
+    assert_eq!(received.len(), sent.len());
+    assert!(received == sent, "echoed bytes differ");
+}
+
+#[tokio::test]
+async fn data_sent_with_the_clients_finished_is_not_lost() {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let config = client_config(&pki, &[&rustls::version::TLS13]);
+    // A blocking client that queues its request before the handshake ends, so the request's
+    // record follows the Finished in the same write.
+    let client = std::thread::spawn(move || {
+        let mut sock = std::net::TcpStream::connect(addr).expect("connect");
+        let mut conn = ClientConnection::new(config, name()).expect("client");
+        conn.writer().write_all(b"early request").expect("queue");
+        while conn.is_handshaking() || conn.wants_write() {
+            while conn.wants_write() {
+                conn.write_tls(&mut sock).expect("write tls");
+            }
+            if conn.is_handshaking() {
+                conn.read_tls(&mut sock).expect("read tls");
+                conn.process_new_packets().expect("process");
+            }
+        }
+        // Wait for the answer, then close.
+        let mut answer = Vec::new();
+        loop {
+            conn.read_tls(&mut sock).expect("read tls");
+            let state = conn.process_new_packets().expect("process");
+            if state.plaintext_bytes_to_read() > 0 {
+                let mut buf = vec![0; state.plaintext_bytes_to_read()];
+                conn.reader().read_exact(&mut buf).expect("plaintext");
+                answer.extend_from_slice(&buf);
+            }
+            if answer.len() >= 2 {
+                return answer;
+            }
+        }
+    });
+    let (tcp, _) = listener.accept().await.expect("accept");
+    let mut server = accept(tcp, Vec::new(), pki.server.clone())
+        .await
+        .expect("handshake")
+        .stream;
+    let mut request = [0u8; 13];
+    server.read_exact(&mut request).await.expect("request");
+    assert_eq!(&request, b"early request");
+    server.write_all(b"ok").await.expect("answer");
+    server.flush().await.expect("flush");
+    let answer = tokio::task::spawn_blocking(move || client.join().expect("client"))
+        .await
+        .expect("join");
+    assert_eq!(answer, b"ok");
+}
+
+#[tokio::test]
+async fn a_clients_key_update_is_followed_and_answered() {
+    let (mut server, mut client) = pair().await;
+    client.write_all(b"before").await.expect("write");
+    client.flush().await.expect("flush");
+    let mut buf = [0u8; 6];
+    server.read_exact(&mut buf).await.expect("read");
+    assert_eq!(&buf, b"before");
+
+    // rustls asks for an answer with its update.
+    client.get_mut().1.refresh_traffic_keys().expect("refresh");
+    client.write_all(b"after").await.expect("write");
+    client.flush().await.expect("flush");
+    let mut buf = [0u8; 5];
+    server
+        .read_exact(&mut buf)
+        .await
+        .expect("read under the new key");
+    assert_eq!(&buf, b"after");
+    assert!(server.read.shared.update_requested.load(Ordering::Acquire));
+
+    server.write_all(b"answer").await.expect("write");
+    server.flush().await.expect("flush");
+    // The KeyUpdate went out under the old key, the answer under the new one.
+    assert_eq!(server.write.keys.seq, 1);
+    assert!(!server.read.shared.update_requested.load(Ordering::Acquire));
+    let mut buf = [0u8; 6];
+    client.read_exact(&mut buf).await.expect("client reads");
+    assert_eq!(&buf, b"answer");
+}
+
+#[tokio::test]
+async fn the_server_updates_its_key_before_the_limit() {
+    let (mut server, mut client) = pair().await;
+    server.write.update_after = 3;
+    let sent = pattern(10 * MAX_FRAGMENT);
+    for chunk in sent.chunks(MAX_FRAGMENT) {
+        server.write_all(chunk).await.expect("write");
+        server.flush().await.expect("flush");
+        assert!(server.write.keys.seq <= 3);
+    }
+    let mut received = vec![0u8; sent.len()];
+    client
+        .read_exact(&mut received)
+        .await
+        .expect("client follows each update");
+    assert!(received == sent);
+}
+
+#[tokio::test]
+async fn close_notify_ends_each_direction_cleanly() {
+    let (mut server, mut client) = pair().await;
+    client.shutdown().await.expect("client close_notify");
+    let mut buf = Vec::new();
+    assert_eq!(server.read_to_end(&mut buf).await.expect("server eof"), 0);
+    server.shutdown().await.expect("server close_notify");
+    // rustls reports an end without close_notify as an error; this one is clean.
+    assert_eq!(client.read_to_end(&mut buf).await.expect("client eof"), 0);
+}
+
+/// The server's stream after a handshake, and the client's raw socket with the client's
+/// TLS state, to send records the client would not.
+async fn raw_pair() -> (TlsStream, TcpStream, ClientConnection) {
+    let (server, client) = pair().await;
+    let (tcp, conn) = client.into_inner();
+    (server, tcp, conn)
+}
+
+async fn read_error(server: &mut TlsStream) -> io::Error {
+    let mut buf = [0u8; 64];
+    server
+        .read(&mut buf)
+        .await
+        .expect_err("the record is refused")
+}
+
+#[tokio::test]
+async fn a_tampered_record_is_refused() {
+    let (mut server, mut tcp, mut conn) = raw_pair().await;
+    conn.writer().write_all(b"hello").expect("queue");
+    let mut record = Vec::new();
+    conn.write_tls(&mut record).expect("record");
+    let last = record.len() - 1;
+    record[last] ^= 1;
+    tcp.write_all(&record).await.expect("write");
+    let e = read_error(&mut server).await;
+    assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    assert!(e.to_string().contains("authentication"), "{e}");
+}
+
+#[tokio::test]
+async fn records_that_break_the_protocol_are_refused() {
+    for (record, expect) in [
+        // A plaintext handshake record after the handshake.
+        (vec![22, 3, 3, 0, 4, 24, 0, 0, 1], "record type"),
+        // Longer than any record may be.
+        (vec![23, 3, 3, 0x48, 0x01], "overflow"),
+        // Too short to hold a tag.
+        (vec![23, 3, 3, 0, 3, 1, 2, 3], "too short"),
+    ] {
+        let (mut server, mut tcp, _conn) = raw_pair().await;
+        tcp.write_all(&record).await.expect("write");
+        let e = read_error(&mut server).await;
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains(expect), "{e}");
+    }
+
+    // A record cut short by the end of the stream.
+    let (mut server, mut tcp, _conn) = raw_pair().await;
+    tcp.write_all(&[23, 3, 3, 0, 40, 1, 2])
+        .await
+        .expect("write");
+    tcp.shutdown().await.expect("fin");
+    assert_eq!(
+        read_error(&mut server).await.kind(),
+        io::ErrorKind::UnexpectedEof
+    );
+}
+
+#[tokio::test]
+async fn an_idle_connection_holds_no_record_buffers() {
+    let (server, mut client) = pair().await;
+    let (mut r, mut w) = server.into_split();
+    client.write_all(&pattern(50_000)).await.expect("write");
+    client.flush().await.expect("flush");
+    let mut got = vec![0u8; 50_000];
+    r.read_exact(&mut got).await.expect("read");
+    w.write_all(&pattern(50_000)).await.expect("write");
+    w.flush().await.expect("flush");
+    // A burst leaves both buffers allocated.
+    assert!(r.buf.capacity() > 0);
+    assert!(w.out.capacity() > 0);
+    r.release_idle();
+    w.shrink_idle();
+    assert_eq!(r.buf.capacity(), 0);
+    assert_eq!(w.out.capacity(), 0);
+
+    // Nothing buffered and nothing sent: not ready. Then the client writes, and it is.
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(r.poll_ready(&mut cx).is_pending());
+    client.write_all(b"x").await.expect("write");
+    client.flush().await.expect("flush");
+    std::future::poll_fn(|cx| r.poll_ready(cx))
+        .await
+        .expect("ready");
+    let mut one = [0u8; 1];
+    r.read_exact(&mut one).await.expect("read");
+    assert_eq!(&one, b"x");
+}
+
+#[tokio::test]
+async fn client_hellos_are_sorted_by_whether_they_offer_tls13() {
+    let pki = pki();
+    let hello = |versions: &[&'static SupportedProtocolVersion]| {
+        let mut conn =
+            ClientConnection::new(client_config(&pki, versions), name()).expect("client");
+        let mut bytes = Vec::new();
+        conn.write_tls(&mut bytes).expect("hello");
+        bytes
+    };
+    let both = hello(&[&rustls::version::TLS13, &rustls::version::TLS12]);
+    let only12 = hello(&[&rustls::version::TLS12]);
+    assert!(client_hello_offers_tls13(&both));
+    assert!(client_hello_offers_tls13(&hello(&[
+        &rustls::version::TLS13
+    ])));
+    assert!(!client_hello_offers_tls13(&only12));
+    // Not whole yet, or not a ClientHello at all.
+    assert!(!client_hello_offers_tls13(&both[..both.len() - 1]));
+    assert!(!client_hello_offers_tls13(&both[..3]));
+    assert!(!client_hello_offers_tls13(b"GET / HTTP/1.1\r\n\r\n"));
+    assert!(!client_hello_offers_tls13(&[]));
+
+    // The same hello split over two records.
+    let body = &both[HEADER_LEN..];
+    let (a, b) = body.split_at(100);
+    let mut split = Vec::new();
+    for part in [a, b] {
+        split.extend_from_slice(&[22, 3, 1]);
+        split.extend_from_slice(&(part.len() as u16).to_be_bytes());
+        split.extend_from_slice(part);
+    }
+    assert!(client_hello_offers_tls13(&split));
+}

@@ -16,10 +16,10 @@ use rustls::server::{Acceptor, ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{ProtocolVersion, ServerConfig};
 use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tokio_rustls::LazyConfigAcceptor;
-use tokio_rustls::server::TlsStream;
+use tokio_rustls::StartHandshake;
 use tracing::{debug, warn};
 
 use super::TlsError;
@@ -271,6 +271,8 @@ impl TlsFront {
                     acme: !quic,
                 }));
             config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+            // TLS 1.3 connections hand their traffic keys to derpd's record layer.
+            config.enable_secret_extraction = !quic;
             Ok(Arc::new(config))
         };
         let config = |alpn: &[&[u8]]| build(alpn, false);
@@ -473,14 +475,9 @@ impl TlsFront {
                     }
                     // TLS-ALPN-01 validation: the handshake was all it wanted.
                     Some(Ok(Ok(Ok(None)))) => "acme_validation",
-                    Some(Ok(Ok(Ok(Some(stream))))) => {
-                        let version = match stream.get_ref().1.protocol_version() {
-                            Some(ProtocolVersion::TLSv1_3) => "1.3",
-                            Some(ProtocolVersion::TLSv1_2) => "1.2",
-                            _ => "other",
-                        };
+                    Some(Ok(Ok(Ok(Some((transport, version)))))) => {
                         metrics.versions.with_label_values(&[version]).inc();
-                        server.spawn_guarded(Transport::Boxed(Box::new(stream)), remote, guard);
+                        server.spawn_guarded(transport, remote, guard);
                         "ok"
                     }
                     Some(Ok(Ok(Err(e)))) => {
@@ -497,16 +494,23 @@ impl TlsFront {
         }
     }
 
-    /// Reads the ClientHello, picks the config for its ALPN offer, and finishes the handshake.
-    /// `None` for a TLS-ALPN-01 validation connection, which carries no HTTP.
-    async fn handshake(&self, tcp: TcpStream) -> io::Result<Option<TlsStream<TcpStream>>> {
-        let start = tokio::time::timeout(
+    /// Reads the ClientHello, picks the config for its ALPN offer, and finishes the handshake,
+    /// returning the stream and the TLS version's metric label. `None` for a TLS-ALPN-01
+    /// validation connection, which carries no HTTP.
+    ///
+    /// A client that offers TLS 1.3 gets derpd's own record layer after rustls's handshake
+    /// ([`derp_io::tls`]): no rustls buffers or connection state per connection, no lock
+    /// between the halves, and a reader that can wait for the socket holding nothing. Any
+    /// other client is served by rustls's buffered connection.
+    async fn handshake(&self, mut tcp: TcpStream) -> io::Result<Option<(Transport, &'static str)>> {
+        let mut received = Vec::new();
+        let accepted = tokio::time::timeout(
             CLIENT_HELLO_TIMEOUT,
-            LazyConfigAcceptor::new(Acceptor::default(), tcp),
+            read_client_hello(&mut tcp, &mut received),
         )
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no ClientHello in time"))??;
-        let hello = start.client_hello();
+        let hello = accepted.client_hello();
         let config = if offers_alpn(&hello, ACME_TLS_ALPN) {
             self.inner.config_acme.clone()
         } else if offers_alpn(&hello, HTTP11_ALPN) {
@@ -514,11 +518,72 @@ impl TlsFront {
         } else {
             self.inner.config_plain.clone()
         };
-        let stream = start.into_stream(config).await?;
-        if stream.get_ref().1.alpn_protocol() == Some(ACME_TLS_ALPN) {
+        if derp_io::tls::client_hello_offers_tls13(&received) {
+            // The ClientHello is parsed again by the connection that answers it: rustls's
+            // acceptor hands over only a buffered connection.
+            drop(accepted);
+            let done = derp_io::tls::accept(tcp, received, config)
+                .await
+                .map_err(io::Error::other)?;
+            if done.alpn.as_deref() == Some(ACME_TLS_ALPN) {
+                return Ok(None);
+            }
+            return Ok(Some((Transport::Tls(Box::new(done.stream)), "1.3")));
+        }
+        let stream = StartHandshake::from_parts(accepted, tcp)
+            .into_stream(config)
+            .await?;
+        let conn = stream.get_ref().1;
+        if conn.alpn_protocol() == Some(ACME_TLS_ALPN) {
             return Ok(None);
         }
-        Ok(Some(stream))
+        let version = match conn.protocol_version() {
+            Some(ProtocolVersion::TLSv1_3) => "1.3",
+            Some(ProtocolVersion::TLSv1_2) => "1.2",
+            _ => "other",
+        };
+        Ok(Some((Transport::Boxed(Box::new(stream)), version)))
+    }
+}
+
+/// A ClientHello's bytes buffered at most (a post-quantum key share makes one about 1.8 KB;
+/// rustls refuses a handshake message over 64 KiB).
+const MAX_CLIENT_HELLO: usize = 64 * 1024;
+
+/// Reads until rustls's acceptor has a whole ClientHello, keeping every byte read in
+/// `received` (the connection that answers the hello reads it again). A malformed hello is
+/// answered with the alert rustls chose.
+async fn read_client_hello(
+    tcp: &mut TcpStream,
+    received: &mut Vec<u8>,
+) -> io::Result<rustls::server::Accepted> {
+    let mut acceptor = Acceptor::default();
+    loop {
+        if received.len() >= MAX_CLIENT_HELLO {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "ClientHello too large",
+            ));
+        }
+        received.reserve(2048);
+        let fed = received.len();
+        if tcp.read_buf(received).await? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let mut rest = &received[fed..];
+        while !rest.is_empty() {
+            acceptor.read_tls(&mut rest)?;
+        }
+        match acceptor.accept() {
+            Ok(Some(accepted)) => return Ok(accepted),
+            Ok(None) => {}
+            Err((e, mut alert)) => {
+                let mut bytes = Vec::new();
+                let _ = alert.write_all(&mut bytes);
+                let _ = tcp.write_all(&bytes).await;
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+        }
     }
 }
 

@@ -168,9 +168,10 @@ impl FrameReader {
     /// Gives back an empty buffer's memory, so an idle connection holds no read buffer.
     /// Packets still queued elsewhere keep their slices of the old allocation alive.
     /// Whether this reader can wait for the socket to become readable holding nothing:
-    /// nothing is buffered, and the transport can tell readiness (plain TCP, with or without
-    /// WebSocket framing; not TLS, whose records may hold bytes the socket no longer does,
-    /// nor QUIC, whose datagrams arrive apart from the stream).
+    /// nothing is buffered, and the transport can tell readiness (plain TCP or TLS 1.3, with
+    /// or without WebSocket framing; not rustls's TLS 1.2 stream, whose records may hold
+    /// bytes the socket no longer does, nor QUIC, whose datagrams arrive apart from the
+    /// stream).
     pub(super) fn can_wait_idle(&self) -> bool {
         self.quic.is_none()
             && self.half.tells_readiness()
@@ -191,6 +192,7 @@ impl FrameReader {
         if self.buf.is_empty() && self.buf.capacity() > 0 {
             self.buf = BytesMut::new();
         }
+        self.half.release_idle();
         if let Some(ws_in) = &mut self.ws
             && ws_in.raw.is_empty()
             && ws_in.raw.capacity() > 0

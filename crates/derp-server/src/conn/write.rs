@@ -98,6 +98,7 @@ impl Resume for Writer {
     /// connection holds only small ones.
     fn shrink_idle(&mut self) {
         self.batch.shrink_idle();
+        self.w.shrink_idle();
         if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
             self.headers = Vec::new();
         }

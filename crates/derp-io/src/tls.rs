@@ -176,6 +176,7 @@ pub async fn accept(
                 pos,
                 plain,
                 closed: peer_closed,
+                error: None,
                 shared: shared.clone(),
             },
             write: TlsWrite {
@@ -434,6 +435,9 @@ pub struct TlsRead {
     plain: Range<usize>,
     /// The peer sent close_notify.
     closed: bool,
+    /// A record failed after earlier records' plaintext was handed over; the next read
+    /// returns it.
+    error: Option<io::Error>,
     shared: Arc<Shared>,
 }
 
@@ -448,7 +452,7 @@ enum Opened {
 impl TlsRead {
     /// Whether a read would return without touching the socket.
     fn has_buffered(&self) -> bool {
-        if !self.plain.is_empty() || self.closed {
+        if !self.plain.is_empty() || self.closed || self.error.is_some() {
             return true;
         }
         let avail = &self.buf[self.pos..];
@@ -564,26 +568,46 @@ impl TlsRead {
 }
 
 impl AsyncRead for TlsRead {
+    /// Hands over the plaintext of as many buffered records as fit, reading from the socket
+    /// only when none is buffered: a sender's records, each often one small frame, reach the
+    /// caller together, as they would from a plain socket.
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if let Some(e) = this.error.take() {
+            return Poll::Ready(Err(e));
+        }
+        let mut copied = false;
         loop {
             if !this.plain.is_empty() {
                 let n = this.plain.len().min(out.remaining());
                 out.put_slice(&this.buf[this.plain.start..this.plain.start + n]);
                 this.plain.start += n;
-                return Poll::Ready(Ok(()));
+                copied = true;
+                if out.remaining() == 0 {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
             }
             if this.closed {
                 return Poll::Ready(Ok(()));
             }
-            let need = match this.open_next()? {
-                Opened::Record => continue,
-                Opened::NeedMore(need) => need,
+            let need = match this.open_next() {
+                Ok(Opened::Record) => continue,
+                Ok(Opened::NeedMore(need)) => need,
+                // What was handed over stands; the error comes with the next read.
+                Err(e) if copied => {
+                    this.error = Some(e);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) => return Poll::Ready(Err(e)),
             };
+            if copied {
+                return Poll::Ready(Ok(()));
+            }
             // Everything before `pos` is handed over: make room at the front.
             if this.pos > 0 {
                 this.buf.drain(..this.pos);

@@ -369,3 +369,26 @@ async fn client_hellos_are_sorted_by_whether_they_offer_tls13() {
     }
     assert!(client_hello_offers_tls13(&split));
 }
+
+#[tokio::test]
+async fn one_read_gathers_buffered_records_and_a_bad_one_fails_the_next() {
+    let (mut server, mut tcp, mut conn) = raw_pair().await;
+    let mut records = Vec::new();
+    for part in [&b"one "[..], b"two ", b"three"] {
+        conn.writer().write_all(part).expect("queue");
+        conn.write_tls(&mut records).expect("record");
+    }
+    conn.writer().write_all(b"spoilt").expect("queue");
+    let good = records.len();
+    conn.write_tls(&mut records).expect("record");
+    let last = records.len() - 1;
+    records[last] ^= 1;
+    assert!(records.len() > good);
+    // Everything arrives at once, so the server's first read sees all four records.
+    tcp.write_all(&records).await.expect("write");
+    let mut buf = [0u8; 1024];
+    let n = server.read(&mut buf).await.expect("the good records");
+    assert_eq!(&buf[..n], b"one two three");
+    let e = read_error(&mut server).await;
+    assert!(e.to_string().contains("authentication"), "{e}");
+}

@@ -1,5 +1,5 @@
-//! Fuzz target bodies, in one place: derp-proto's parsers, and (in [`relay`]) a live
-//! derp-server fed a hostile connection's bytes.
+//! Fuzz target bodies, in one place: derp-proto's parsers, derp-io's ClientHello check, and
+//! (in [`relay`]) a live derp-server fed a hostile connection's bytes.
 //!
 //! Each target is a plain `fn(&[u8])` that panics when an invariant breaks. The libFuzzer
 //! binary (`src/bin/derp-fuzz.rs`) runs the one named by `DERP_FUZZ_TARGET`; the replay test
@@ -19,6 +19,7 @@ pub mod keys;
 pub mod rate_config;
 pub mod relay;
 pub mod stun;
+pub mod tls;
 pub mod upgrade;
 pub mod ws;
 
@@ -41,6 +42,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ws_server", ws::ws_server),
     ("ws_client", ws::ws_client),
     ("server_stream", relay::server_stream),
+    ("tls_client_hello", tls::tls_client_hello),
 ];
 
 /// Looks a target up by name.

@@ -201,61 +201,109 @@ enum Step {
     PeerClosed,
 }
 
-/// Whether the ClientHello at the start of `bytes` (as read from the socket, in one or more
-/// handshake records) offers TLS 1.3 in its supported_versions extension. False when it
-/// does not, or when the bytes do not hold a whole, well-formed ClientHello: such a client
-/// is left to rustls's buffered connection, which handles (or refuses) everything.
-pub fn client_hello_offers_tls13(bytes: &[u8]) -> bool {
-    let mut hello = Vec::new();
-    let mut rest = bytes;
-    while let [CONTENT_HANDSHAKE, _, _, hi, lo, ..] = *rest {
-        let len = usize::from(u16::from_be_bytes([hi, lo]));
-        let Some(payload) = rest.get(HEADER_LEN..HEADER_LEN + len) else {
-            break;
-        };
-        hello.extend_from_slice(payload);
-        rest = &rest[HEADER_LEN + len..];
-        if let [_, a, b, c, ..] = hello[..]
-            && hello.len() >= 4 + (usize::from(a) << 16 | usize::from(b) << 8 | usize::from(c))
-        {
-            break;
-        }
-    }
-    hello_offers_tls13(&hello).unwrap_or(false)
+/// What the TLS front needs from a ClientHello before it picks a path and a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientHello {
+    /// The bytes hold the start of a ClientHello; read more.
+    Incomplete,
+    /// The bytes are not a well-formed ClientHello (or one this reader does not follow, such
+    /// as one over many records): leave the connection to rustls, which refuses or handles it.
+    Unknown,
+    /// A whole ClientHello.
+    Hello {
+        /// It offers TLS 1.3 in its supported_versions extension.
+        tls13: bool,
+        /// The ALPN protocols it offers, in its order (empty when it offers none).
+        alpn: Vec<Vec<u8>>,
+    },
 }
 
-/// Reads a ClientHello message (RFC 8446, section 4.1.2) as far as its supported_versions.
-fn hello_offers_tls13(message: &[u8]) -> Option<bool> {
-    const CLIENT_HELLO: u8 = 1;
-    const SUPPORTED_VERSIONS: u16 = 43;
-    let mut r = Reader(message);
-    if r.u8()? != CLIENT_HELLO {
-        return None;
-    }
-    let len = r.u24()?;
-    let mut r = Reader(r.take(len)?);
-    r.take(2 + 32)?; // legacy_version, random
-    let n = r.u8()?;
-    r.take(usize::from(n))?; // legacy_session_id
-    let n = r.u16()?;
-    r.take(usize::from(n))?; // cipher_suites
-    let n = r.u8()?;
-    r.take(usize::from(n))?; // legacy_compression_methods
-    let n = r.u16()?;
-    let mut extensions = Reader(r.take(usize::from(n))?);
-    while !extensions.0.is_empty() {
-        let kind = extensions.u16()?;
-        let n = extensions.u16()?;
-        let body = extensions.take(usize::from(n))?;
-        if kind == SUPPORTED_VERSIONS {
-            let mut b = Reader(body);
-            let n = b.u8()?;
-            let versions = b.take(usize::from(n))?;
-            return Some(versions.chunks_exact(2).any(|v| v == [3, 4]));
+impl ClientHello {
+    /// Reads the ClientHello at the start of `bytes`, as read from the socket (one or more
+    /// handshake records). Bytes after the hello are ignored.
+    pub fn parse(bytes: &[u8]) -> Self {
+        let mut message = Vec::new();
+        let mut rest = bytes;
+        loop {
+            if let [_, a, b, c, ..] = message[..] {
+                let len = usize::from(a) << 16 | usize::from(b) << 8 | usize::from(c);
+                if message.len() >= 4 + len {
+                    break;
+                }
+            }
+            match *rest {
+                [CONTENT_HANDSHAKE, _, _, hi, lo, ..] => {
+                    let len = usize::from(u16::from_be_bytes([hi, lo]));
+                    let Some(payload) = rest.get(HEADER_LEN..HEADER_LEN + len) else {
+                        return Self::Incomplete;
+                    };
+                    if message.len() + len > MAX_CLIENT_HELLO {
+                        return Self::Unknown;
+                    }
+                    message.extend_from_slice(payload);
+                    rest = &rest[HEADER_LEN + len..];
+                }
+                [CONTENT_HANDSHAKE, ..] | [] => return Self::Incomplete,
+                _ => return Self::Unknown,
+            }
         }
+        Self::read_message(&message).unwrap_or(Self::Unknown)
     }
-    Some(false)
+
+    /// Reads a ClientHello message (RFC 8446, section 4.1.2) for its supported_versions and
+    /// application_layer_protocol_negotiation extensions.
+    fn read_message(message: &[u8]) -> Option<Self> {
+        const CLIENT_HELLO: u8 = 1;
+        const ALPN: u16 = 16;
+        const SUPPORTED_VERSIONS: u16 = 43;
+        let mut r = Reader(message);
+        if r.u8()? != CLIENT_HELLO {
+            return None;
+        }
+        let len = r.u24()?;
+        let mut r = Reader(r.take(len)?);
+        r.take(2 + 32)?; // legacy_version, random
+        let n = r.u8()?;
+        r.take(usize::from(n))?; // legacy_session_id
+        let n = r.u16()?;
+        r.take(usize::from(n))?; // cipher_suites
+        let n = r.u8()?;
+        r.take(usize::from(n))?; // legacy_compression_methods
+        let (mut tls13, mut alpn) = (false, Vec::new());
+        if r.0.is_empty() {
+            // No extensions at all: an old client.
+            return Some(Self::Hello { tls13, alpn });
+        }
+        let n = r.u16()?;
+        let mut extensions = Reader(r.take(usize::from(n))?);
+        while !extensions.0.is_empty() {
+            let kind = extensions.u16()?;
+            let n = extensions.u16()?;
+            let mut body = Reader(extensions.take(usize::from(n))?);
+            match kind {
+                SUPPORTED_VERSIONS => {
+                    let n = body.u8()?;
+                    let versions = body.take(usize::from(n))?;
+                    tls13 = versions.chunks_exact(2).any(|v| v == [3, 4]);
+                }
+                ALPN => {
+                    let n = body.u16()?;
+                    let mut list = Reader(body.take(usize::from(n))?);
+                    while !list.0.is_empty() {
+                        let n = list.u8()?;
+                        alpn.push(list.take(usize::from(n))?.to_vec());
+                    }
+                }
+                _ => {}
+            }
+        }
+        Some(Self::Hello { tls13, alpn })
+    }
 }
+
+/// A ClientHello's bytes read at most before it must be whole (a post-quantum key share
+/// makes one about 1.8 KB; rustls refuses a handshake message over 64 KiB).
+pub const MAX_CLIENT_HELLO: usize = 64 * 1024;
 
 /// Big-endian fields off the front of a byte slice.
 struct Reader<'a>(&'a [u8]);

@@ -501,79 +501,109 @@ impl TlsFront {
     /// A client that offers TLS 1.3 gets derpd's own record layer after rustls's handshake
     /// ([`derp_io::tls`]): no rustls buffers or connection state per connection, no lock
     /// between the halves, and a reader that can wait for the socket holding nothing. Any
-    /// other client is served by rustls's buffered connection.
+    /// other client (and any hello derpd's reader does not follow) is served by rustls's
+    /// buffered connection.
     async fn handshake(&self, mut tcp: TcpStream) -> io::Result<Option<(Transport, &'static str)>> {
         let mut received = Vec::new();
-        let accepted = tokio::time::timeout(
-            CLIENT_HELLO_TIMEOUT,
-            read_client_hello(&mut tcp, &mut received),
-        )
+        let hello = tokio::time::timeout(CLIENT_HELLO_TIMEOUT, async {
+            match read_client_hello(&mut tcp, &mut received).await? {
+                derp_io::tls::ClientHello::Hello { tls13: true, alpn } => {
+                    Ok::<_, io::Error>(Hello::Tls13(alpn))
+                }
+                _ => Ok(Hello::Rustls(Box::new(
+                    accept_client_hello(&mut tcp, &mut received).await?,
+                ))),
+            }
+        })
         .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no ClientHello in time"))??;
-        let hello = accepted.client_hello();
-        let config = if offers_alpn(&hello, ACME_TLS_ALPN) {
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no ClientHello in time"))?;
+        match hello? {
+            Hello::Tls13(alpn) => {
+                let offers = |p: &[u8]| alpn.iter().any(|a| a == p);
+                let config = self.config_for(offers(ACME_TLS_ALPN), offers(HTTP11_ALPN));
+                let done = derp_io::tls::accept(tcp, received, config)
+                    .await
+                    .map_err(io::Error::other)?;
+                if done.alpn.as_deref() == Some(ACME_TLS_ALPN) {
+                    return Ok(None);
+                }
+                Ok(Some((Transport::Tls(Box::new(done.stream)), "1.3")))
+            }
+            Hello::Rustls(accepted) => {
+                let hello = accepted.client_hello();
+                let config = self.config_for(
+                    offers_alpn(&hello, ACME_TLS_ALPN),
+                    offers_alpn(&hello, HTTP11_ALPN),
+                );
+                let stream = StartHandshake::from_parts(*accepted, tcp)
+                    .into_stream(config)
+                    .await?;
+                let conn = stream.get_ref().1;
+                if conn.alpn_protocol() == Some(ACME_TLS_ALPN) {
+                    return Ok(None);
+                }
+                let version = match conn.protocol_version() {
+                    Some(ProtocolVersion::TLSv1_3) => "1.3",
+                    Some(ProtocolVersion::TLSv1_2) => "1.2",
+                    _ => "other",
+                };
+                Ok(Some((Transport::Boxed(Box::new(stream)), version)))
+            }
+        }
+    }
+
+    /// The config for a client offering these ALPN protocols.
+    fn config_for(&self, acme: bool, http11: bool) -> Arc<ServerConfig> {
+        if acme {
             self.inner.config_acme.clone()
-        } else if offers_alpn(&hello, HTTP11_ALPN) {
+        } else if http11 {
             self.inner.config_http11.clone()
         } else {
             self.inner.config_plain.clone()
-        };
-        if derp_io::tls::client_hello_offers_tls13(&received) {
-            // The ClientHello is parsed again by the connection that answers it: rustls's
-            // acceptor hands over only a buffered connection.
-            drop(accepted);
-            let done = derp_io::tls::accept(tcp, received, config)
-                .await
-                .map_err(io::Error::other)?;
-            if done.alpn.as_deref() == Some(ACME_TLS_ALPN) {
-                return Ok(None);
-            }
-            return Ok(Some((Transport::Tls(Box::new(done.stream)), "1.3")));
         }
-        let stream = StartHandshake::from_parts(accepted, tcp)
-            .into_stream(config)
-            .await?;
-        let conn = stream.get_ref().1;
-        if conn.alpn_protocol() == Some(ACME_TLS_ALPN) {
-            return Ok(None);
-        }
-        let version = match conn.protocol_version() {
-            Some(ProtocolVersion::TLSv1_3) => "1.3",
-            Some(ProtocolVersion::TLSv1_2) => "1.2",
-            _ => "other",
-        };
-        Ok(Some((Transport::Boxed(Box::new(stream)), version)))
     }
 }
 
-/// A ClientHello's bytes buffered at most (a post-quantum key share makes one about 1.8 KB;
-/// rustls refuses a handshake message over 64 KiB).
-const MAX_CLIENT_HELLO: usize = 64 * 1024;
+/// Which handshake a ClientHello gets.
+enum Hello {
+    /// TLS 1.3, with the ALPN protocols offered.
+    Tls13(Vec<Vec<u8>>),
+    /// rustls's buffered connection, its acceptor holding the hello (boxed: it is large,
+    /// and this path is the rare one).
+    Rustls(Box<rustls::server::Accepted>),
+}
 
-/// Reads until rustls's acceptor has a whole ClientHello, keeping every byte read in
-/// `received` (the connection that answers the hello reads it again). A malformed hello is
-/// answered with the alert rustls chose.
+/// Reads until `received` holds a whole ClientHello, or bytes derpd's reader does not follow.
 async fn read_client_hello(
+    tcp: &mut TcpStream,
+    received: &mut Vec<u8>,
+) -> io::Result<derp_io::tls::ClientHello> {
+    loop {
+        let hello = derp_io::tls::ClientHello::parse(received);
+        if hello != derp_io::tls::ClientHello::Incomplete {
+            return Ok(hello);
+        }
+        received.reserve(2048);
+        if tcp.read_buf(received).await? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+/// Feeds what was read to rustls's acceptor and reads on until it has a whole ClientHello. A
+/// malformed hello is answered with the alert rustls chose.
+async fn accept_client_hello(
     tcp: &mut TcpStream,
     received: &mut Vec<u8>,
 ) -> io::Result<rustls::server::Accepted> {
     let mut acceptor = Acceptor::default();
+    let mut fed = 0;
     loop {
-        if received.len() >= MAX_CLIENT_HELLO {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "ClientHello too large",
-            ));
-        }
-        received.reserve(2048);
-        let fed = received.len();
-        if tcp.read_buf(received).await? == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
         let mut rest = &received[fed..];
         while !rest.is_empty() {
             acceptor.read_tls(&mut rest)?;
         }
+        fed = received.len();
         match acceptor.accept() {
             Ok(Some(accepted)) => return Ok(accepted),
             Ok(None) => {}
@@ -583,6 +613,16 @@ async fn read_client_hello(
                 let _ = tcp.write_all(&bytes).await;
                 return Err(io::Error::new(io::ErrorKind::InvalidData, e));
             }
+        }
+        if received.len() >= derp_io::tls::MAX_CLIENT_HELLO {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "ClientHello too large",
+            ));
+        }
+        received.reserve(2048);
+        if tcp.read_buf(received).await? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
         }
     }
 }

@@ -336,27 +336,48 @@ async fn an_idle_connection_holds_no_record_buffers() {
 }
 
 #[tokio::test]
-async fn client_hellos_are_sorted_by_whether_they_offer_tls13() {
+async fn client_hellos_are_read_for_their_version_and_alpn() {
     let pki = pki();
-    let hello = |versions: &[&'static SupportedProtocolVersion]| {
-        let mut conn =
-            ClientConnection::new(client_config(&pki, versions), name()).expect("client");
+    let hello = |versions: &[&'static SupportedProtocolVersion], alpn: &[&[u8]]| {
+        let mut config = (*client_config(&pki, versions)).clone();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        let mut conn = ClientConnection::new(Arc::new(config), name()).expect("client");
         let mut bytes = Vec::new();
         conn.write_tls(&mut bytes).expect("hello");
         bytes
     };
-    let both = hello(&[&rustls::version::TLS13, &rustls::version::TLS12]);
-    let only12 = hello(&[&rustls::version::TLS12]);
-    assert!(client_hello_offers_tls13(&both));
-    assert!(client_hello_offers_tls13(&hello(&[
-        &rustls::version::TLS13
-    ])));
-    assert!(!client_hello_offers_tls13(&only12));
+    let offered = |tls13: bool, alpn: &[&[u8]]| ClientHello::Hello {
+        tls13,
+        alpn: alpn.iter().map(|p| p.to_vec()).collect(),
+    };
+    let both = hello(&[&rustls::version::TLS13, &rustls::version::TLS12], &[]);
+    assert_eq!(ClientHello::parse(&both), offered(true, &[]));
+    assert_eq!(
+        ClientHello::parse(&hello(&[&rustls::version::TLS13], &[b"acme-tls/1"])),
+        offered(true, &[b"acme-tls/1"])
+    );
+    assert_eq!(
+        ClientHello::parse(&hello(&[&rustls::version::TLS12], &[b"h2", b"http/1.1"])),
+        offered(false, &[b"h2", b"http/1.1"])
+    );
+    // Bytes after the hello do not matter.
+    let mut longer = both.clone();
+    longer.extend_from_slice(b"\x17\x03\x03");
+    assert_eq!(ClientHello::parse(&longer), offered(true, &[]));
     // Not whole yet, or not a ClientHello at all.
-    assert!(!client_hello_offers_tls13(&both[..both.len() - 1]));
-    assert!(!client_hello_offers_tls13(&both[..3]));
-    assert!(!client_hello_offers_tls13(b"GET / HTTP/1.1\r\n\r\n"));
-    assert!(!client_hello_offers_tls13(&[]));
+    assert_eq!(
+        ClientHello::parse(&both[..both.len() - 1]),
+        ClientHello::Incomplete
+    );
+    assert_eq!(ClientHello::parse(&both[..3]), ClientHello::Incomplete);
+    assert_eq!(ClientHello::parse(&[]), ClientHello::Incomplete);
+    assert_eq!(
+        ClientHello::parse(b"GET / HTTP/1.1\r\n\r\n"),
+        ClientHello::Unknown
+    );
+    let mut bad = both.clone();
+    bad[HEADER_LEN] = 2; // a ServerHello's type
+    assert_eq!(ClientHello::parse(&bad), ClientHello::Unknown);
 
     // The same hello split over two records.
     let body = &both[HEADER_LEN..];
@@ -367,7 +388,11 @@ async fn client_hellos_are_sorted_by_whether_they_offer_tls13() {
         split.extend_from_slice(&(part.len() as u16).to_be_bytes());
         split.extend_from_slice(part);
     }
-    assert!(client_hello_offers_tls13(&split));
+    assert_eq!(
+        ClientHello::parse(&split[..split.len() - 10]),
+        ClientHello::Incomplete
+    );
+    assert_eq!(ClientHello::parse(&split), offered(true, &[]));
 }
 
 #[tokio::test]

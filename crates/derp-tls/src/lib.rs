@@ -6,7 +6,9 @@
 //! - [`TlsFront`] accepts TCP connections under the server's accept limits and
 //!   unproven-connection budget, runs the rustls handshake (TLS 1.2 minimum) with a deadline,
 //!   and hands the decrypted stream to
-//!   [`Server::spawn_guarded`](derp_server::Server::spawn_guarded). Every served
+//!   [`Server::spawn_guarded`](derp_server::Server::spawn_guarded): for a TLS 1.3 client,
+//!   derp-io's record layer on the keys rustls negotiated; for a TLS 1.2 client, rustls's
+//!   buffered stream. Every served
 //!   chain ends with the DERP meta certificate ([`meta_certificate`]) so Tailscale clients on
 //!   TLS 1.3 can use fast start.
 //! - [`ManualCerts`] serves `<certdir>/<hostname>.crt|.key`, reloads them when they change

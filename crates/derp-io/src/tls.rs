@@ -17,8 +17,9 @@
 //! confidentiality limit.
 //!
 //! What it does not do: TLS 1.2 (a client that cannot speak TLS 1.3 is served by rustls's
-//! buffered connection instead), early data (not enabled), the client side, or alerts on
-//! errors: a connection that breaks the protocol is closed, the error returned to the caller.
+//! buffered connection instead), early data (not enabled), the client side, or alerts after
+//! the handshake: a failed handshake sends the alert rustls chose, but a connection that
+//! breaks the protocol later is closed, the error returned to the caller.
 
 use std::io;
 use std::ops::Range;
@@ -90,7 +91,14 @@ pub async fn accept(
     let mut peer_closed = false;
     loop {
         let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut received);
-        let next = match state? {
+        let state = match state {
+            Ok(state) => state,
+            Err(e) => {
+                send_alert(&mut conn, &mut tcp).await;
+                return Err(e.into());
+            }
+        };
+        let next = match state {
             ConnectionState::EncodeTlsData(mut data) => {
                 let start = outgoing.len();
                 outgoing.resize(start + 4096, 0);
@@ -191,6 +199,35 @@ pub async fn accept(
         },
         alpn,
     })
+}
+
+/// Sends the alert rustls queued when the handshake failed (unrecognized_name for a wrong
+/// SNI, protocol_version, handshake_failure...), so the client learns why. Best effort: the
+/// connection is closed either way.
+async fn send_alert(conn: &mut UnbufferedServerConnection, tcp: &mut TcpStream) {
+    let mut alert = Vec::new();
+    // An alert is one record; the bound only guards against a state that never settles.
+    for _ in 0..4 {
+        let UnbufferedStatus { state, .. } = conn.process_tls_records(&mut []);
+        match state {
+            Ok(ConnectionState::EncodeTlsData(mut data)) => {
+                let start = alert.len();
+                alert.resize(start + 64, 0);
+                match data.encode(&mut alert[start..]) {
+                    Ok(n) => alert.truncate(start + n),
+                    Err(_) => {
+                        alert.truncate(start);
+                        break;
+                    }
+                }
+            }
+            Ok(ConnectionState::TransmitTlsData(data)) => data.done(),
+            _ => break,
+        }
+    }
+    if !alert.is_empty() {
+        let _ = tcp.write_all(&alert).await;
+    }
 }
 
 enum Step {

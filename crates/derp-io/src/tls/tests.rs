@@ -417,3 +417,34 @@ async fn one_read_gathers_buffered_records_and_a_bad_one_fails_the_next() {
     let e = read_error(&mut server).await;
     assert!(e.to_string().contains("authentication"), "{e}");
 }
+
+#[tokio::test]
+async fn a_failed_handshake_tells_the_client_why() {
+    let pki = pki();
+    // A server that speaks only TLS 1.3, a client that speaks only TLS 1.2.
+    let mut server = (*pki.server).clone();
+    server.enable_secret_extraction = true;
+    let server = Arc::new(
+        ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("versions")
+            .with_no_client_auth()
+            .with_cert_resolver(server.cert_resolver.clone()),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let connector = TlsConnector::from(client_config(&pki, &[&rustls::version::TLS12]));
+    let (client, accepted) = tokio::join!(
+        async {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            connector.connect(name(), tcp).await
+        },
+        async {
+            let (tcp, _) = listener.accept().await.expect("accept");
+            accept(tcp, Vec::new(), server).await
+        }
+    );
+    assert!(matches!(accepted, Err(AcceptError::Tls(_))), "{accepted:?}");
+    let e = client.expect_err("the client is refused");
+    assert!(e.to_string().contains("ProtocolVersion"), "{e}");
+}

@@ -89,8 +89,15 @@ pub async fn accept(
     let mut outgoing: Vec<u8> = Vec::new();
     let mut plaintext: Vec<u8> = Vec::new();
     let mut peer_closed = false;
+    // rustls sees the received bytes one whole record at a time, and none past the record
+    // that finishes the handshake: what follows (application data, a KeyUpdate, an alert) is
+    // left for the record layer, which handles all of it. (Given more, rustls would process
+    // a KeyUpdate whose answer it then keeps to itself, since the conversion takes only its
+    // traffic keys.) Records rustls has seen but not yet discarded (a handshake message it
+    // is still joining) stay in place at the front.
+    let mut window = 0;
     loop {
-        let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut received);
+        let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut received[..window]);
         let state = match state {
             Ok(state) => state,
             Err(e) => {
@@ -132,30 +139,36 @@ pub async fn accept(
             _ => return Err(rustls::Error::General("unexpected tls state".into()).into()),
         };
         received.drain(..discard);
+        window -= discard;
         if !outgoing.is_empty() && !matches!(next, Step::Again) {
             tcp.write_all(&outgoing).await?;
             outgoing.clear();
         }
         match next {
             Step::Again | Step::Write => {}
+            // Able to send before the client's Finished (half-RTT data, were it enabled)
+            // is not finished: wait for the Finished.
+            Step::Read | Step::Done if conn.is_handshaking() => {
+                window += next_record(&mut tcp, &mut received, window).await?;
+            }
             Step::Read => {
-                if received.len() >= MAX_HANDSHAKE_BUFFER {
-                    return Err(AcceptError::TooLarge);
-                }
-                received.reserve(4096);
-                if tokio::io::AsyncReadExt::read_buf(&mut tcp, &mut received).await? == 0 {
-                    return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
-                }
+                return Err(rustls::Error::General(
+                    "tls handshake wants more after it ended".into(),
+                )
+                .into());
             }
             Step::Done => break,
-            // A client that closes right after its Finished (an ACME validator does) has
-            // still completed the handshake; the stream it gets reads as ended.
+            // A client that closes right after its Finished has still completed the
+            // handshake; the stream it gets reads as ended.
             Step::PeerClosed if !conn.is_handshaking() => {
                 peer_closed = true;
                 break;
             }
             Step::PeerClosed => return Err(AcceptError::Closed),
         }
+    }
+    if window != 0 {
+        return Err(rustls::Error::General("tls handshake ended inside a record".into()).into());
     }
     let version = conn.protocol_version();
     if version != Some(ProtocolVersion::TLSv1_3) {
@@ -185,6 +198,7 @@ pub async fn accept(
                 plain,
                 closed: peer_closed,
                 error: None,
+                idle_records: 0,
                 shared: shared.clone(),
             },
             write: TlsWrite {
@@ -199,6 +213,30 @@ pub async fn accept(
         },
         alpn,
     })
+}
+
+/// Reads until `received` holds one more whole record after its first `window` bytes;
+/// returns that record's length.
+async fn next_record(
+    tcp: &mut TcpStream,
+    received: &mut Vec<u8>,
+    window: usize,
+) -> Result<usize, AcceptError> {
+    loop {
+        if let [_, _, _, hi, lo, ..] = received[window..] {
+            let len = HEADER_LEN + usize::from(u16::from_be_bytes([hi, lo]));
+            if received.len() - window >= len {
+                return Ok(len);
+            }
+        }
+        if received.len() >= MAX_HANDSHAKE_BUFFER {
+            return Err(AcceptError::TooLarge);
+        }
+        received.reserve(4096);
+        if tokio::io::AsyncReadExt::read_buf(tcp, received).await? == 0 {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+        }
+    }
 }
 
 /// Sends the alert rustls queued when the handshake failed (unrecognized_name for a wrong
@@ -259,31 +297,43 @@ impl ClientHello {
     /// Reads the ClientHello at the start of `bytes`, as read from the socket (one or more
     /// handshake records). Bytes after the hello are ignored.
     pub fn parse(bytes: &[u8]) -> Self {
-        let mut message = Vec::new();
+        // The records' headers first: nothing is copied until the hello is whole, so a hello
+        // trickled in over many reads costs a few header reads per read.
+        let mut parts: [&[u8]; MAX_HELLO_RECORDS] = [&[]; MAX_HELLO_RECORDS];
+        let mut records = 0;
+        let mut have = 0;
+        let mut need = usize::MAX;
         let mut rest = bytes;
-        loop {
-            if let [_, a, b, c, ..] = message[..] {
-                let len = usize::from(a) << 16 | usize::from(b) << 8 | usize::from(c);
-                if message.len() >= 4 + len {
-                    break;
-                }
-            }
+        while have < need {
             match *rest {
                 [CONTENT_HANDSHAKE, _, _, hi, lo, ..] => {
                     let len = usize::from(u16::from_be_bytes([hi, lo]));
+                    // Empty handshake records are forbidden (RFC 8446, section 5.1).
+                    if len == 0 || records == MAX_HELLO_RECORDS {
+                        return Self::Unknown;
+                    }
                     let Some(payload) = rest.get(HEADER_LEN..HEADER_LEN + len) else {
                         return Self::Incomplete;
                     };
-                    if message.len() + len > MAX_CLIENT_HELLO {
-                        return Self::Unknown;
+                    if records == 0 {
+                        let [_, a, b, c, ..] = *payload else {
+                            return Self::Unknown;
+                        };
+                        need = 4 + (usize::from(a) << 16 | usize::from(b) << 8 | usize::from(c));
+                        if need > MAX_CLIENT_HELLO {
+                            return Self::Unknown;
+                        }
                     }
-                    message.extend_from_slice(payload);
+                    parts[records] = payload;
+                    records += 1;
+                    have += len;
                     rest = &rest[HEADER_LEN + len..];
                 }
                 [CONTENT_HANDSHAKE, ..] | [] => return Self::Incomplete,
                 _ => return Self::Unknown,
             }
         }
+        let message = parts[..records].concat();
         Self::read_message(&message).unwrap_or(Self::Unknown)
     }
 
@@ -338,6 +388,9 @@ impl ClientHello {
     }
 }
 
+/// Records a ClientHello may span here (one in practice); more is left to rustls.
+const MAX_HELLO_RECORDS: usize = 8;
+
 /// A ClientHello's bytes read at most before it must be whole (a post-quantum key share
 /// makes one about 1.8 KB; rustls refuses a handshake message over 64 KiB).
 pub const MAX_CLIENT_HELLO: usize = 64 * 1024;
@@ -384,6 +437,8 @@ const MAX_CIPHERTEXT: usize = MAX_FRAGMENT + 256;
 /// Records sealed under one key before the sender updates it: well below AES-GCM's
 /// confidentiality limit of 2^24.5 full-size records (RFC 8446, section 5.5).
 const KEY_UPDATE_AFTER: u64 = 1 << 23;
+/// Records in a row without application data (empty records, key updates) a peer may send.
+const MAX_IDLE_RECORDS: u8 = 32;
 /// What a busy reader reads per system call, at least.
 const READ_CHUNK: usize = 32 * 1024;
 /// Plaintext sealed per write call at most, so the record buffer stays bounded when the
@@ -508,7 +563,6 @@ impl AsyncWrite for TlsStream {
 }
 
 /// The receiving half: opens records in place in its buffer and hands their plaintext over.
-#[derive(Debug)]
 pub struct TlsRead {
     half: OwnedReadHalf,
     keys: Keys,
@@ -523,7 +577,31 @@ pub struct TlsRead {
     /// A record failed after earlier records' plaintext was handed over; the next read
     /// returns it.
     error: Option<io::Error>,
+    /// Records in a row that carried no application data.
+    idle_records: u8,
     shared: Arc<Shared>,
+}
+
+// Lengths only: the buffers hold plaintext.
+impl std::fmt::Debug for TlsRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsRead")
+            .field("buffered", &(self.buf.len() - self.pos))
+            .field("plaintext", &self.plain.len())
+            .field("closed", &self.closed)
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for TlsWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsWrite")
+            .field("unsent", &(self.out.len() - self.sent))
+            .field("keys", &self.keys)
+            .field("close_sent", &self.close_sent)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What opening the next buffered record did.
@@ -598,11 +676,24 @@ impl TlsRead {
             .len();
         self.keys.seq += 1;
         self.pos = end;
+        if opened > MAX_FRAGMENT + 1 {
+            return Err(protocol_error("tls record overflow"));
+        }
         // The content type is the last non-zero byte; zeros after it are padding.
         let content = &self.buf[start..start + opened];
         let Some(last) = content.iter().rposition(|&b| b != 0) else {
             return Err(protocol_error("tls record without a content type"));
         };
+        // Records that carry no data (empty ones, key updates) cost work and give nothing:
+        // a run of them is cut off, as rustls does.
+        if content[last] == CONTENT_APPLICATION_DATA && last > 0 {
+            self.idle_records = 0;
+        } else {
+            self.idle_records += 1;
+            if self.idle_records > MAX_IDLE_RECORDS {
+                return Err(protocol_error("too many tls records without data"));
+            }
+        }
         match content[last] {
             CONTENT_APPLICATION_DATA => self.plain = start..start + last,
             CONTENT_ALERT => match content[..last] {
@@ -724,7 +815,6 @@ impl AsyncRead for TlsRead {
 }
 
 /// The sending half: seals what it is given into records in its buffer and writes them.
-#[derive(Debug)]
 pub struct TlsWrite {
     half: OwnedWriteHalf,
     keys: Keys,

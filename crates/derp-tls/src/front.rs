@@ -580,7 +580,10 @@ async fn read_client_hello(
 ) -> io::Result<derp_io::tls::ClientHello> {
     loop {
         let hello = derp_io::tls::ClientHello::parse(received);
-        if hello != derp_io::tls::ClientHello::Incomplete {
+        // The reader bounds what it waits for; this bounds what a read can add past that.
+        if hello != derp_io::tls::ClientHello::Incomplete
+            || received.len() > 2 * derp_io::tls::MAX_CLIENT_HELLO
+        {
             return Ok(hello);
         }
         received.reserve(2048);

@@ -135,17 +135,36 @@ async fn bytes_cross_both_ways_in_records_of_every_size() {
 
 #[tokio::test]
 async fn data_sent_with_the_clients_finished_is_not_lost() {
+    records_behind_the_clients_finished(false).await;
+}
+
+#[tokio::test]
+async fn a_key_update_sent_with_the_clients_finished_is_answered() {
+    records_behind_the_clients_finished(true).await;
+}
+
+/// A blocking client whose request (and, with `update`, a KeyUpdate asking for an answer
+/// before it) follows its Finished in the same write; the server must read the request and
+/// answer under keys the client follows.
+async fn records_behind_the_clients_finished(update: bool) {
     let pki = pki();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let config = client_config(&pki, &[&rustls::version::TLS13]);
-    // A blocking client that queues its request before the handshake ends, so the request's
-    // record follows the Finished in the same write.
     let client = std::thread::spawn(move || {
         let mut sock = std::net::TcpStream::connect(addr).expect("connect");
         let mut conn = ClientConnection::new(config, name()).expect("client");
-        conn.writer().write_all(b"early request").expect("queue");
+        if !update {
+            conn.writer().write_all(b"early request").expect("queue");
+        }
+        let mut updated = !update;
         while conn.is_handshaking() || conn.wants_write() {
+            if !conn.is_handshaking() && !updated {
+                // Finished, then the KeyUpdate, then the request under the new key.
+                conn.refresh_traffic_keys().expect("key update");
+                conn.writer().write_all(b"early request").expect("queue");
+                updated = true;
+            }
             while conn.wants_write() {
                 conn.write_tls(&mut sock).expect("write tls");
             }
@@ -179,6 +198,10 @@ async fn data_sent_with_the_clients_finished_is_not_lost() {
     assert_eq!(&request, b"early request");
     server.write_all(b"ok").await.expect("answer");
     server.flush().await.expect("flush");
+    if update {
+        // The KeyUpdate went out under the old key, the answer under the new one.
+        assert_eq!(server.write.keys.seq, 1);
+    }
     let answer = tokio::task::spawn_blocking(move || client.join().expect("client"))
         .await
         .expect("join");
@@ -378,6 +401,15 @@ async fn client_hellos_are_read_for_their_version_and_alpn() {
     let mut bad = both.clone();
     bad[HEADER_LEN] = 2; // a ServerHello's type
     assert_eq!(ClientHello::parse(&bad), ClientHello::Unknown);
+    // Empty handshake records, and a hello in more records than anyone sends.
+    let mut empty = vec![22, 3, 1, 0, 0];
+    empty.extend_from_slice(&both);
+    assert_eq!(ClientHello::parse(&empty), ClientHello::Unknown);
+    let mut dribble = Vec::new();
+    for b in &both[HEADER_LEN..HEADER_LEN + MAX_HELLO_RECORDS + 1] {
+        dribble.extend_from_slice(&[22, 3, 1, 0, 1, *b]);
+    }
+    assert_eq!(ClientHello::parse(&dribble), ClientHello::Unknown);
 
     // The same hello split over two records.
     let body = &both[HEADER_LEN..];
@@ -447,4 +479,98 @@ async fn a_failed_handshake_tells_the_client_why() {
     assert!(matches!(accepted, Err(AcceptError::Tls(_))), "{accepted:?}");
     let e = client.expect_err("the client is refused");
     assert!(e.to_string().contains("ProtocolVersion"), "{e}");
+}
+
+/// The server's stream, the client's raw socket, and the client's sending keys, to seal
+/// records no TLS library would send.
+async fn sealing_pair() -> (TlsStream, TcpStream, Keys) {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let mut config = (*client_config(&pki, &[&rustls::version::TLS13])).clone();
+    config.enable_secret_extraction = true;
+    let connector = TlsConnector::from(Arc::new(config));
+    let (client, server) = tokio::join!(
+        async {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            connector
+                .connect(name(), tcp)
+                .await
+                .expect("client handshake")
+        },
+        async {
+            let (tcp, _) = listener.accept().await.expect("accept");
+            accept(tcp, Vec::new(), pki.server.clone())
+                .await
+                .expect("server handshake")
+        }
+    );
+    let (tcp, conn) = client.into_inner();
+    let secrets = conn.dangerous_extract_secrets().expect("client secrets");
+    (server.stream, tcp, Keys::new(secrets.tx).expect("keys"))
+}
+
+/// A record sealed under `keys` whose inner plaintext is `inner` (content, type, padding).
+fn seal_raw(keys: &mut Keys, inner: &[u8]) -> Vec<u8> {
+    let len = u16::try_from(inner.len() + TAG_LEN).expect("record length");
+    let header = [CONTENT_APPLICATION_DATA, 3, 3, (len >> 8) as u8, len as u8];
+    let mut record = header.to_vec();
+    record.extend_from_slice(inner);
+    let tag = keys
+        .key
+        .seal_in_place_separate_tag(keys.nonce(), Aad::from(header), &mut record[HEADER_LEN..])
+        .expect("seal");
+    record.extend_from_slice(tag.as_ref());
+    keys.seq += 1;
+    record
+}
+
+#[tokio::test]
+async fn records_a_client_library_would_not_send_are_refused() {
+    // Inner plaintext one byte over 2^14 + 1 (RFC 8446, section 5.4).
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut inner = vec![b'x'; MAX_FRAGMENT];
+    inner.extend_from_slice(&[CONTENT_APPLICATION_DATA, 0]);
+    tcp.write_all(&seal_raw(&mut keys, &inner))
+        .await
+        .expect("write");
+    let e = read_error(&mut server).await;
+    assert!(e.to_string().contains("overflow"), "{e}");
+
+    // The largest allowed, padding included, is fine.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut inner = vec![b'y'; MAX_FRAGMENT - 10];
+    inner.push(CONTENT_APPLICATION_DATA);
+    inner.extend_from_slice(&[0; 10]);
+    tcp.write_all(&seal_raw(&mut keys, &inner))
+        .await
+        .expect("write");
+    let mut got = vec![0u8; MAX_FRAGMENT - 10];
+    server.read_exact(&mut got).await.expect("padded record");
+    assert!(got.iter().all(|&b| b == b'y'));
+
+    // A run of records without data: empty application data, then padding only.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut flood = Vec::new();
+    for _ in 0..=MAX_IDLE_RECORDS {
+        flood.extend_from_slice(&seal_raw(&mut keys, &[CONTENT_APPLICATION_DATA]));
+    }
+    tcp.write_all(&flood).await.expect("write");
+    let e = read_error(&mut server).await;
+    assert!(e.to_string().contains("without data"), "{e}");
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    tcp.write_all(&seal_raw(&mut keys, &[0, 0, 0]))
+        .await
+        .expect("write");
+    let e = read_error(&mut server).await;
+    assert!(e.to_string().contains("content type"), "{e}");
+
+    // A KeyUpdate with more behind it in the same record.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let inner = [HANDSHAKE_KEY_UPDATE, 0, 0, 1, 0, 1, CONTENT_HANDSHAKE];
+    tcp.write_all(&seal_raw(&mut keys, &inner))
+        .await
+        .expect("write");
+    let e = read_error(&mut server).await;
+    assert!(e.to_string().contains("handshake message"), "{e}");
 }

@@ -8,6 +8,11 @@
 //! finishes the batch under the write deadline and parks again when the queue is empty. A lone
 //! packet thus goes from one client's socket to another's without a task switch.
 //!
+//! A parked writer holds only what the connection needs between writes (its half of the
+//! socket, its PeerGone watches, its flags). The batch, its frame headers and its layout
+//! ([`Scratch`]) go back to a per-thread pool when it parks and are taken from it for the
+//! next write, so idle connections do not each keep them and busy ones do not allocate them.
+//!
 //! A batch goes through three steps: [`Writer::begin_batch`] lays out the frame headers and
 //! the order of the pieces, the write ([`Writer::write_stream`] in the task,
 //! [`Writer::try_write_now`] inline) hands them to the transport from where the last attempt
@@ -49,25 +54,15 @@ pub(super) struct Writer {
     w: WriteHalf,
     framing: Framing,
     write_timeout: Option<Duration>,
-    batch: Batch,
-    /// Frame headers for the current batch; the payloads are written from their own buffers.
-    headers: Vec<u8>,
+    /// The batch and its layout, while the writer has one; a parked writer gives it back to
+    /// its thread's pool ([`Scratch::take`], [`Scratch::give`]).
+    s: Option<Box<Scratch>>,
     /// Sources this connection has received from; each is registered once for PeerGone.
     sent_from: HashSet<PublicKey, foldhash::fast::RandomState>,
     /// A QUIC connection's datagram side and migration gate.
     quic: Option<Arc<QuicLink>>,
-    /// Packets of the current batch that go in QUIC datagrams rather than on the stream.
-    datagrams: Vec<(PacketKind, usize)>,
-    /// Those of them sent so far.
-    datagrams_sent: Vec<(PacketKind, usize)>,
-    /// The pieces of the current batch in write order, while one is being written.
-    segs: Vec<Seg>,
-    /// What the current batch holds, for its accounting.
-    framed: Framed,
     /// A batch is framed and not yet all handed to the transport.
     in_batch: bool,
-    /// Bytes of the current batch's stream pieces the transport has taken.
-    progress: usize,
     /// The last take found the queue still open.
     open: bool,
     /// An inline write failed; the task reports it when it starts.
@@ -85,6 +80,84 @@ impl std::fmt::Debug for Writer {
     }
 }
 
+/// What a writer needs only while it writes: the batch taken from the queue, how it is laid
+/// out and what it holds. Kept per thread while no writer there needs it, so an idle
+/// connection's parked writer holds none (some 300 bytes less per idle connection), and a
+/// busy one takes one without allocating.
+#[derive(Default)]
+struct Scratch {
+    batch: Batch,
+    /// Frame headers for the current batch; the payloads are written from their own buffers.
+    headers: Vec<u8>,
+    /// The pieces of the current batch in write order, while one is being written.
+    segs: Vec<Seg>,
+    /// Packets of the current batch that go in QUIC datagrams rather than on the stream.
+    datagrams: Vec<(PacketKind, usize)>,
+    /// Those of them sent so far.
+    datagrams_sent: Vec<(PacketKind, usize)>,
+    /// What the current batch holds, for its accounting.
+    framed: Framed,
+    /// Bytes of the current batch's stream pieces the transport has taken.
+    progress: usize,
+}
+
+thread_local! {
+    /// Scratch given back by writers that parked on this thread. Boxed: a writer holds its
+    /// scratch by pointer, so taking one and giving it back moves no bytes and allocates
+    /// nothing.
+    #[allow(clippy::vec_box)]
+    static SCRATCH: std::cell::RefCell<Vec<Box<Scratch>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Scratch {
+    /// One from this thread's pool, or a new one.
+    fn take() -> Box<Self> {
+        SCRATCH
+            .try_with(|pool| pool.borrow_mut().pop())
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// Back to this thread's pool (empty: a writer parks only with its batch written), or
+    /// freed when the pool is full. What a burst grew it to stays with it, up to a bound:
+    /// a busy stream's writer parks between batches and takes the same scratch back for
+    /// the next, and must not regrow it each time.
+    fn give(mut self: Box<Self>) {
+        self.batch.disco.clear();
+        self.batch.other.clear();
+        self.batch.control.clear();
+        self.batch.pong = None;
+        if self.batch.disco.capacity().max(self.batch.other.capacity()) > MAX_POOLED_PACKETS
+            || self.headers.capacity() > MAX_POOLED_HEADERS
+            || self.segs.capacity() > 2 * MAX_POOLED_PACKETS
+        {
+            self.shrink_idle();
+        }
+        let _ = SCRATCH.try_with(|pool| {
+            let mut pool = pool.borrow_mut();
+            if pool.len() < MAX_POOLED_SCRATCH {
+                pool.push(self);
+            }
+        });
+    }
+
+    /// Gives back what a burst grew the batch and the buffers to.
+    fn shrink_idle(&mut self) {
+        self.batch.shrink_idle();
+        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
+            self.headers = Vec::new();
+        }
+        if self.segs.capacity() > MAX_IDLE_SEGS {
+            self.segs = Vec::new();
+        }
+        if self.datagrams.capacity() > MAX_IDLE_SEGS {
+            self.datagrams = Vec::new();
+            self.datagrams_sent = Vec::new();
+        }
+    }
+}
+
 /// How a writer's run ended.
 enum Step {
     /// Nothing to write for a while: park.
@@ -97,18 +170,10 @@ impl Resume for Writer {
     /// Gives back what a burst grew the batch and the scratch buffers to, so an idle
     /// connection holds only small ones.
     fn shrink_idle(&mut self) {
-        self.batch.shrink_idle();
+        if let Some(s) = &mut self.s {
+            s.shrink_idle();
+        }
         self.w.shrink_idle();
-        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
-            self.headers = Vec::new();
-        }
-        if self.segs.capacity() > MAX_IDLE_SEGS {
-            self.segs = Vec::new();
-        }
-        if self.datagrams.capacity() > MAX_IDLE_SEGS {
-            self.datagrams = Vec::new();
-            self.datagrams_sent = Vec::new();
-        }
     }
 
     fn resume(self: Box<Self>) {
@@ -125,6 +190,7 @@ impl Resume for Writer {
     fn write_inline(mut self: Box<Self>) {
         match self.try_write_now() {
             Poll::Ready(Ok(())) => {
+                self.release_scratch();
                 let handle = self.handle.clone();
                 if let Err(back) = handle.queue.park(self) {
                     // More arrived, or the connection is closing: the task takes over.
@@ -157,16 +223,10 @@ impl Writer {
             w,
             framing,
             write_timeout,
-            batch: Batch::default(),
-            headers: Vec::new(),
+            s: None,
             sent_from: HashSet::default(),
             quic,
-            datagrams: Vec::new(),
-            datagrams_sent: Vec::new(),
-            segs: Vec::new(),
-            framed: Framed::default(),
             in_batch: false,
-            progress: 0,
             open: true,
             failed: None,
             held_back: false,
@@ -180,6 +240,7 @@ impl Writer {
         loop {
             match self.serve().await {
                 Ok(Step::Idle) => {
+                    self.release_scratch();
                     let handle = self.handle.clone();
                     match handle.queue.park(self) {
                         Ok(()) => return,
@@ -277,8 +338,7 @@ impl Writer {
     async fn drain(&mut self) -> io::Result<bool> {
         loop {
             if !self.in_batch {
-                self.take_batch();
-                if self.batch.is_empty() {
+                if !self.take_batch() {
                     return Ok(self.open);
                 }
                 self.begin_batch();
@@ -295,22 +355,34 @@ impl Writer {
     }
 
     /// Takes what is queued into the batch: everything, or for a QUIC client whose address
-    /// is not validated only the control frames.
-    fn take_batch(&mut self) {
+    /// is not validated only the control frames. False when that was nothing.
+    fn take_batch(&mut self) -> bool {
         self.held_back = false;
+        let batch = &mut self.s.get_or_insert_with(Scratch::take).batch;
         self.open = match &self.quic {
-            None => self.handle.queue.take(&mut self.batch),
+            None => self.handle.queue.take(batch),
             Some(link) => {
                 if link.check_path(&self.handle, &self.shared.metrics) {
-                    self.handle.queue.take(&mut self.batch)
+                    self.handle.queue.take(batch)
                 } else {
                     self.held_back = true;
                     // The client's address is not validated: its packets wait in the queue
                     // (the path watcher wakes this writer until it is).
-                    self.handle.queue.take_control(&mut self.batch)
+                    self.handle.queue.take_control(batch)
                 }
             }
         };
+        !batch.is_empty()
+    }
+
+    /// Gives the scratch back to the thread's pool; for a writer about to park, whose
+    /// batches are all written.
+    fn release_scratch(&mut self) {
+        if !self.in_batch
+            && let Some(s) = self.s.take()
+        {
+            s.give();
+        }
     }
 
     /// Writes what is queued without waiting, with a no-op waker: on the task of a sender
@@ -321,27 +393,21 @@ impl Writer {
         let mut cx = Context::from_waker(Waker::noop());
         for _ in 0..INLINE_BATCHES {
             if !self.in_batch {
-                self.take_batch();
-                if self.batch.is_empty() {
+                if !self.take_batch() {
                     return Poll::Ready(Ok(()));
                 }
                 self.begin_batch();
             }
             let total = self.stream_len();
-            while self.progress < total {
+            let s = self.s.get_or_insert_with(Scratch::take);
+            while s.progress < total {
                 let mut iov = [IoSlice::new(&[]); MAX_IOV];
-                let n = gather(
-                    &self.segs,
-                    &self.headers,
-                    &self.batch,
-                    self.progress,
-                    &mut iov,
-                );
+                let n = gather(&s.segs, &s.headers, &s.batch, s.progress, &mut iov);
                 match Pin::new(&mut self.w).poll_write_vectored(&mut cx, &iov[..n]) {
                     Poll::Ready(Ok(0)) => {
                         return Poll::Ready(self.fail(io::ErrorKind::WriteZero.into()));
                     }
-                    Poll::Ready(Ok(written)) => self.progress += written,
+                    Poll::Ready(Ok(written)) => s.progress += written,
                     Poll::Ready(Err(e)) => return Poll::Ready(self.fail(e)),
                     Poll::Pending => return Poll::Pending,
                 }
@@ -350,12 +416,12 @@ impl Writer {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(e)) => {
                     // What a layer above the socket (TLS) still buffered is lost.
-                    self.progress = 0;
+                    s.progress = 0;
                     return Poll::Ready(self.fail(e));
                 }
                 Poll::Pending => return Poll::Pending,
             }
-            let frames = self.framed.frames;
+            let frames = s.framed.frames;
             self.end_batch(true);
             self.shared
                 .metrics
@@ -379,27 +445,28 @@ impl Writer {
     /// Returns the number of frames written.
     async fn write_batch(&mut self) -> io::Result<usize> {
         let mut result = Ok(());
-        if !self.datagrams.is_empty() {
+        if self.s.as_ref().is_some_and(|s| !s.datagrams.is_empty()) {
             result = self.send_datagrams().await;
         }
         if result.is_ok() {
             result = self.write_stream().await;
         }
-        let frames = self.framed.frames;
+        let frames = self.s.as_ref().map_or(0, |s| s.framed.frames);
         self.end_batch(result.is_ok());
         result.map(|()| frames)
     }
 
     /// Accounts the current batch, sent or failed, and makes ready for the next.
     fn end_batch(&mut self, written: bool) {
-        let framed = std::mem::take(&mut self.framed);
+        let s = self.s.get_or_insert_with(Scratch::take);
+        let framed = std::mem::take(&mut s.framed);
+        let progress = std::mem::take(&mut s.progress);
         if written {
             self.account(&framed);
         } else {
-            self.account_failed(self.progress);
+            self.account_failed(progress);
         }
         self.in_batch = false;
-        self.progress = 0;
         self.recycle();
     }
 
@@ -413,11 +480,12 @@ impl Writer {
         let far = Duration::from_secs(86_400);
         let deadline = tokio::time::sleep(self.write_timeout.unwrap_or(far));
         tokio::pin!(deadline);
-        for n in 0..self.datagrams.len() {
-            let (kind, i) = self.datagrams[n];
+        let s = self.s.get_or_insert_with(Scratch::take);
+        for n in 0..s.datagrams.len() {
+            let (kind, i) = s.datagrams[n];
             let p = match kind {
-                PacketKind::Disco => &self.batch.disco[i],
-                PacketKind::Other => &self.batch.other[i],
+                PacketKind::Disco => &s.batch.disco[i],
+                PacketKind::Other => &s.batch.other[i],
             };
             let mut out = BytesMut::with_capacity(frame::FRAME_HEADER_LEN + 32 + p.data.len());
             out.extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
@@ -433,16 +501,16 @@ impl Writer {
             };
             match sent {
                 Ok(()) => {
-                    self.framed.datagrams += 1;
-                    self.datagrams_sent.push((kind, i));
+                    s.framed.datagrams += 1;
+                    s.datagrams_sent.push((kind, i));
                 }
                 Err(SendDatagramError::TooLarge) => {
-                    let start = self.headers.len();
-                    self.headers
+                    let start = s.headers.len();
+                    s.headers
                         .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-                    self.segs.push(Seg::Header(start..self.headers.len()));
-                    self.segs.push(Seg::Payload(kind, i));
-                    self.framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
+                    s.segs.push(Seg::Header(start..s.headers.len()));
+                    s.segs.push(Seg::Payload(kind, i));
+                    s.framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
                 }
                 Err(e) => return Err(io::Error::other(e)),
             }
@@ -456,18 +524,19 @@ impl Writer {
     /// Lays the batch out as frames: control frames and headers go into the scratch buffer,
     /// payloads stay where they are, and `segs` lists the pieces in write order.
     fn begin_batch(&mut self) {
-        self.headers.clear();
-        self.segs.clear();
+        let s = self.s.get_or_insert_with(Scratch::take);
+        s.headers.clear();
+        s.segs.clear();
         self.in_batch = true;
-        self.progress = 0;
-        let segs = &mut self.segs;
+        s.progress = 0;
+        let segs = &mut s.segs;
         let framing = self.framing;
         let mut framed = Framed {
             average_wait_ms: self.shared.metrics.average_queue_duration_ms.get(),
             ..Framed::default()
         };
-        for control in self.batch.control.drain(..) {
-            let start = self.headers.len();
+        for control in s.batch.control.drain(..) {
+            let start = s.headers.len();
             match control {
                 Control::PeerGone(peer, reason) => {
                     match reason {
@@ -479,24 +548,24 @@ impl Writer {
                         }
                     }
                     push_frame(
-                        &mut self.headers,
+                        &mut s.headers,
                         framing,
                         &RelayToClient::PeerGone { peer, reason },
                     );
                 }
                 Control::PeerPresent { peer, addr, flags } => push_frame(
-                    &mut self.headers,
+                    &mut s.headers,
                     framing,
                     &RelayToClient::PeerPresent { peer, addr, flags },
                 ),
                 Control::KeepAlive => {
-                    push_frame(&mut self.headers, framing, &RelayToClient::KeepAlive)
+                    push_frame(&mut s.headers, framing, &RelayToClient::KeepAlive)
                 }
                 Control::Restarting {
                     reconnect_in_ms,
                     try_for_ms,
                 } => push_frame(
-                    &mut self.headers,
+                    &mut s.headers,
                     framing,
                     &RelayToClient::Restarting {
                         reconnect_in_ms,
@@ -504,33 +573,31 @@ impl Writer {
                     },
                 ),
                 Control::WsPong(payload) => {
-                    self.headers
+                    s.headers
                         .extend_from_slice(&ws::control_frame(ws::Opcode::Pong, &payload));
                 }
-                Control::ObservedAddr(addr) => push_frame(
-                    &mut self.headers,
-                    framing,
-                    &RelayToClient::ObservedAddr(addr),
-                ),
+                Control::ObservedAddr(addr) => {
+                    push_frame(&mut s.headers, framing, &RelayToClient::ObservedAddr(addr))
+                }
             }
-            segs.push(Seg::Header(start..self.headers.len()));
+            segs.push(Seg::Header(start..s.headers.len()));
             framed.frames += 1;
         }
-        if let Some(data) = self.batch.pong.take() {
-            let start = self.headers.len();
-            push_frame(&mut self.headers, framing, &RelayToClient::Pong(data));
-            segs.push(Seg::Header(start..self.headers.len()));
+        if let Some(data) = s.batch.pong.take() {
+            let start = s.headers.len();
+            push_frame(&mut s.headers, framing, &RelayToClient::Pong(data));
+            segs.push(Seg::Header(start..s.headers.len()));
             framed.frames += 1;
             framed.pongs += 1;
         }
         let now = Instant::now();
         // QUIC: `Some(limit)`, where the limit is `None` when the client takes no datagrams.
         let datagram_limit = self.quic.as_ref().map(|link| link.max_datagram_frame());
-        self.datagrams.clear();
-        self.datagrams_sent.clear();
+        s.datagrams.clear();
+        s.datagrams_sent.clear();
         for (kind, queue) in [
-            (PacketKind::Disco, &self.batch.disco),
-            (PacketKind::Other, &self.batch.other),
+            (PacketKind::Disco, &s.batch.disco),
+            (PacketKind::Other, &s.batch.other),
         ] {
             for (i, p) in queue.iter().enumerate() {
                 let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
@@ -541,35 +608,36 @@ impl Writer {
                 if let Some(limit) = datagram_limit {
                     match limit {
                         Some(max) if frame::FRAME_HEADER_LEN + 32 + p.data.len() <= max => {
-                            self.datagrams.push((kind, i));
+                            s.datagrams.push((kind, i));
                             continue;
                         }
                         Some(_) => framed.fallbacks[FallbackReason::TooLarge as usize] += 1,
                         None => framed.fallbacks[FallbackReason::NoDatagrams as usize] += 1,
                     }
                 }
-                let start = self.headers.len();
+                let start = s.headers.len();
                 if framing == Framing::WebSocket {
                     let (hdr, n) = ws::binary_header(frame::FRAME_HEADER_LEN + 32 + p.data.len());
-                    self.headers.extend_from_slice(&hdr[..n]);
+                    s.headers.extend_from_slice(&hdr[..n]);
                 }
-                self.headers
+                s.headers
                     .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-                segs.push(Seg::Header(start..self.headers.len()));
+                segs.push(Seg::Header(start..s.headers.len()));
                 segs.push(Seg::Payload(kind, i));
             }
         }
-        self.framed = framed;
+        s.framed = framed;
     }
 
     /// Bytes of the current batch that go on the stream.
     fn stream_len(&self) -> usize {
-        self.segs
+        let Some(s) = &self.s else { return 0 };
+        s.segs
             .iter()
-            .map(|s| match s {
+            .map(|seg| match seg {
                 Seg::Header(range) => range.len(),
-                Seg::Payload(PacketKind::Disco, i) => self.batch.disco[*i].data.len(),
-                Seg::Payload(PacketKind::Other, i) => self.batch.other[*i].data.len(),
+                Seg::Payload(PacketKind::Disco, i) => s.batch.disco[*i].data.len(),
+                Seg::Payload(PacketKind::Other, i) => s.batch.other[*i].data.len(),
             })
             .sum()
     }
@@ -582,15 +650,10 @@ impl Writer {
     async fn write_stream(&mut self) -> io::Result<()> {
         let total = self.stream_len();
         let timeout = self.write_timeout;
-        while self.progress < total {
+        let s = self.s.get_or_insert_with(Scratch::take);
+        while s.progress < total {
             let mut iov = [IoSlice::new(&[]); MAX_IOV];
-            let n = gather(
-                &self.segs,
-                &self.headers,
-                &self.batch,
-                self.progress,
-                &mut iov,
-            );
+            let n = gather(&s.segs, &s.headers, &s.batch, s.progress, &mut iov);
             let write = timed(timeout, self.w.write_vectored(&iov[..n]));
             let written = tokio::select! {
                 biased;
@@ -600,7 +663,7 @@ impl Writer {
             if written == 0 {
                 return Err(io::ErrorKind::WriteZero.into());
             }
-            self.progress += written;
+            s.progress += written;
         }
         let flush = timed(timeout, self.w.flush());
         let flushed = tokio::select! {
@@ -609,7 +672,7 @@ impl Writer {
             r = flush => r,
         };
         if flushed.is_err() {
-            self.progress = 0;
+            s.progress = 0;
         }
         flushed
     }
@@ -618,13 +681,14 @@ impl Writer {
     /// entirely within the first `handed_over` bytes of the stream count as sent, the others
     /// as dropped (`write_error`).
     fn account_failed(&self, handed_over: usize) {
-        let segs = &self.segs;
+        let Some(s) = &self.s else { return };
+        let segs = &s.segs;
         let m = &self.shared.metrics;
         let mut sent = [
-            vec![false; self.batch.disco.len()],
-            vec![false; self.batch.other.len()],
+            vec![false; s.batch.disco.len()],
+            vec![false; s.batch.other.len()],
         ];
-        for &(kind, i) in &self.datagrams_sent {
+        for &(kind, i) in &s.datagrams_sent {
             sent[kind as usize][i] = true;
         }
         let mut offset = 0;
@@ -633,8 +697,8 @@ impl Writer {
                 Seg::Header(range) => offset += range.len(),
                 Seg::Payload(kind, i) => {
                     let queue = match kind {
-                        PacketKind::Disco => &self.batch.disco,
-                        PacketKind::Other => &self.batch.other,
+                        PacketKind::Disco => &s.batch.disco,
+                        PacketKind::Other => &s.batch.other,
                     };
                     offset += queue[*i].data.len();
                     if offset <= handed_over {
@@ -645,8 +709,8 @@ impl Writer {
         }
         let (mut packets, mut bytes) = (0, 0);
         for (queue, kind) in [
-            (&self.batch.disco, PacketKind::Disco),
-            (&self.batch.other, PacketKind::Other),
+            (&s.batch.disco, PacketKind::Disco),
+            (&s.batch.other, PacketKind::Other),
         ] {
             for (p, sent) in queue.iter().zip(&sent[kind as usize]) {
                 if *sent {
@@ -661,9 +725,8 @@ impl Writer {
             m.packets_sent.inc_by(packets);
             m.bytes_sent.inc_by(bytes);
         }
-        if !self.datagrams_sent.is_empty() {
-            m.quic_datagrams_sent
-                .inc_by(self.datagrams_sent.len() as u64);
+        if !s.datagrams_sent.is_empty() {
+            m.quic_datagrams_sent.inc_by(s.datagrams_sent.len() as u64);
         }
     }
 
@@ -700,7 +763,8 @@ impl Writer {
 
     /// Registers this connection as a PeerGone watcher of every new source in the batch.
     fn note_sources(&mut self) {
-        for p in self.batch.disco.iter().chain(self.batch.other.iter()) {
+        let Some(s) = &self.s else { return };
+        for p in s.batch.disco.iter().chain(s.batch.other.iter()) {
             if !self.sent_from.contains(&p.src) {
                 self.sent_from.insert(p.src);
                 self.shared
@@ -712,9 +776,11 @@ impl Writer {
 
     /// Empties the batch but keeps its queues' capacity for the next swap.
     fn recycle(&mut self) {
-        self.batch.disco.clear();
-        self.batch.other.clear();
-        self.batch.control.clear();
+        if let Some(s) = &mut self.s {
+            s.batch.disco.clear();
+            s.batch.other.clear();
+            s.batch.control.clear();
+        }
     }
 }
 
@@ -823,6 +889,87 @@ const INLINE_BATCHES: usize = 2;
 const MAX_IDLE_HEADER_CAPACITY: usize = 512;
 /// Piece lists longer than this are released when the writer parks.
 const MAX_IDLE_SEGS: usize = 16;
+/// Scratch kept per thread for writers to take: about as many as write at once on a thread.
+const MAX_POOLED_SCRATCH: usize = 8;
+/// A pooled scratch whose batch queues or header buffer outgrew these is shrunk first, so
+/// the pools hold a few hundred KiB per thread at most.
+const MAX_POOLED_PACKETS: usize = 1024;
+const MAX_POOLED_HEADERS: usize = 64 * 1024;
 /// How long a closing connection may take to accept its last bytes (a WebSocket close frame,
 /// a TLS close_notify).
 const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use derp_io::Transport;
+    use derp_proto::SecretKey;
+    use tokio::io::AsyncReadExt;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::ServerConfig;
+
+    fn writer(w: WriteHalf) -> Box<Writer> {
+        let shared = Arc::new(
+            ServerState::new(
+                ServerConfig::new(SecretKey::from_bytes([1; 32])),
+                &prometheus::Registry::new(),
+            )
+            .expect("state"),
+        );
+        let handle = Arc::new(ConnHandle::new(
+            1,
+            PublicKey::from_bytes([2; 32]),
+            ([127, 0, 0, 1], 1).into(),
+            0,
+            false,
+            32,
+            CancellationToken::new(),
+        ));
+        Box::new(Writer {
+            shared,
+            handle,
+            w,
+            framing: Framing::Raw,
+            write_timeout: None,
+            s: None,
+            sent_from: HashSet::default(),
+            quic: None,
+            in_batch: false,
+            open: true,
+            failed: None,
+            held_back: false,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_parked_writer_holds_no_scratch_and_the_next_write_takes_it_back() {
+        let (mut client, server_side) = tokio::io::duplex(1 << 16);
+        let (_, w) = Transport::Boxed(Box::new(server_side)).split();
+        let mut writer = writer(w);
+        let keepalive = [frame::FrameType::KeepAlive as u8, 0, 0, 0, 0];
+
+        writer.handle.queue.push_control(Control::KeepAlive);
+        assert!(matches!(writer.try_write_now(), Poll::Ready(Ok(()))));
+        let first: *const Scratch = &**writer.s.as_ref().expect("scratch while writing");
+        // What a parked writer keeps: no scratch.
+        writer.release_scratch();
+        assert!(writer.s.is_none());
+        let mut got = [0u8; 5];
+        client.read_exact(&mut got).await.expect("keepalive");
+        assert_eq!(got, keepalive);
+
+        // The next write on this thread takes the same scratch back from the pool.
+        writer.handle.queue.push_control(Control::KeepAlive);
+        assert!(matches!(writer.try_write_now(), Poll::Ready(Ok(()))));
+        let second: *const Scratch = &**writer.s.as_ref().expect("scratch while writing");
+        assert_eq!(first, second);
+        client.read_exact(&mut got).await.expect("keepalive");
+        assert_eq!(got, keepalive);
+
+        // A writer in the middle of a batch keeps its scratch.
+        writer.in_batch = true;
+        writer.release_scratch();
+        assert!(writer.s.is_some());
+    }
+}

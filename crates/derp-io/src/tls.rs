@@ -942,7 +942,7 @@ impl AsyncWrite for TlsWrite {
         self.poll_write_vectored(cx, &[io::IoSlice::new(buf)])
     }
 
-    /// Takes up to [`MAX_SEAL_PER_WRITE`] bytes once earlier records are written, seals
+    /// Takes up to 64 KiB (`MAX_SEAL_PER_WRITE`) once earlier records are written, seals
     /// them and starts writing; what the socket does not take now goes out at the next
     /// write or flush.
     fn poll_write_vectored(

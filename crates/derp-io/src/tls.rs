@@ -87,8 +87,6 @@ pub async fn accept(
 ) -> Result<Accepted, AcceptError> {
     let mut conn = UnbufferedServerConnection::new(config)?;
     let mut outgoing: Vec<u8> = Vec::new();
-    let mut plaintext: Vec<u8> = Vec::new();
-    let mut peer_closed = false;
     // rustls sees the received bytes one whole record at a time, and none past the record
     // that finishes the handshake: what follows (application data, a KeyUpdate, an alert) is
     // left for the record layer, which handles all of it. (Given more, rustls would process
@@ -127,15 +125,12 @@ pub async fn accept(
                 Step::Write
             }
             ConnectionState::BlockedHandshake => Step::Read,
-            ConnectionState::ReadTraffic(mut records) => {
-                while let Some(record) = records.next_record() {
-                    plaintext.extend_from_slice(record?.payload);
-                }
-                Step::Again
-            }
             ConnectionState::WriteTraffic(_) => Step::Done,
-            ConnectionState::PeerClosed | ConnectionState::Closed => Step::PeerClosed,
-            // Early data is not enabled, so this is a peer breaking the protocol.
+            ConnectionState::PeerClosed | ConnectionState::Closed => {
+                return Err(AcceptError::Closed);
+            }
+            // rustls sees no record past the Finished, so no application data, and early
+            // data is not enabled.
             _ => return Err(rustls::Error::General("unexpected tls state".into()).into()),
         };
         received.drain(..discard);
@@ -158,13 +153,6 @@ pub async fn accept(
                 .into());
             }
             Step::Done => break,
-            // A client that closes right after its Finished has still completed the
-            // handshake; the stream it gets reads as ended.
-            Step::PeerClosed if !conn.is_handshaking() => {
-                peer_closed = true;
-                break;
-            }
-            Step::PeerClosed => return Err(AcceptError::Closed),
         }
     }
     if window != 0 {
@@ -183,20 +171,16 @@ pub async fn accept(
         update_requested: AtomicBool::new(false),
     });
     let (r, w) = tcp.into_split();
-    // What was decrypted already goes first, as the current record's plaintext; the bytes
-    // of records not yet opened follow it.
-    let plain = 0..plaintext.len();
-    let pos = plaintext.len();
-    plaintext.extend_from_slice(&received);
     Ok(Accepted {
         stream: TlsStream {
             read: TlsRead {
                 half: r,
                 keys: rx,
-                buf: plaintext,
-                pos,
-                plain,
-                closed: peer_closed,
+                // Records after the Finished, if any, are the record layer's to open.
+                buf: received,
+                pos: 0,
+                plain: 0..0,
+                closed: false,
                 error: None,
                 idle_records: 0,
                 shared: shared.clone(),
@@ -273,7 +257,6 @@ enum Step {
     Write,
     Read,
     Done,
-    PeerClosed,
 }
 
 /// What the TLS front needs from a ClientHello before it picks a path and a configuration.
@@ -908,7 +891,9 @@ impl TlsWrite {
     /// Sends a KeyUpdate and moves to the next key when the peer asked for one or this key
     /// has sealed enough records.
     fn update_key_if_due(&mut self) -> io::Result<()> {
-        let requested = self.shared.update_requested.swap(false, Ordering::AcqRel);
+        // A load first: the flag is shared with the reading half, and almost always clear.
+        let requested = self.shared.update_requested.load(Ordering::Acquire)
+            && self.shared.update_requested.swap(false, Ordering::AcqRel);
         if !requested && self.keys.seq < self.update_after {
             return Ok(());
         }

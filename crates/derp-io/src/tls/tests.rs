@@ -55,9 +55,14 @@ fn name() -> ServerName<'static> {
 /// A handshake between a tokio-rustls client and [`accept`] over loopback.
 async fn pair() -> (TlsStream, ClientStream<TcpStream>) {
     let pki = pki();
+    handshake(&pki, client_config(&pki, &[&rustls::version::TLS13])).await
+}
+
+/// A handshake between a tokio-rustls client with `config` and [`accept`] under `pki`.
+async fn handshake(pki: &Pki, config: Arc<ClientConfig>) -> (TlsStream, ClientStream<TcpStream>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let connector = TlsConnector::from(client_config(&pki, &[&rustls::version::TLS13]));
+    let connector = TlsConnector::from(config);
     let (client, server) = tokio::join!(
         async {
             let tcp = TcpStream::connect(addr).await.expect("connect");
@@ -485,29 +490,12 @@ async fn a_failed_handshake_tells_the_client_why() {
 /// records no TLS library would send.
 async fn sealing_pair() -> (TlsStream, TcpStream, Keys) {
     let pki = pki();
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
     let mut config = (*client_config(&pki, &[&rustls::version::TLS13])).clone();
     config.enable_secret_extraction = true;
-    let connector = TlsConnector::from(Arc::new(config));
-    let (client, server) = tokio::join!(
-        async {
-            let tcp = TcpStream::connect(addr).await.expect("connect");
-            connector
-                .connect(name(), tcp)
-                .await
-                .expect("client handshake")
-        },
-        async {
-            let (tcp, _) = listener.accept().await.expect("accept");
-            accept(tcp, Vec::new(), pki.server.clone())
-                .await
-                .expect("server handshake")
-        }
-    );
+    let (server, client) = handshake(&pki, Arc::new(config)).await;
     let (tcp, conn) = client.into_inner();
     let secrets = conn.dangerous_extract_secrets().expect("client secrets");
-    (server.stream, tcp, Keys::new(secrets.tx).expect("keys"))
+    (server, tcp, Keys::new(secrets.tx).expect("keys"))
 }
 
 /// A record sealed under `keys` whose inner plaintext is `inner` (content, type, padding).

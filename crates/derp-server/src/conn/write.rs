@@ -124,10 +124,10 @@ impl Scratch {
     /// a busy stream's writer parks between batches and takes the same scratch back for
     /// the next, and must not regrow it each time.
     fn give(mut self: Box<Self>) {
-        self.batch.disco.clear();
-        self.batch.other.clear();
-        self.batch.control.clear();
-        self.batch.pong = None;
+        debug_assert!(
+            self.batch.is_empty(),
+            "a writer parks with its batch written"
+        );
         if self.batch.disco.capacity().max(self.batch.other.capacity()) > MAX_POOLED_PACKETS
             || self.headers.capacity() > MAX_POOLED_HEADERS
             || self.segs.capacity() > 2 * MAX_POOLED_PACKETS

@@ -200,15 +200,44 @@ impl ReadHalf {
     /// `readable()` future is a waiter node of some 180 bytes, in every idle connection's
     /// task) and no waiter list is locked on every wait.
     pub async fn ready(&mut self) -> io::Result<()> {
+        std::future::poll_fn(|cx| self.poll_ready(cx)).await
+    }
+
+    /// Like [`ReadHalf::poll_ready`], but ready only when a read would return bytes or the
+    /// end of the stream, which a one-byte peek checks (one system call).
+    ///
+    /// Readiness alone can be stale: it stays set until a read meets `WouldBlock` or comes
+    /// back short, so a socket not read yet, or one whose last read exactly filled its
+    /// buffer, still says readable with nothing to read. A wait that parks a connection for
+    /// long, and frees its read state while parked, uses this so that it is not woken at
+    /// once for nothing (and then kept busy for a keepalive period).
+    pub fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self {
+            Self::Tcp(r) => poll_peek_one(r.as_ref(), cx),
+            Self::Tls(r) => r.poll_readable(cx),
+            Self::Boxed(_) | Self::Halves(_) => Poll::Ready(Ok(())),
+        }
+    }
+
+    /// [`ReadHalf::ready`] as a poll, for a caller's own hand-written wait.
+    pub fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self {
             Self::Tcp(r) => {
                 let stream: &TcpStream = r.as_ref();
-                std::future::poll_fn(|cx| stream.poll_read_ready(cx)).await
+                stream.poll_read_ready(cx)
             }
-            Self::Tls(r) => std::future::poll_fn(|cx| r.poll_ready(cx)).await,
-            Self::Boxed(_) | Self::Halves(_) => Ok(()),
+            Self::Tls(r) => r.poll_ready(cx),
+            Self::Boxed(_) | Self::Halves(_) => Poll::Ready(Ok(())),
         }
     }
+}
+
+/// Ready once `stream` has a byte to read or has reached its end; registers for readiness
+/// (and clears a stale report) otherwise.
+fn poll_peek_one(stream: &TcpStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    let mut byte = [std::mem::MaybeUninit::uninit()];
+    let mut buf = ReadBuf::uninit(&mut byte);
+    stream.poll_peek(cx, &mut buf).map_ok(|_| ())
 }
 
 /// The write half of a [`Transport`].

@@ -616,6 +616,15 @@ impl TlsRead {
         stream.poll_read_ready(cx)
     }
 
+    /// [`TlsRead::poll_ready`], with the socket's readiness checked by a peek (see
+    /// [`crate::ReadHalf::poll_readable`]).
+    pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.has_buffered() {
+            return Poll::Ready(Ok(()));
+        }
+        crate::poll_peek_one(self.half.as_ref(), cx)
+    }
+
     /// Gives back the record buffer when nothing is in it, so an idle connection holds none.
     pub fn release_idle(&mut self) {
         if self.plain.is_empty() && self.pos == self.buf.len() && self.buf.capacity() > 0 {

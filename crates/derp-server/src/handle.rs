@@ -1,11 +1,14 @@
 //! One registered connection as the rest of the server sees it: who it is, its flags, the
-//! token that ends it, and its send queue.
+//! switch that ends it, and its send queue.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU16};
+use std::pin::pin;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::task::Waker;
 
 use derp_proto::{PublicKey, ws};
-use tokio_util::sync::CancellationToken;
+use tokio::sync::Notify;
 
 use crate::queue::{Batch, SendQueue};
 
@@ -28,7 +31,7 @@ pub(crate) struct ConnHandle {
     /// WebSocket close code the writer sends when the connection ends.
     pub(crate) ws_close_code: AtomicU16,
     /// Cancelled when the connection must end, from either side or on server shutdown.
-    pub(crate) cancel: CancellationToken,
+    pub(crate) cancel: Cancel,
     /// What other connections queue for this one to write.
     pub(crate) queue: SendQueue,
 }
@@ -41,7 +44,6 @@ impl ConnHandle {
         presence_flags: u8,
         can_mesh: bool,
         depth: usize,
-        cancel: CancellationToken,
     ) -> Self {
         Self {
             id,
@@ -53,7 +55,7 @@ impl ConnHandle {
             active: AtomicBool::new(false),
             preferred: AtomicBool::new(false),
             ws_close_code: AtomicU16::new(ws::close_code::INTERNAL_ERROR),
-            cancel,
+            cancel: Cancel::default(),
             queue: SendQueue::new(depth),
         }
     }
@@ -68,5 +70,164 @@ impl ConnHandle {
             writer.resume();
         }
         rest
+    }
+}
+
+/// The switch that ends one connection's tasks.
+///
+/// Not a child of the server's shutdown token: a child token is a separate allocation of
+/// some 130 bytes per connection, and a future waiting on one is 72 bytes in the waiting
+/// task. The server ends every registered connection itself on shutdown
+/// ([`crate::registry::Registry::cancel_all`]). Tasks that wait with a future (the writer,
+/// the busy read loop) queue on `waiters`; the read loop's quiet wait, which every idle
+/// connection's task is parked in, leaves only its waker in `quiet`, so that wait holds no
+/// waiter of its own.
+#[derive(Debug, Default)]
+pub(crate) struct Cancel {
+    cancelled: AtomicBool,
+    waiters: Notify,
+    quiet: Mutex<Option<Waker>>,
+}
+
+impl Cancel {
+    /// Ends the connection's tasks. Idempotent.
+    pub(crate) fn cancel(&self) {
+        if self.cancelled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.waiters.notify_waiters();
+        self.wake_quiet();
+    }
+
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Completes once [`Cancel::cancel`] was called.
+    pub(crate) async fn cancelled(&self) {
+        let mut notified = pin!(self.waiters.notified());
+        // Registered before the flag is read: a cancel after the read notifies this waiter,
+        // and `notify_waiters` is the only notification `waiters` ever gets.
+        notified.as_mut().enable();
+        if self.is_cancelled() {
+            return;
+        }
+        notified.await;
+    }
+
+    /// Leaves `waker` to be woken by [`Cancel::cancel`] or [`Cancel::wake_quiet`], for a
+    /// wait that polls [`Cancel::is_cancelled`] instead of holding a future. Returns whether
+    /// the connection is cancelled already (read after the waker is in place, so a cancel
+    /// cannot fall between the two).
+    pub(crate) fn register_quiet(&self, waker: &Waker) -> bool {
+        {
+            let mut slot = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+            match &mut *slot {
+                Some(w) if w.will_wake(waker) => {}
+                slot => *slot = Some(waker.clone()),
+            }
+        }
+        self.is_cancelled()
+    }
+
+    /// Drops the waker left by [`Cancel::register_quiet`]: a waker keeps its task's memory
+    /// alive, and this handle may outlive the task in other connections' caches.
+    pub(crate) fn clear_quiet(&self) {
+        let waker = self.quiet.lock().unwrap_or_else(|e| e.into_inner()).take();
+        drop(waker);
+    }
+
+    /// Wakes the quiet wait, if one is parked, to look at the server's state again (a
+    /// graceful shutdown beginning).
+    pub(crate) fn wake_quiet(&self) {
+        let waker = self.quiet.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+#[cfg(test)]
+impl Cancel {
+    /// Whether a quiet wait's waker is parked here.
+    pub(crate) fn holds_quiet_waker(&self) -> bool {
+        self.quiet
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+    use std::task::Wake;
+
+    use super::*;
+
+    struct CountWakes(AtomicUsize);
+
+    impl Wake for CountWakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[tokio::test]
+    async fn every_waiter_ends_on_cancel_and_later_ones_at_once() {
+        let cancel = Arc::new(Cancel::default());
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let cancel = cancel.clone();
+                tokio::spawn(async move { cancel.cancelled().await })
+            })
+            .collect();
+        // Let every waiter register before the cancel.
+        tokio::task::yield_now().await;
+        assert!(waiters.iter().all(|w| !w.is_finished()));
+        cancel.cancel();
+        cancel.cancel();
+        for w in waiters {
+            w.await.expect("waiter");
+        }
+        assert!(cancel.is_cancelled());
+        cancel.cancelled().await;
+    }
+
+    #[test]
+    fn the_quiet_waker_is_woken_once_by_cancel_and_can_be_taken_back() {
+        let cancel = Cancel::default();
+        let wakes = Arc::new(CountWakes(AtomicUsize::new(0)));
+        let waker = Waker::from(wakes.clone());
+
+        assert!(!cancel.register_quiet(&waker));
+        cancel.clear_quiet();
+        assert!(!cancel.holds_quiet_waker());
+        cancel.cancel();
+        assert_eq!(
+            wakes.0.load(Ordering::Relaxed),
+            0,
+            "a taken-back waker is not woken"
+        );
+
+        let cancel = Cancel::default();
+        assert!(!cancel.register_quiet(&waker));
+        assert!(
+            !cancel.register_quiet(&waker),
+            "registering again is harmless"
+        );
+        cancel.wake_quiet();
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 1);
+        assert!(!cancel.holds_quiet_waker(), "a wake hands the waker over");
+
+        assert!(!cancel.register_quiet(&waker));
+        cancel.cancel();
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 2);
+        assert!(!cancel.holds_quiet_waker());
+        assert!(
+            cancel.register_quiet(&waker),
+            "registering after the cancel says so"
+        );
     }
 }

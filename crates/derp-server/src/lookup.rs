@@ -358,7 +358,6 @@ pub mod bench {
                         0,
                         false,
                         32,
-                        tokio_util::sync::CancellationToken::new(),
                     ));
                     registry.register(&conn);
                     conn
@@ -443,7 +442,6 @@ mod tests {
     use std::sync::mpsc;
 
     use derp_proto::PublicKey;
-    use tokio_util::sync::CancellationToken;
 
     use super::*;
     use crate::metrics::Metrics;
@@ -462,7 +460,6 @@ mod tests {
             0,
             false,
             32,
-            CancellationToken::new(),
         ))
     }
 

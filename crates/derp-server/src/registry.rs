@@ -415,6 +415,23 @@ impl Registry {
             .all(|member| member.queue.is_drained())
     }
 
+    /// Cancels every registered connection (the server is shutting down).
+    pub(crate) fn cancel_all(&self) {
+        let state = self.lock();
+        for member in state.clients.values().flat_map(|entry| &entry.members) {
+            member.cancel.cancel();
+        }
+    }
+
+    /// Wakes every registered connection's quiet read loop, to see that the server is
+    /// draining.
+    pub(crate) fn wake_quiet_all(&self) {
+        let state = self.lock();
+        for member in state.clients.values().flat_map(|entry| &entry.members) {
+            member.cancel.wake_quiet();
+        }
+    }
+
     /// Closes every connection of `key` (a mesh peer's ClosePeer request).
     pub(crate) fn close_peer(&self, key: &PublicKey) -> bool {
         let state = self.lock();
@@ -554,7 +571,6 @@ fn broadcast(watchers: &HashMap<u64, Arc<ConnHandle>>, make: impl Fn() -> Contro
 
 #[cfg(test)]
 mod tests {
-    use tokio_util::sync::CancellationToken;
 
     use super::*;
 
@@ -566,7 +582,6 @@ mod tests {
             0,
             false,
             32,
-            CancellationToken::new(),
         ))
     }
 

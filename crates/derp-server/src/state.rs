@@ -1,7 +1,8 @@
 //! The state every connection shares. Its own module, imported by the server, the HTTP front
 //! and the connections, so that dependencies between those point one way.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
 
@@ -44,6 +45,8 @@ pub(crate) struct ServerState {
     pub(crate) rate_limits: RateLimits,
     /// `derp_admission_refused{reason}`.
     pub(crate) admission_refused: prometheus::IntCounterVec,
+    /// The task that ends connections on shutdown was started.
+    watching: AtomicBool,
 }
 
 impl ServerState {
@@ -79,7 +82,23 @@ impl ServerState {
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
             ready: AtomicBool::new(false),
+            watching: AtomicBool::new(false),
         })
+    }
+
+    /// Starts, once, the task that carries the server's lifecycle to every registered
+    /// connection: when a graceful shutdown begins it wakes each quiet read loop to stop
+    /// reading, and on shutdown it cancels each connection. Connections hold no waiter on the
+    /// server's tokens themselves (see [`crate::handle::Cancel`]), so this one task is what
+    /// ends them, whoever cancels the tokens. Started by the first registration, which runs
+    /// on the runtime, rather than when the state is created, which may not.
+    pub(crate) fn watch_lifecycle(self: &Arc<Self>) {
+        if self.watching.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let state = Arc::downgrade(self);
+        let (draining, shutdown) = (self.draining.clone(), self.shutdown.clone());
+        self.tasks.spawn(carry_lifecycle(state, draining, shutdown));
     }
 
     /// Folds a connection's local counts into the registry (or discards them when packet
@@ -90,5 +109,27 @@ impl ServerState {
         } else {
             *counts = ReaderCounts::default();
         }
+    }
+}
+
+/// The task of [`ServerState::watch_lifecycle`]. It holds the state weakly, so a server that
+/// is dropped without a shutdown is not kept alive by it.
+async fn carry_lifecycle(
+    state: Weak<ServerState>,
+    draining: CancellationToken,
+    shutdown: CancellationToken,
+) {
+    tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => {}
+        _ = draining.cancelled() => {
+            if let Some(state) = state.upgrade() {
+                state.registry.wake_quiet_all();
+            }
+            shutdown.cancelled().await;
+        }
+    }
+    if let Some(state) = state.upgrade() {
+        state.registry.cancel_all();
     }
 }

@@ -188,7 +188,6 @@ async fn run(
         flags,
         can_mesh,
         config.send_queue_depth,
-        shared.shutdown.child_token(),
     ));
 
     if let Some(link) = &quic {
@@ -239,12 +238,13 @@ async fn run(
                         quic,
                         registration,
                         _open: open,
+                        detached: detach,
                     };
                     if detach {
-                        shared.tasks.spawn(established.run(true));
+                        shared.tasks.spawn(established.run());
                         return Ok(());
                     }
-                    established.run(false).await
+                    established.run().await
                 }
                 Err(e) => Err(e.into()),
             }
@@ -263,16 +263,18 @@ struct Established {
     registration: Registration,
     /// Counts the connection as open until it ends.
     _open: Option<OpenPermit>,
+    /// Nobody awaits the connection's end: it counts how it ended itself. A field rather
+    /// than an argument of `run`, whose future would keep it in a slot of its own.
+    detached: bool,
 }
 
 impl Established {
-    /// Runs the read loop until the connection ends, then unregisters it. A `detached`
-    /// connection, with nobody awaiting its end, counts how it ended itself.
+    /// Runs the read loop until the connection ends, then unregisters it.
     ///
     /// An `async move` block rather than an `async fn`: an `async fn` taking `self` keeps a
     /// second copy of it in its state for the connection's life.
     #[allow(clippy::manual_async_fn)]
-    fn run(mut self, detached: bool) -> impl Future<Output = Result<(), ConnError>> + Send {
+    fn run(mut self) -> impl Future<Output = Result<(), ConnError>> + Send {
         async move {
             if let Some(link) = self.quic.clone() {
                 // Boxed: QUIC's path watcher would otherwise size every TCP connection's task.
@@ -280,18 +282,9 @@ impl Established {
             }
             let shared = &self.registration.shared;
             let handle = &self.registration.handle;
-            let mut read_loop = ReadLoop::new(shared, handle, &mut self.reader);
-            let result = read_loop.run().await;
-            if let Some(code) = read_loop.reader.ws_close {
-                handle.ws_close_code.store(code, Ordering::Relaxed);
-            }
-            if read_loop.drained {
-                // Stay registered while the writer drains the queue; the server ends the
-                // connection once every queue is out or the drain deadline passes.
-                handle.cancel.cancelled().await;
-            }
+            let result = ReadLoop::new(shared, handle, &mut self.reader).run().await;
             debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
-            if detached {
+            if self.detached {
                 count_end(shared, handle.remote, &result);
             }
             // Leaving the registry (when `self.registration` drops) closes the queues; the
@@ -307,19 +300,11 @@ impl Established {
         let shared = &self.registration.shared;
         let handle = &self.registration.handle;
         let mut read_loop = ReadLoop::new(shared, handle, &mut self.reader);
+        // The path watcher also runs through a drain's wait, which `run` includes.
         let result = tokio::select! {
             r = read_loop.run() => r,
             never = link.watch_path(handle, &shared.metrics) => match never {},
         };
-        if let Some(code) = read_loop.reader.ws_close {
-            handle.ws_close_code.store(code, Ordering::Relaxed);
-        }
-        if read_loop.drained {
-            tokio::select! {
-                _ = handle.cancel.cancelled() => {}
-                never = link.watch_path(handle, &shared.metrics) => match never {},
-            }
-        }
         debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
         result
     }
@@ -343,6 +328,12 @@ impl Registration {
         label: TransportLabel,
     ) -> Self {
         shared.registry.register(&handle);
+        shared.watch_lifecycle();
+        // Read after registering: a shutdown that began earlier ended every connection it
+        // found registered, which may not have included this one.
+        if shared.shutdown.is_cancelled() {
+            handle.cancel.cancel();
+        }
         shared.metrics.current_connections_by_transport[label as usize].inc();
         if not_ideal {
             shared.metrics.current_notideal_connections.inc();
@@ -506,3 +497,44 @@ impl Framing {
 /// Reads during the handshake are small: a ClientInfo is a few hundred bytes, and a buffer
 /// allocated now must not stay with an idle connection.
 const HANDSHAKE_READ: usize = 1024;
+
+#[cfg(test)]
+mod tests {
+    use derp_proto::SecretKey;
+
+    use super::*;
+    use crate::config::ServerConfig;
+
+    #[tokio::test]
+    async fn a_connection_registered_after_the_shutdown_began_is_cancelled() {
+        let shared = Arc::new(
+            ServerState::new(
+                ServerConfig::new(SecretKey::from_bytes([1; 32])),
+                &prometheus::Registry::new(),
+            )
+            .expect("state"),
+        );
+        let before = Arc::new(ConnHandle::new(
+            1,
+            PublicKey::from_bytes([2; 32]),
+            ([127, 0, 0, 1], 1).into(),
+            0,
+            false,
+            32,
+        ));
+        let _before = Registration::new(shared.clone(), before.clone(), false, TransportLabel::Tcp);
+        shared.shutdown.cancel();
+        // The lifecycle task ends what is registered; one registering later ends itself.
+        let late = Arc::new(ConnHandle::new(
+            2,
+            PublicKey::from_bytes([3; 32]),
+            ([127, 0, 0, 1], 2).into(),
+            0,
+            false,
+            32,
+        ));
+        let _late = Registration::new(shared.clone(), late.clone(), false, TransportLabel::Tcp);
+        assert!(late.cancel.is_cancelled());
+        before.cancel.cancelled().await;
+    }
+}

@@ -6,8 +6,10 @@
 //! queue as a `Bytes` slice of the read buffer (no copy between sockets, except after tiny
 //! reads).
 
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -17,7 +19,7 @@ use derp_proto::ws::{self, Role, WsDecoder, WsEvent};
 use derp_proto::{ClientToRelay, PeerGoneReason, PublicKey, ServerDecoder};
 use rand::Rng;
 use tokio::io::AsyncReadExt;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tracing::{debug, trace};
 
 use super::{ConnError, Framing, PeerMisbehaved};
@@ -183,9 +185,9 @@ impl FrameReader {
                 .is_none_or(|ws| ws.raw.is_empty() && ws.decoder.needs_input())
     }
 
-    /// Waits until the socket is readable (see [`FrameReader::can_wait_idle`]).
-    async fn ready(&mut self) -> std::io::Result<()> {
-        self.half.ready().await
+    /// Whether the socket has bytes to read (see [`FrameReader::can_wait_idle`]).
+    fn poll_readable(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.half.poll_readable(cx)
     }
 
     fn release_if_empty(&mut self) {
@@ -245,6 +247,59 @@ enum Stretch {
     Ended,
     /// Nothing was read for a keepalive period: wait for traffic holding little.
     Quiet,
+}
+
+/// How a [`QuietWait`] ended.
+enum Quiet {
+    /// The socket has something to read.
+    Readable,
+    /// The connection is to end (cancelled, or the server is draining).
+    Ended,
+}
+
+/// The read loop's wait for traffic on a quiet connection, queueing keepalives meanwhile.
+///
+/// Every idle connection's task is parked here, so it is written by hand to hold as little
+/// as possible: the loop and the keepalive timer. The socket keeps the waker for
+/// readability and the connection's handle keeps it for cancellation; a graceful shutdown
+/// beginning is seen through the same waker (the server wakes every quiet connection then),
+/// not through a waiter of this task's own.
+struct QuietWait<'l, 'a> {
+    read_loop: &'l mut ReadLoop<'a>,
+    keepalive: Pin<&'l mut Sleep>,
+}
+
+impl Future for QuietWait<'_, '_> {
+    type Output = Result<Quiet, ConnError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let (handle, shared) = (this.read_loop.handle, this.read_loop.shared);
+        if handle.cancel.register_quiet(cx.waker()) {
+            return Poll::Ready(Ok(Quiet::Ended));
+        }
+        if shared.draining.is_cancelled() {
+            this.read_loop.drained = true;
+            return Poll::Ready(Ok(Quiet::Ended));
+        }
+        while this.keepalive.as_mut().poll(cx).is_ready() {
+            this.read_loop.keepalive();
+            this.keepalive.as_mut().reset(this.read_loop.next_keepalive);
+        }
+        match this.read_loop.reader.poll_readable(cx) {
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(Quiet::Readable)),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e.into())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for QuietWait<'_, '_> {
+    /// Takes the waker back out of the handle: it keeps the task's memory alive, and the
+    /// handle may outlive the task in other connections' caches.
+    fn drop(&mut self) {
+        self.read_loop.handle.cancel.clear_quiet();
+    }
 }
 
 pub(super) struct ReadLoop<'a> {
@@ -313,46 +368,48 @@ impl<'a> ReadLoop<'a> {
         }
     }
 
-    /// Reads and relays until the connection ends. A connection that has been quiet for a
-    /// keepalive period waits for its next bytes in [`ReadLoop::wait_for_traffic`], which
-    /// holds little; the state of the loop that moves traffic (its reads, its timers, the
-    /// rate limiter's wait) is several times larger and is boxed, allocated only while the
-    /// connection is busy. A task is as large as its largest state, so this is what keeps
-    /// an idle connection's task small.
+    /// Reads and relays until the connection ends; after a graceful shutdown's drain, stays
+    /// until the server ends the connection, so that it remains registered while its writer
+    /// sends what is queued.
+    ///
+    /// A connection that has been quiet for a keepalive period waits for its next bytes in a
+    /// [`QuietWait`], which holds little; the state of the loop that moves traffic (its
+    /// reads, its timers, the rate limiter's wait) is several times larger and is boxed,
+    /// allocated only while the connection is busy. A task is as large as its largest
+    /// state, so this is what keeps an idle connection's task small: the loop is in this
+    /// one function, the wait a future written by hand, to add no state of their own.
     pub(super) async fn run(&mut self) -> Result<(), ConnError> {
-        loop {
+        let result = loop {
             // What the handshake left, or the last read, is not kept while waiting.
             self.reader.release_if_empty();
-            if self.reader.can_wait_idle() && !self.wait_for_traffic().await? {
-                return Ok(());
-            }
-            match Box::pin(self.run_busy()).await? {
-                Stretch::Ended => return Ok(()),
-                Stretch::Quiet => {}
-            }
-        }
-    }
-
-    /// Waits until the socket has something to read, queueing keepalives meanwhile. False
-    /// when the connection is to end instead.
-    async fn wait_for_traffic(&mut self) -> Result<bool, ConnError> {
-        let handle: &'a ConnHandle = self.handle;
-        let shared: &'a ServerState = self.shared;
-        loop {
-            tokio::select! {
-                biased;
-                _ = handle.cancel.cancelled() => return Ok(false),
-                _ = shared.draining.cancelled() => {
-                    self.drained = true;
-                    return Ok(false);
-                }
-                _ = tokio::time::sleep_until(self.next_keepalive) => self.keepalive(),
-                ready = self.reader.ready() => {
-                    ready?;
-                    return Ok(true);
+            if self.reader.can_wait_idle() {
+                let keepalive = pin!(tokio::time::sleep_until(self.next_keepalive));
+                match (QuietWait {
+                    read_loop: self,
+                    keepalive,
+                })
+                .await
+                {
+                    Ok(Quiet::Readable) => {}
+                    Ok(Quiet::Ended) => break Ok(()),
+                    Err(e) => break Err(e),
                 }
             }
+            match Box::pin(self.run_busy()).await {
+                Ok(Stretch::Quiet) => {}
+                Ok(Stretch::Ended) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        if let Some(code) = self.reader.ws_close {
+            self.handle.ws_close_code.store(code, Ordering::Relaxed);
         }
+        // A drain ends the loop without an error, so nothing is held across this wait.
+        result?;
+        if self.drained {
+            self.handle.cancel.cancelled().await;
+        }
+        Ok(())
     }
 
     /// The loop while traffic flows. Returns [`Stretch::Quiet`] when a whole keepalive
@@ -723,7 +780,6 @@ const HOME_MOVE_GRACE: Duration = Duration::from_secs(5);
 mod tests {
     use derp_io::Transport;
     use derp_proto::SecretKey;
-    use tokio_util::sync::CancellationToken;
 
     use super::*;
     use crate::config::ServerConfig;
@@ -744,7 +800,6 @@ mod tests {
             0,
             false,
             32,
-            CancellationToken::new(),
         ))
     }
 
@@ -856,5 +911,95 @@ mod tests {
         // A ping before the limit keeps a recently used entry.
         feed(&mut rl, ClientToRelay::Ping([8; 8]));
         assert_eq!(feed(&mut rl, send()), 3);
+    }
+
+    /// A read loop on a real loopback socket, whose readiness the quiet wait waits for; also
+    /// returns the client's end.
+    async fn tcp_read_loop<'a>(
+        shared: &'a Arc<ServerState>,
+        handle: &'a Arc<ConnHandle>,
+    ) -> (ReadLoop<'a>, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"));
+        let (client, accepted) = tokio::join!(client, listener.accept());
+        let (read_half, write_half) = Transport::Tcp(accepted.expect("accept").0).split();
+        // Kept: dropping the write half would shut the socket's sending side down.
+        Box::leak(Box::new(write_half));
+        let reader = Box::leak(Box::new(FrameReader::new(
+            read_half,
+            Framing::Raw,
+            BytesMut::new(),
+        )));
+        (
+            ReadLoop::new(shared, handle, reader),
+            client.expect("connect"),
+        )
+    }
+
+    /// Yields until `cond` holds; the other side of a `join!` runs meanwhile.
+    async fn until(cond: impl Fn() -> bool) {
+        while !cond() {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_quiet_read_loop_ends_on_cancel_and_leaves_no_waker_behind() {
+        let shared = &state(ServerConfig::new(SecretKey::from_bytes([1; 32])));
+        let conn = handle(1, 3);
+        shared.registry.register(&conn);
+        let (mut rl, _client) = tcp_read_loop(shared, &conn).await;
+        let result = {
+            let mut run = pin!(rl.run());
+            // A fresh connection with nothing to read parks in the quiet wait at once, even
+            // though its socket's first readiness report says readable.
+            let first = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
+            assert!(first.is_pending());
+            assert!(conn.cancel.holds_quiet_waker(), "parked in the quiet wait");
+            conn.cancel.cancel();
+            run.await
+        };
+        result.expect("a cancelled quiet loop ends cleanly");
+        assert!(!rl.drained);
+        assert!(
+            !conn.cancel.holds_quiet_waker(),
+            "the handle, which may outlive the task in caches, keeps no waker"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_quiet_read_loop_sees_a_drain_begin_and_the_shutdown_end_it() {
+        let shared = &state(ServerConfig::new(SecretKey::from_bytes([1; 32])));
+        let conn = handle(1, 3);
+        shared.registry.register(&conn);
+        shared.watch_lifecycle();
+        let (mut rl, mut client) = tcp_read_loop(shared, &conn).await;
+        let (result, ()) = tokio::join!(rl.run(), async {
+            until(|| conn.cancel.holds_quiet_waker()).await;
+            // Only the server's lifecycle task, through the registry, tells the quiet loop.
+            shared.draining.cancel();
+            until(|| !conn.cancel.holds_quiet_waker()).await;
+            assert!(
+                !conn.cancel.is_cancelled(),
+                "a drain does not end the connection"
+            );
+            // Stopped reading: bytes from the client now stay in the socket.
+            tokio::io::AsyncWriteExt::write_all(&mut client, b"late")
+                .await
+                .expect("write");
+            shared.shutdown.cancel();
+        });
+        result.expect("a drained loop ends cleanly");
+        assert!(rl.drained, "the loop stopped because the server drained");
+        assert!(
+            conn.cancel.is_cancelled(),
+            "the shutdown cancelled the connection"
+        );
+        assert!(
+            rl.reader.buf.is_empty(),
+            "nothing was read after the drain began"
+        );
     }
 }

@@ -476,7 +476,8 @@ impl Writer {
         let Some(link) = self.quic.clone() else {
             return Ok(());
         };
-        let cancel = self.handle.cancel.clone();
+        let handle = self.handle.clone();
+        let cancel = &handle.cancel;
         let far = Duration::from_secs(86_400);
         let deadline = tokio::time::sleep(self.write_timeout.unwrap_or(far));
         tokio::pin!(deadline);
@@ -904,7 +905,6 @@ mod tests {
     use derp_io::Transport;
     use derp_proto::SecretKey;
     use tokio::io::AsyncReadExt;
-    use tokio_util::sync::CancellationToken;
 
     use super::*;
     use crate::config::ServerConfig;
@@ -924,7 +924,6 @@ mod tests {
             0,
             false,
             32,
-            CancellationToken::new(),
         ));
         Box::new(Writer {
             shared,

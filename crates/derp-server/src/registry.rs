@@ -88,11 +88,35 @@ struct Forwarders {
 struct Entry {
     /// The member packets go to; `None` while no member is active.
     active: Option<Arc<ConnHandle>>,
-    members: Vec<Arc<ConnHandle>>,
+    members: Members,
+}
+
+/// A key's connections. Almost every key has one, held without an allocation of its own;
+/// what only duplicates need is boxed, so an entry (and every slot of the map, which has
+/// more slots than entries) stays 24 bytes.
+#[derive(Debug)]
+enum Members {
+    One(Arc<ConnHandle>),
+    Dup(Box<Dups>),
+}
+
+/// A key with two or more connections.
+#[derive(Debug)]
+struct Dups {
+    conns: Vec<Arc<ConnHandle>>,
     /// Connection id of the most recent member to register or speak.
     last: Option<u64>,
     /// Members that registered or spoke, adjacent repeats collapsed.
     history: Vec<u64>,
+}
+
+impl Members {
+    fn as_slice(&self) -> &[Arc<ConnHandle>] {
+        match self {
+            Self::One(conn) => std::slice::from_ref(conn),
+            Self::Dup(dups) => &dups.conns,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -145,7 +169,7 @@ impl Registry {
             }
             // Local wins: a key with local connections is never forwarded, even while none
             // of them is active.
-            if entry.members.len() > 1 {
+            if matches!(entry.members, Members::Dup(_)) {
                 return Lookup::Dup;
             }
         }
@@ -162,29 +186,31 @@ impl Registry {
         let m = &self.metrics;
         match state.clients.get_mut(&conn.key) {
             Some(entry) => {
-                if entry.members.len() == 1 {
+                if let Members::One(first) = &entry.members {
                     m.current_dup_client_keys.inc();
                     m.current_dup_client_conns.add(2);
-                    entry.history = entry.members.iter().map(|c| c.id).collect();
+                    first.is_dup.store(true, Ordering::Relaxed);
+                    entry.members = Members::Dup(Box::new(Dups {
+                        last: Some(first.id),
+                        history: vec![first.id],
+                        conns: vec![first.clone()],
+                    }));
                 } else {
                     m.current_dup_client_conns.inc();
                 }
                 m.total_dup_client_conns.inc();
-                for member in &entry.members {
-                    member.is_dup.store(true, Ordering::Relaxed);
+                if let Members::Dup(dups) = &mut entry.members {
+                    conn.is_dup.store(true, Ordering::Relaxed);
+                    dups.conns.push(conn.clone());
+                    dups.last = Some(conn.id);
+                    push_history(&mut dups.history, conn.id);
                 }
-                conn.is_dup.store(true, Ordering::Relaxed);
-                entry.members.push(conn.clone());
-                entry.last = Some(conn.id);
-                push_history(&mut entry.history, conn.id);
                 self.set_active(&mut entry.active, conn.key, Some(conn.clone()));
             }
             None => {
                 let mut entry = Entry {
                     active: None,
-                    members: vec![conn.clone()],
-                    last: Some(conn.id),
-                    history: Vec::new(),
+                    members: Members::One(conn.clone()),
                 };
                 self.set_active(&mut entry.active, conn.key, Some(conn.clone()));
                 state.clients.insert(conn.key, entry);
@@ -216,14 +242,14 @@ impl Registry {
         let Some(entry) = state.clients.get_mut(&conn.key) else {
             return;
         };
-        let Some(pos) = entry.members.iter().position(|c| c.id == conn.id) else {
+        if !entry.members.as_slice().iter().any(|c| c.id == conn.id) {
             return;
-        };
+        }
         m.current_connections.dec();
         if conn.preferred.load(Ordering::Relaxed) {
             m.current_home_connections.dec();
         }
-        if entry.members.len() == 1 {
+        let Members::Dup(dups) = &mut entry.members else {
             self.set_active(&mut entry.active, conn.key, None);
             state.clients.remove(&conn.key);
             if let Some(f) = state.forwarders.get_mut(&conn.key) {
@@ -239,26 +265,25 @@ impl Registry {
                 Control::PeerGone(key, PeerGoneReason::Disconnected)
             });
             return;
-        }
-        entry.members.remove(pos);
-        entry.history.retain(|id| *id != conn.id);
-        entry.history.dedup();
-        if entry.last == Some(conn.id) {
-            entry.last = entry.history.last().copied();
+        };
+        dups.conns.retain(|c| c.id != conn.id);
+        dups.history.retain(|id| *id != conn.id);
+        dups.history.dedup();
+        if dups.last == Some(conn.id) {
+            dups.last = dups.history.last().copied();
         }
         m.current_dup_client_conns.dec();
-        if entry.members.len() == 1 {
-            let only = entry.members[0].clone();
+        if let [only] = dups.conns.as_slice() {
+            let only = only.clone();
             only.is_dup.store(false, Ordering::Relaxed);
-            entry.last = Some(only.id);
-            entry.history.clear();
+            entry.members = Members::One(only.clone());
             self.set_active(&mut entry.active, conn.key, Some(only));
             m.current_dup_client_conns.dec();
             m.current_dup_client_keys.dec();
         } else {
-            let last = entry
+            let last = dups
                 .last
-                .and_then(|id| entry.members.iter().find(|c| c.id == id).cloned());
+                .and_then(|id| dups.conns.iter().find(|c| c.id == id).cloned());
             self.set_active(&mut entry.active, conn.key, last);
         }
     }
@@ -300,11 +325,17 @@ impl Registry {
         let Some(entry) = state.clients.get_mut(&conn.key) else {
             return;
         };
-        if !entry.members.iter().any(|c| c.id == conn.id) {
-            return;
+        match &mut entry.members {
+            Members::One(only) if only.id == conn.id => {}
+            Members::One(_) => return,
+            Members::Dup(dups) => {
+                if !dups.conns.iter().any(|c| c.id == conn.id) {
+                    return;
+                }
+                dups.last = Some(conn.id);
+                push_history(&mut dups.history, conn.id);
+            }
         }
-        entry.last = Some(conn.id);
-        push_history(&mut entry.history, conn.id);
         let already = entry.active.as_ref().is_some_and(|a| a.id == conn.id);
         if !already {
             self.set_active(&mut entry.active, conn.key, Some(conn.clone()));
@@ -398,7 +429,7 @@ impl Registry {
             try_for_ms,
         };
         for entry in state.clients.values() {
-            for member in &entry.members {
+            for member in entry.members.as_slice() {
                 member.queue.push_control(restarting.clone());
             }
         }
@@ -411,14 +442,18 @@ impl Registry {
         state
             .clients
             .values()
-            .flat_map(|entry| &entry.members)
+            .flat_map(|entry| entry.members.as_slice())
             .all(|member| member.queue.is_drained())
     }
 
     /// Cancels every registered connection (the server is shutting down).
     pub(crate) fn cancel_all(&self) {
         let state = self.lock();
-        for member in state.clients.values().flat_map(|entry| &entry.members) {
+        for member in state
+            .clients
+            .values()
+            .flat_map(|entry| entry.members.as_slice())
+        {
             member.cancel.cancel();
         }
     }
@@ -427,7 +462,11 @@ impl Registry {
     /// draining.
     pub(crate) fn wake_quiet_all(&self) {
         let state = self.lock();
-        for member in state.clients.values().flat_map(|entry| &entry.members) {
+        for member in state
+            .clients
+            .values()
+            .flat_map(|entry| entry.members.as_slice())
+        {
             member.cancel.wake_quiet();
         }
     }
@@ -437,7 +476,7 @@ impl Registry {
         let state = self.lock();
         match state.clients.get(key) {
             Some(entry) => {
-                for member in &entry.members {
+                for member in entry.members.as_slice() {
                     member.cancel.cancel();
                 }
                 true
@@ -598,7 +637,10 @@ mod tests {
         }
         let state = reg.lock();
         let entry = state.clients.get(&a.key).expect("entry");
-        assert_eq!(entry.history, vec![1, 2]);
+        let Members::Dup(dups) = &entry.members else {
+            panic!("two connections of one key are a duplicate set");
+        };
+        assert_eq!(dups.history, vec![1, 2]);
         assert_eq!(entry.active.as_ref().map(|c| c.id), Some(2));
         drop(state);
         // The last speaker leaving hands the role back to the other.

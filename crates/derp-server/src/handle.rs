@@ -2,7 +2,6 @@
 //! switch that ends it, and its send queue.
 
 use std::net::SocketAddr;
-use std::pin::pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::task::Waker;
@@ -105,10 +104,10 @@ impl Cancel {
 
     /// Completes once [`Cancel::cancel`] was called.
     pub(crate) async fn cancelled(&self) {
-        let mut notified = pin!(self.waiters.notified());
-        // Registered before the flag is read: a cancel after the read notifies this waiter,
-        // and `notify_waiters` is the only notification `waiters` ever gets.
-        notified.as_mut().enable();
+        // Created before the flag is read: a `Notified` receives every `notify_waiters` from
+        // its creation on, polled or not, so a cancel after the read completes it. Nothing
+        // is locked until the first poll (once per wait, as with a cancellation token).
+        let notified = self.waiters.notified();
         if self.is_cancelled() {
             return;
         }

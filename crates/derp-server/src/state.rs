@@ -47,6 +47,15 @@ pub(crate) struct ServerState {
     pub(crate) admission_refused: prometheus::IntCounterVec,
     /// The task that ends connections on shutdown was started.
     watching: AtomicBool,
+    /// Cancelled when this state is dropped, so that task also ends for a server dropped
+    /// without a shutdown.
+    dropped: CancellationToken,
+}
+
+impl Drop for ServerState {
+    fn drop(&mut self) {
+        self.dropped.cancel();
+    }
 }
 
 impl ServerState {
@@ -83,6 +92,7 @@ impl ServerState {
             tasks: TaskTracker::new(),
             ready: AtomicBool::new(false),
             watching: AtomicBool::new(false),
+            dropped: CancellationToken::new(),
         })
     }
 
@@ -91,14 +101,23 @@ impl ServerState {
     /// reading, and on shutdown it cancels each connection. Connections hold no waiter on the
     /// server's tokens themselves (see [`crate::handle::Cancel`]), so this one task is what
     /// ends them, whoever cancels the tokens. Started by the first registration, which runs
-    /// on the runtime, rather than when the state is created, which may not.
+    /// on the runtime, rather than when the state is created, which may not: an embedder
+    /// that runs connections on several runtimes must keep that one running until the
+    /// server has shut down.
     pub(crate) fn watch_lifecycle(self: &Arc<Self>) {
         if self.watching.swap(true, Ordering::Relaxed) {
             return;
         }
         let state = Arc::downgrade(self);
-        let (draining, shutdown) = (self.draining.clone(), self.shutdown.clone());
-        self.tasks.spawn(carry_lifecycle(state, draining, shutdown));
+        let tokens = [&self.draining, &self.shutdown, &self.dropped].map(|t| t.clone());
+        self.tasks.spawn(async move {
+            let [draining, shutdown, dropped] = tokens;
+            tokio::select! {
+                biased;
+                _ = dropped.cancelled() => {}
+                _ = carry_lifecycle(state, draining, shutdown) => {}
+            }
+        });
     }
 
     /// Folds a connection's local counts into the registry (or discards them when packet
@@ -113,7 +132,7 @@ impl ServerState {
 }
 
 /// The task of [`ServerState::watch_lifecycle`]. It holds the state weakly, so a server that
-/// is dropped without a shutdown is not kept alive by it.
+/// is dropped without a shutdown is not kept alive by it (and the task then ends).
 async fn carry_lifecycle(
     state: Weak<ServerState>,
     draining: CancellationToken,
@@ -131,5 +150,34 @@ async fn carry_lifecycle(
     }
     if let Some(state) = state.upgrade() {
         state.registry.cancel_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use derp_proto::SecretKey;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn the_lifecycle_task_ends_with_a_server_dropped_without_a_shutdown() {
+        let state = Arc::new(
+            ServerState::new(
+                ServerConfig::new(SecretKey::from_bytes([1; 32])),
+                &prometheus::Registry::new(),
+            )
+            .expect("state"),
+        );
+        state.watch_lifecycle();
+        let (tasks, shutdown) = (state.tasks.clone(), state.shutdown.clone());
+        drop(state);
+        tasks.close();
+        // A guard against a hang, not a timing: the task ends as soon as it is polled.
+        tokio::time::timeout(Duration::from_secs(60), tasks.wait())
+            .await
+            .expect("the lifecycle task ended");
+        assert!(!shutdown.is_cancelled(), "dropping is not a shutdown");
     }
 }

@@ -167,8 +167,6 @@ impl FrameReader {
         }
     }
 
-    /// Gives back an empty buffer's memory, so an idle connection holds no read buffer.
-    /// Packets still queued elsewhere keep their slices of the old allocation alive.
     /// Whether this reader can wait for the socket to become readable holding nothing:
     /// nothing is buffered, and the transport can tell readiness (plain TCP or TLS 1.3, with
     /// or without WebSocket framing; not rustls's TLS 1.2 stream, whose records may hold
@@ -190,6 +188,8 @@ impl FrameReader {
         self.half.poll_readable(cx)
     }
 
+    /// Gives back an empty buffer's memory, so an idle connection holds no read buffer.
+    /// Packets still queued elsewhere keep their slices of the old allocation alive.
     fn release_if_empty(&mut self) {
         if self.buf.is_empty() && self.buf.capacity() > 0 {
             self.buf = BytesMut::new();
@@ -414,7 +414,7 @@ impl<'a> ReadLoop<'a> {
 
     /// The loop while traffic flows. Returns [`Stretch::Quiet`] when a whole keepalive
     /// period passed without a read and the connection can wait in
-    /// [`ReadLoop::wait_for_traffic`] instead.
+    /// a [`QuietWait`] instead.
     async fn run_busy(&mut self) -> Result<Stretch, ConnError> {
         // Borrowed for the connection's lifetime, not through `self`, so the select below
         // can poll them beside the reader without cloning a token on every read.

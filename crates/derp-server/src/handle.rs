@@ -147,6 +147,21 @@ impl Cancel {
 }
 
 #[cfg(test)]
+impl ConnHandle {
+    /// A plain client connection with key `[key; 32]`, for tests.
+    pub(crate) fn for_tests(id: u64, key: u8) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self::new(
+            id,
+            PublicKey::from_bytes([key; 32]),
+            ([127, 0, 0, 1], 1).into(),
+            0,
+            false,
+            32,
+        ))
+    }
+}
+
+#[cfg(test)]
 impl Cancel {
     /// Whether a quiet wait's waker is parked here.
     pub(crate) fn holds_quiet_waker(&self) -> bool {

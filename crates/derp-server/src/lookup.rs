@@ -453,14 +453,7 @@ mod tests {
     }
 
     fn conn(id: u64, key: u8) -> Arc<ConnHandle> {
-        Arc::new(ConnHandle::new(
-            id,
-            PublicKey::from_bytes([key; 32]),
-            ([127, 0, 0, 1], 1).into(),
-            0,
-            false,
-            32,
-        ))
+        ConnHandle::for_tests(id, key)
     }
 
     fn config(mirror: bool, cache: bool) -> LookupConfig {

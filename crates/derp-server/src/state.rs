@@ -131,6 +131,15 @@ impl ServerState {
     }
 }
 
+#[cfg(test)]
+impl ServerState {
+    /// A relay's state with the default configuration, for tests.
+    pub(crate) fn for_tests() -> Arc<Self> {
+        let config = ServerConfig::new(derp_proto::SecretKey::from_bytes([1; 32]));
+        Arc::new(Self::new(config, &prometheus::Registry::new()).expect("state"))
+    }
+}
+
 /// The task of [`ServerState::watch_lifecycle`]. It holds the state weakly, so a server that
 /// is dropped without a shutdown is not kept alive by it (and the task then ends).
 async fn carry_lifecycle(
@@ -157,19 +166,11 @@ async fn carry_lifecycle(
 mod tests {
     use std::time::Duration;
 
-    use derp_proto::SecretKey;
-
     use super::*;
 
     #[tokio::test]
     async fn the_lifecycle_task_ends_with_a_server_dropped_without_a_shutdown() {
-        let state = Arc::new(
-            ServerState::new(
-                ServerConfig::new(SecretKey::from_bytes([1; 32])),
-                &prometheus::Registry::new(),
-            )
-            .expect("state"),
-        );
+        let state = ServerState::for_tests();
         state.watch_lifecycle();
         let (tasks, shutdown) = (state.tasks.clone(), state.shutdown.clone());
         drop(state);

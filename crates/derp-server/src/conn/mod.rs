@@ -500,39 +500,16 @@ const HANDSHAKE_READ: usize = 1024;
 
 #[cfg(test)]
 mod tests {
-    use derp_proto::SecretKey;
-
     use super::*;
-    use crate::config::ServerConfig;
 
     #[tokio::test]
     async fn a_connection_registered_after_the_shutdown_began_is_cancelled() {
-        let shared = Arc::new(
-            ServerState::new(
-                ServerConfig::new(SecretKey::from_bytes([1; 32])),
-                &prometheus::Registry::new(),
-            )
-            .expect("state"),
-        );
-        let before = Arc::new(ConnHandle::new(
-            1,
-            PublicKey::from_bytes([2; 32]),
-            ([127, 0, 0, 1], 1).into(),
-            0,
-            false,
-            32,
-        ));
+        let shared = ServerState::for_tests();
+        let before = ConnHandle::for_tests(1, 2);
         let _before = Registration::new(shared.clone(), before.clone(), false, TransportLabel::Tcp);
         shared.shutdown.cancel();
         // The lifecycle task ends what is registered; one registering later ends itself.
-        let late = Arc::new(ConnHandle::new(
-            2,
-            PublicKey::from_bytes([3; 32]),
-            ([127, 0, 0, 1], 2).into(),
-            0,
-            false,
-            32,
-        ));
+        let late = ConnHandle::for_tests(2, 3);
         let _late = Registration::new(shared.clone(), late.clone(), false, TransportLabel::Tcp);
         assert!(late.cancel.is_cancelled());
         before.cancel.cancelled().await;

@@ -793,14 +793,7 @@ mod tests {
     }
 
     fn handle(id: u64, key: u8) -> Arc<ConnHandle> {
-        Arc::new(ConnHandle::new(
-            id,
-            PublicKey::from_bytes([key; 32]),
-            ([127, 0, 0, 1], 1).into(),
-            0,
-            false,
-            32,
-        ))
+        ConnHandle::for_tests(id, key)
     }
 
     /// A read loop for a registered client, fed by pushing frames into its buffer.

@@ -903,28 +903,13 @@ const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 #[cfg(test)]
 mod tests {
     use derp_io::Transport;
-    use derp_proto::SecretKey;
     use tokio::io::AsyncReadExt;
 
     use super::*;
-    use crate::config::ServerConfig;
 
     fn writer(w: WriteHalf) -> Box<Writer> {
-        let shared = Arc::new(
-            ServerState::new(
-                ServerConfig::new(SecretKey::from_bytes([1; 32])),
-                &prometheus::Registry::new(),
-            )
-            .expect("state"),
-        );
-        let handle = Arc::new(ConnHandle::new(
-            1,
-            PublicKey::from_bytes([2; 32]),
-            ([127, 0, 0, 1], 1).into(),
-            0,
-            false,
-            32,
-        ));
+        let shared = ServerState::for_tests();
+        let handle = ConnHandle::for_tests(1, 2);
         Box::new(Writer {
             shared,
             handle,

@@ -135,6 +135,15 @@ struct State {
     restarting: Option<Control>,
 }
 
+impl State {
+    /// Every registered connection, duplicates included.
+    fn conns(&self) -> impl Iterator<Item = &Arc<ConnHandle>> {
+        self.clients
+            .values()
+            .flat_map(|entry| entry.members.as_slice())
+    }
+}
+
 /// The server's client registry.
 #[derive(Debug)]
 pub(crate) struct Registry {
@@ -428,47 +437,30 @@ impl Registry {
             reconnect_in_ms,
             try_for_ms,
         };
-        for entry in state.clients.values() {
-            for member in entry.members.as_slice() {
-                member.queue.push_control(restarting.clone());
-            }
+        for member in state.conns() {
+            member.queue.push_control(restarting.clone());
         }
         state.restarting = Some(restarting);
     }
 
     /// Whether every registered connection has handed everything queued to its socket.
     pub(crate) fn all_drained(&self) -> bool {
-        let state = self.lock();
-        state
-            .clients
-            .values()
-            .flat_map(|entry| entry.members.as_slice())
-            .all(|member| member.queue.is_drained())
+        self.lock().conns().all(|member| member.queue.is_drained())
     }
 
     /// Cancels every registered connection (the server is shutting down).
     pub(crate) fn cancel_all(&self) {
-        let state = self.lock();
-        for member in state
-            .clients
-            .values()
-            .flat_map(|entry| entry.members.as_slice())
-        {
-            member.cancel.cancel();
-        }
+        self.lock()
+            .conns()
+            .for_each(|member| member.cancel.cancel());
     }
 
     /// Wakes every registered connection's quiet read loop, to see that the server is
     /// draining.
     pub(crate) fn wake_quiet_all(&self) {
-        let state = self.lock();
-        for member in state
-            .clients
-            .values()
-            .flat_map(|entry| entry.members.as_slice())
-        {
-            member.cancel.wake_quiet();
-        }
+        self.lock()
+            .conns()
+            .for_each(|member| member.cancel.wake_quiet());
     }
 
     /// Closes every connection of `key` (a mesh peer's ClosePeer request).
@@ -614,14 +606,7 @@ mod tests {
     use super::*;
 
     fn conn(id: u64) -> Arc<ConnHandle> {
-        Arc::new(ConnHandle::new(
-            id,
-            PublicKey::from_bytes([5; 32]),
-            ([127, 0, 0, 1], 1).into(),
-            0,
-            false,
-            32,
-        ))
+        ConnHandle::for_tests(id, 5)
     }
 
     #[test]

@@ -140,30 +140,23 @@ struct CachedPeer {
 }
 
 /// One connection's lookup state. Touched only by that connection's read loop: no lock.
+///
+/// Every idle connection's task holds one, so it borrows the server's configuration
+/// rather than copying it, and its cache is allocated on first use.
 #[derive(Debug)]
-pub(crate) struct Router {
-    mirror: bool,
-    cache: Option<PeerCache>,
+pub(crate) struct Router<'a> {
+    config: &'a LookupConfig,
+    entries: Option<Box<PeerCache>>,
     pub(crate) misses: Misses,
 }
 
-#[derive(Debug)]
-struct PeerCache {
-    config: PeerCacheConfig,
-    refresh: Duration,
-    /// Created on first use, and boxed, so idle connections pay one pointer for it.
-    entries: Option<Box<LruCache<PublicKey, CachedPeer, foldhash::fast::RandomState>>>,
-}
+type PeerCache = LruCache<PublicKey, CachedPeer, foldhash::fast::RandomState>;
 
-impl Router {
-    pub(crate) fn new(config: &LookupConfig) -> Self {
+impl<'a> Router<'a> {
+    pub(crate) fn new(config: &'a LookupConfig) -> Self {
         Self {
-            mirror: config.mirror,
-            cache: config.peer_cache.clone().map(|c| PeerCache {
-                refresh: c.refresh_interval(),
-                config: c,
-                entries: None,
-            }),
+            config,
+            entries: None,
             misses: Misses::default(),
         }
     }
@@ -181,7 +174,7 @@ impl Router {
         now: Instant,
         use_route: impl FnOnce(Route<'_>) -> R,
     ) -> R {
-        if self.mirror {
+        if self.config.mirror {
             // Entries are published only after their connection is marked active, and a
             // connection that stops being active is replaced or removed under the registry
             // lock; a reader racing with that delivers to a connection that just lost the
@@ -191,10 +184,10 @@ impl Router {
             }
             self.misses.mirror += 1;
         }
-        let Some(cache) = &mut self.cache else {
+        let Some(config) = &self.config.peer_cache else {
             return use_route(fallback(registry, dst, None, now));
         };
-        if let Some(entries) = cache.entries.as_mut()
+        if let Some(entries) = self.entries.as_mut()
             && let Some(peer) = entries.peek_mut(dst)
         {
             // `peek_mut` does not reorder: recency is refreshed coarsely, which keeps the
@@ -204,7 +197,8 @@ impl Router {
                 Cached::Forward(route) => route.is_current(),
             };
             if valid {
-                let promote = now.saturating_duration_since(peer.last_used) >= cache.refresh;
+                let promote =
+                    now.saturating_duration_since(peer.last_used) >= config.refresh_interval();
                 if promote {
                     peer.last_used = now;
                 }
@@ -219,32 +213,48 @@ impl Router {
             }
         }
         self.misses.cache += 1;
-        use_route(fallback(registry, dst, Some(cache), now))
+        use_route(fallback(
+            registry,
+            dst,
+            Some((&mut self.entries, config)),
+            now,
+        ))
     }
 
     /// Removes cache entries idle past the limit; called when the client pings, so trimming
     /// needs no timer task and no lock.
     pub(crate) fn trim(&mut self, now: Instant) {
-        if let Some(cache) = &mut self.cache {
-            cache.trim(now);
+        let Some(entries) = &mut self.entries else {
+            return;
+        };
+        let max_idle = self
+            .config
+            .peer_cache
+            .as_ref()
+            .map_or(Duration::ZERO, |c| c.max_idle);
+        while let Some((_, peer)) = entries.peek_lru() {
+            if now.saturating_duration_since(peer.last_used) > max_idle {
+                entries.pop_lru();
+            } else {
+                break;
+            }
+        }
+        if entries.is_empty() {
+            self.entries = None;
         }
     }
 
     /// Number of cached destinations; for tests.
     #[cfg(test)]
     fn cached(&self) -> usize {
-        self.cache
-            .as_ref()
-            .and_then(|c| c.entries.as_ref())
-            .map_or(0, |e| e.len())
+        self.entries.as_ref().map_or(0, |e| e.len())
     }
 
     /// Last-used time of a cached destination; for tests.
     #[cfg(test)]
     fn last_used(&self, dst: &PublicKey) -> Option<Instant> {
-        self.cache
+        self.entries
             .as_ref()
-            .and_then(|c| c.entries.as_ref())
             .and_then(|e| e.peek(dst))
             .map(|p| p.last_used)
     }
@@ -254,19 +264,19 @@ impl Router {
 fn fallback<'a>(
     registry: &Registry,
     dst: &PublicKey,
-    cache: Option<&mut PeerCache>,
+    cache: Option<(&mut Option<Box<PeerCache>>, &PeerCacheConfig)>,
     now: Instant,
 ) -> Route<'a> {
     match registry.lookup_locked(dst) {
         Lookup::Local(conn) => {
-            if let Some(cache) = cache {
-                cache.insert(*dst, Cached::Local(conn.clone()), now);
+            if let Some((entries, config)) = cache {
+                insert(entries, config, *dst, Cached::Local(conn.clone()), now);
             }
             Route::Local(ArcRef::Owned(conn))
         }
         Lookup::Forward(route) => {
-            if let Some(cache) = cache {
-                cache.insert(*dst, Cached::Forward(route.clone()), now);
+            if let Some((entries, config)) = cache {
+                insert(entries, config, *dst, Cached::Forward(route.clone()), now);
             }
             Route::Forward(ArcRef::Owned(route))
         }
@@ -275,39 +285,26 @@ fn fallback<'a>(
     }
 }
 
-impl PeerCache {
-    fn insert(&mut self, dst: PublicKey, target: Cached, now: Instant) {
-        // Unbounded as far as the lru crate knows, so nothing is preallocated per
-        // connection; the bound is enforced here.
-        let entries = self
-            .entries
-            .get_or_insert_with(|| Box::new(LruCache::unbounded_with_hasher(Default::default())));
-        entries.put(
-            dst,
-            CachedPeer {
-                target,
-                last_used: now,
-            },
-        );
-        while entries.len() > self.config.max_entries.get() {
-            entries.pop_lru();
-        }
-    }
-
-    fn trim(&mut self, now: Instant) {
-        let Some(entries) = &mut self.entries else {
-            return;
-        };
-        while let Some((_, peer)) = entries.peek_lru() {
-            if now.saturating_duration_since(peer.last_used) > self.config.max_idle {
-                entries.pop_lru();
-            } else {
-                break;
-            }
-        }
-        if entries.is_empty() {
-            self.entries = None;
-        }
+fn insert(
+    entries: &mut Option<Box<PeerCache>>,
+    config: &PeerCacheConfig,
+    dst: PublicKey,
+    target: Cached,
+    now: Instant,
+) {
+    // Unbounded as far as the lru crate knows, so nothing is preallocated per connection;
+    // the bound is enforced here.
+    let entries = entries
+        .get_or_insert_with(|| Box::new(LruCache::unbounded_with_hasher(Default::default())));
+    entries.put(
+        dst,
+        CachedPeer {
+            target,
+            last_used: now,
+        },
+    );
+    while entries.len() > config.max_entries.get() {
+        entries.pop_lru();
     }
 }
 
@@ -372,7 +369,7 @@ pub mod bench {
         }
 
         /// A per-connection lookup state, as one client's read loop holds it.
-        pub fn router(&self, config: &LookupConfig) -> BenchRouter<'_> {
+        pub fn router<'a>(&'a self, config: &'a LookupConfig) -> BenchRouter<'a> {
             BenchRouter {
                 bench: self,
                 router: Router::new(config),
@@ -385,7 +382,7 @@ pub mod bench {
     #[derive(Debug)]
     pub struct BenchRouter<'a> {
         bench: &'a LookupBench,
-        router: Router,
+        router: Router<'a>,
         now: Instant,
     }
 
@@ -514,7 +511,9 @@ mod tests {
             let reg = Arc::new(registry());
             let dst = conn(1, 2);
             reg.register(&dst);
-            let mut router = Router::new(&config(mirror, true));
+            // The router moves to another thread, so its configuration must outlive this one.
+            let router_config: &'static LookupConfig = Box::leak(Box::new(config(mirror, true)));
+            let mut router = Router::new(router_config);
             let now = Instant::now();
             // Prime the LRU (or rely on the mirror).
             assert_eq!(local_id(route(&mut router, &reg, &dst.key, now)), Some(1));
@@ -544,7 +543,8 @@ mod tests {
         let reg = registry();
         let old = conn(1, 2);
         reg.register(&old);
-        let mut router = Router::new(&config(false, true));
+        let router_config = config(false, true);
+        let mut router = Router::new(&router_config);
         let now = Instant::now();
         assert_eq!(local_id(route(&mut router, &reg, &old.key, now)), Some(1));
         assert_eq!(router.misses.cache, 1);
@@ -564,7 +564,8 @@ mod tests {
         let f1: Arc<dyn PacketForwarder> = Arc::new(TestForwarder);
         let f2: Arc<dyn PacketForwarder> = Arc::new(TestForwarder);
         reg.add_forwarder(key, f1.clone());
-        let mut router = Router::new(&config(true, true));
+        let router_config = config(true, true);
+        let mut router = Router::new(&router_config);
         let now = Instant::now();
         let fwd_of = |r: Found| match r {
             Found::Forward(f) => Some(f),
@@ -601,7 +602,8 @@ mod tests {
         let local = conn(1, 7);
         reg.register(&local);
         assert_eq!(local_id(route(&mut router, &reg, &key, now)), Some(1));
-        let mut no_mirror = Router::new(&config(false, true));
+        let no_mirror_config = config(false, true);
+        let mut no_mirror = Router::new(&no_mirror_config);
         assert_eq!(local_id(route(&mut no_mirror, &reg, &key, now)), Some(1));
     }
 
@@ -610,7 +612,8 @@ mod tests {
         let reg = registry();
         let dst = conn(1, 2);
         reg.register(&dst);
-        let mut router = Router::new(&config(false, true));
+        let router_config = config(false, true);
+        let mut router = Router::new(&router_config);
         let t0 = Instant::now();
         route(&mut router, &reg, &dst.key, t0);
         assert_eq!(router.last_used(&dst.key), Some(t0));
@@ -633,7 +636,8 @@ mod tests {
         let fresh = conn(2, 3);
         reg.register(&old);
         reg.register(&fresh);
-        let mut router = Router::new(&config(false, true));
+        let router_config = config(false, true);
+        let mut router = Router::new(&router_config);
         let t0 = Instant::now();
         route(&mut router, &reg, &old.key, t0);
         let t1 = t0 + Duration::from_secs(600);
@@ -652,10 +656,11 @@ mod tests {
         for c in &conns {
             reg.register(c);
         }
-        let mut router = Router::new(&LookupConfig {
+        let router_config = LookupConfig {
             mirror: false,
             peer_cache: PeerCacheConfig::from_flags(4, Duration::ZERO),
-        });
+        };
+        let mut router = Router::new(&router_config);
         let now = Instant::now();
         for c in &conns {
             assert_eq!(local_id(route(&mut router, &reg, &c.key, now)), Some(c.id));
@@ -670,7 +675,8 @@ mod tests {
         reg.register(&dst);
         let now = Instant::now();
         // LRU off: nothing cached, no LRU misses counted.
-        let mut router = Router::new(&config(true, false));
+        let router_config = config(true, false);
+        let mut router = Router::new(&router_config);
         route(&mut router, &reg, &dst.key, now);
         route(&mut router, &reg, &PublicKey::from_bytes([9; 32]), now);
         assert_eq!(router.cached(), 0);
@@ -683,13 +689,15 @@ mod tests {
         );
         // Mirror off: a key only the mirror holds is not found, and no mirror miss counts.
         reg.remove_from_mirror_for_test(&dst.key);
-        let mut router = Router::new(&config(false, false));
+        let router_config = config(false, false);
+        let mut router = Router::new(&router_config);
         assert_eq!(local_id(route(&mut router, &reg, &dst.key, now)), Some(1));
         assert_eq!(router.misses, Misses::default());
         // Mirror on and hitting: the LRU is not consulted, so it stays empty.
         let reg = registry();
         reg.register(&dst);
-        let mut router = Router::new(&config(true, true));
+        let router_config = config(true, true);
+        let mut router = Router::new(&router_config);
         route(&mut router, &reg, &dst.key, now);
         assert_eq!(router.cached(), 0);
         assert_eq!(router.misses, Misses::default());
@@ -699,7 +707,8 @@ mod tests {
     fn every_mode_finds_every_destination() {
         let bench = bench::LookupBench::new(4);
         for (mirror, cache) in [(false, false), (false, true), (true, false), (true, true)] {
-            let mut r = bench.router(&config(mirror, cache));
+            let router_config = config(mirror, cache);
+            let mut r = bench.router(&router_config);
             for i in 0..16 {
                 assert!(r.lookup(i), "mirror={mirror} cache={cache} i={i}");
             }

@@ -310,7 +310,7 @@ pub(super) struct ReadLoop<'a> {
     pub(super) reader: &'a mut FrameReader,
     decoder: ServerDecoder,
     not_here: NotHereLimiter,
-    router: Router,
+    router: Router<'a>,
     connected_at: Instant,
     /// Size of the next read (see `adapt_to_read`).
     chunk: usize,

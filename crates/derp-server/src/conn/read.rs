@@ -309,7 +309,9 @@ pub(super) struct ReadLoop<'a> {
     /// reader twice (once where it was, once here).
     pub(super) reader: &'a mut FrameReader,
     decoder: ServerDecoder,
-    not_here: NotHereLimiter,
+    /// Created on the first disco packet for a key nobody has, and boxed, so the many
+    /// connections that never send one pay one pointer for it.
+    not_here: Option<Box<NotHereLimiter>>,
     router: Router<'a>,
     connected_at: Instant,
     /// Size of the next read (see `adapt_to_read`).
@@ -352,7 +354,7 @@ impl<'a> ReadLoop<'a> {
             handle,
             reader,
             decoder: ServerDecoder::after_handshake(),
-            not_here: NotHereLimiter::new(now),
+            not_here: None,
             router: Router::new(&shared.config.lookup),
             connected_at: now,
             chunk: MIN_READ_CHUNK,
@@ -718,7 +720,14 @@ impl<'a> ReadLoop<'a> {
 
     /// Answers a disco packet to an unknown key with PeerGone(NotHere), rate-limited.
     fn maybe_not_here(&mut self, dst: PublicKey, kind: PacketKind, now: Instant) {
-        if kind == PacketKind::Disco && self.not_here.allow(now) {
+        if kind != PacketKind::Disco {
+            return;
+        }
+        // A bucket created now starts full, as one created on connecting would be by now.
+        let limiter = self
+            .not_here
+            .get_or_insert_with(|| Box::new(NotHereLimiter::new(now)));
+        if limiter.allow(now) {
             self.handle
                 .queue
                 .push_control(Control::PeerGone(dst, PeerGoneReason::NotHere));

@@ -78,8 +78,8 @@ pub(crate) trait Resume: Send + std::fmt::Debug {
 
 /// Writers a sender took from their queues while handling one read batch, to be run with
 /// [`Inline::flush`] once the batch is done (so several packets for one destination go out
-/// in one write), or earlier when a destination's queue fills up. Kept by each read loop and
-/// reused, so it allocates once.
+/// in one write), or earlier when a destination's queue fills up. One per worker thread,
+/// reused by every batch handled there, so it allocates once.
 #[derive(Debug, Default)]
 pub(crate) struct Inline {
     writers: Vec<Box<dyn Resume>>,

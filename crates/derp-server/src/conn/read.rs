@@ -331,9 +331,6 @@ pub(super) struct ReadLoop<'a> {
     /// The receive rate limit's bucket; `None` for mesh peers and when no limit is
     /// configured. Boxed, so connections without a limit pay one pointer for it.
     limiter: Option<Box<ClientLimiter>>,
-    /// Idle destinations' writers taken along while handling a batch, to write inline at
-    /// its end.
-    inline: Inline,
 }
 
 impl<'a> ReadLoop<'a> {
@@ -366,7 +363,6 @@ impl<'a> ReadLoop<'a> {
             read_since_keepalive: false,
             limiter: (shared.config.rate_limit.is_some() && !handle.can_mesh)
                 .then(|| Box::new(ClientLimiter::new(&shared.rate_limits, now))),
-            inline: Inline::default(),
         }
     }
 
@@ -515,13 +511,17 @@ impl<'a> ReadLoop<'a> {
     /// has the idle destinations it queued packets for write them at once, and folds what it
     /// counted into the metrics. Returns whether a destination's queue was full.
     ///
-    /// The batch's counts live in the worker thread, not in the connection: they exist only
-    /// while a batch is handled (this is synchronous, so no other connection's batch runs on
-    /// the thread meanwhile), and an idle connection should not carry them.
+    /// The batch's counts and the writers it takes along live in the worker thread, not in
+    /// the connection: they exist only while a batch is handled (this is synchronous, so no
+    /// other connection's batch runs on the thread meanwhile), and an idle connection should
+    /// not carry them.
     fn process_buffered(&mut self) -> Result<bool, ConnError> {
-        BATCH_COUNTS.with_borrow_mut(|counts| {
-            let result = self.process_frames(counts);
-            self.inline.flush();
+        BATCH.with_borrow_mut(|BatchScratch { counts, inline }| {
+            // Flushed when dropped, on unwinding too: a writer taken along must never be
+            // left behind in the thread's list.
+            let inline = FlushOnDrop(inline);
+            let result = self.process_frames(counts, inline.0);
+            drop(inline);
             let congested = counts.queue_drops() > 0;
             self.shared.fold(counts);
             result.map(|()| congested)
@@ -530,7 +530,11 @@ impl<'a> ReadLoop<'a> {
 
     /// Handles the frames. Synchronous: the lookup guard and the batch timestamp never cross
     /// an await.
-    fn process_frames(&mut self, counts: &mut ReaderCounts) -> Result<(), ConnError> {
+    fn process_frames(
+        &mut self,
+        counts: &mut ReaderCounts,
+        inline: &mut Inline,
+    ) -> Result<(), ConnError> {
         let now = Instant::now();
         if let Some(limiter) = &mut self.limiter {
             limiter.begin_batch(&self.shared.rate_limits, now);
@@ -556,14 +560,15 @@ impl<'a> ReadLoop<'a> {
             match frame {
                 ClientToRelay::SendPacket { dst, packet } => {
                     let packet = self.own_payload(packet);
-                    self.client_packet(&guard, dst, packet, now, counts);
+                    self.client_packet(&guard, dst, packet, now, counts, inline);
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
                     self.require_mesh(FrameType::ForwardPacket)?;
                     let packet = self.own_payload(packet);
                     let kind = PacketKind::of(&packet);
                     counts.forwarded_in += 1;
-                    self.route(&guard, Origin::Mesh, src, dst, packet, kind, now, counts);
+                    let origin = Origin::Mesh;
+                    self.route(&guard, origin, src, dst, packet, kind, now, counts, inline);
                 }
                 ClientToRelay::NotePreferred(preferred) => self.note_preferred(preferred, now),
                 ClientToRelay::WatchConns => {
@@ -579,7 +584,7 @@ impl<'a> ReadLoop<'a> {
                 ClientToRelay::Ping(data) => {
                     counts.got_ping += 1;
                     self.router.trim(now);
-                    self.handle.queue.push_pong(data, &mut self.inline);
+                    self.handle.queue.push_pong(data, inline);
                 }
                 ClientToRelay::ClientInfo { .. }
                 | ClientToRelay::Pong(_)
@@ -590,7 +595,7 @@ impl<'a> ReadLoop<'a> {
             }
         }
         if let Some(mut datagrams) = self.reader.take_datagrams() {
-            self.handle_datagrams(&guard, &mut datagrams, now, counts);
+            self.handle_datagrams(&guard, &mut datagrams, now, counts, inline);
             if let Some(q) = &mut self.reader.quic {
                 // Hand the vector back (emptied, or with what the rate limit held back) so
                 // its capacity is reused.
@@ -611,13 +616,24 @@ impl<'a> ReadLoop<'a> {
         packet: Bytes,
         now: Instant,
         counts: &mut ReaderCounts,
+        inline: &mut Inline,
     ) {
         let kind = PacketKind::of(&packet);
         counts.packets_received += 1;
         counts.bytes_received += packet.len() as u64;
         counts.packets_received_kind[kind as usize] += 1;
         let src = self.handle.key;
-        self.route(guard, Origin::Client, src, dst, packet, kind, now, counts);
+        self.route(
+            guard,
+            Origin::Client,
+            src,
+            dst,
+            packet,
+            kind,
+            now,
+            counts,
+            inline,
+        );
     }
 
     /// QUIC datagrams: each one SendPacket frame, routed like one from the stream. Anything
@@ -630,6 +646,7 @@ impl<'a> ReadLoop<'a> {
         datagrams: &mut Vec<Bytes>,
         now: Instant,
         counts: &mut ReaderCounts,
+        inline: &mut Inline,
     ) {
         let mut handled = 0;
         while handled < datagrams.len() {
@@ -648,7 +665,7 @@ impl<'a> ReadLoop<'a> {
             match derp_proto::decode_send_packet_datagram(&datagram) {
                 Some((dst, packet)) => {
                     counts.datagrams_in += 1;
-                    self.client_packet(guard, dst, packet, now, counts);
+                    self.client_packet(guard, dst, packet, now, counts, inline);
                 }
                 None => counts.garbage_datagrams += 1,
             }
@@ -671,10 +688,10 @@ impl<'a> ReadLoop<'a> {
         kind: PacketKind,
         now: Instant,
         counts: &mut ReaderCounts,
+        inline: &mut Inline,
     ) {
         let registry = &self.shared.registry;
         let len = packet.len();
-        let inline = &mut self.inline;
         let missing = self.router.route_with(registry, guard, &dst, now, |route| {
             match (route, origin) {
                 (Route::Local(conn), _) => conn.queue.push_packet(
@@ -764,11 +781,28 @@ impl<'a> ReadLoop<'a> {
     }
 }
 
+/// What the batch being handled on a thread gathers (see `ReadLoop::process_buffered`).
+#[derive(Default)]
+struct BatchScratch {
+    /// What the batch counted; folded into the metrics at its end.
+    counts: ReaderCounts,
+    /// Idle destinations' writers taken along, to write inline at the batch's end. Kept
+    /// here, emptied after every batch, so its vector is allocated once per thread.
+    inline: Inline,
+}
+
+/// Flushes the writers taken along when dropped.
+struct FlushOnDrop<'a>(&'a mut Inline);
+
+impl Drop for FlushOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.flush();
+    }
+}
+
 thread_local! {
-    /// What the batch being handled on this thread counted; folded into the metrics at its
-    /// end (see `ReadLoop::process_buffered`).
-    static BATCH_COUNTS: std::cell::RefCell<ReaderCounts> =
-        std::cell::RefCell::new(ReaderCounts::default());
+    static BATCH: std::cell::RefCell<BatchScratch> =
+        std::cell::RefCell::new(BatchScratch::default());
 }
 
 /// The largest read; one read can carry many frames.

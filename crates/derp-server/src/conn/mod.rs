@@ -194,7 +194,7 @@ async fn run(
         let early = reader.attach_quic(link.clone());
         shared.metrics.quic_garbage_datagrams.inc_by(early);
     }
-    let registration = Registration::new(shared.clone(), handle.clone(), not_ideal, label);
+    let registration = Registration::new(shared.clone(), handle.clone(), not_ideal, label, detach);
     let write_timeout = if can_mesh {
         config.mesh_write_timeout
     } else {
@@ -235,10 +235,8 @@ async fn run(
                     );
                     let established = Established {
                         reader,
-                        quic,
                         registration,
                         _open: open,
-                        detached: detach,
                     };
                     if detach {
                         shared.tasks.spawn(established.run());
@@ -258,14 +256,11 @@ async fn run(
 /// An established connection: registered, ServerInfo sent, its writer started. Only what the
 /// read loop needs from here on, so that a task running just this stays small.
 struct Established {
+    /// Also holds the QUIC link of a connection over QUIC.
     reader: FrameReader,
-    quic: Option<Arc<QuicLink>>,
     registration: Registration,
     /// Counts the connection as open until it ends.
     _open: Option<OpenPermit>,
-    /// Nobody awaits the connection's end: it counts how it ended itself. A field rather
-    /// than an argument of `run`, whose future would keep it in a slot of its own.
-    detached: bool,
 }
 
 impl Established {
@@ -276,15 +271,24 @@ impl Established {
     #[allow(clippy::manual_async_fn)]
     fn run(mut self) -> impl Future<Output = Result<(), ConnError>> + Send {
         async move {
-            if let Some(link) = self.quic.clone() {
+            if let Some(link) = self.reader.quic_link() {
                 // Boxed: QUIC's path watcher would otherwise size every TCP connection's task.
                 return Box::pin(self.run_quic(link)).await;
             }
-            let shared = &self.registration.shared;
-            let handle = &self.registration.handle;
-            let result = ReadLoop::new(shared, handle, &mut self.reader).run().await;
+            let r = &self.registration;
+            let result = ReadLoop::new(&r.shared, &r.handle, &mut self.reader)
+                .run()
+                .await;
+            // Borrowed again rather than kept from above, where they would take a slot each
+            // in every idle connection's task.
+            let Registration {
+                shared,
+                handle,
+                detached,
+                ..
+            } = &self.registration;
             debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
-            if self.detached {
+            if *detached {
                 count_end(shared, handle.remote, &result);
             }
             // Leaving the registry (when `self.registration` drops) closes the queues; the
@@ -296,7 +300,10 @@ impl Established {
 
     /// [`Established::run`] for DERP over QUIC: the path watcher runs beside the read loop,
     /// on the connection's own task, and stops with it.
-    async fn run_quic(mut self, link: Arc<QuicLink>) -> Result<(), ConnError> {
+    ///
+    /// Borrows the connection rather than taking it: moved on one path only, it would need
+    /// a drop flag in every connection's task.
+    async fn run_quic(&mut self, link: Arc<QuicLink>) -> Result<(), ConnError> {
         let shared = &self.registration.shared;
         let handle = &self.registration.handle;
         let mut read_loop = ReadLoop::new(shared, handle, &mut self.reader);
@@ -318,6 +325,9 @@ struct Registration {
     handle: Arc<ConnHandle>,
     not_ideal: bool,
     label: TransportLabel,
+    /// Nobody awaits the connection's end: its task counts how it ended itself. Here, in
+    /// what would otherwise be padding, rather than in a slot of its own in the task.
+    detached: bool,
 }
 
 impl Registration {
@@ -326,6 +336,7 @@ impl Registration {
         handle: Arc<ConnHandle>,
         not_ideal: bool,
         label: TransportLabel,
+        detached: bool,
     ) -> Self {
         shared.registry.register(&handle);
         shared.watch_lifecycle();
@@ -343,6 +354,7 @@ impl Registration {
             handle,
             not_ideal,
             label,
+            detached,
         }
     }
 }
@@ -506,11 +518,23 @@ mod tests {
     async fn a_connection_registered_after_the_shutdown_began_is_cancelled() {
         let shared = ServerState::for_tests();
         let before = ConnHandle::for_tests(1, 2);
-        let _before = Registration::new(shared.clone(), before.clone(), false, TransportLabel::Tcp);
+        let _before = Registration::new(
+            shared.clone(),
+            before.clone(),
+            false,
+            TransportLabel::Tcp,
+            false,
+        );
         shared.shutdown.cancel();
         // The lifecycle task ends what is registered; one registering later ends itself.
         let late = ConnHandle::for_tests(2, 3);
-        let _late = Registration::new(shared.clone(), late.clone(), false, TransportLabel::Tcp);
+        let _late = Registration::new(
+            shared.clone(),
+            late.clone(),
+            false,
+            TransportLabel::Tcp,
+            false,
+        );
         assert!(late.cancel.is_cancelled());
         before.cancel.cancelled().await;
     }

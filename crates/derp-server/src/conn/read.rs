@@ -89,6 +89,11 @@ impl FrameReader {
         early
     }
 
+    /// The QUIC connection's link, for a connection over QUIC.
+    pub(super) fn quic_link(&self) -> Option<Arc<QuicLink>> {
+        self.quic.as_ref().map(|q| q.link.clone())
+    }
+
     /// Datagrams read since the last call (QUIC only).
     fn take_datagrams(&mut self) -> Option<Vec<Bytes>> {
         let q = self.quic.as_mut()?;

@@ -538,4 +538,36 @@ mod tests {
         assert!(late.cancel.is_cancelled());
         before.cancel.cancelled().await;
     }
+
+    /// Every idle connection is one task parked in the quiet wait, and tokio sizes a task's
+    /// cell in steps of 128 bytes: a future of at most 400 bytes (with the task tracker's
+    /// token and tokio's header, core and trailer) takes a 512-byte cell, one byte more a
+    /// 640-byte one. A field added to what the read loop keeps between reads must be paid
+    /// for elsewhere (docs/benchmarks.md, "A 512-byte task for every idle connection").
+    #[tokio::test]
+    async fn an_idle_connections_task_fits_a_512_byte_cell() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let (read_half, _write_half) = Transport::Tcp(server).split();
+        let shared = ServerState::for_tests();
+        let handle = ConnHandle::for_tests(1, 2);
+        let established = Established {
+            reader: FrameReader::new(read_half, Framing::Raw, BytesMut::new()),
+            registration: Registration::new(shared, handle, false, TransportLabel::Tcp, true),
+            _open: None,
+        };
+        let task = established.run();
+        let size = std::mem::size_of_val(&task);
+        assert!(
+            size <= 400,
+            "an established connection's future is {size} bytes; at most 400 fit a 512-byte task"
+        );
+        drop(task);
+        drop(client);
+    }
 }

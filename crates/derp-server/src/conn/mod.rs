@@ -541,8 +541,8 @@ mod tests {
 
     /// Every idle connection is one task parked in the quiet wait, and tokio sizes a task's
     /// cell in steps of 128 bytes: a future of at most 400 bytes (with the task tracker's
-    /// token and tokio's header, core and trailer) takes a 512-byte cell, one byte more a
-    /// 640-byte one. A field added to what the read loop keeps between reads must be paid
+    /// token and tokio's header, core and trailer) takes a 512-byte cell, eight bytes more
+    /// (futures grow in steps of their 8-byte alignment) a 640-byte one. A field added to what the read loop keeps between reads must be paid
     /// for elsewhere (docs/benchmarks.md, "A 512-byte task for every idle connection").
     #[tokio::test]
     async fn an_idle_connections_task_fits_a_512_byte_cell() {
@@ -562,7 +562,7 @@ mod tests {
             _open: None,
         };
         let task = established.run();
-        let size = std::mem::size_of_val(&task);
+        let size = size_of_val(&task);
         assert!(
             size <= 400,
             "an established connection's future is {size} bytes; at most 400 fit a 512-byte task"

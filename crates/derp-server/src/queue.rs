@@ -88,7 +88,9 @@ pub(crate) struct Inline {
 impl Inline {
     /// Lets every writer taken along write what is queued for it.
     pub(crate) fn flush(&mut self) {
-        for writer in self.writers.drain(..) {
+        // One at a time rather than through a drain: should a write panic, the writers not
+        // yet reached stay in the list for the next flush instead of being dropped with it.
+        while let Some(writer) = self.writers.pop() {
             writer.write_inline();
         }
     }

@@ -224,14 +224,11 @@ impl<'a> Router<'a> {
     /// Removes cache entries idle past the limit; called when the client pings, so trimming
     /// needs no timer task and no lock.
     pub(crate) fn trim(&mut self, now: Instant) {
-        let Some(entries) = &mut self.entries else {
+        // Entries exist only where the cache is configured.
+        let (Some(entries), Some(config)) = (&mut self.entries, &self.config.peer_cache) else {
             return;
         };
-        let max_idle = self
-            .config
-            .peer_cache
-            .as_ref()
-            .map_or(Duration::ZERO, |c| c.max_idle);
+        let max_idle = config.max_idle;
         while let Some((_, peer)) = entries.peek_lru() {
             if now.saturating_duration_since(peer.last_used) > max_idle {
                 entries.pop_lru();

@@ -517,24 +517,21 @@ mod tests {
     #[tokio::test]
     async fn a_connection_registered_after_the_shutdown_began_is_cancelled() {
         let shared = ServerState::for_tests();
+        let register = |handle: &Arc<ConnHandle>| {
+            Registration::new(
+                shared.clone(),
+                handle.clone(),
+                false,
+                TransportLabel::Tcp,
+                false,
+            )
+        };
         let before = ConnHandle::for_tests(1, 2);
-        let _before = Registration::new(
-            shared.clone(),
-            before.clone(),
-            false,
-            TransportLabel::Tcp,
-            false,
-        );
+        let _before = register(&before);
         shared.shutdown.cancel();
         // The lifecycle task ends what is registered; one registering later ends itself.
         let late = ConnHandle::for_tests(2, 3);
-        let _late = Registration::new(
-            shared.clone(),
-            late.clone(),
-            false,
-            TransportLabel::Tcp,
-            false,
-        );
+        let _late = register(&late);
         assert!(late.cancel.is_cancelled());
         before.cancel.cancelled().await;
     }
@@ -542,8 +539,9 @@ mod tests {
     /// Every idle connection is one task parked in the quiet wait, and tokio sizes a task's
     /// cell in steps of 128 bytes: a future of at most 400 bytes (with the task tracker's
     /// token and tokio's header, core and trailer) takes a 512-byte cell, eight bytes more
-    /// (futures grow in steps of their 8-byte alignment) a 640-byte one. A field added to what the read loop keeps between reads must be paid
-    /// for elsewhere (docs/benchmarks.md, "A 512-byte task for every idle connection").
+    /// (futures grow in steps of their 8-byte alignment) a 640-byte one. A field added to
+    /// what the read loop keeps between reads must be paid for elsewhere (docs/benchmarks.md,
+    /// "A 512-byte task for every idle connection").
     #[tokio::test]
     async fn an_idle_connections_task_fits_a_512_byte_cell() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -510,6 +510,18 @@ impl Framing {
 /// allocated now must not stay with an idle connection.
 const HANDSHAKE_READ: usize = 1024;
 
+/// A connected loopback TCP pair, for tests that need a real socket: (the server's end, the
+/// client's end).
+#[cfg(test)]
+async fn loopback_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"));
+    let (client, accepted) = tokio::join!(client, listener.accept());
+    (accepted.expect("accept").0, client.expect("connect"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -544,13 +556,7 @@ mod tests {
     /// "A 512-byte task for every idle connection").
     #[tokio::test]
     async fn an_idle_connections_task_fits_a_512_byte_cell() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
-            .await
-            .expect("connect");
-        let (server, _) = listener.accept().await.expect("accept");
+        let (server, client) = loopback_pair().await;
         let (read_half, _write_half) = Transport::Tcp(server).split();
         let shared = ServerState::for_tests();
         let handle = ConnHandle::for_tests(1, 2);

@@ -960,12 +960,8 @@ mod tests {
         shared: &'a Arc<ServerState>,
         handle: &'a Arc<ConnHandle>,
     ) -> (ReadLoop<'a>, tokio::net::TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"));
-        let (client, accepted) = tokio::join!(client, listener.accept());
-        let (read_half, write_half) = Transport::Tcp(accepted.expect("accept").0).split();
+        let (server, client) = super::super::loopback_pair().await;
+        let (read_half, write_half) = Transport::Tcp(server).split();
         // Kept: dropping the write half would shut the socket's sending side down.
         Box::leak(Box::new(write_half));
         let reader = Box::leak(Box::new(FrameReader::new(
@@ -973,10 +969,7 @@ mod tests {
             Framing::Raw,
             BytesMut::new(),
         )));
-        (
-            ReadLoop::new(shared, handle, reader),
-            client.expect("connect"),
-        )
+        (ReadLoop::new(shared, handle, reader), client)
     }
 
     /// Yields until `cond` holds; the other side of a `join!` runs meanwhile.

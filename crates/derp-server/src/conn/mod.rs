@@ -552,7 +552,7 @@ mod tests {
     /// cell in steps of 128 bytes: a future of at most 400 bytes (with the task tracker's
     /// token and tokio's header, core and trailer) takes a 512-byte cell, eight bytes more
     /// (futures grow in steps of their 8-byte alignment) a 640-byte one. A field added to
-    /// what the read loop keeps between reads must be paid for elsewhere (docs/benchmarks.md,
+    /// what the read loop keeps between reads must be paid for elsewhere (docs/bench-log/2026-12.md,
     /// "A 512-byte task for every idle connection").
     #[tokio::test]
     async fn an_idle_connections_task_fits_a_512_byte_cell() {

@@ -2,16 +2,18 @@
 
 use std::fs;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Context;
 use derp_proto::SecretKey;
+use derp_tls::{remove_stale_temps, temp_path};
 
 /// Loads the key at `path`, creating the file with a fresh key when it does not exist.
 ///
 /// A file that exists but cannot be read or parsed is an error and is never overwritten: the
 /// key is the server's identity, and replacing it would silently break every client's pin.
 pub(crate) fn load_or_create(path: &Path) -> anyhow::Result<SecretKey> {
+    // Left by starts killed while writing a new key; best effort, the key does not depend on it.
     remove_stale_temps(path);
     match fs::read(path) {
         Ok(bytes) => parse(&bytes).with_context(|| format!("config file {}", path.display())),
@@ -74,43 +76,6 @@ fn write_new(path: &Path, key: &SecretKey) -> anyhow::Result<bool> {
     Ok(result?)
 }
 
-/// The temporary file a process with id `pid` writes a new key to.
-fn temp_path(path: &Path, pid: u32) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_owned();
-    name.push(format!(".tmp{pid}"));
-    path.with_file_name(name)
-}
-
-/// Removes temporary key files left by processes that were killed while writing (their
-/// process is gone). Best effort: a failure here changes nothing about the key.
-fn remove_stale_temps(path: &Path) {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return;
-    };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let prefix = format!("{}.tmp", name.to_string_lossy());
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        let Some(pid) = file_name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = fs::remove_file(entry.path());
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,20 +102,12 @@ mod tests {
         // A second writer (a racing start) finds the file and leaves it alone.
         assert!(!write_new(&path, &SecretKey::from_bytes([2; 32])).unwrap());
         assert_eq!(load_or_create(&path).unwrap().to_bytes(), first.to_bytes());
-        // Temporary files of processes that are gone are removed; others are left.
-        let dead = temp_path(&path, u32::MAX - 1);
-        let live = temp_path(&path, std::process::id());
-        fs::write(&dead, "x").unwrap();
-        fs::write(&live, "x").unwrap();
-        load_or_create(&path).unwrap();
-        assert!(!dead.exists());
-        assert!(live.exists());
-        let mut names: Vec<_> = fs::read_dir(&dir)
+        // Neither writer left its temporary file behind.
+        let names: Vec<_> = fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().file_name())
             .collect();
-        names.sort();
-        assert_eq!(names.len(), 2);
+        assert_eq!(names, ["derper.key"]);
         let _ = fs::remove_dir_all(&dir);
     }
 

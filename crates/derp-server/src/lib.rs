@@ -12,6 +12,9 @@
 //!   connections that evicts the oldest when full, and a per-client receive rate enforced by
 //!   reading more slowly; runs the admission checks it is given ([`Admission`]) on every
 //!   client before registering it;
+//! - takes connections off every listener, its own and its embedders', through [`Listener`],
+//!   which retries an accept that failed for one connection at once and backs off while
+//!   accept fails for want of file descriptors or memory;
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
 //! - answers STUN binding requests on a UDP socket it is given;
 //! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
@@ -26,6 +29,7 @@
 //! framing, lives in `derp-proto`.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod accept;
 mod admission;
 mod config;
 mod conn;
@@ -42,6 +46,7 @@ mod server;
 mod state;
 mod stun;
 
+pub use accept::{Accept, Listener};
 pub use admission::{
     Admission, AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict, VerdictFuture,
 };
@@ -52,7 +57,7 @@ pub use config::{
 pub use derp_io::{BoxedIo, Transport, tune_socket};
 pub use http::generate_204;
 pub use listen::{
-    AcceptErrors, AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,
+    AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,
     DEFAULT_MAX_UNPROVEN_PER_SOURCE, Refusal, Unproven, UnprovenBudget,
 };
 /// Benchmark scaffolding over the real lookup path; only with the `bench` feature.

@@ -1,5 +1,5 @@
-//! What a listener lets in: the accept rate, the cap on open connections, the budget of
-//! unproven connections, and backing off when accept itself fails.
+//! What a listener lets in: the accept rate, the cap on open connections and the budget of
+//! unproven connections.
 //!
 //! **Unproven connections** are those that have not yet shown they are a client: a TLS
 //! handshake, an HTTP request head, a DERP handshake (and its admission check) in progress,
@@ -23,16 +23,14 @@
 //! connections per handshake timeout.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::warn;
 
 /// Default [`ConnLimits::max_unproven`].
 pub const DEFAULT_MAX_UNPROVEN: usize = 1024;
@@ -507,77 +505,6 @@ fn source_of(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// What an accept loop does when `accept` fails (out of file descriptors, out of memory): wait
-/// before trying again, doubling from 5 ms to 1 s while failures continue, and log at most
-/// one warning every 10 s, saying how many were left out.
-#[derive(Debug)]
-pub struct AcceptErrors {
-    listener: &'static str,
-    counter: IntCounter,
-    delay: Duration,
-    last_log: Option<Instant>,
-    suppressed: u64,
-}
-
-const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
-const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
-const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(10);
-
-impl AcceptErrors {
-    /// For the listener named `listener` in logs; every failure is counted in `counter`.
-    pub fn new(listener: &'static str, counter: IntCounter) -> Self {
-        Self {
-            listener,
-            counter,
-            delay: Duration::ZERO,
-            last_log: None,
-            suppressed: 0,
-        }
-    }
-
-    /// Notes a failed accept and returns how long to wait before the next.
-    pub fn failed(&mut self, error: &io::Error) -> Duration {
-        self.counter.inc();
-        self.delay = (self.delay * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
-        let now = Instant::now();
-        let due = self
-            .last_log
-            .is_none_or(|t| now.saturating_duration_since(t) >= ACCEPT_LOG_EVERY);
-        if due {
-            warn!(
-                listener = self.listener,
-                %error,
-                suppressed = self.suppressed,
-                retry_in_ms = self.delay.as_millis() as u64,
-                "accept failed"
-            );
-            self.last_log = Some(now);
-            self.suppressed = 0;
-        } else {
-            self.suppressed += 1;
-        }
-        self.delay
-    }
-
-    /// Notes a successful accept: the backoff resets, and if warnings were left out since the
-    /// last one logged, says how many.
-    pub fn succeeded(&mut self) {
-        if self.delay.is_zero() {
-            return;
-        }
-        self.delay = Duration::ZERO;
-        if self.suppressed > 0 || self.last_log.is_some() {
-            info!(
-                listener = self.listener,
-                suppressed = self.suppressed,
-                "accepting again"
-            );
-        }
-        self.suppressed = 0;
-        self.last_log = None;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -768,23 +695,5 @@ mod tests {
         // The refusal above took a token too: the fourth and last goes to this one.
         let _c = gate.admit(remote).expect("room again");
         assert_eq!(gate.admit(remote).err(), Some(Refusal::RateLimit));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn accept_errors_back_off_and_log_rarely() {
-        let counter = IntCounter::new("c", "c").expect("counter");
-        let mut e = AcceptErrors::new("test", counter.clone());
-        let err = io::Error::from_raw_os_error(24);
-        let delays: Vec<Duration> = (0..10).map(|_| e.failed(&err)).collect();
-        assert_eq!(delays[0], ACCEPT_BACKOFF_MIN);
-        assert_eq!(delays[1], ACCEPT_BACKOFF_MIN * 2);
-        assert_eq!(*delays.last().expect("delay"), ACCEPT_BACKOFF_MAX);
-        assert_eq!(e.suppressed, 9, "one warning, nine left out");
-        tokio::time::advance(ACCEPT_LOG_EVERY).await;
-        e.failed(&err);
-        assert_eq!(e.suppressed, 0, "logged again, with the count");
-        e.succeeded();
-        assert_eq!(e.failed(&err), ACCEPT_BACKOFF_MIN, "backoff starts over");
-        assert_eq!(counter.get(), 12);
     }
 }

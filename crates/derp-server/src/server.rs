@@ -11,9 +11,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::accept::Listener;
 use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
-use crate::listen::{AcceptErrors, ConnGuard, SocketOptions};
+use crate::listen::{ConnGuard, SocketOptions};
 use crate::metrics::Metrics;
 use crate::quic::QuicListener;
 use crate::ratelimit::RateLimit;
@@ -85,8 +86,8 @@ impl Server {
     ///
     /// Each connection passes the configured [`ConnLimits`](crate::ConnLimits) first (over the
     /// accept rate or the connection cap it is closed at once). Errors on individual
-    /// connections, and failures of accept itself (such as running out of file descriptors),
-    /// are counted and the loop carries on, backing off while accept keeps failing: one bad
+    /// connections, and failures of accept itself (such as running out of file descriptors,
+    /// handled by [`Listener`](crate::Listener)), are counted and the loop carries on: one bad
     /// connection must never stop the listener.
     ///
     /// The loop runs as a task of its own on the runtime (it stops when this future is
@@ -107,32 +108,19 @@ impl Server {
     }
 
     async fn accept_loop(&self, listener: TcpListener) -> Result<(), ServeError> {
-        let mut errors = AcceptErrors::new("main", self.accept_error_counter("main"));
         let mut options = SocketOptions::for_listener(&listener);
+        let mut listener = Listener::new(listener, "main", self.accept_error_counter("main"));
         loop {
-            let accepted = tokio::select! {
+            let (stream, remote) = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
                 _ = self.shared.draining.cancelled() => return Ok(()),
                 a = listener.accept() => a,
             };
-            match accepted {
-                Ok((stream, remote)) => {
-                    errors.succeeded();
-                    let Some(guard) = self.admit_connection(remote) else {
-                        continue;
-                    };
-                    options.apply(&stream);
-                    self.spawn_tracked(Transport::Tcp(stream), remote, guard);
-                }
-                Err(e) => {
-                    let wait = errors.failed(&e);
-                    tokio::select! {
-                        _ = self.shared.shutdown.cancelled() => return Ok(()),
-                        _ = self.shared.draining.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(wait) => {}
-                    }
-                }
-            }
+            let Some(guard) = self.admit_connection(remote) else {
+                continue;
+            };
+            options.apply(&stream);
+            self.spawn_tracked(Transport::Tcp(stream), remote, guard);
         }
     }
 
@@ -222,27 +210,11 @@ impl Server {
     /// `/debug/varz` on the main listener, this has no access control: it is meant for a
     /// listener the operator binds to a private address.
     pub async fn serve_metrics(&self, listener: TcpListener) -> Result<(), ServeError> {
-        let mut errors = AcceptErrors::new("metrics", self.accept_error_counter("metrics"));
+        let mut listener = Listener::new(listener, "metrics", self.accept_error_counter("metrics"));
         loop {
-            let accepted = tokio::select! {
+            let (stream, remote) = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
                 a = listener.accept() => a,
-            };
-            let (stream, remote) = match accepted {
-                Ok(a) => {
-                    errors.succeeded();
-                    a
-                }
-                Err(e) => {
-                    // Without a pause, a failure that persists (no file descriptors left)
-                    // would spin this loop on a full core.
-                    let wait = errors.failed(&e);
-                    tokio::select! {
-                        _ = self.shared.shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(wait) => {}
-                    }
-                    continue;
-                }
             };
             let shared = self.shared.clone();
             self.shared

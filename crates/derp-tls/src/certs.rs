@@ -19,6 +19,7 @@ use tracing::{info, warn};
 
 use super::TlsError;
 use super::front::{CertInfo, CertOrigin, TlsFront};
+use super::temp_files::{remove_stale_temps, temp_path};
 use super::x509::{Host, check_valid_for};
 
 /// Parses every `CERTIFICATE` block of a PEM file, leaf first.
@@ -120,42 +121,6 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8], private: bool) -> Result<()
         let _ = std::fs::remove_file(&tmp);
     }
     result.map_err(err)
-}
-
-/// The temporary file a process with id `pid` writes `path` through.
-fn temp_path(path: &Path, pid: u32) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(format!(".tmp{pid}"));
-    PathBuf::from(name)
-}
-
-/// Removes temporary files of `path` left by processes that are gone. Best effort.
-fn remove_stale_temps(path: &Path) {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
-        return;
-    };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let prefix = format!("{}.tmp", name.to_string_lossy());
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        let Some(pid) = file_name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {

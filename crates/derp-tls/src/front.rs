@@ -26,7 +26,7 @@ use super::TlsError;
 use super::meta::meta_certificate;
 use super::x509::{Host, check_valid_for, validity};
 use derp_io::Transport;
-use derp_server::{AcceptErrors, BudgetMetrics, Server, UnprovenBudget};
+use derp_server::{BudgetMetrics, Listener, Server, UnprovenBudget};
 
 /// Default deadline for a whole TLS handshake, from accept to the first application byte.
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -425,29 +425,15 @@ impl TlsFront {
     /// through the TLS handshake and on until its DERP client is registered; a handshake
     /// evicted from the budget (to admit a newer connection) is abandoned. Each handshake
     /// runs in its own task under a deadline; a finished one is served by `server`'s HTTP
-    /// front exactly like a plain connection. Accept errors are counted, and the loop backs
-    /// off while they last.
+    /// front exactly like a plain connection. Failures of accept are counted and waited out
+    /// as [`Listener`] does for every listener.
     pub async fn serve(&self, server: &Server, listener: TcpListener) -> io::Result<()> {
         let shutdown = server.shutdown_token();
-        let mut errors = AcceptErrors::new("main", server.accept_error_counter("main"));
+        let mut listener = Listener::new(listener, "main", server.accept_error_counter("main"));
         loop {
-            let accepted = tokio::select! {
+            let (tcp, remote) = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 a = listener.accept() => a,
-            };
-            let (tcp, remote) = match accepted {
-                Ok(a) => {
-                    errors.succeeded();
-                    a
-                }
-                Err(e) => {
-                    let wait = errors.failed(&e);
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(wait) => {}
-                    }
-                    continue;
-                }
             };
             let Some(guard) = server.admit_connection(remote) else {
                 drop(tcp);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use derp_server::AcceptErrors;
+use derp_server::Listener;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
@@ -44,26 +44,12 @@ impl TlsFront {
         // full the oldest makes room, so a flood of idle connections from many addresses
         // slows captive-portal checks and HTTP-01 validation down but never locks them out.
         let (budget, error_counter) = self.http_port_limits();
-        let mut errors = AcceptErrors::new("http_port", error_counter);
+        let mut listener = Listener::new(listener, "http_port", error_counter);
         let base = Arc::new(https_base(&self.hostname().to_string(), https_port));
         loop {
-            let accepted = tokio::select! {
+            let (tcp, remote) = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 a = listener.accept() => a,
-            };
-            let (tcp, remote) = match accepted {
-                Ok(a) => {
-                    errors.succeeded();
-                    a
-                }
-                Err(e) => {
-                    let wait = errors.failed(&e);
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(()),
-                        _ = tokio::time::sleep(wait) => {}
-                    }
-                    continue;
-                }
             };
             let slot = budget.admit(remote.ip());
             let this = self.clone();

@@ -22,6 +22,9 @@
 //!   ALPN `derp`, no TLS-ALPN-01 answers) for `derp_server::QuicListener`.
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
 //!   HTTP-01 answers, and redirects to HTTPS. It never serves DERP.
+//! - Names the temporary file a file is written through ([`temp_path`]) and sweeps those left
+//!   by processes killed mid-write ([`remove_stale_temps`]), for its own files and derpd's
+//!   key file.
 //!
 //! What it does not do: parse flags, bind sockets or install signal handlers (derpd does),
 //! serve DERP itself (it hands decrypted streams to a [`derp_server::Server`]), or DNS-01
@@ -33,6 +36,7 @@ mod certs;
 mod front;
 mod http_port;
 mod meta;
+mod temp_files;
 mod x509;
 
 use std::path::PathBuf;
@@ -47,6 +51,7 @@ pub use front::{
     TlsFront, TlsOptions,
 };
 pub use meta::meta_certificate;
+pub use temp_files::{remove_stale_temps, temp_path};
 
 /// Errors setting up TLS or obtaining certificates.
 #[derive(Debug, thiserror::Error)]

@@ -1,13 +1,22 @@
-use std::io::{Read as _, Write as _};
-use std::task::Waker;
+use std::io::{self, Read as _, Write as _};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Waker};
 
+use ring::aead::Aad;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::ServerConfig;
 use rustls::{ClientConfig, ClientConnection, RootCertStore, SupportedProtocolVersion};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream as ClientStream;
 
+use super::hello::MAX_HELLO_RECORDS;
+use super::record::{
+    CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN, Keys,
+    MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
+};
 use super::*;
 
 struct Pki {

@@ -1,0 +1,292 @@
+//! The record layer: the record format, one direction's traffic keys, opening a received
+//! record in place and sealing one to send, and key updates both ways.
+
+use std::io;
+use std::ops::Range;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use ring::aead::{
+    AES_128_GCM, AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
+};
+use rustls::ConnectionTrafficSecrets;
+use rustls::kernel::KernelConnection;
+use rustls::server::ServerConnectionData;
+
+use super::stream::{TlsRead, TlsWrite};
+
+/// Record content types (RFC 8446, section 5.1).
+pub(super) const CONTENT_ALERT: u8 = 21;
+pub(super) const CONTENT_HANDSHAKE: u8 = 22;
+pub(super) const CONTENT_APPLICATION_DATA: u8 = 23;
+/// The handshake message type of KeyUpdate, the only one a TLS 1.3 server takes after the
+/// handshake.
+pub(super) const HANDSHAKE_KEY_UPDATE: u8 = 24;
+/// A record header: type, legacy version, length.
+pub(super) const HEADER_LEN: usize = 5;
+pub(super) const TAG_LEN: usize = 16;
+/// Largest plaintext per record (2^14).
+pub(super) const MAX_FRAGMENT: usize = 16 * 1024;
+/// Largest ciphertext a peer may send per record (2^14 + 256).
+pub(super) const MAX_CIPHERTEXT: usize = MAX_FRAGMENT + 256;
+/// Records sealed under one key before the sender updates it: well below AES-GCM's
+/// confidentiality limit of 2^24.5 full-size records (RFC 8446, section 5.5).
+pub(super) const KEY_UPDATE_AFTER: u64 = 1 << 23;
+/// Records in a row without application data (empty records, key updates) a peer may send.
+pub(super) const MAX_IDLE_RECORDS: u8 = 32;
+
+/// What both halves share: the key schedule (touched only on key updates) and whether the
+/// peer asked for a key update the sending half has yet to answer.
+pub(super) struct Shared {
+    pub(super) kernel: Mutex<KernelConnection<ServerConnectionData>>,
+    pub(super) update_requested: AtomicBool,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("update_requested", &self.update_requested)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One direction's traffic key, its IV and the next record's sequence number.
+pub(super) struct Keys {
+    pub(super) key: LessSafeKey,
+    iv: [u8; 12],
+    pub(super) seq: u64,
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keys").field("seq", &self.seq).finish()
+    }
+}
+
+impl Keys {
+    pub(super) fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> Option<Self> {
+        let (alg, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+            _ => return None,
+        };
+        Some(Self {
+            key: LessSafeKey::new(UnboundKey::new(alg, key.as_ref()).ok()?),
+            iv: iv.as_ref().try_into().ok()?,
+            seq,
+        })
+    }
+
+    /// The per-record nonce: the IV with the sequence number XORed into its last 8 bytes
+    /// (RFC 8446, section 5.3).
+    pub(super) fn nonce(&self) -> Nonce {
+        let mut n = self.iv;
+        for (b, s) in n[4..].iter_mut().zip(self.seq.to_be_bytes()) {
+            *b ^= s;
+        }
+        Nonce::assume_unique_for_key(n)
+    }
+}
+
+pub(super) fn protocol_error(
+    what: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// What opening the next buffered record did.
+pub(super) enum Opened {
+    /// A record was opened (its plaintext, if any, is ready).
+    Record,
+    /// The next record is not all here: this many bytes from `pos` are needed.
+    NeedMore(usize),
+}
+
+impl TlsRead {
+    /// Opens the record at `pos`, if it is all here.
+    pub(super) fn open_next(&mut self) -> io::Result<Opened> {
+        let avail = &self.buf[self.pos..];
+        if avail.len() < HEADER_LEN {
+            return Ok(Opened::NeedMore(HEADER_LEN));
+        }
+        let header: [u8; HEADER_LEN] = [avail[0], avail[1], avail[2], avail[3], avail[4]];
+        let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
+        if header[0] != CONTENT_APPLICATION_DATA {
+            return Err(protocol_error(format!(
+                "unexpected tls record type {} after the handshake",
+                header[0]
+            )));
+        }
+        if len > MAX_CIPHERTEXT {
+            return Err(protocol_error("tls record overflow"));
+        }
+        if len < TAG_LEN + 1 {
+            return Err(protocol_error("tls record too short"));
+        }
+        if avail.len() < HEADER_LEN + len {
+            return Ok(Opened::NeedMore(HEADER_LEN + len));
+        }
+        let start = self.pos + HEADER_LEN;
+        let end = start + len;
+        let nonce = self.keys.nonce();
+        let opened = self
+            .keys
+            .key
+            .open_in_place(nonce, Aad::from(header), &mut self.buf[start..end])
+            .map_err(|_| protocol_error("tls record failed authentication"))?
+            .len();
+        self.keys.seq += 1;
+        self.pos = end;
+        if opened > MAX_FRAGMENT + 1 {
+            return Err(protocol_error("tls record overflow"));
+        }
+        // The content type is the last non-zero byte; zeros after it are padding.
+        let content = &self.buf[start..start + opened];
+        let Some(last) = content.iter().rposition(|&b| b != 0) else {
+            return Err(protocol_error("tls record without a content type"));
+        };
+        // Records that carry no data (empty ones, key updates) cost work and give nothing:
+        // a run of them is cut off, as rustls does.
+        if content[last] == CONTENT_APPLICATION_DATA && last > 0 {
+            self.idle_records = 0;
+        } else {
+            self.idle_records += 1;
+            if self.idle_records > MAX_IDLE_RECORDS {
+                return Err(protocol_error("too many tls records without data"));
+            }
+        }
+        match content[last] {
+            CONTENT_APPLICATION_DATA => self.plain = start..start + last,
+            CONTENT_ALERT => match content[..last] {
+                // close_notify, at whatever level the peer gave it.
+                [_, 0] => self.closed = true,
+                [_, description] => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        format!("tls alert {description} from the peer"),
+                    ));
+                }
+                _ => return Err(protocol_error("malformed tls alert")),
+            },
+            CONTENT_HANDSHAKE => self.handshake_message(start..start + last)?,
+            other => {
+                return Err(protocol_error(format!(
+                    "unexpected tls content type {other}"
+                )));
+            }
+        }
+        Ok(Opened::Record)
+    }
+
+    /// A post-handshake message: only KeyUpdate is allowed from a client, and as the last
+    /// message of its record (a key change ends the record it is in).
+    fn handshake_message(&mut self, range: Range<usize>) -> io::Result<()> {
+        match self.buf[range] {
+            [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request @ (0 | 1)] => {
+                let update = self
+                    .shared
+                    .kernel
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .update_rx_secret()
+                    .map_err(protocol_error)?;
+                self.keys = Keys::new(update)
+                    .ok_or_else(|| protocol_error("tls key update for another suite"))?;
+                if request == 1 {
+                    self.shared.update_requested.store(true, Ordering::Release);
+                }
+                Ok(())
+            }
+            _ => Err(protocol_error(
+                "unexpected tls handshake message after the handshake",
+            )),
+        }
+    }
+}
+
+impl TlsWrite {
+    /// Seals `len` bytes gathered from `bufs` (starting `skip` bytes in) as one record.
+    pub(super) fn seal(
+        &mut self,
+        content_type: u8,
+        bufs: &[io::IoSlice<'_>],
+        mut skip: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        let start = self.out.len();
+        let sealed_len = len + 1 + TAG_LEN;
+        self.out.reserve(HEADER_LEN + sealed_len);
+        // TLS 1.3 hides the real type inside the record: outside, every one is
+        // application data, version 1.2.
+        self.out
+            .extend_from_slice(&[CONTENT_APPLICATION_DATA, 3, 3]);
+        self.out
+            .extend_from_slice(&u16::try_from(sealed_len).unwrap_or(u16::MAX).to_be_bytes());
+        let mut left = len;
+        for b in bufs {
+            if left == 0 {
+                break;
+            }
+            if skip >= b.len() {
+                skip -= b.len();
+                continue;
+            }
+            let take = (b.len() - skip).min(left);
+            self.out.extend_from_slice(&b[skip..skip + take]);
+            skip = 0;
+            left -= take;
+        }
+        self.out.push(content_type);
+        let header: [u8; HEADER_LEN] = [
+            self.out[start],
+            self.out[start + 1],
+            self.out[start + 2],
+            self.out[start + 3],
+            self.out[start + 4],
+        ];
+        let nonce = self.keys.nonce();
+        let tag = self
+            .keys
+            .key
+            .seal_in_place_separate_tag(
+                nonce,
+                Aad::from(header),
+                &mut self.out[start + HEADER_LEN..],
+            )
+            // Sealing fails only for inputs far larger than a record.
+            .map_err(|_| io::Error::other("tls record could not be sealed"))?;
+        self.out.extend_from_slice(tag.as_ref());
+        self.keys.seq += 1;
+        Ok(())
+    }
+
+    /// Sends a KeyUpdate and moves to the next key when the peer asked for one or this key
+    /// has sealed enough records.
+    pub(super) fn update_key_if_due(&mut self) -> io::Result<()> {
+        // A load first: the flag is shared with the reading half, and almost always clear.
+        let requested = self.shared.update_requested.load(Ordering::Acquire)
+            && self.shared.update_requested.swap(false, Ordering::AcqRel);
+        if !requested && self.keys.seq < self.update_after {
+            return Ok(());
+        }
+        // update_not_requested: this side's update needs no answer.
+        let message = [HANDSHAKE_KEY_UPDATE, 0, 0, 1, 0];
+        self.seal(
+            CONTENT_HANDSHAKE,
+            &[io::IoSlice::new(&message)],
+            0,
+            message.len(),
+        )?;
+        let update = self
+            .shared
+            .kernel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .update_tx_secret()
+            .map_err(protocol_error)?;
+        self.keys =
+            Keys::new(update).ok_or_else(|| protocol_error("tls key update for another suite"))?;
+        Ok(())
+    }
+}

@@ -14,6 +14,7 @@
 
 mod cli;
 mod closed_loop;
+mod connections;
 mod floor;
 mod load;
 mod modes;

@@ -3,24 +3,21 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Arc;
 use std::time::Duration;
 
-use derp_client::Client;
-use derp_proto::SecretKey;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use crate::cli::{IdleArgs, TargetArgs};
+use crate::connections::{ConnectionShare, Opening};
 use crate::load::scrape;
 use crate::procfs;
 use crate::procs::{START_LEAD, Workers, unix_ns_now};
 use crate::progress::Progress;
 use crate::report::{IdleConfig, IdleMedian, IdleResult, IdleRun, median, median_opt, opt, table};
-use crate::target::{ServerProbe, Target, connect_error_kind};
+use crate::target::{ServerProbe, Target};
 use crate::{Ctx, Outcome};
 
-use super::worker::{ANSWER_SLACK, Answer, Command, ConnectionShare, Work, start_workers};
+use super::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
 
 /// How long to wait for the server to notice closed connections before the last RSS reading.
 const CLOSE_SETTLE: Duration = Duration::from_secs(3);
@@ -102,52 +99,6 @@ pub(crate) async fn run(
     })
 }
 
-/// Connections about to be opened: keys made and addresses chosen.
-#[derive(Debug)]
-pub(crate) struct Opening {
-    configs: Vec<derp_client::ClientConfig>,
-    concurrency: usize,
-}
-
-impl Opening {
-    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
-        let sources = target.source_addrs(share.total);
-        let template = target.template();
-        Self {
-            configs: (0..share.count)
-                .map(|i| {
-                    let key = SecretKey::generate(&mut rand::rngs::OsRng);
-                    template.config(key, sources.for_index(share.first + i))
-                })
-                .collect(),
-            concurrency: share.concurrency as usize,
-        }
-    }
-
-    /// Opens them all, `concurrency` at a time; the clients and the failures by kind.
-    pub(crate) async fn open(self) -> (Vec<Client>, BTreeMap<String, u64>) {
-        let gate = Arc::new(Semaphore::new(self.concurrency.max(1)));
-        let mut tasks = Vec::with_capacity(self.configs.len());
-        for config in self.configs {
-            let gate = gate.clone();
-            tasks.push(tokio::spawn(async move {
-                let _permit = gate.acquire_owned().await;
-                Client::connect(&config).await
-            }));
-        }
-        let mut clients = Vec::with_capacity(tasks.len());
-        let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-        for t in tasks {
-            match t.await {
-                Ok(Ok(c)) => clients.push(c),
-                Ok(Err(e)) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
-                Err(e) => *failures.entry(format!("task_{e}")).or_default() += 1,
-            }
-        }
-        (clients, failures)
-    }
-}
-
 /// The server's RSS and where it came from: `--server-pid`, then the metrics'
 /// process_resident_memory_bytes, then (for an in-process relay) this process.
 async fn server_rss(target: &Target) -> Option<(u64, &'static str, bool)> {
@@ -212,12 +163,7 @@ async fn hold_run(
     let clients_here = workers.is_none();
     let (opened, failures, open_s, clients, workers) = match workers {
         None => {
-            let share = ConnectionShare {
-                count: n,
-                first: 0,
-                total: n,
-                concurrency: args.concurrency,
-            };
+            let share = ConnectionShare::all(args.connections, args.concurrency);
             let opening = Opening::prepare(target, share);
             let started = Instant::now();
             let (clients, failures) = opening.open().await;

@@ -12,12 +12,12 @@ use anyhow::bail;
 
 use crate::cli::{ClientKind, TargetArgs};
 use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
+use crate::connections::{ConnectionShare, Opening, Storm};
 use crate::load::{Clock, Fleet, HistWire, new_histogram, run_fleets};
 use crate::procs::{Parent, Workers, instant_at};
 use crate::report::{LoadRun, WindowSpec};
 use crate::target::Target;
 
-use super::{connect, idle};
 use crate::Ctx;
 
 /// How long the parent waits for answers beyond the window itself: stragglers, the
@@ -104,42 +104,6 @@ pub(crate) struct LoopShare {
     pub(crate) size: usize,
     pub(crate) in_flight: u32,
     pub(crate) client: ClientKind,
-}
-
-/// `count` connections, numbered from `first` of `total` (source addresses are chosen by
-/// number), `concurrency` of them opening at once.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct ConnectionShare {
-    pub(crate) count: usize,
-    pub(crate) first: usize,
-    pub(crate) total: usize,
-    pub(crate) concurrency: u32,
-}
-
-impl ConnectionShare {
-    /// `connections` opened `concurrency` at a time, split over up to `procs` processes:
-    /// both divided as evenly as they go, no process with nothing to do.
-    pub(crate) fn split(connections: u32, concurrency: u32, procs: u32) -> Vec<Self> {
-        let n = connections as usize;
-        let procs = (procs as usize).min(n).min(concurrency as usize).max(1);
-        let counts = crate::procs::split(n as u64, procs);
-        let concurrencies = crate::procs::split(u64::from(concurrency), procs);
-        let mut first = 0;
-        counts
-            .iter()
-            .zip(&concurrencies)
-            .map(|(&count, &c)| {
-                let share = Self {
-                    count: count as usize,
-                    first,
-                    total: n,
-                    concurrency: c as u32,
-                };
-                first += count as usize;
-                share
-            })
-            .collect()
-    }
 }
 
 /// What the parent asks, after the job.
@@ -257,8 +221,8 @@ pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
                 };
                 Held::Loops(LoopPairs::connect(&target, spec, s.first_pair, s.pairs, clock).await?)
             }
-            Work::Storm(s) => Held::Storm(Some(connect::Storm::prepare(&target, s)), s),
-            Work::Idle(s) => Held::Idle(Some(idle::Opening::prepare(&target, s)), None, s),
+            Work::Storm(s) => Held::Storm(Some(Storm::prepare(&target, s)), s),
+            Work::Idle(s) => Held::Idle(Some(Opening::prepare(&target, s)), None, s),
         };
         anyhow::Ok((target, clock, held))
     };
@@ -285,10 +249,10 @@ enum Held {
     Fleets(Vec<Fleet>),
     Loops(LoopPairs),
     /// The next storm, its keys made ahead so that making them is not timed.
-    Storm(Option<connect::Storm>, ConnectionShare),
+    Storm(Option<Storm>, ConnectionShare),
     /// The next opening (keys made ahead), and the connections held between Open and Close.
     Idle(
-        Option<idle::Opening>,
+        Option<Opening>,
         Option<Vec<derp_client::Client>>,
         ConnectionShare,
     ),
@@ -369,7 +333,7 @@ async fn serve(
         ) => {
             let storm = match next.take() {
                 Some(s) => s,
-                None => connect::Storm::prepare(target, *share),
+                None => Storm::prepare(target, *share),
             };
             let start = instant_at(start_unix_ns);
             tokio::time::sleep_until(start).await;
@@ -380,7 +344,7 @@ async fn serve(
                 .map(|(b, a)| a.since(b).total());
             // The next run's keys, made before answering: the parent starts the next run
             // only when every process has answered.
-            *next = Some(connect::Storm::prepare(target, *share));
+            *next = Some(Storm::prepare(target, *share));
             Ok(Answer::Storm(StormOut {
                 attempted: done.attempted,
                 handshakes: HistWire::of(&done.handshakes),
@@ -392,7 +356,7 @@ async fn serve(
         (Held::Idle(next, open @ None, share), Command::Open { start_unix_ns }) => {
             let opening = match next.take() {
                 Some(o) => o,
-                None => idle::Opening::prepare(target, *share),
+                None => Opening::prepare(target, *share),
             };
             tokio::time::sleep_until(instant_at(start_unix_ns)).await;
             let started = Instant::now();
@@ -407,7 +371,7 @@ async fn serve(
         }
         (Held::Idle(next, open @ Some(_), share), Command::Close) => {
             *open = None;
-            *next = Some(idle::Opening::prepare(target, *share));
+            *next = Some(Opening::prepare(target, *share));
             Ok(Answer::Closed)
         }
         (_, command) => Err(anyhow::anyhow!(

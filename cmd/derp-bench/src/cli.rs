@@ -269,9 +269,10 @@ impl ClientKind {
     }
 }
 
+/// Connections opened for their own sake, shared by connect and idle.
 #[derive(Debug, Args)]
-pub(crate) struct ConnectArgs {
-    /// Connections to open (each: dial, upgrade, handshake, close).
+pub(crate) struct ConnectionArgs {
+    /// Connections to open.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS))]
     pub(crate) connections: u32,
 
@@ -279,32 +280,32 @@ pub(crate) struct ConnectArgs {
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) concurrency: u32,
 
-    /// Stop a run after this long even if connections remain.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    pub(crate) max_duration: Duration,
-
-    /// Repeat the storm; the summary gives medians.
+    /// Repeat the run; the summary gives medians.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
     pub(crate) runs: u32,
 }
 
+/// Each connection dials, upgrades, completes the handshake and closes.
 #[derive(Debug, Args)]
-pub(crate) struct IdleArgs {
-    /// Idle connections to open and hold.
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS))]
-    pub(crate) connections: u32,
+pub(crate) struct ConnectArgs {
+    #[command(flatten)]
+    pub(crate) conns: ConnectionArgs,
 
-    /// Handshakes in flight while opening.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub(crate) concurrency: u32,
+    /// Stop a run after this long even if connections remain.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub(crate) max_duration: Duration,
+}
+
+/// The connections are opened, then held idle.
+#[derive(Debug, Args)]
+#[command(mut_arg("concurrency", |a| a.default_value("100")))]
+pub(crate) struct IdleArgs {
+    #[command(flatten)]
+    pub(crate) conns: ConnectionArgs,
 
     /// How long to hold the connections before measuring.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub(crate) hold: Duration,
-
-    /// Repeat; the summary gives medians.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
-    pub(crate) runs: u32,
 }
 
 #[derive(Debug, Args)]
@@ -452,5 +453,33 @@ mod tests {
                 .is_err()
         );
         assert!(Cli::try_parse_from(["derp-bench", "throughput", "--size", "8"]).is_err());
+    }
+
+    #[test]
+    fn connect_and_idle_share_their_flags_but_not_the_concurrency_default() {
+        let Mode::Connect(c) = Cli::try_parse_from(["derp-bench", "connect"]).unwrap().mode else {
+            panic!("wrong mode")
+        };
+        assert_eq!(
+            (c.conns.connections, c.conns.concurrency, c.conns.runs),
+            (1000, 50, 1)
+        );
+        let Mode::Idle(i) = Cli::try_parse_from(["derp-bench", "idle", "--runs", "3"])
+            .unwrap()
+            .mode
+        else {
+            panic!("wrong mode")
+        };
+        assert_eq!(
+            (i.conns.connections, i.conns.concurrency, i.conns.runs),
+            (1000, 100, 3)
+        );
+        let Mode::Idle(i) = Cli::try_parse_from(["derp-bench", "idle", "--concurrency", "7"])
+            .unwrap()
+            .mode
+        else {
+            panic!("wrong mode")
+        };
+        assert_eq!(i.conns.concurrency, 7);
     }
 }

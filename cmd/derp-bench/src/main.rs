@@ -332,8 +332,8 @@ fn time_bound(mode: &Mode) -> Duration {
         Mode::Throughput(a) => windows(a.runs, a.load.warmup, a.duration),
         Mode::Latency(a) => windows(a.runs, a.warmup, a.duration),
         Mode::Pingpong(a) => windows(a.runs, a.warmup, a.duration),
-        Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.runs,
-        Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.runs,
+        Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.conns.runs,
+        Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.conns.runs,
         Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
         // Connecting and winding down thousands of clients, then settling.
         Mode::Soak(a) => a.duration + a.settle * 2 + Duration::from_secs(120),

@@ -27,23 +27,27 @@ pub(crate) async fn run(
     target_args: &TargetArgs,
     args: &ConnectArgs,
 ) -> anyhow::Result<Outcome> {
-    let n = args.connections as usize;
-    let shares = ConnectionShare::split(args.connections, args.concurrency, ctx.procs_asked);
+    let n = args.conns.connections as usize;
+    let shares = ConnectionShare::split(
+        args.conns.connections,
+        args.conns.concurrency,
+        ctx.procs_asked,
+    );
     let mut workers = if shares.len() > 1 {
         let work = shares.iter().map(|s| Work::Storm(*s)).collect();
         Some(start_workers(ctx, target_args, work).await?)
     } else {
         // Only `concurrency` connections are open at once (plus the server's side of them).
-        crate::target::check_fd_budget(args.concurrency as usize, ctx.target.spawned)?;
+        crate::target::check_fd_budget(args.conns.concurrency as usize, ctx.target.spawned)?;
         None
     };
     let progress = Progress::start(
-        args.max_duration.min(Duration::from_secs(3600)) * args.runs,
+        args.max_duration.min(Duration::from_secs(3600)) * args.conns.runs,
         "connect",
     );
     let mut runs = Vec::new();
-    for i in 0..args.runs {
-        progress.message(format!("connect run {}/{}", i + 1, args.runs));
+    for i in 0..args.conns.runs {
+        progress.message(format!("connect run {}/{}", i + 1, args.conns.runs));
         let run = match &mut workers {
             None => storm(&ctx.target, args, n).await,
             Some(w) => remote_storm(&ctx.target, w, args, n).await?,
@@ -72,10 +76,10 @@ pub(crate) async fn run(
     let median = ConnectMedian::of(&runs);
     let human = human(args, &runs, &median);
     let config = ConnectConfig {
-        connections: args.connections,
-        concurrency: args.concurrency,
+        connections: args.conns.connections,
+        concurrency: args.conns.concurrency,
         max_duration_s: args.max_duration.as_secs_f64(),
-        runs: args.runs,
+        runs: args.conns.runs,
     };
     let report = ctx.report(
         target_args,
@@ -94,7 +98,7 @@ pub(crate) async fn run(
 async fn storm(target: &Target, args: &ConnectArgs, n: usize) -> ConnectRun {
     let storm = Storm::prepare(
         target,
-        ConnectionShare::all(args.connections, args.concurrency),
+        ConnectionShare::all(args.conns.connections, args.conns.concurrency),
     );
     let cpu_before = sample_cpu(target);
     let start = Instant::now();
@@ -189,7 +193,7 @@ fn human(args: &ConnectArgs, runs: &[ConnectRun], median: &ConnectMedian) -> Str
     let _ = writeln!(
         out,
         "connect: {} connections, {} in flight, {} run(s)",
-        args.connections, args.concurrency, args.runs
+        args.conns.connections, args.conns.concurrency, args.conns.runs
     );
     let rows: Vec<Vec<String>> = runs
         .iter()

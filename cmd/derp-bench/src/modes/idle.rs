@@ -29,8 +29,12 @@ pub(crate) async fn run(
     target_args: &TargetArgs,
     args: &IdleArgs,
 ) -> anyhow::Result<Outcome> {
-    let n = args.connections as usize;
-    let shares = ConnectionShare::split(args.connections, args.concurrency, ctx.procs_asked);
+    let n = args.conns.connections as usize;
+    let shares = ConnectionShare::split(
+        args.conns.connections,
+        args.conns.concurrency,
+        ctx.procs_asked,
+    );
     let mut workers = if shares.len() > 1 {
         if ctx.target.spawned {
             // The in-process relay holds the server side of every connection here.
@@ -42,10 +46,13 @@ pub(crate) async fn run(
         crate::target::check_fd_budget(n, ctx.target.spawned)?;
         None
     };
-    let progress = Progress::start((args.hold + Duration::from_secs(2)) * args.runs, "idle");
+    let progress = Progress::start(
+        (args.hold + Duration::from_secs(2)) * args.conns.runs,
+        "idle",
+    );
     let mut runs = Vec::new();
-    for i in 0..args.runs {
-        progress.message(format!("idle run {}/{}", i + 1, args.runs));
+    for i in 0..args.conns.runs {
+        progress.message(format!("idle run {}/{}", i + 1, args.conns.runs));
         runs.push(hold_run(&ctx.target, args, n, workers.as_mut()).await?);
     }
     progress.finish();
@@ -85,10 +92,10 @@ pub(crate) async fn run(
     };
     let human = human(args, &runs, &median);
     let config = IdleConfig {
-        connections: args.connections,
-        concurrency: args.concurrency,
+        connections: args.conns.connections,
+        concurrency: args.conns.concurrency,
         hold_s: args.hold.as_secs_f64(),
-        runs: args.runs,
+        runs: args.conns.runs,
     };
     let report = ctx.report(target_args, "idle", config, IdleResult { runs, median });
     Ok(Outcome {
@@ -163,7 +170,7 @@ async fn hold_run(
     let clients_here = workers.is_none();
     let (opened, failures, open_s, clients, workers) = match workers {
         None => {
-            let share = ConnectionShare::all(args.connections, args.concurrency);
+            let share = ConnectionShare::all(args.conns.connections, args.conns.concurrency);
             let opening = Opening::prepare(target, share);
             let started = Instant::now();
             let (clients, failures) = opening.open().await;
@@ -241,7 +248,7 @@ fn human(args: &IdleArgs, runs: &[IdleRun], median: &IdleMedian) -> String {
     let _ = writeln!(
         out,
         "idle: {} connections ({} opening at once), held {:?}, {} run(s)",
-        args.connections, args.concurrency, args.hold, args.runs
+        args.conns.connections, args.conns.concurrency, args.hold, args.conns.runs
     );
     let mib = |b: Option<u64>| opt(b.map(|b| b as f64 / (1024.0 * 1024.0)), 1);
     let rows: Vec<Vec<String>> = runs

@@ -13,7 +13,7 @@ use rand::{Rng, RngCore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::{Shared, Stats, Stream};
+use super::client::{Shared, Stats, Stream};
 
 /// The relay's handshake and request-head deadline is 10 s; allow for a loaded machine.
 const CLOSE_DEADLINE: Duration = Duration::from_secs(20);

@@ -13,20 +13,31 @@
 //! for that), or send anything anywhere but the URLs it is given.
 
 mod cli;
+#[path = "../../../crates/derp-load/src/closed_loop.rs"]
 mod closed_loop;
+#[path = "../../../crates/derp-load/src/connections.rs"]
 mod connections;
+#[path = "../../../crates/derp-load/src/floor.rs"]
 mod floor;
+#[path = "../../../crates/derp-load/src/fleet.rs"]
 mod load;
 mod modes;
+#[path = "../../../crates/derp-load/src/pacing.rs"]
 mod pacing;
+#[path = "../../../crates/derp-load/src/packet.rs"]
 mod packet;
 mod plot;
+#[path = "../../../crates/derp-load/src/procfs.rs"]
 mod procfs;
+#[path = "../../../crates/derp-load/src/procs.rs"]
 mod procs;
 mod progress;
+#[path = "../../../crates/derp-load/src/prom.rs"]
 mod prom;
+#[path = "../../../crates/derp-load/src/rawclient.rs"]
 mod rawclient;
 mod report;
+#[path = "../../../crates/derp-load/src/target.rs"]
 mod target;
 
 use std::process::ExitCode;

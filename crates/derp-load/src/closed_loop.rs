@@ -5,7 +5,7 @@
 //! The client side bounds what can be measured, so it is kept lean: each side of each pair
 //! has its own OS thread, with either a current-thread tokio runtime driving a
 //! [`derp_client`] connection (`--client tokio`: every URL scheme) or a blocking socket
-//! speaking DERP directly ([`crate::rawclient`], `--client blocking`: plain http:// only).
+//! speaking DERP directly (`--client blocking`: plain http:// only).
 //! Neither side shares a runtime, a lock or a queue with anything else; TCP_NODELAY is on,
 //! and each packet leaves in its own write as soon as it is made.
 
@@ -17,38 +17,55 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail};
+use clap::ValueEnum;
 use derp_client::{Client, ClientConfig, ClientReader, ClientWriter, ReceivedFrame, Scheme};
 use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN};
 use derp_proto::{ClientToRelay, PublicKey, SecretKey};
+use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
-use crate::cli::ClientKind;
-use crate::load::{Clock, RttHistogram, new_histogram};
+use crate::measure::{Clock, RttHistogram, new_histogram};
 use crate::packet::{HEADER_LEN, Header, Kind};
 use crate::rawclient::RawConn;
 use crate::target::{Target, describe_connect_error};
 
 /// A sender that hears nothing back for this long gives its outstanding packets up as lost
 /// and starts again with new ones.
-const STALL: Duration = Duration::from_secs(2);
+pub const STALL: Duration = Duration::from_secs(2);
 /// The blocking client writes and reads on one thread, so everything in flight must fit in
 /// the sockets' buffers or both ends could wait on each other's writes.
 const BLOCKING_MAX_IN_FLIGHT_BYTES: usize = 64 << 10;
 /// RecvPacket and SendPacket frames: header and key before the packet.
 const PACKET_FRAME_HEAD: usize = FRAME_HEADER_LEN + KEY_LEN;
 
+/// Which client the closed loop runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub enum ClientKind {
+    Tokio,
+    Blocking,
+}
+
+impl ClientKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tokio => "tokio",
+            Self::Blocking => "blocking",
+        }
+    }
+}
+
 /// What each pair does.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct LoopSpec {
-    pub(crate) size: usize,
-    pub(crate) in_flight: u32,
-    pub(crate) client: ClientKind,
+pub struct LoopSpec {
+    pub size: usize,
+    pub in_flight: u32,
+    pub client: ClientKind,
 }
 
 impl LoopSpec {
     /// Refuses combinations the client cannot do.
-    pub(crate) fn check(&self, target: &Target) -> anyhow::Result<()> {
+    pub fn check(&self, target: &Target) -> anyhow::Result<()> {
         if self.client == ClientKind::Blocking {
             let plain = |s: Scheme| s == Scheme::Http;
             if !plain(target.url.scheme())
@@ -74,26 +91,26 @@ impl LoopSpec {
 
 /// One measured window, in the bench's clock.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct LoopWindow {
-    pub(crate) run: u32,
-    pub(crate) start: Instant,
-    pub(crate) warm_end: Instant,
-    pub(crate) end: Instant,
+pub struct LoopWindow {
+    pub run: u32,
+    pub start: Instant,
+    pub warm_end: Instant,
+    pub end: Instant,
 }
 
 /// What one pair did in a window. Round trips count when their packet left inside the
 /// window.
 #[derive(Debug)]
-pub(crate) struct LoopResult {
-    pub(crate) pair: u32,
+pub struct LoopResult {
+    pub pair: u32,
     /// Packets sent in the window.
-    pub(crate) sent: u64,
+    pub sent: u64,
     /// Of those, packets that came back.
-    pub(crate) round_trips: u64,
+    pub round_trips: u64,
     /// Packets given up after [`STALL`] without an answer (any time in the run).
-    pub(crate) lost: u64,
-    pub(crate) rtt: RttHistogram,
-    pub(crate) error: Option<String>,
+    pub lost: u64,
+    pub rtt: RttHistogram,
+    pub error: Option<String>,
 }
 
 impl LoopResult {
@@ -137,7 +154,7 @@ struct LoopPair {
 
 /// Connected closed-loop pairs, reused across windows.
 #[derive(Debug)]
-pub(crate) struct LoopPairs {
+pub struct LoopPairs {
     pairs: Vec<LoopPair>,
 }
 
@@ -167,7 +184,7 @@ impl Drop for LoopPairs {
 impl LoopPairs {
     /// Connects `pairs` pairs numbered from `first_pair`: the echoing sides first, then the
     /// senders.
-    pub(crate) async fn connect(
+    pub async fn connect(
         target: &Target,
         spec: LoopSpec,
         first_pair: u32,
@@ -282,7 +299,7 @@ impl LoopPairs {
     }
 
     /// Runs one window on every pair; one result per pair.
-    pub(crate) async fn run_window(&mut self, window: LoopWindow) -> Vec<LoopResult> {
+    pub async fn run_window(&mut self, window: LoopWindow) -> Vec<LoopResult> {
         let mut waiting = Vec::new();
         for p in &self.pairs {
             let (tx, rx) = oneshot::channel();

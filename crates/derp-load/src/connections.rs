@@ -14,22 +14,22 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::load::{RttHistogram, new_histogram};
+use crate::measure::{RttHistogram, new_histogram};
 use crate::target::{ClientTemplate, SourceAddrs, Target, connect_error_kind};
 
 /// `count` connections, numbered from `first` of `total` (source addresses are chosen by
 /// number), `concurrency` of them opening at once.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct ConnectionShare {
-    pub(crate) count: usize,
-    pub(crate) first: usize,
-    pub(crate) total: usize,
-    pub(crate) concurrency: u32,
+pub struct ConnectionShare {
+    pub count: usize,
+    pub first: usize,
+    pub total: usize,
+    pub concurrency: u32,
 }
 
 impl ConnectionShare {
     /// All `connections` in one process.
-    pub(crate) fn all(connections: u32, concurrency: u32) -> Self {
+    pub fn all(connections: u32, concurrency: u32) -> Self {
         let n = connections as usize;
         Self {
             count: n,
@@ -41,7 +41,7 @@ impl ConnectionShare {
 
     /// `connections` opened `concurrency` at a time, split over up to `procs` processes:
     /// both divided as evenly as they go, no process with nothing to do.
-    pub(crate) fn split(connections: u32, concurrency: u32, procs: u32) -> Vec<Self> {
+    pub fn split(connections: u32, concurrency: u32, procs: u32) -> Vec<Self> {
         let n = connections as usize;
         let procs = (procs as usize).min(n).min(concurrency as usize).max(1);
         let counts = crate::procs::split(n as u64, procs);
@@ -67,7 +67,7 @@ impl ConnectionShare {
 /// A storm ready to go: keys made (that is the client's share of the handshake work, done
 /// before the clock starts) and source addresses chosen.
 #[derive(Debug)]
-pub(crate) struct Storm {
+pub struct Storm {
     keys: Arc<Vec<SecretKey>>,
     share: ConnectionShare,
     sources: SourceAddrs,
@@ -76,16 +76,16 @@ pub(crate) struct Storm {
 
 /// What a storm did.
 #[derive(Debug)]
-pub(crate) struct StormDone {
-    pub(crate) attempted: u64,
-    pub(crate) handshakes: RttHistogram,
-    pub(crate) failures: BTreeMap<String, u64>,
+pub struct StormDone {
+    pub attempted: u64,
+    pub handshakes: RttHistogram,
+    pub failures: BTreeMap<String, u64>,
     /// When the last connection completed (or failed).
-    pub(crate) end: Instant,
+    pub end: Instant,
 }
 
 impl Storm {
-    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
+    pub fn prepare(target: &Target, share: ConnectionShare) -> Self {
         Self {
             keys: Arc::new(
                 (0..share.count)
@@ -99,7 +99,7 @@ impl Storm {
     }
 
     /// Runs the storm from `start` (now, or a start shared with other processes).
-    pub(crate) async fn run(self, start: Instant, max_duration: Duration) -> StormDone {
+    pub async fn run(self, start: Instant, max_duration: Duration) -> StormDone {
         let next = Arc::new(AtomicUsize::new(0));
         let deadline = start + max_duration;
         let mut workers = Vec::new();
@@ -159,13 +159,13 @@ impl Storm {
 
 /// Connections about to be opened: keys made and addresses chosen.
 #[derive(Debug)]
-pub(crate) struct Opening {
+pub struct Opening {
     configs: Vec<derp_client::ClientConfig>,
     concurrency: usize,
 }
 
 impl Opening {
-    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
+    pub fn prepare(target: &Target, share: ConnectionShare) -> Self {
         let sources = target.source_addrs(share.total);
         let template = target.template();
         Self {
@@ -180,7 +180,7 @@ impl Opening {
     }
 
     /// Opens them all, `concurrency` at a time; the clients and the failures by kind.
-    pub(crate) async fn open(self) -> (Vec<Client>, BTreeMap<String, u64>) {
+    pub async fn open(self) -> (Vec<Client>, BTreeMap<String, u64>) {
         let gate = Arc::new(Semaphore::new(self.concurrency.max(1)));
         let mut tasks = Vec::with_capacity(self.configs.len());
         for config in self.configs {

@@ -60,7 +60,7 @@ struct Relay {
 
 /// Listens on `listen` and relays until the process is stopped. The first line on stdout is
 /// the DERP URL to give derp-bench (`--url`), with the port the kernel chose for port 0.
-pub(crate) fn run(listen: SocketAddr) -> anyhow::Result<()> {
+pub fn run(listen: SocketAddr) -> anyhow::Result<()> {
     let listener =
         TcpListener::bind(listen).with_context(|| format!("binding {listen} for the relay"))?;
     let addr = listener.local_addr()?;

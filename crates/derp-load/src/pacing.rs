@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 /// A token bucket: `rate` tokens per second, holding at most `burst`.
 #[derive(Debug)]
-pub(crate) struct TokenBucket {
+pub struct TokenBucket {
     rate: f64,
     burst: f64,
     tokens: f64,
@@ -21,7 +21,7 @@ impl TokenBucket {
     /// A bucket that starts empty at `now`. The burst covers a few timer ticks (tokio's timer
     /// wakes at millisecond granularity), so coarse wakeups do not lose offered load, but a
     /// sender stalled by backpressure cannot catch up with a large burst later.
-    pub(crate) fn new(rate: f64, now: Instant) -> Self {
+    pub fn new(rate: f64, now: Instant) -> Self {
         let burst = (rate * BURST_WINDOW.as_secs_f64()).max(1.0);
         Self {
             rate,
@@ -38,7 +38,7 @@ impl TokenBucket {
     }
 
     /// Takes up to `max` whole tokens.
-    pub(crate) fn take(&mut self, now: Instant, max: u64) -> u64 {
+    pub fn take(&mut self, now: Instant, max: u64) -> u64 {
         self.refill(now);
         let n = (self.tokens.floor() as u64).min(max);
         self.tokens -= n as f64;
@@ -46,7 +46,7 @@ impl TokenBucket {
     }
 
     /// When the next whole token will be there.
-    pub(crate) fn next_ready(&self, now: Instant) -> Instant {
+    pub fn next_ready(&self, now: Instant) -> Instant {
         let missing = (1.0 - self.tokens).max(0.0);
         now + Duration::from_secs_f64(missing / self.rate)
     }

@@ -22,11 +22,11 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// The hidden subcommand a worker runs.
-pub(crate) const WORKER_SUBCOMMAND: &str = "worker";
+pub const WORKER_SUBCOMMAND: &str = "worker";
 
 /// How far ahead of "now" a common start time is set, so every worker has the command
 /// before the moment comes.
-pub(crate) const START_LEAD: Duration = Duration::from_millis(100);
+pub const START_LEAD: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
 struct Worker {
@@ -37,7 +37,7 @@ struct Worker {
 
 /// The worker processes of one run.
 #[derive(Debug)]
-pub(crate) struct Workers {
+pub struct Workers {
     workers: Vec<Worker>,
 }
 
@@ -55,7 +55,7 @@ impl Drop for Workers {
 impl Workers {
     /// Starts one worker per job and waits (up to `timeout`) until each has answered the
     /// job with `ready` of type `R`.
-    pub(crate) async fn start<J: Serialize, R: DeserializeOwned>(
+    pub async fn start<J: Serialize, R: DeserializeOwned>(
         jobs: &[J],
         timeout: Duration,
     ) -> anyhow::Result<(Self, Vec<R>)> {
@@ -100,7 +100,7 @@ impl Workers {
     }
 
     /// Sends worker `i` one message.
-    pub(crate) fn send<C: Serialize>(&mut self, i: usize, msg: &C) -> anyhow::Result<()> {
+    pub fn send<C: Serialize>(&mut self, i: usize, msg: &C) -> anyhow::Result<()> {
         let mut line = serde_json::to_vec(msg)?;
         line.push(b'\n');
         let w = &mut self.workers[i];
@@ -115,7 +115,7 @@ impl Workers {
     }
 
     /// Sends every worker the same message.
-    pub(crate) fn send_all<C: Serialize>(&mut self, msg: &C) -> anyhow::Result<()> {
+    pub fn send_all<C: Serialize>(&mut self, msg: &C) -> anyhow::Result<()> {
         for i in 0..self.workers.len() {
             self.send(i, msg)?;
         }
@@ -124,7 +124,7 @@ impl Workers {
 
     /// One answer from every worker, in worker order, within `timeout` in all. A worker that
     /// reports an error, exits or says nothing in time fails the call.
-    pub(crate) async fn recv_all<R: DeserializeOwned>(
+    pub async fn recv_all<R: DeserializeOwned>(
         &mut self,
         timeout: Duration,
     ) -> anyhow::Result<Vec<R>> {
@@ -154,14 +154,14 @@ impl Workers {
 
 /// A worker's side of the conversation: commands from stdin, answers to stdout.
 #[derive(Debug)]
-pub(crate) struct Parent {
+pub struct Parent {
     lines: mpsc::UnboundedReceiver<String>,
 }
 
 impl Parent {
     /// Reads the job, the first line on stdin, before any runtime exists (the job says how
     /// many threads the runtime gets).
-    pub(crate) fn read_job<J: DeserializeOwned>() -> anyhow::Result<J> {
+    pub fn read_job<J: DeserializeOwned>() -> anyhow::Result<J> {
         let mut line = String::new();
         std::io::stdin()
             .read_line(&mut line)
@@ -173,7 +173,7 @@ impl Parent {
     }
 
     /// Starts reading the commands that follow the job.
-    pub(crate) fn listen() -> anyhow::Result<Self> {
+    pub fn listen() -> anyhow::Result<Self> {
         let (tx, lines) = mpsc::unbounded_channel();
         std::thread::Builder::new()
             .name("derp-bench-parent".into())
@@ -190,7 +190,7 @@ impl Parent {
     }
 
     /// The next command; `None` when the parent has closed stdin (time to leave).
-    pub(crate) async fn recv<C: DeserializeOwned>(&mut self) -> anyhow::Result<Option<C>> {
+    pub async fn recv<C: DeserializeOwned>(&mut self) -> anyhow::Result<Option<C>> {
         match self.lines.recv().await {
             None => Ok(None),
             Some(line) => serde_json::from_str(&line)
@@ -200,7 +200,7 @@ impl Parent {
     }
 
     /// Answers the last command.
-    pub(crate) fn answer<R: Serialize>(answer: &Result<R, String>) -> anyhow::Result<()> {
+    pub fn answer<R: Serialize>(answer: &Result<R, String>) -> anyhow::Result<()> {
         let mut line = serde_json::to_vec(answer)?;
         line.push(b'\n');
         let mut out = std::io::stdout().lock();
@@ -211,21 +211,21 @@ impl Parent {
 }
 
 /// Now, as Unix nanoseconds: the clock every process on the machine shares.
-pub(crate) fn unix_ns_now() -> u64 {
+pub fn unix_ns_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// The local instant of a Unix time in nanoseconds (now, if it has passed).
-pub(crate) fn instant_at(unix_ns: u64) -> Instant {
+pub fn instant_at(unix_ns: u64) -> Instant {
     let now_unix = unix_ns_now();
     let now = Instant::now();
     now + Duration::from_nanos(unix_ns.saturating_sub(now_unix))
 }
 
 /// `total` split into `parts` near-equal shares, the larger ones first.
-pub(crate) fn split(total: u64, parts: usize) -> Vec<u64> {
+pub fn split(total: u64, parts: usize) -> Vec<u64> {
     let parts = parts.max(1) as u64;
     (0..parts)
         .map(|i| total / parts + u64::from(i < total % parts))

@@ -11,14 +11,14 @@ use tokio::net::TcpStream;
 
 /// One sample line.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Sample {
-    pub(crate) name: String,
-    pub(crate) labels: Vec<(String, String)>,
-    pub(crate) value: f64,
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
 }
 
 impl Sample {
-    pub(crate) fn label(&self, key: &str) -> Option<&str> {
+    pub fn label(&self, key: &str) -> Option<&str> {
         self.labels
             .iter()
             .find(|(k, _)| k == key)
@@ -28,13 +28,13 @@ impl Sample {
 
 /// A parsed scrape.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Scrape {
-    pub(crate) samples: Vec<Sample>,
+pub struct Scrape {
+    pub samples: Vec<Sample>,
 }
 
 impl Scrape {
     /// Sum of every sample of `name`, or `None` when the metric is absent.
-    pub(crate) fn sum(&self, name: &str) -> Option<f64> {
+    pub fn sum(&self, name: &str) -> Option<f64> {
         let mut found = false;
         let mut total = 0.0;
         for s in self.samples.iter().filter(|s| s.name == name) {
@@ -45,7 +45,7 @@ impl Scrape {
     }
 
     /// Sums `name` grouped by the value of `label`, in first-seen order.
-    pub(crate) fn sum_by(&self, name: &str, label: &str) -> Vec<(String, f64)> {
+    pub fn sum_by(&self, name: &str, label: &str) -> Vec<(String, f64)> {
         let mut out: Vec<(String, f64)> = Vec::new();
         for s in self.samples.iter().filter(|s| s.name == name) {
             let key = s.label(label).unwrap_or("").to_owned();
@@ -60,7 +60,7 @@ impl Scrape {
 
 /// Parses the Prometheus text exposition format. Lines that do not parse are skipped, so a
 /// server with unusual extra lines still yields the metrics the bench needs.
-pub(crate) fn parse_text(text: &str) -> Scrape {
+pub fn parse_text(text: &str) -> Scrape {
     let samples = text
         .lines()
         .map(str::trim)
@@ -124,7 +124,7 @@ fn parse_labels(mut s: &str) -> Option<(Vec<(String, String)>, &str)> {
 
 /// Where the server's metrics come from.
 #[derive(Clone, Debug)]
-pub(crate) enum MetricsSource {
+pub enum MetricsSource {
     /// A plain-HTTP URL serving the text format.
     Http(String),
     /// The registry of the relay this process spawned.
@@ -132,7 +132,7 @@ pub(crate) enum MetricsSource {
 }
 
 impl MetricsSource {
-    pub(crate) async fn scrape(&self) -> anyhow::Result<Scrape> {
+    pub async fn scrape(&self) -> anyhow::Result<Scrape> {
         match self {
             Self::Http(url) => {
                 let body = http_get(url, SCRAPE_TIMEOUT)
@@ -149,7 +149,7 @@ impl MetricsSource {
         }
     }
 
-    pub(crate) fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         match self {
             Self::Http(url) => url.clone(),
             Self::InProcess(_) => "in-process registry".to_owned(),
@@ -162,7 +162,7 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_BODY: usize = 32 << 20;
 
 /// Fetches `url` (plain `http://` only) and returns the body of a 200 response.
-pub(crate) async fn http_get(url: &str, timeout: Duration) -> anyhow::Result<String> {
+pub async fn http_get(url: &str, timeout: Duration) -> anyhow::Result<String> {
     tokio::time::timeout(timeout, http_get_inner(url))
         .await
         .map_err(|_| anyhow!("timed out after {timeout:?}"))?

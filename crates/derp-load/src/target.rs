@@ -9,28 +9,28 @@ use derp_client::{Client, ClientConfig, ConnectError, ServerUrl};
 use derp_proto::SecretKey;
 use derp_server::{Server, ServerConfig};
 
-use crate::cli::TargetArgs;
+use crate::args::TargetArgs;
 use crate::procfs::{self, CpuTime};
 use crate::prom::MetricsSource;
 
 /// Thread-name prefix of the spawned relay's runtime, so its CPU can be told from the
 /// bench's (both live in one process).
-pub(crate) const SERVER_THREAD_PREFIX: &str = "derpd-srv";
+pub const SERVER_THREAD_PREFIX: &str = "derpd-srv";
 /// Thread-name prefix of the bench's own runtime.
-pub(crate) const BENCH_THREAD_NAME: &str = "derp-bench";
+pub const BENCH_THREAD_NAME: &str = "derp-bench";
 
 /// A relay running in this process on its own runtime.
 #[derive(Debug)]
-pub(crate) struct SpawnedServer {
+pub struct SpawnedServer {
     runtime: tokio::runtime::Runtime,
     server: Server,
-    pub(crate) url: String,
-    pub(crate) registry: prometheus::Registry,
+    pub url: String,
+    pub registry: prometheus::Registry,
 }
 
 impl SpawnedServer {
     /// Starts a relay with derpd's defaults on 127.0.0.1, on a port the kernel picks.
-    pub(crate) fn start() -> anyhow::Result<Self> {
+    pub fn start() -> anyhow::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .thread_name(SERVER_THREAD_PREFIX)
@@ -63,7 +63,7 @@ impl SpawnedServer {
     }
 
     /// Closes every connection and stops the relay's runtime.
-    pub(crate) fn stop(self) {
+    pub fn stop(self) {
         let server = self.server;
         let stopped = self.runtime.block_on(async move {
             tokio::time::timeout(Duration::from_secs(5), server.shutdown()).await
@@ -77,7 +77,7 @@ impl SpawnedServer {
 
 /// Where the server's CPU and memory figures come from.
 #[derive(Clone, Debug)]
-pub(crate) enum ServerProbe {
+pub enum ServerProbe {
     /// Not observable from here.
     None,
     /// Separate processes on this machine (their CPU is added up).
@@ -88,14 +88,14 @@ pub(crate) enum ServerProbe {
 
 /// The server under test.
 #[derive(Debug)]
-pub(crate) struct Target {
-    pub(crate) url: ServerUrl,
+pub struct Target {
+    pub url: ServerUrl,
     /// Where the receiving halves of pairs connect, when not to `url`.
-    pub(crate) peer_url: Option<ServerUrl>,
-    pub(crate) metrics: Option<MetricsSource>,
-    pub(crate) probe: ServerProbe,
-    pub(crate) connect_timeout: Duration,
-    pub(crate) spawned: bool,
+    pub peer_url: Option<ServerUrl>,
+    pub metrics: Option<MetricsSource>,
+    pub probe: ServerProbe,
+    pub connect_timeout: Duration,
+    pub spawned: bool,
     ticks: f64,
     tls: TlsOptions,
 }
@@ -111,7 +111,7 @@ struct TlsOptions {
 
 impl Target {
     /// Resolves the flags into a target; `spawned` is the relay `--spawn-server` started.
-    pub(crate) fn new(args: &TargetArgs, spawned: Option<&SpawnedServer>) -> anyhow::Result<Self> {
+    pub fn new(args: &TargetArgs, spawned: Option<&SpawnedServer>) -> anyhow::Result<Self> {
         let url_text = match (spawned, &args.url) {
             (Some(s), _) => s.url.clone(),
             (None, Some(url)) => url.clone(),
@@ -172,20 +172,12 @@ impl Target {
     }
 
     /// A client config for this target.
-    pub(crate) fn client_config(
-        &self,
-        secret: SecretKey,
-        local: Option<SocketAddr>,
-    ) -> ClientConfig {
+    pub fn client_config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         self.template().config(secret, local)
     }
 
     /// A client config for the receiving half of a pair: on `--peer-url` when given.
-    pub(crate) fn peer_client_config(
-        &self,
-        secret: SecretKey,
-        local: Option<SocketAddr>,
-    ) -> ClientConfig {
+    pub fn peer_client_config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         match &self.peer_url {
             Some(url) => ClientTemplate {
                 url: url.clone(),
@@ -198,7 +190,7 @@ impl Target {
     }
 
     /// What tasks need to build client configs, detached from the target.
-    pub(crate) fn template(&self) -> ClientTemplate {
+    pub fn template(&self) -> ClientTemplate {
         ClientTemplate {
             url: self.url.clone(),
             connect_timeout: self.connect_timeout,
@@ -208,7 +200,7 @@ impl Target {
 
     /// One connection and handshake before anything else, so that an unreachable or refusing
     /// server ends the run at once with a clear message.
-    pub(crate) async fn preflight(&self) -> anyhow::Result<()> {
+    pub async fn preflight(&self) -> anyhow::Result<()> {
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
         let mut configs = vec![(self.url.clone(), self.client_config(secret.clone(), None))];
         if let Some(peer) = &self.peer_url {
@@ -231,7 +223,7 @@ impl Target {
     }
 
     /// CPU used so far by the server, if it can be observed.
-    pub(crate) fn server_cpu(&self) -> Option<CpuTime> {
+    pub fn server_cpu(&self) -> Option<CpuTime> {
         match self.probe {
             ServerProbe::None => None,
             ServerProbe::Pids(ref pids) => {
@@ -248,13 +240,13 @@ impl Target {
     }
 
     /// Machine-wide CPU time so far.
-    pub(crate) fn machine_cpu(&self) -> Option<procfs::MachineCpu> {
+    pub fn machine_cpu(&self) -> Option<procfs::MachineCpu> {
         procfs::machine_cpu(self.ticks)
     }
 
     /// CPU used so far by the bench itself: the whole process, less the spawned relay's
     /// threads when there is one.
-    pub(crate) fn bench_cpu(&self) -> Option<CpuTime> {
+    pub fn bench_cpu(&self) -> Option<CpuTime> {
         let all = procfs::process_cpu("self", self.ticks)?;
         match self.probe {
             ServerProbe::InProcess => {
@@ -268,7 +260,7 @@ impl Target {
     /// Source addresses for `n` connections: `None` (let the kernel pick) unless `n` exceeds
     /// what one source address can hold and the target is an IPv4 loopback address, in which
     /// case connections are spread over 127.0.1.0/24 and beyond.
-    pub(crate) fn source_addrs(&self, n: usize) -> SourceAddrs {
+    pub fn source_addrs(&self, n: usize) -> SourceAddrs {
         // Leave headroom for TIME_WAIT sockets and whatever else uses ephemeral ports.
         let per_addr = (procfs::ephemeral_ports() as usize * 3 / 4).max(1);
         let loopback = match self.url.host().parse::<IpAddr>() {
@@ -285,14 +277,14 @@ impl Target {
 
 /// Builds client configs for one target.
 #[derive(Clone, Debug)]
-pub(crate) struct ClientTemplate {
+pub struct ClientTemplate {
     url: ServerUrl,
     connect_timeout: Duration,
     tls: TlsOptions,
 }
 
 impl ClientTemplate {
-    pub(crate) fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
+    pub fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         let mut config = ClientConfig::with_url(self.url.clone(), secret)
             .with_connect_timeout(self.connect_timeout)
             .with_app_name("derp-bench")
@@ -332,14 +324,14 @@ const PEM_END: &str = "-----END CERTIFICATE-----";
 
 /// Assigns source addresses to connection indexes.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct SourceAddrs {
+pub struct SourceAddrs {
     /// Connections per source address; 0 means "let the kernel choose".
     per_addr: usize,
 }
 
 impl SourceAddrs {
     /// The local address for connection `i`.
-    pub(crate) fn for_index(self, i: usize) -> Option<SocketAddr> {
+    pub fn for_index(self, i: usize) -> Option<SocketAddr> {
         if self.per_addr == 0 {
             return None;
         }
@@ -350,7 +342,7 @@ impl SourceAddrs {
     }
 
     /// How many source addresses `n` connections use (1 when the kernel chooses).
-    pub(crate) fn count(self, n: usize) -> usize {
+    pub fn count(self, n: usize) -> usize {
         if self.per_addr == 0 {
             1
         } else {
@@ -360,7 +352,7 @@ impl SourceAddrs {
 }
 
 /// A connect error in words an operator can act on.
-pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
+pub fn describe_connect_error(e: &ConnectError) -> String {
     match e {
         ConnectError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
             format!("connection refused (is the server running and listening there?): {e}")
@@ -384,7 +376,7 @@ pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
 }
 
 /// A short, stable name for a connect error, for failure counts.
-pub(crate) fn connect_error_kind(e: &ConnectError) -> String {
+pub fn connect_error_kind(e: &ConnectError) -> String {
     match e {
         ConnectError::BadUrl(_) => "bad_url".into(),
         ConnectError::InvalidConfig(_) => "invalid_config".into(),
@@ -406,7 +398,7 @@ pub(crate) fn connect_error_kind(e: &ConnectError) -> String {
 
 /// Fails early when `n` connections (doubled when the relay lives in this process) would
 /// exceed the open-files limit, instead of failing half-way with EMFILE.
-pub(crate) fn check_fd_budget(n: usize, spawned: bool) -> anyhow::Result<()> {
+pub fn check_fd_budget(n: usize, spawned: bool) -> anyhow::Result<()> {
     let needed = n as u64 * if spawned { 2 } else { 1 } + 64;
     if let Some(limit) = procfs::open_files_limit()
         && needed > limit

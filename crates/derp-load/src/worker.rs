@@ -5,30 +5,30 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use anyhow::bail;
-
-use crate::cli::{ClientKind, TargetArgs};
+use crate::Ctx;
+use crate::args::TargetArgs;
+use crate::closed_loop::ClientKind;
 use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
 use crate::connections::{ConnectionShare, Opening, Storm};
-use crate::load::{Clock, Fleet, HistWire, new_histogram, run_fleets};
+use crate::fleet::{Fleet, run_fleets};
+use crate::measure::{Clock, HistWire, new_histogram};
 use crate::procs::{Parent, Workers, instant_at};
 use crate::report::{LoadRun, WindowSpec};
-use crate::target::Target;
-
-use crate::Ctx;
+use crate::target::{BENCH_THREAD_NAME, Target};
 
 /// How long the parent waits for answers beyond the window itself: stragglers, the
 /// senders' grace period and a loaded machine.
-pub(crate) const ANSWER_SLACK: Duration = Duration::from_secs(30);
+pub const ANSWER_SLACK: Duration = Duration::from_secs(30);
 /// How long workers get to connect their share, beyond the connect timeout.
 const CONNECT_SLACK: Duration = Duration::from_secs(120);
 
 /// Starts one worker per share of work (the caller leaves out empty shares) and waits until
 /// every one is connected. Records in `ctx` how many processes carry the load.
-pub(crate) async fn start_workers(
+pub async fn start_workers(
     ctx: &mut Ctx,
     target_args: &TargetArgs,
     work: Vec<Work>,
@@ -68,18 +68,18 @@ pub(crate) async fn start_workers(
 
 /// Everything a worker needs to connect its share.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Job {
+pub struct Job {
     /// Runtime worker threads: the machine's cores divided among the workers.
-    pub(crate) threads: usize,
+    pub threads: usize,
     /// The parent's target flags, with the URL resolved (an in-process relay is the parent's)
     /// and the server's observation left to the parent.
-    pub(crate) target: TargetArgs,
-    pub(crate) work: Work,
+    pub target: TargetArgs,
+    pub work: Work,
 }
 
 /// A worker's share of the connections.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Work {
+pub enum Work {
     /// Sender/receiver fleets (throughput, sweep; latency's probes and background load).
     Fleets(Vec<FleetShare>),
     /// Closed-loop pairs (pingpong).
@@ -91,24 +91,24 @@ pub(crate) enum Work {
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct FleetShare {
-    pub(crate) pairs: u32,
-    pub(crate) first_pair: u32,
-    pub(crate) echo: bool,
+pub struct FleetShare {
+    pub pairs: u32,
+    pub first_pair: u32,
+    pub echo: bool,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct LoopShare {
-    pub(crate) pairs: u32,
-    pub(crate) first_pair: u32,
-    pub(crate) size: usize,
-    pub(crate) in_flight: u32,
-    pub(crate) client: ClientKind,
+pub struct LoopShare {
+    pub pairs: u32,
+    pub first_pair: u32,
+    pub size: usize,
+    pub in_flight: u32,
+    pub client: ClientKind,
 }
 
 /// What the parent asks, after the job.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Command {
+pub enum Command {
     /// Run a window on every fleet (one spec each) or on the closed loops (the first spec's
     /// run, warm-up and duration), from `start_unix_ns`.
     Window {
@@ -128,7 +128,7 @@ pub(crate) enum Command {
 
 /// A worker's answers.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Answer {
+pub enum Answer {
     /// Connected (or, for connections, keys made) and waiting for commands.
     Ready,
     /// One per fleet.
@@ -144,23 +144,23 @@ pub(crate) enum Answer {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct WindowOut {
-    pub(crate) run: LoadRun,
-    pub(crate) rtt: HistWire,
+pub struct WindowOut {
+    pub run: LoadRun,
+    pub rtt: HistWire,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct LoopOut {
-    pub(crate) pair: u32,
-    pub(crate) sent: u64,
-    pub(crate) round_trips: u64,
-    pub(crate) lost: u64,
-    pub(crate) rtt: HistWire,
-    pub(crate) error: Option<String>,
+pub struct LoopOut {
+    pub pair: u32,
+    pub sent: u64,
+    pub round_trips: u64,
+    pub lost: u64,
+    pub rtt: HistWire,
+    pub error: Option<String>,
 }
 
 impl LoopOut {
-    pub(crate) fn into_result(self) -> LoopResult {
+    pub fn into_result(self) -> LoopResult {
         let mut rtt = new_histogram();
         self.rtt.add_to(&mut rtt);
         LoopResult {
@@ -175,29 +175,44 @@ impl LoopOut {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct StormOut {
-    pub(crate) attempted: u64,
-    pub(crate) handshakes: HistWire,
-    pub(crate) failures: BTreeMap<String, u64>,
+pub struct StormOut {
+    pub attempted: u64,
+    pub handshakes: HistWire,
+    pub failures: BTreeMap<String, u64>,
     /// From the common start to the last completion.
-    pub(crate) elapsed_s: f64,
-    pub(crate) bench_cpu_s: Option<f64>,
+    pub elapsed_s: f64,
+    pub bench_cpu_s: Option<f64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct OpenOut {
-    pub(crate) opened: u64,
-    pub(crate) failures: BTreeMap<String, u64>,
-    pub(crate) open_s: f64,
+pub struct OpenOut {
+    pub opened: u64,
+    pub failures: BTreeMap<String, u64>,
+    pub open_s: f64,
+}
+
+/// A worker process's whole life: its job first (read from stdin before any runtime exists,
+/// since the job says how many threads the runtime gets), then [`run`] on that runtime.
+pub fn run_process() -> anyhow::Result<()> {
+    let job: Job = Parent::read_job()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(job.threads.max(1))
+        .enable_all()
+        .thread_name(BENCH_THREAD_NAME)
+        .build()
+        .context("starting the worker's runtime")?;
+    let out = rt.block_on(run(job));
+    rt.shutdown_timeout(Duration::from_secs(2));
+    out
 }
 
 /// Runs a worker: the job has been read; this connects, answers `Ready`, then serves
 /// commands until the parent closes stdin. Errors go back to the parent as answers.
-pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
+pub async fn run(job: Job) -> anyhow::Result<()> {
     let mut parent = Parent::listen()?;
     let setup = async {
         let target = Target::new(&job.target, None)?;
-        let clock = Clock::new();
+        let clock = Clock::start();
         let connections = match &job.work {
             Work::Fleets(shares) => shares.iter().map(|s| s.pairs as usize * 2).sum(),
             Work::Loops(s) => s.pairs as usize * 2,

@@ -6,21 +6,21 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use derp_load::args::TargetArgs;
+use derp_load::connections::{ConnectionShare, Storm};
+use derp_load::measure::{RttHistogram, new_histogram, sample_cpu};
+use derp_load::procs::{START_LEAD, Workers, instant_at, unix_ns_now};
+use derp_load::report::CpuUse;
+use derp_load::target::Target;
+use derp_load::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
+use derp_load::{Ctx, Outcome};
 use tokio::time::Instant;
 
-use crate::cli::{ConnectArgs, TargetArgs};
-use crate::connections::{ConnectionShare, Storm};
-use crate::load::{RttHistogram, new_histogram, sample_cpu};
-use crate::procs::{START_LEAD, Workers, instant_at, unix_ns_now};
+use crate::cli::ConnectArgs;
 use crate::progress::Progress;
 use crate::report::{
-    ConnectConfig, ConnectMedian, ConnectResult, ConnectRun, CpuUse, HandshakeTimes, opt, pct,
-    table,
+    ConnectConfig, ConnectMedian, ConnectResult, ConnectRun, HandshakeTimes, opt, pct, table,
 };
-use crate::target::Target;
-use crate::{Ctx, Outcome};
-
-use super::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -38,7 +38,7 @@ pub(crate) async fn run(
         Some(start_workers(ctx, target_args, work).await?)
     } else {
         // Only `concurrency` connections are open at once (plus the server's side of them).
-        crate::target::check_fd_budget(args.conns.concurrency as usize, ctx.target.spawned)?;
+        derp_load::target::check_fd_budget(args.conns.concurrency as usize, ctx.target.spawned)?;
         None
     };
     let progress = Progress::start(

@@ -5,19 +5,19 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use derp_load::args::TargetArgs;
+use derp_load::connections::{ConnectionShare, Opening};
+use derp_load::measure::scrape;
+use derp_load::procfs;
+use derp_load::procs::{START_LEAD, Workers, unix_ns_now};
+use derp_load::target::{ServerProbe, Target};
+use derp_load::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
+use derp_load::{Ctx, Outcome};
 use tokio::time::Instant;
 
-use crate::cli::{IdleArgs, TargetArgs};
-use crate::connections::{ConnectionShare, Opening};
-use crate::load::scrape;
-use crate::procfs;
-use crate::procs::{START_LEAD, Workers, unix_ns_now};
+use crate::cli::IdleArgs;
 use crate::progress::Progress;
 use crate::report::{IdleConfig, IdleMedian, IdleResult, IdleRun, median, median_opt, opt, table};
-use crate::target::{ServerProbe, Target};
-use crate::{Ctx, Outcome};
-
-use super::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
 
 /// How long to wait for the server to notice closed connections before the last RSS reading.
 const CLOSE_SETTLE: Duration = Duration::from_secs(3);
@@ -38,12 +38,12 @@ pub(crate) async fn run(
     let mut workers = if shares.len() > 1 {
         if ctx.target.spawned {
             // The in-process relay holds the server side of every connection here.
-            crate::target::check_fd_budget(n, false)?;
+            derp_load::target::check_fd_budget(n, false)?;
         }
         let work = shares.iter().map(|s| Work::Idle(*s)).collect();
         Some(start_workers(ctx, target_args, work).await?)
     } else {
-        crate::target::check_fd_budget(n, ctx.target.spawned)?;
+        derp_load::target::check_fd_budget(n, ctx.target.spawned)?;
         None
     };
     let progress = Progress::start(

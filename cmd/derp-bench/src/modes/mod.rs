@@ -8,5 +8,3 @@ pub(crate) mod pingpong;
 pub(crate) mod soak;
 pub(crate) mod sweep;
 pub(crate) mod throughput;
-#[path = "../../../../crates/derp-load/src/worker.rs"]
-pub(crate) mod worker;

@@ -6,12 +6,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use derp_client::Client;
+use derp_load::procfs;
+use derp_load::prom::Scrape;
+use derp_load::target::{ServerProbe, Target};
 use tokio::time::Instant;
 
 use crate::cli::SoakArgs;
-use crate::procfs;
-use crate::prom::Scrape;
-use crate::target::{ServerProbe, Target};
 
 use super::client::{Stats, new_key};
 use super::report::{Check, Resources, ServerBooks, mib, opt_u};

@@ -9,13 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use derp_client::{Client, ClientError, ClientReader, ClientWriter, ReceivedFrame};
+use derp_load::packet::{HEADER_LEN, Header, Kind};
+use derp_load::target::{ClientTemplate, SourceAddrs, connect_error_kind};
 use derp_proto::{PublicKey, SecretKey};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, watch};
-
-use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::target::{ClientTemplate, SourceAddrs, connect_error_kind};
 
 /// Violations kept verbatim for the report; the rest are only counted.
 const MAX_VIOLATIONS_KEPT: usize = 30;

@@ -32,20 +32,20 @@ mod roles;
 use std::sync::Arc;
 use std::time::Duration;
 
+use account::{Baseline, sample, scrape_until};
+use client::{Shared, Stats, new_key};
 use derp_client::Scheme;
+use derp_load::args::TargetArgs;
+use derp_load::measure::scrape;
+use derp_load::target::{ServerProbe, Target};
+use derp_load::{Ctx, Outcome};
 use derp_proto::PublicKey;
+use report::{Resources, SoakConfig, SoakResult, human};
+use roles::{ECHO_DEADLINE, Roles};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
-use crate::cli::{SoakArgs, TargetArgs};
-use crate::load::scrape;
-use crate::target::{ServerProbe, Target};
-use crate::{Ctx, Outcome};
-
-use account::{Baseline, sample, scrape_until};
-use client::{Shared, Stats, new_key};
-use report::{Resources, SoakConfig, SoakResult, human};
-use roles::{ECHO_DEADLINE, Roles};
+use crate::cli::SoakArgs;
 
 /// How often resources are sampled.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
@@ -59,7 +59,7 @@ pub(crate) async fn run(
     quiet: bool,
 ) -> anyhow::Result<Outcome> {
     let n = args.clients as usize;
-    crate::target::check_fd_budget(n + 64, ctx.target.spawned)?;
+    derp_load::target::check_fd_budget(n + 64, ctx.target.spawned)?;
     match &ctx.target.probe {
         ServerProbe::None => anyhow::bail!(
             "soak checks the server's memory and descriptors: give --server-pid (or use --spawn-server)"

@@ -5,14 +5,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use derp_client::ReceivedFrame;
+use derp_load::packet::Header;
 use derp_proto::SecretKey;
 use rand::Rng;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
-
-use derp_client::ReceivedFrame;
-
-use crate::packet::Header;
 
 use super::client::{Conn, Shared, Stats, count_frame, new_key, packet};
 use super::hostile;

@@ -60,10 +60,12 @@ pub(crate) enum Mode {
     Idle(IdleArgs),
     /// Step the offered load up until the relay stops delivering it.
     Sweep(SweepArgs),
-    /// Many clients for a long time, every kind of traffic and misbehaviour at once, then a
-    /// strict account of every packet, connection, descriptor and byte of memory. Exits
-    /// non-zero when any check fails. Needs --metrics-url and --server-pid (or --spawn-server).
-    Soak(SoakArgs),
+    /// The soak test is its own program now: `derp-soak`, with the same flags.
+    #[command(hide = true, disable_help_flag = true)]
+    Soak {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Not a measurement: a minimal relay to measure against. It speaks just enough DERP for
     /// derp-bench's clients (plain http://, no TLS) and copies each packet from one socket to
     /// the other with one read and one write, so a round trip through it is the floor of what
@@ -264,40 +266,6 @@ pub(crate) struct SweepArgs {
     /// Upper bound on the number of steps.
     #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub(crate) max_steps: u32,
-}
-
-#[derive(Debug, Args)]
-pub(crate) struct SoakArgs {
-    /// Clients: 40% closed-loop pairs, 10% flood pairs (half with slow readers), 25% churn,
-    /// 5% hostile, the rest idle.
-    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(20..=MAX_CONNECTIONS))]
-    pub(crate) clients: u32,
-
-    /// How long the load runs.
-    #[arg(long, default_value = "10m", value_parser = parse_duration)]
-    pub(crate) duration: Duration,
-
-    /// Packets per second each closed-loop pair sends (each is echoed back).
-    #[arg(long, default_value_t = 10.0)]
-    pub(crate) closed_rate: f64,
-
-    /// Packets per second each flood sender offers, open loop (1200-byte packets; 8 KiB to
-    /// slow readers).
-    #[arg(long, default_value_t = 100.0)]
-    pub(crate) flood_rate: f64,
-
-    /// Bound on the server's peak resident memory, MiB.
-    #[arg(long, default_value_t = 256)]
-    pub(crate) max_rss_mib: u64,
-
-    /// Bound on how much more resident memory the server holds after every client has left
-    /// than before the run, MiB (the allocator keeps some; a leak keeps growing).
-    #[arg(long, default_value_t = 64)]
-    pub(crate) max_rss_after_mib: u64,
-
-    /// How long to wait at the end for clients to leave and the server to settle.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    pub(crate) settle: Duration,
 }
 
 /// Upper bounds that keep every run finite.

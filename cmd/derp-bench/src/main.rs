@@ -51,11 +51,8 @@ fn main() -> ExitCode {
 /// Runs the mode and prints what it found; fails when the mode's own checks failed.
 fn measure(cli: &Cli) -> anyhow::Result<()> {
     check_plot(&cli.mode, &cli.output)?;
-    if cli.procs > 1 && matches!(cli.mode, Mode::Soak(_)) {
-        bail!(
-            "--procs spreads the load of throughput, latency, pingpong, connect, idle and \
-             sweep; soak runs in one process"
-        );
+    if let Mode::Soak { .. } = cli.mode {
+        bail!("the soak test is its own program now: run `derp-soak` with the same flags");
     }
     let outcome: Outcome = derp_load::ctx::run(
         TOOL,
@@ -69,8 +66,7 @@ fn measure(cli: &Cli) -> anyhow::Result<()> {
             Mode::Connect(a) => modes::connect::run(ctx, &cli.target, a).await,
             Mode::Idle(a) => modes::idle::run(ctx, &cli.target, a).await,
             Mode::Sweep(a) => modes::sweep::run(ctx, &cli.target, a, &cli.output).await,
-            Mode::Soak(a) => modes::soak::run(ctx, &cli.target, a, cli.output.json).await,
-            Mode::FloorRelay(_) | Mode::Worker => bail!("not a measurement"),
+            Mode::Soak { .. } | Mode::FloorRelay(_) | Mode::Worker => bail!("not a measurement"),
         },
     )?;
     outcome.print(cli.output.json, TOOL)?;
@@ -122,9 +118,7 @@ fn time_bound(mode: &Mode) -> Duration {
         Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.conns.runs,
         Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.conns.runs,
         Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
-        // Connecting and winding down thousands of clients, then settling.
-        Mode::Soak(a) => a.duration + a.settle * 2 + Duration::from_secs(120),
-        Mode::FloorRelay(_) | Mode::Worker => Duration::ZERO,
+        Mode::Soak { .. } | Mode::FloorRelay(_) | Mode::Worker => Duration::ZERO,
     };
     expected * 2 + SLACK
 }

@@ -13,7 +13,7 @@ use rand::{Rng, RngCore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::client::{Shared, Stats, Stream};
+use crate::client::{Shared, Stats, Stream};
 
 /// The relay's handshake and request-head deadline is 10 s; allow for a loaded machine.
 const CLOSE_DEADLINE: Duration = Duration::from_secs(20);
@@ -33,7 +33,7 @@ const KINDS: [&str; 10] = [
 ];
 
 /// Runs hostile attempts one after another until the run stops.
-pub(super) async fn worker(sh: Arc<Shared>, index: usize) {
+pub(crate) async fn worker(sh: Arc<Shared>, index: usize) {
     let mut round = index;
     while !sh.stopping() {
         let kind = KINDS[round % KINDS.len()];

@@ -76,18 +76,18 @@ pub(crate) struct SoakResult {
     pub(crate) peak_connections: u64,
 }
 
-pub(super) fn mib(b: Option<u64>) -> String {
+pub(crate) fn mib(b: Option<u64>) -> String {
     b.map_or_else(
         || "-".to_owned(),
         |b| format!("{:.1}", b as f64 / 1048576.0),
     )
 }
 
-pub(super) fn opt_u(v: Option<u64>) -> String {
+pub(crate) fn opt_u(v: Option<u64>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
-pub(super) fn human(config: &SoakConfig, r: &SoakResult) -> String {
+pub(crate) fn human(config: &SoakConfig, r: &SoakResult) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,

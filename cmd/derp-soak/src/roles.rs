@@ -1,6 +1,6 @@
 //! The roles soak clients play, each in its own loop until the run stops: closed-loop pairs,
 //! floods (half of them into slow readers), churners and idle clients. The hostile clients
-//! are in [`super::hostile`].
+//! are in [`crate::hostile`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,14 +12,14 @@ use rand::Rng;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use super::client::{Conn, Shared, Stats, count_frame, new_key, packet};
-use super::hostile;
+use crate::client::{Conn, Shared, Stats, count_frame, new_key, packet};
+use crate::hostile;
 
 /// Packets a closed-loop sender may have in flight: far below the relay's queue depth (32),
 /// so a correct relay never has a reason to drop one.
 const WINDOW: u64 = 4;
 /// A closed-loop packet not echoed within this long is lost.
-pub(super) const ECHO_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const ECHO_DEADLINE: Duration = Duration::from_secs(10);
 /// Size of closed-loop and churn packets.
 const SMALL_PACKET: usize = 200;
 /// Receive buffer of slow readers: small, so a pause fills it and the relay's queue quickly.
@@ -32,18 +32,18 @@ const SLOW_FLOOD_PACKET: usize = 8192;
 
 /// How many clients play each role.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Roles {
-    pub(super) closed_pairs: usize,
-    pub(super) flood_pairs: usize,
-    pub(super) churners: usize,
-    pub(super) hostile: usize,
-    pub(super) idle: usize,
+pub(crate) struct Roles {
+    pub(crate) closed_pairs: usize,
+    pub(crate) flood_pairs: usize,
+    pub(crate) churners: usize,
+    pub(crate) hostile: usize,
+    pub(crate) idle: usize,
 }
 
 impl Roles {
     /// 40% closed-loop pairs, 10% floods (sender + receiver), 25% churn, 5% hostile, the rest
     /// idle.
-    pub(super) fn of(clients: usize) -> Self {
+    pub(crate) fn of(clients: usize) -> Self {
         let n = clients;
         let closed_pairs = (n * 40 / 100 / 2).max(1);
         let flood_pairs = (n * 10 / 100 / 2).max(1);
@@ -60,7 +60,7 @@ impl Roles {
     }
 
     /// Starts every client, each on its own source-address slot.
-    pub(super) fn spawn(
+    pub(crate) fn spawn(
         &self,
         shared: &Arc<Shared>,
         closed_rate: f64,

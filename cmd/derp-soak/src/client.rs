@@ -21,35 +21,35 @@ const MAX_VIOLATIONS_KEPT: usize = 30;
 
 /// What the run counts as it goes.
 #[derive(Debug, Default)]
-pub(super) struct Stats {
+pub(crate) struct Stats {
     /// SendPacket frames the clients wrote (counted once the write succeeded).
-    pub(super) sent: AtomicU64,
+    pub(crate) sent: AtomicU64,
     /// RecvPacket frames the clients read.
-    pub(super) received: AtomicU64,
-    pub(super) closed_sent: AtomicU64,
-    pub(super) closed_echoed: AtomicU64,
-    pub(super) closed_lost: AtomicU64,
-    pub(super) pings: AtomicU64,
-    pub(super) pongs: AtomicU64,
+    pub(crate) received: AtomicU64,
+    pub(crate) closed_sent: AtomicU64,
+    pub(crate) closed_echoed: AtomicU64,
+    pub(crate) closed_lost: AtomicU64,
+    pub(crate) pings: AtomicU64,
+    pub(crate) pongs: AtomicU64,
     /// Pings outstanding on slow readers when the server cut them off (expected).
-    pub(super) pings_abandoned: AtomicU64,
+    pub(crate) pings_abandoned: AtomicU64,
     /// Pings not answered within 5 s on a connection that stayed up.
-    pub(super) ping_timeouts: AtomicU64,
-    pub(super) connects: AtomicU64,
+    pub(crate) ping_timeouts: AtomicU64,
+    pub(crate) connects: AtomicU64,
     /// Slow readers the server cut off (expected: the write deadline at work).
-    pub(super) slow_cut_off: AtomicU64,
-    pub(super) churn_sessions: AtomicU64,
-    pub(super) churn_duplicates: AtomicU64,
-    pub(super) churn_abrupt: AtomicU64,
-    pub(super) hostile_failed: AtomicU64,
-    pub(super) violation_count: AtomicU64,
-    pub(super) violations: Mutex<Vec<String>>,
-    pub(super) connect_failures: Mutex<BTreeMap<String, u64>>,
-    pub(super) hostile: Mutex<BTreeMap<&'static str, u64>>,
+    pub(crate) slow_cut_off: AtomicU64,
+    pub(crate) churn_sessions: AtomicU64,
+    pub(crate) churn_duplicates: AtomicU64,
+    pub(crate) churn_abrupt: AtomicU64,
+    pub(crate) hostile_failed: AtomicU64,
+    pub(crate) violation_count: AtomicU64,
+    pub(crate) violations: Mutex<Vec<String>>,
+    pub(crate) connect_failures: Mutex<BTreeMap<String, u64>>,
+    pub(crate) hostile: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl Stats {
-    pub(super) fn violation(&self, what: String) {
+    pub(crate) fn violation(&self, what: String) {
         self.violation_count.fetch_add(1, Ordering::Relaxed);
         let mut kept = self.violations.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() < MAX_VIOLATIONS_KEPT {
@@ -57,40 +57,40 @@ impl Stats {
         }
     }
 
-    pub(super) fn add(counter: &AtomicU64, n: u64) {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
-    pub(super) fn get(counter: &AtomicU64) -> u64 {
+    pub(crate) fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }
 }
 
 /// What every role task shares.
 #[derive(Debug)]
-pub(super) struct Shared {
-    pub(super) template: ClientTemplate,
-    pub(super) sources: SourceAddrs,
+pub(crate) struct Shared {
+    pub(crate) template: ClientTemplate,
+    pub(crate) sources: SourceAddrs,
     /// `host:port` of the relay, for the hostile clients' raw sockets.
-    pub(super) addr: String,
+    pub(crate) addr: String,
     /// For https:// and wss:// nodes: TLS over those sockets, checked as the clients check
     /// it, with the URL's host as SNI.
-    pub(super) tls: Option<(Arc<derp_client::rustls::ClientConfig>, String)>,
-    pub(super) stop: watch::Receiver<bool>,
-    pub(super) stats: Stats,
-    pub(super) connect_gate: Semaphore,
+    pub(crate) tls: Option<(Arc<derp_client::rustls::ClientConfig>, String)>,
+    pub(crate) stop: watch::Receiver<bool>,
+    pub(crate) stats: Stats,
+    pub(crate) connect_gate: Semaphore,
     /// Keys churners use most of the time; packets go to these whether their owner is
     /// connected or not.
-    pub(super) churn_keys: Vec<PublicKey>,
+    pub(crate) churn_keys: Vec<PublicKey>,
 }
 
 /// A socket, or TLS over one.
-pub(super) trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
 impl Shared {
     /// TLS over a connected socket for a TLS node; the socket itself otherwise.
-    pub(super) async fn secure(
+    pub(crate) async fn secure(
         &self,
         tcp: TcpStream,
     ) -> Result<Box<dyn Stream>, derp_client::ConnectError> {
@@ -103,38 +103,38 @@ impl Shared {
         }
     }
 
-    pub(super) fn stopping(&self) -> bool {
+    pub(crate) fn stopping(&self) -> bool {
         *self.stop.borrow()
     }
 
-    pub(super) async fn stopped(&self) {
+    pub(crate) async fn stopped(&self) {
         let mut stop = self.stop.clone();
         let _ = stop.wait_for(|s| *s).await;
     }
 }
 
-pub(super) type PingWait = Pin<Box<dyn Future<Output = Result<Duration, ClientError>> + Send>>;
+pub(crate) type PingWait = Pin<Box<dyn Future<Output = Result<Duration, ClientError>> + Send>>;
 
 /// One client connection, driven by a single task.
-pub(super) struct Conn {
-    pub(super) reader: ClientReader,
-    pub(super) writer: ClientWriter,
-    pub(super) key: PublicKey,
-    pub(super) ping: Option<PingWait>,
-    pub(super) pings: u64,
-    pub(super) pongs: u64,
-    pub(super) ping_timeouts: u64,
+pub(crate) struct Conn {
+    pub(crate) reader: ClientReader,
+    pub(crate) writer: ClientWriter,
+    pub(crate) key: PublicKey,
+    pub(crate) ping: Option<PingWait>,
+    pub(crate) pings: u64,
+    pub(crate) pongs: u64,
+    pub(crate) ping_timeouts: u64,
 }
 
 impl Conn {
     /// Connects, retrying (and counting failures) until it works or the run stops.
-    pub(super) async fn open(sh: &Shared, secret: &SecretKey, slot: usize) -> Option<Self> {
+    pub(crate) async fn open(sh: &Shared, secret: &SecretKey, slot: usize) -> Option<Self> {
         Self::open_with(sh, secret, slot, None).await
     }
 
     /// Like [`Conn::open`], with the socket's receive buffer set to `rcvbuf` bytes when given
     /// (a slow reader then pushes back on the relay within a few kilobytes).
-    pub(super) async fn open_with(
+    pub(crate) async fn open_with(
         sh: &Shared,
         secret: &SecretKey,
         slot: usize,
@@ -186,7 +186,7 @@ impl Conn {
     }
 
     /// Waits for the outstanding ping, if any, reading meanwhile; counts its pong.
-    pub(super) async fn finish_ping(&mut self, sh: &Shared) -> Result<(), ClientError> {
+    pub(crate) async fn finish_ping(&mut self, sh: &Shared) -> Result<(), ClientError> {
         while self.ping.is_some() {
             tokio::select! {
                 r = Self::ping_done(&mut self.ping) => self.ponged(sh, r)?,
@@ -197,7 +197,7 @@ impl Conn {
     }
 
     /// Counts the outcome of a tracked ping.
-    pub(super) fn ponged(
+    pub(crate) fn ponged(
         &mut self,
         sh: &Shared,
         r: Result<Duration, ClientError>,
@@ -220,7 +220,7 @@ impl Conn {
 
     /// Pings of this connection that were never answered, for a connection whose loss is
     /// expected.
-    pub(super) fn abandon_pings(&self, sh: &Shared) {
+    pub(crate) fn abandon_pings(&self, sh: &Shared) {
         Stats::add(&sh.stats.pings_abandoned, self.pings - self.pongs);
         sh.stats
             .ping_timeouts
@@ -228,7 +228,7 @@ impl Conn {
     }
 
     /// Starts a tracked ping unless one is outstanding.
-    pub(super) async fn start_ping(&mut self, sh: &Shared) -> Result<(), ClientError> {
+    pub(crate) async fn start_ping(&mut self, sh: &Shared) -> Result<(), ClientError> {
         if self.ping.is_none() {
             let pending = self.writer.start_ping().await?;
             self.pings += 1;
@@ -239,7 +239,7 @@ impl Conn {
     }
 
     /// Resolves when the outstanding ping (if any) is answered or fails.
-    pub(super) async fn ping_done(ping: &mut Option<PingWait>) -> Result<Duration, ClientError> {
+    pub(crate) async fn ping_done(ping: &mut Option<PingWait>) -> Result<Duration, ClientError> {
         match ping {
             Some(wait) => {
                 let result = wait.await;
@@ -251,7 +251,7 @@ impl Conn {
     }
 
     /// Writes one packet to `dst` and counts it once written.
-    pub(super) async fn send(
+    pub(crate) async fn send(
         &mut self,
         sh: &Shared,
         dst: PublicKey,
@@ -265,7 +265,7 @@ impl Conn {
 
     /// Pings and waits for the pong while reading whatever else arrives, so that once it
     /// returns the server has handled every frame this client sent. Three tries.
-    pub(super) async fn barrier(&mut self, sh: &Shared) -> Result<(), ClientError> {
+    pub(crate) async fn barrier(&mut self, sh: &Shared) -> Result<(), ClientError> {
         self.finish_ping(sh).await?;
         let mut last = ClientError::PingTimeout;
         for _ in 0..3 {
@@ -317,13 +317,13 @@ async fn connect_small_rcvbuf(
         .map_err(|_| derp_client::ConnectError::Timeout(timeout))?
 }
 
-pub(super) fn count_frame(sh: &Shared, frame: &ReceivedFrame) {
+pub(crate) fn count_frame(sh: &Shared, frame: &ReceivedFrame) {
     if matches!(frame, ReceivedFrame::RecvPacket { .. }) {
         Stats::add(&sh.stats.received, 1);
     }
 }
 
-pub(super) fn packet(flow: u32, seq: u64, size: usize) -> Vec<u8> {
+pub(crate) fn packet(flow: u32, seq: u64, size: usize) -> Vec<u8> {
     let mut p = vec![0u8; size.max(HEADER_LEN)];
     Header {
         run: 0,
@@ -336,6 +336,6 @@ pub(super) fn packet(flow: u32, seq: u64, size: usize) -> Vec<u8> {
     p
 }
 
-pub(super) fn new_key() -> SecretKey {
+pub(crate) fn new_key() -> SecretKey {
     SecretKey::generate(&mut rand::rngs::OsRng)
 }

@@ -11,32 +11,32 @@ use derp_load::prom::Scrape;
 use derp_load::target::{ServerProbe, Target};
 use tokio::time::Instant;
 
-use crate::cli::SoakArgs;
+use crate::SoakArgs;
 
-use super::client::{Stats, new_key};
-use super::report::{Check, Resources, ServerBooks, mib, opt_u};
+use crate::client::{Stats, new_key};
+use crate::report::{Check, Resources, ServerBooks, mib, opt_u};
 
 /// The server before the run.
 #[derive(Debug)]
-pub(super) struct Baseline {
-    pub(super) scrape: Scrape,
-    pub(super) resources: Resources,
+pub(crate) struct Baseline {
+    pub(crate) scrape: Scrape,
+    pub(crate) resources: Resources,
 }
 
 /// What the account found.
 #[derive(Debug)]
-pub(super) struct Account {
-    pub(super) checks: Vec<Check>,
-    pub(super) books: ServerBooks,
-    pub(super) resources_after: Resources,
+pub(crate) struct Account {
+    pub(crate) checks: Vec<Check>,
+    pub(crate) books: ServerBooks,
+    pub(crate) resources_after: Resources,
     /// The peak seen during the run, and after it.
-    pub(super) peak: Resources,
-    pub(super) max_rss_bytes: u64,
-    pub(super) max_rss_after_bytes: u64,
+    pub(crate) peak: Resources,
+    pub(crate) max_rss_bytes: u64,
+    pub(crate) max_rss_after_bytes: u64,
 }
 
 /// The server's memory and descriptors now.
-pub(super) fn sample(target: &Target) -> Resources {
+pub(crate) fn sample(target: &Target) -> Resources {
     let pid = match &target.probe {
         ServerProbe::Pids(pids) if pids.len() == 1 => pids[0].to_string(),
         ServerProbe::InProcess => "self".to_owned(),
@@ -51,7 +51,7 @@ pub(super) fn sample(target: &Target) -> Resources {
 }
 
 /// Waits for the server to settle after the clients have left, then checks everything.
-pub(super) async fn settle_and_check(
+pub(crate) async fn settle_and_check(
     target: &Target,
     args: &SoakArgs,
     before: &Baseline,
@@ -287,7 +287,7 @@ async fn must_scrape(target: &Target) -> anyhow::Result<Scrape> {
 }
 
 /// Polls until `cond` holds on a fresh scrape, for at most `within`; returns the last scrape.
-pub(super) async fn scrape_until(
+pub(crate) async fn scrape_until(
     target: &Target,
     within: Duration,
     cond: impl Fn(&Scrape) -> bool,

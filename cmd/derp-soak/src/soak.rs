@@ -12,7 +12,7 @@
 //!   connection with the same key, leave gracefully or abruptly, come back with the same key
 //!   or a new one;
 //! - **hostile**: malformed frames, low-order keys, garbage requests, wrong methods, truncated
-//!   frames, slowloris heads ([`hostile`]); the server must close each one;
+//!   frames, slowloris heads ([`crate::hostile`]); the server must close each one;
 //! - **idle**: connected, pinging now and then.
 //!
 //! At the end every client leaves after a ping barrier (so the server has read everything it
@@ -23,29 +23,23 @@
 //! its memory within the stated bounds, and it still serves a new client. Any failure makes
 //! the run fail.
 
-mod account;
-mod client;
-mod hostile;
-mod report;
-mod roles;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use account::{Baseline, sample, scrape_until};
-use client::{Shared, Stats, new_key};
 use derp_client::Scheme;
 use derp_load::args::TargetArgs;
 use derp_load::measure::scrape;
 use derp_load::target::{ServerProbe, Target};
 use derp_load::{Ctx, Outcome};
 use derp_proto::PublicKey;
-use report::{Resources, SoakConfig, SoakResult, human};
-use roles::{ECHO_DEADLINE, Roles};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
-use crate::cli::SoakArgs;
+use crate::SoakArgs;
+use crate::account::{self, Baseline, sample, scrape_until};
+use crate::client::{Shared, Stats, new_key};
+use crate::report::{Resources, SoakConfig, SoakResult, human};
+use crate::roles::{ECHO_DEADLINE, Roles};
 
 /// How often resources are sampled.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);

@@ -35,7 +35,10 @@ const TOOL: Tool = Tool {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let (result, who) = match &cli.mode {
-        Mode::Worker => (derp_load::worker::run_process(), "derp-bench worker"),
+        Mode::Worker => (
+            derp_load::worker::run_process().map_err(Into::into),
+            "derp-bench worker",
+        ),
         Mode::FloorRelay(args) => (run_floor_relay(&cli, args), "derp-bench"),
         _ => (measure(&cli), "derp-bench"),
     };
@@ -91,7 +94,7 @@ fn run_floor_relay(cli: &Cli, args: &cli::FloorRelayArgs) -> anyhow::Result<()> 
     {
         bail!("floor-relay takes only --listen: it is the server, not a measurement");
     }
-    derp_load::floor::run(args.listen)
+    Ok(derp_load::floor::run(args.listen)?)
 }
 
 fn check_plot(mode: &Mode, output: &OutputArgs) -> anyhow::Result<()> {

@@ -281,7 +281,7 @@ fn delta_by(before: &Scrape, after: &Scrape, name: &str, label: &str) -> BTreeMa
 
 async fn must_scrape(target: &Target) -> anyhow::Result<Scrape> {
     match &target.metrics {
-        Some(source) => source.scrape().await,
+        Some(source) => Ok(source.scrape().await?),
         None => anyhow::bail!("soak needs the server's metrics: give --metrics-url"),
     }
 }

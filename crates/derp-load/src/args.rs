@@ -74,28 +74,55 @@ pub struct TargetArgs {
 }
 
 /// Parses "5s", "250ms", "1m", "1.5" (seconds).
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
+    let text = s.trim();
+    let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
+        .unwrap_or(text.len());
+    let (num, unit) = text.split_at(split);
     let value: f64 = num
         .parse()
-        .map_err(|_| format!("invalid duration {s:?} (want e.g. 5s, 250ms)"))?;
+        .map_err(|_| DurationError::Invalid(text.to_owned()))?;
     let scale = match unit {
         "" | "s" => 1.0,
         "ms" => 1e-3,
         "us" | "µs" => 1e-6,
         "m" => 60.0,
-        _ => return Err(format!("unknown unit {unit:?} in duration {s:?}")),
+        _ => {
+            return Err(DurationError::Unit {
+                unit: unit.to_owned(),
+                text: text.to_owned(),
+            });
+        }
     };
     let d = Duration::try_from_secs_f64(value * scale)
-        .map_err(|_| format!("duration {s:?} out of range"))?;
+        .map_err(|_| DurationError::OutOfRange(text.to_owned()))?;
     if d > MAX_WINDOW {
-        return Err(format!("duration {s:?} exceeds the {MAX_WINDOW:?} bound"));
+        return Err(DurationError::TooLong(text.to_owned()));
     }
     Ok(d)
+}
+
+/// A duration flag that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// No number in front.
+    #[error("invalid duration {0:?} (want e.g. 5s, 250ms)")]
+    Invalid(String),
+    /// A unit other than `ms`, `us`, `s` or `m`.
+    #[error("unknown unit {unit:?} in duration {text:?}")]
+    Unit {
+        /// The unit given.
+        unit: String,
+        /// The whole flag.
+        text: String,
+    },
+    /// Too large (or negative) to be a duration at all.
+    #[error("duration {0:?} out of range")]
+    OutOfRange(String),
+    /// Longer than any window may be.
+    #[error("duration {0:?} exceeds the {MAX_WINDOW:?} bound")]
+    TooLong(String),
 }
 
 #[cfg(test)]
@@ -108,8 +135,17 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("5h").is_err());
-        assert!(parse_duration("2d").is_err());
-        assert!(parse_duration("").is_err());
+        assert_eq!(
+            parse_duration("5h"),
+            Err(DurationError::Unit {
+                unit: "h".into(),
+                text: "5h".into()
+            })
+        );
+        assert_eq!(
+            parse_duration("61m"),
+            Err(DurationError::TooLong("61m".into()))
+        );
+        assert_eq!(parse_duration(""), Err(DurationError::Invalid("".into())));
     }
 }

@@ -16,9 +16,11 @@ use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail};
 use clap::ValueEnum;
-use derp_client::{Client, ClientConfig, ClientReader, ClientWriter, ReceivedFrame, Scheme};
+use derp_client::{
+    Client, ClientConfig, ClientError, ClientReader, ClientWriter, ConnectError, ReceivedFrame,
+    Scheme, ServerUrl,
+};
 use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN};
 use derp_proto::{ClientToRelay, PublicKey, SecretKey};
 use serde::{Deserialize, Serialize};
@@ -28,6 +30,7 @@ use tokio::time::Instant;
 use crate::measure::{Clock, RttHistogram, new_histogram};
 use crate::packet::{HEADER_LEN, Header, Kind};
 use crate::rawclient::RawConn;
+use crate::report::error_text;
 use crate::target::{Target, describe_connect_error};
 
 /// A sender that hears nothing back for this long gives its outstanding packets up as lost
@@ -65,24 +68,17 @@ pub struct LoopSpec {
 
 impl LoopSpec {
     /// Refuses combinations the client cannot do.
-    pub fn check(&self, target: &Target) -> anyhow::Result<()> {
+    pub fn check(&self, target: &Target) -> Result<(), LoopError> {
         if self.client == ClientKind::Blocking {
             let plain = |s: Scheme| s == Scheme::Http;
             if !plain(target.url.scheme())
                 || target.peer_url.as_ref().is_some_and(|p| !plain(p.scheme()))
             {
-                bail!(
-                    "--client blocking speaks plain http:// only; use --client tokio for TLS, \
-                     WebSocket and QUIC"
-                );
+                return Err(LoopError::BlockingNeedsHttp);
             }
             let bytes = self.in_flight as usize * (self.size + PACKET_FRAME_HEAD);
             if bytes > BLOCKING_MAX_IN_FLIGHT_BYTES {
-                bail!(
-                    "--client blocking keeps at most {} KiB in flight (--in-flight x --size); \
-                     use --client tokio for more",
-                    BLOCKING_MAX_IN_FLIGHT_BYTES >> 10
-                );
+                return Err(LoopError::BlockingInFlight);
             }
         }
         Ok(())
@@ -125,9 +121,9 @@ impl LoopResult {
         }
     }
 
-    fn failed(pair: u32, error: String) -> Self {
+    fn failed(pair: u32, error: &SideError) -> Self {
         Self {
-            error: Some(error),
+            error: Some(error_text(error)),
             ..Self::new(pair)
         }
     }
@@ -149,7 +145,7 @@ struct LoopPair {
     echo_stop: EchoStop,
     echo_stopping: Arc<AtomicBool>,
     echo: Option<JoinHandle<()>>,
-    echo_error: Arc<Mutex<Option<String>>>,
+    echo_error: Arc<Mutex<Option<SideError>>>,
 }
 
 /// Connected closed-loop pairs, reused across windows.
@@ -190,7 +186,7 @@ impl LoopPairs {
         first_pair: u32,
         pairs: u32,
         clock: Clock,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, LoopError> {
         spec.check(target)?;
         let mut echoes = Vec::new();
         for i in 0..pairs {
@@ -228,7 +224,7 @@ impl LoopPairs {
                     EchoStop::Signal(stop_tx)
                 }
                 Err(_) => {
-                    failure.get_or_insert_with(|| "an echo thread stopped".to_owned());
+                    failure.get_or_insert(SideError::Gone("an echo"));
                     EchoStop::Signal(stop_tx)
                 }
             };
@@ -288,12 +284,15 @@ impl LoopPairs {
                     failure.get_or_insert(e);
                 }
                 Err(_) => {
-                    failure.get_or_insert_with(|| "a sender thread stopped".to_owned());
+                    failure.get_or_insert(SideError::Gone("a sender"));
                 }
             }
         }
-        if let Some(e) = failure {
-            return Err(anyhow!("connecting pingpong pairs to {}: {e}", target.url));
+        if let Some(source) = failure {
+            return Err(LoopError::Connect {
+                url: target.url.clone(),
+                source,
+            });
         }
         Ok(built)
     }
@@ -312,10 +311,10 @@ impl LoopPairs {
         let mut out = Vec::new();
         for (p, rx) in waiting {
             let mut result = match rx {
-                Some(rx) => rx.await.unwrap_or_else(|_| {
-                    LoopResult::failed(p.id, "the sender's thread stopped".to_owned())
-                }),
-                None => LoopResult::failed(p.id, "the sender failed in an earlier run".to_owned()),
+                Some(rx) => rx
+                    .await
+                    .unwrap_or_else(|_| LoopResult::failed(p.id, &SideError::Gone("the sender's"))),
+                None => LoopResult::failed(p.id, &SideError::EarlierRun),
             };
             if let Some(e) = p
                 .echo_error
@@ -323,7 +322,7 @@ impl LoopPairs {
                 .unwrap_or_else(PoisonError::into_inner)
                 .as_ref()
             {
-                let e = format!("echo: {e}");
+                let e = format!("echo: {}", error_text(e));
                 result.error = Some(match result.error.take() {
                     Some(s) => format!("{s}; {e}"),
                     None => e,
@@ -335,28 +334,31 @@ impl LoopPairs {
     }
 }
 
-fn spawn(what: &str, f: impl FnOnce() + Send + 'static) -> anyhow::Result<JoinHandle<()>> {
+fn spawn(what: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, LoopError> {
     std::thread::Builder::new()
         .name("derp-bench-loop".into())
         .spawn(f)
-        .map_err(|e| anyhow!("starting the thread of pingpong {what}: {e}"))
+        .map_err(|source| LoopError::Thread {
+            what: what.to_owned(),
+            source,
+        })
 }
 
-fn current_thread_runtime() -> Result<tokio::runtime::Runtime, String> {
+fn current_thread_runtime() -> Result<tokio::runtime::Runtime, SideError> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("starting a runtime: {e}"))
+        .map_err(SideError::Runtime)
 }
 
 /// One side of a pair: a current-thread runtime of its own and a client connected on it.
 fn connect_lean(
     config: &ClientConfig,
-) -> Result<(tokio::runtime::Runtime, ClientReader, ClientWriter), String> {
+) -> Result<(tokio::runtime::Runtime, ClientReader, ClientWriter), SideError> {
     let rt = current_thread_runtime()?;
     let client = rt
         .block_on(Client::connect(config))
-        .map_err(|e| describe_connect_error(&e))?;
+        .map_err(SideError::Connect)?;
     let (reader, writer) = client.split();
     Ok((rt, reader, writer))
 }
@@ -367,12 +369,13 @@ struct Setup {
     pair: u32,
     spec: LoopSpec,
     clock: Clock,
-    ready: oneshot::Sender<Result<(), String>>,
+    ready: oneshot::Sender<Result<(), SideError>>,
     commands: mpsc::Receiver<Command>,
 }
 
 /// The sender's book-keeping within one window.
 struct Books {
+    clock: Clock,
     result: LoopResult,
     run: u32,
     window_ns: (u64, u64),
@@ -386,6 +389,7 @@ struct Books {
 impl Books {
     fn new(pair: u32, window: &LoopWindow, clock: Clock) -> Self {
         Self {
+            clock,
             result: LoopResult::new(pair),
             run: window.run,
             window_ns: (clock.ns(window.warm_end), clock.ns(window.end)),
@@ -401,8 +405,8 @@ impl Books {
     }
 
     /// Stamps the next packet into `buf` and counts it.
-    fn stamp(&mut self, buf: &mut [u8], clock: Clock) {
-        let sent_ns = clock.ns(Instant::now());
+    fn stamp(&mut self, buf: &mut [u8]) {
+        let sent_ns = self.clock.ns(Instant::now());
         Header {
             run: self.run,
             pair: self.result.pair,
@@ -419,7 +423,7 @@ impl Books {
     }
 
     /// Times an echo, if it is one of this window's.
-    fn echoed(&mut self, packet: &[u8], clock: Clock) {
+    fn echoed(&mut self, packet: &[u8]) {
         let now = Instant::now();
         let Some(h) = Header::read(packet) else {
             return;
@@ -434,7 +438,7 @@ impl Books {
         self.outstanding = self.outstanding.saturating_sub(1);
         self.last_progress = now;
         if self.in_window(h.sent_ns) {
-            let rtt = clock.ns(now).saturating_sub(h.sent_ns).max(1);
+            let rtt = self.clock.ns(now).saturating_sub(h.sent_ns).max(1);
             self.result.rtt.saturating_record(rtt);
             self.result.round_trips += 1;
         }
@@ -475,13 +479,12 @@ fn tokio_sender(config: ClientConfig, setup: Setup) {
             dst,
             &spec,
             &window,
-            clock,
             &mut books,
             &mut buf,
         ));
         let mut result = books.result;
         let failed = outcome.is_err();
-        result.error = outcome.err();
+        result.error = outcome.err().map(|e| error_text(&e));
         let _ = reply.send(result);
         if failed {
             return;
@@ -489,24 +492,22 @@ fn tokio_sender(config: ClientConfig, setup: Setup) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn tokio_window(
     reader: &mut ClientReader,
     writer: &mut ClientWriter,
     dst: PublicKey,
     spec: &LoopSpec,
     window: &LoopWindow,
-    clock: Clock,
     books: &mut Books,
     buf: &mut [u8],
-) -> Result<(), String> {
+) -> Result<(), ClientError> {
     tokio::time::sleep_until(window.start).await;
     books.last_progress = Instant::now();
     loop {
         if Instant::now() < window.end {
             while books.outstanding < spec.in_flight {
-                books.stamp(buf, clock);
-                writer.queue_packet(dst, &*buf).map_err(|e| e.to_string())?;
+                books.stamp(buf);
+                writer.queue_packet(dst, &*buf)?;
             }
         } else if books.outstanding == 0 {
             return Ok(());
@@ -516,15 +517,15 @@ async fn tokio_window(
             let frame = tokio::select! {
                 biased;
                 r = writer.flush() => {
-                    r.map_err(|e| e.to_string())?;
+                    r?;
                     break;
                 }
                 f = reader.recv() => f,
             };
-            on_sender_frame(frame.map_err(|e| e.to_string())?, writer, books, clock)?;
+            on_sender_frame(frame?, writer, books)?;
         }
         match tokio::time::timeout_at(books.last_progress + STALL, reader.recv()).await {
-            Ok(frame) => on_sender_frame(frame.map_err(|e| e.to_string())?, writer, books, clock)?,
+            Ok(frame) => on_sender_frame(frame?, writer, books)?,
             Err(_) => {
                 books.stalled();
                 if Instant::now() >= window.end {
@@ -539,13 +540,10 @@ fn on_sender_frame(
     frame: ReceivedFrame,
     writer: &mut ClientWriter,
     books: &mut Books,
-    clock: Clock,
-) -> Result<(), String> {
+) -> Result<(), ClientError> {
     match frame {
-        ReceivedFrame::RecvPacket { packet, .. } => books.echoed(&packet, clock),
-        ReceivedFrame::Ping(data) => writer
-            .queue_frame(&ClientToRelay::Pong(data))
-            .map_err(|e| e.to_string())?,
+        ReceivedFrame::RecvPacket { packet, .. } => books.echoed(&packet),
+        ReceivedFrame::Ping(data) => writer.queue_frame(&ClientToRelay::Pong(data))?,
         _ => {}
     }
     Ok(())
@@ -553,9 +551,9 @@ fn on_sender_frame(
 
 fn tokio_echo(
     config: ClientConfig,
-    ready: oneshot::Sender<Result<Option<TcpStream>, String>>,
+    ready: oneshot::Sender<Result<Option<TcpStream>, SideError>>,
     mut stop: watch::Receiver<bool>,
-    error: Arc<Mutex<Option<String>>>,
+    error: Arc<Mutex<Option<SideError>>>,
 ) {
     let (rt, mut reader, mut writer) = match connect_lean(&config) {
         Ok(connected) => connected,
@@ -565,22 +563,22 @@ fn tokio_echo(
         }
     };
     let _ = ready.send(Ok(None));
-    let outcome: Result<(), String> = rt.block_on(async {
+    let outcome: Result<(), ClientError> = rt.block_on(async {
         loop {
             let frame = tokio::select! {
                 biased;
                 _ = stop.changed() => return Ok(()),
-                f = reader.recv() => f.map_err(|e| e.to_string())?,
+                f = reader.recv() => f?,
             };
             echo(frame, &mut writer)?;
             while writer.buffered_len() > 0 {
                 let frame = tokio::select! {
                     biased;
                     r = writer.flush() => {
-                        r.map_err(|e| e.to_string())?;
+                        r?;
                         break;
                     }
-                    f = reader.recv() => f.map_err(|e| e.to_string())?,
+                    f = reader.recv() => f?,
                 };
                 echo(frame, &mut writer)?;
             }
@@ -589,23 +587,19 @@ fn tokio_echo(
     if let Err(e) = outcome
         && !*stop.borrow()
     {
-        *error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+        *error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.into());
     }
 }
 
 /// Queues the echo of a probe (or the answer to a ping).
-fn echo(frame: ReceivedFrame, writer: &mut ClientWriter) -> Result<(), String> {
+fn echo(frame: ReceivedFrame, writer: &mut ClientWriter) -> Result<(), ClientError> {
     match frame {
         ReceivedFrame::RecvPacket { src, packet }
             if Header::read(&packet).is_some_and(|h| h.kind == Kind::Probe) =>
         {
-            writer
-                .queue_packet(src, &packet)
-                .map_err(|e| e.to_string())?;
+            writer.queue_packet(src, &packet)?;
         }
-        ReceivedFrame::Ping(data) => writer
-            .queue_frame(&ClientToRelay::Pong(data))
-            .map_err(|e| e.to_string())?,
+        ReceivedFrame::Ping(data) => writer.queue_frame(&ClientToRelay::Pong(data))?,
         _ => {}
     }
     Ok(())
@@ -615,7 +609,7 @@ fn raw_connect(
     config: &ClientConfig,
     secret: &SecretKey,
     timeout: Duration,
-) -> Result<RawConn, String> {
+) -> Result<RawConn, SideError> {
     RawConn::connect(
         config.url.host(),
         config.url.port(),
@@ -623,7 +617,7 @@ fn raw_connect(
         secret,
         timeout,
     )
-    .map_err(|e| format!("{e:#}"))
+    .map_err(SideError::RawConnect)
 }
 
 fn blocking_sender(config: ClientConfig, secret: SecretKey, timeout: Duration, setup: Setup) {
@@ -643,7 +637,7 @@ fn blocking_sender(config: ClientConfig, secret: SecretKey, timeout: Duration, s
         }
     };
     if let Err(e) = conn.stream.set_read_timeout(Some(STALL)) {
-        let _ = ready.send(Err(e.to_string()));
+        let _ = ready.send(Err(e.into()));
         return;
     }
     let _ = ready.send(Ok(()));
@@ -655,10 +649,10 @@ fn blocking_sender(config: ClientConfig, secret: SecretKey, timeout: Duration, s
     frame[FRAME_HEADER_LEN..PACKET_FRAME_HEAD].copy_from_slice(dst.as_bytes());
     while let Ok((window, reply)) = commands.recv() {
         let mut books = Books::new(pair, &window, clock);
-        let outcome = blocking_window(&mut conn, &spec, &window, clock, &mut books, &mut frame);
+        let outcome = blocking_window(&mut conn, &spec, &window, &mut books, &mut frame);
         let mut result = books.result;
         let failed = outcome.is_err();
-        result.error = outcome.err();
+        result.error = outcome.err().map(|e| e.to_string());
         let _ = reply.send(result);
         if failed {
             return;
@@ -670,17 +664,16 @@ fn blocking_window(
     conn: &mut RawConn,
     spec: &LoopSpec,
     window: &LoopWindow,
-    clock: Clock,
     books: &mut Books,
     frame: &mut [u8],
-) -> Result<(), String> {
+) -> Result<(), std::io::Error> {
     std::thread::sleep(window.start.saturating_duration_since(Instant::now()));
     books.last_progress = Instant::now();
     loop {
         if Instant::now() < window.end {
             while books.outstanding < spec.in_flight {
-                books.stamp(&mut frame[PACKET_FRAME_HEAD..], clock);
-                (&conn.stream).write_all(frame).map_err(|e| e.to_string())?;
+                books.stamp(&mut frame[PACKET_FRAME_HEAD..]);
+                (&conn.stream).write_all(frame)?;
             }
         } else if books.outstanding == 0 {
             return Ok(());
@@ -688,14 +681,12 @@ fn blocking_window(
         match conn.next_frame() {
             Ok((ty, range)) if ty == FrameType::RecvPacket as u8 => {
                 if range.len() >= PACKET_FRAME_HEAD {
-                    books.echoed(&conn.buf[range.start + PACKET_FRAME_HEAD..range.end], clock);
+                    books.echoed(&conn.buf[range.start + PACKET_FRAME_HEAD..range.end]);
                 }
             }
             Ok((ty, range)) if ty == FrameType::Ping as u8 => {
                 conn.buf[range.start] = FrameType::Pong as u8;
-                (&conn.stream)
-                    .write_all(&conn.buf[range])
-                    .map_err(|e| e.to_string())?;
+                (&conn.stream).write_all(&conn.buf[range])?;
             }
             Ok(_) => {}
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
@@ -706,7 +697,7 @@ fn blocking_window(
                     }
                 }
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e),
         }
     }
 }
@@ -715,9 +706,9 @@ fn blocking_echo(
     config: ClientConfig,
     secret: SecretKey,
     timeout: Duration,
-    ready: oneshot::Sender<Result<Option<TcpStream>, String>>,
+    ready: oneshot::Sender<Result<Option<TcpStream>, SideError>>,
     stopping: Arc<AtomicBool>,
-    error: Arc<Mutex<Option<String>>>,
+    error: Arc<Mutex<Option<SideError>>>,
 ) {
     let mut conn = match raw_connect(&config, &secret, timeout) {
         Ok(c) => c,
@@ -731,7 +722,7 @@ fn blocking_echo(
             let _ = ready.send(Ok(Some(s)));
         }
         Err(e) => {
-            let _ = ready.send(Err(e.to_string()));
+            let _ = ready.send(Err(e.into()));
             return;
         }
     }
@@ -761,6 +752,66 @@ fn blocking_echo(
     if let Err(e) = outcome
         && !stopping.load(Ordering::Relaxed)
     {
-        *error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+        *error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.into());
     }
+}
+
+/// Why closed-loop pairs could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    /// `--client blocking` with a TLS, WebSocket or QUIC target.
+    #[error(
+        "--client blocking speaks plain http:// only; use --client tokio for TLS, WebSocket and \
+         QUIC"
+    )]
+    BlockingNeedsHttp,
+    /// `--client blocking` with more in flight than the sockets' buffers hold.
+    #[error(
+        "--client blocking keeps at most {} KiB in flight (--in-flight x --size); use --client \
+         tokio for more",
+        BLOCKING_MAX_IN_FLIGHT_BYTES >> 10
+    )]
+    BlockingInFlight,
+    /// No thread for a side.
+    #[error("starting the thread of pingpong {what}")]
+    Thread {
+        /// Which side of which pair.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A side failed to connect.
+    #[error("connecting pingpong pairs to {url}")]
+    Connect {
+        /// The server.
+        url: ServerUrl,
+        /// The first side that failed, and how.
+        source: SideError,
+    },
+}
+
+/// What stopped one side of a pair.
+#[derive(Debug, thiserror::Error)]
+pub enum SideError {
+    /// Its runtime.
+    #[error("starting a runtime")]
+    Runtime(#[source] std::io::Error),
+    /// Its connection, with derp-client.
+    #[error("{}", describe_connect_error(.0))]
+    Connect(ConnectError),
+    /// Its connection, with the blocking client.
+    #[error("{0:#}")]
+    RawConnect(anyhow::Error),
+    /// The connection, once up.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The blocking client's socket.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The side's thread ended without a word.
+    #[error("{0} thread stopped")]
+    Gone(&'static str),
+    /// The sender failed in an earlier window and is not coming back.
+    #[error("the sender failed in an earlier run")]
+    EarlierRun,
 }

@@ -3,13 +3,12 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context as _, anyhow, bail};
 use serde::Serialize;
 
 use crate::args::TargetArgs;
 use crate::measure::Clock;
 use crate::report::{self, CpuUse, Machine, Report, TargetInfo};
-use crate::target::{BENCH_THREAD_NAME, SpawnedServer, Target};
+use crate::target::{BENCH_THREAD_NAME, SpawnError, SpawnedServer, Target, TargetError};
 
 /// The program a run belongs to, for its messages and its report.
 #[derive(Clone, Copy, Debug)]
@@ -156,43 +155,62 @@ impl Outcome {
 /// `--spawn-server` it starts the in-process relay first and stops it afterwards; one
 /// handshake checks the server before anything else; the whole run is stopped after `bound`.
 /// `procs_asked` is `--procs` (1 for a program that has none).
-pub fn run<T>(
+pub fn run<T, E: From<RunError>>(
     tool: Tool,
     args: &TargetArgs,
     procs_asked: u32,
     bound: Duration,
-    mode: impl AsyncFnOnce(&mut Ctx) -> anyhow::Result<T>,
-) -> anyhow::Result<T> {
+    mode: impl AsyncFnOnce(&mut Ctx) -> Result<T, E>,
+) -> Result<T, E> {
     if args.url.is_none() && !args.spawn_server {
-        bail!("give the server with --url URL, or use --spawn-server");
+        return Err(RunError::Target(TargetError::NoServer).into());
     }
     let spawned = if args.spawn_server {
-        Some(SpawnedServer::start()?)
+        Some(SpawnedServer::start().map_err(RunError::Spawn)?)
     } else {
         None
     };
-    let result = tokio::runtime::Builder::new_multi_thread()
+    let result = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name(BENCH_THREAD_NAME)
         .build()
-        .context("starting the bench runtime")
-        .and_then(|rt| {
+    {
+        Ok(rt) => {
             let out = rt.block_on(async {
-                let mut ctx = Ctx::start(tool, args, spawned.as_ref(), procs_asked).await?;
+                let mut ctx = Ctx::start(tool, args, spawned.as_ref(), procs_asked)
+                    .await
+                    .map_err(RunError::Target)?;
                 tokio::time::timeout(bound, mode(&mut ctx))
                     .await
-                    .map_err(|_| {
-                        anyhow!("the run exceeded its time bound of {bound:?} and was stopped")
-                    })?
+                    .map_err(|_| RunError::TimedOut(bound))?
             });
             // Connections still open are dropped here, before the relay goes away.
             rt.shutdown_timeout(Duration::from_secs(2));
             out
-        });
+        }
+        Err(e) => Err(RunError::Runtime(e).into()),
+    };
     if let Some(s) = spawned {
         s.stop();
     }
     result
+}
+
+/// Why a run could not start or finish.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The server named by the flags cannot be used.
+    #[error(transparent)]
+    Target(#[from] TargetError),
+    /// The in-process relay did not start.
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+    /// The run's runtime did not start.
+    #[error("starting the bench runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The run outlasted its bound.
+    #[error("the run exceeded its time bound of {0:?} and was stopped")]
+    TimedOut(Duration),
 }
 
 impl Ctx {
@@ -203,7 +221,7 @@ impl Ctx {
         args: &TargetArgs,
         spawned: Option<&SpawnedServer>,
         procs_asked: u32,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, TargetError> {
         let mut ctx = Self {
             target: Target::new(args, spawned)?,
             clock: Clock::start(),

@@ -11,8 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, anyhow};
-use derp_client::{Client, ClientReader, ClientWriter, ReceivedFrame};
+use derp_client::{Client, ClientReader, ClientWriter, ConnectError, ReceivedFrame, ServerUrl};
 use derp_proto::{PublicKey, SecretKey};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
@@ -89,7 +88,7 @@ impl Fleet {
         pairs: u32,
         first_pair: u32,
         echo: bool,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, FleetError> {
         let n = pairs as usize * 2;
         let keys: Vec<SecretKey> = (0..n)
             .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
@@ -113,12 +112,9 @@ impl Fleet {
         }
         let mut clients = Vec::with_capacity(n);
         for t in tasks {
-            let client = t.await.context("connect task")?.map_err(|e| {
-                anyhow!(
-                    "connecting load pairs to {}: {}",
-                    target.url,
-                    describe_connect_error(&e)
-                )
+            let client = t.await?.map_err(|error| FleetError::Connect {
+                url: target.url.clone(),
+                error,
             })?;
             clients.push(client);
         }
@@ -160,7 +156,7 @@ impl Fleet {
         start: Instant,
         clock: Clock,
         target: &Target,
-    ) -> anyhow::Result<(LoadRun, RttHistogram)> {
+    ) -> (LoadRun, RttHistogram) {
         tokio::time::sleep_until(start).await;
         let warm_end = start + spec.warmup;
         let end = warm_end + spec.duration;
@@ -279,7 +275,7 @@ impl Fleet {
             drops_between(scrape_before.as_ref(), scrape_after.as_ref()),
             errors,
         );
-        Ok((run, rtt))
+        (run, rtt)
     }
 }
 
@@ -291,22 +287,47 @@ pub async fn run_fleets(
     start: Instant,
     clock: Clock,
     target: &Target,
-) -> anyhow::Result<Vec<(LoadRun, RttHistogram)>> {
+) -> Result<Vec<(LoadRun, RttHistogram)>, FleetError> {
     match (fleets, specs) {
-        ([a], [sa]) => Ok(vec![a.run_window(sa, start, clock, target).await?]),
+        ([a], [sa]) => Ok(vec![a.run_window(sa, start, clock, target).await]),
         ([a, b], [sa, sb]) => {
             let (ra, rb) = tokio::join!(
                 a.run_window(sa, start, clock, target),
                 b.run_window(sb, start, clock, target)
             );
-            Ok(vec![ra?, rb?])
+            Ok(vec![ra, rb])
         }
-        (f, s) => Err(anyhow!(
-            "{} fleets and {} window specs: one or two of each, as many specs as fleets",
-            f.len(),
-            s.len()
-        )),
+        (f, s) => Err(FleetError::Shape {
+            fleets: f.len(),
+            specs: s.len(),
+        }),
     }
+}
+
+/// Why a fleet could not connect or run.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// A pair's connection failed.
+    #[error("connecting load pairs to {url}: {}", describe_connect_error(error))]
+    Connect {
+        /// The server.
+        url: ServerUrl,
+        /// How it failed.
+        error: ConnectError,
+    },
+    /// A connecting task panicked or was cancelled.
+    #[error("connect task")]
+    Task(#[from] tokio::task::JoinError),
+    /// Specs that do not match the fleets.
+    #[error(
+        "{fleets} fleets and {specs} window specs: one or two of each, as many specs as fleets"
+    )]
+    Shape {
+        /// Fleets given.
+        fleets: usize,
+        /// Specs given.
+        specs: usize,
+    },
 }
 
 /// Waits until every receiver has what its sender sent in the window, or until no packet has

@@ -15,9 +15,8 @@ use std::io::{BufRead as _, BufReader, Write as _};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context as _, anyhow, bail};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -58,8 +57,8 @@ impl Workers {
     pub async fn start<J: Serialize, R: DeserializeOwned>(
         jobs: &[J],
         timeout: Duration,
-    ) -> anyhow::Result<(Self, Vec<R>)> {
-        let exe = std::env::current_exe().context("finding derp-bench's own executable")?;
+    ) -> Result<(Self, Vec<R>), ProcsError> {
+        let exe = std::env::current_exe().map_err(ProcsError::OwnExe)?;
         let mut workers = Self {
             workers: Vec::new(),
         };
@@ -70,11 +69,8 @@ impl Workers {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
-                .with_context(|| format!("starting bench process {i}"))?;
-            let stdout = child
-                .stdout
-                .take()
-                .ok_or_else(|| anyhow!("bench process {i} has no stdout"))?;
+                .map_err(|source| ProcsError::Start { index: i, source })?;
+            let stdout = child.stdout.take().ok_or(ProcsError::NoStdout(i))?;
             let (tx, lines) = mpsc::unbounded_channel();
             std::thread::Builder::new()
                 .name("derp-bench-procs".into())
@@ -86,7 +82,7 @@ impl Workers {
                         }
                     }
                 })
-                .context("starting a reader thread")?;
+                .map_err(ProcsError::Thread)?;
             let stdin = child.stdin.take();
             workers.workers.push(Worker {
                 child,
@@ -100,22 +96,19 @@ impl Workers {
     }
 
     /// Sends worker `i` one message.
-    pub fn send<C: Serialize>(&mut self, i: usize, msg: &C) -> anyhow::Result<()> {
-        let mut line = serde_json::to_vec(msg)?;
+    pub fn send<C: Serialize>(&mut self, i: usize, msg: &C) -> Result<(), ProcsError> {
+        let mut line = serde_json::to_vec(msg).map_err(ProcsError::Encode)?;
         line.push(b'\n');
         let w = &mut self.workers[i];
-        let stdin = w
-            .stdin
-            .as_mut()
-            .ok_or_else(|| anyhow!("bench process {i} is closed"))?;
+        let stdin = w.stdin.as_mut().ok_or(ProcsError::Closed(i))?;
         stdin
             .write_all(&line)
             .and_then(|()| stdin.flush())
-            .with_context(|| format!("writing to bench process {i}"))
+            .map_err(|source| ProcsError::Write { index: i, source })
     }
 
     /// Sends every worker the same message.
-    pub fn send_all<C: Serialize>(&mut self, msg: &C) -> anyhow::Result<()> {
+    pub fn send_all<C: Serialize>(&mut self, msg: &C) -> Result<(), ProcsError> {
         for i in 0..self.workers.len() {
             self.send(i, msg)?;
         }
@@ -127,7 +120,7 @@ impl Workers {
     pub async fn recv_all<R: DeserializeOwned>(
         &mut self,
         timeout: Duration,
-    ) -> anyhow::Result<Vec<R>> {
+    ) -> Result<Vec<R>, ProcsError> {
         let deadline = Instant::now() + timeout;
         let mut out = Vec::with_capacity(self.workers.len());
         for (i, w) in self.workers.iter_mut().enumerate() {
@@ -140,13 +133,21 @@ impl Workers {
                         .ok()
                         .flatten()
                         .map_or_else(|| "closed its output".to_owned(), |s| s.to_string());
-                    bail!("bench process {i} stopped ({status})");
+                    return Err(ProcsError::Stopped { index: i, status });
                 }
-                Err(_) => bail!("bench process {i} did not answer within {timeout:?}"),
+                Err(_) => return Err(ProcsError::Silent { index: i, timeout }),
             };
-            let answer: Result<R, String> = serde_json::from_str(&line)
-                .with_context(|| format!("bench process {i} said {line:?}"))?;
-            out.push(answer.map_err(|e| anyhow!("bench process {i}: {e}"))?);
+            let answer: Result<R, RemoteError> = match serde_json::from_str(&line) {
+                Ok(a) => a,
+                Err(source) => {
+                    return Err(ProcsError::BadLine {
+                        index: i,
+                        line,
+                        source,
+                    });
+                }
+            };
+            out.push(answer.map_err(|source| ProcsError::Failed { index: i, source })?);
         }
         Ok(out)
     }
@@ -161,19 +162,19 @@ pub struct Parent {
 impl Parent {
     /// Reads the job, the first line on stdin, before any runtime exists (the job says how
     /// many threads the runtime gets).
-    pub fn read_job<J: DeserializeOwned>() -> anyhow::Result<J> {
+    pub fn read_job<J: DeserializeOwned>() -> Result<J, ProcsError> {
         let mut line = String::new();
         std::io::stdin()
             .read_line(&mut line)
-            .context("reading the job")?;
+            .map_err(ProcsError::ReadJob)?;
         if line.is_empty() {
-            bail!("no job on stdin: `worker` is started by derp-bench --procs, not by hand");
+            return Err(ProcsError::NoJob);
         }
-        serde_json::from_str(&line).context("parsing the job")
+        serde_json::from_str(&line).map_err(ProcsError::ParseJob)
     }
 
     /// Starts reading the commands that follow the job.
-    pub fn listen() -> anyhow::Result<Self> {
+    pub fn listen() -> Result<Self, ProcsError> {
         let (tx, lines) = mpsc::unbounded_channel();
         std::thread::Builder::new()
             .name("derp-bench-parent".into())
@@ -185,29 +186,125 @@ impl Parent {
                     }
                 }
             })
-            .context("starting the command reader")?;
+            .map_err(ProcsError::Thread)?;
         Ok(Self { lines })
     }
 
     /// The next command; `None` when the parent has closed stdin (time to leave).
-    pub async fn recv<C: DeserializeOwned>(&mut self) -> anyhow::Result<Option<C>> {
+    pub async fn recv<C: DeserializeOwned>(&mut self) -> Result<Option<C>, ProcsError> {
         match self.lines.recv().await {
             None => Ok(None),
-            Some(line) => serde_json::from_str(&line)
-                .map(Some)
-                .with_context(|| format!("parsing command {line:?}")),
+            Some(line) => match serde_json::from_str(&line) {
+                Ok(c) => Ok(Some(c)),
+                Err(source) => Err(ProcsError::BadCommand { line, source }),
+            },
         }
     }
 
     /// Answers the last command.
-    pub fn answer<R: Serialize>(answer: &Result<R, String>) -> anyhow::Result<()> {
-        let mut line = serde_json::to_vec(answer)?;
+    pub fn answer<R: Serialize>(answer: &Result<R, RemoteError>) -> Result<(), ProcsError> {
+        let mut line = serde_json::to_vec(answer).map_err(ProcsError::Encode)?;
         line.push(b'\n');
         let mut out = std::io::stdout().lock();
-        out.write_all(&line)?;
-        out.flush()?;
-        Ok(())
+        out.write_all(&line)
+            .and_then(|()| out.flush())
+            .map_err(ProcsError::Answer)
     }
+}
+
+/// What went wrong in a worker, as its parent hears it: the worker's error, in words.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{0}")]
+pub struct RemoteError(pub String);
+
+/// Why talking to the other processes failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcsError {
+    /// The parent cannot find its own program to start workers from.
+    #[error("finding the program's own executable")]
+    OwnExe(#[source] std::io::Error),
+    /// A worker did not start.
+    #[error("starting bench process {index}")]
+    Start {
+        /// Which worker.
+        index: usize,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A worker started without a pipe for its answers.
+    #[error("bench process {0} has no stdout")]
+    NoStdout(usize),
+    /// No thread to read a pipe with.
+    #[error("starting a thread to read a pipe")]
+    Thread(#[source] std::io::Error),
+    /// A message that would not encode.
+    #[error("encoding a message")]
+    Encode(#[source] serde_json::Error),
+    /// A worker already let go.
+    #[error("bench process {0} is closed")]
+    Closed(usize),
+    /// Writing to a worker failed.
+    #[error("writing to bench process {index}")]
+    Write {
+        /// Which worker.
+        index: usize,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A worker exited or closed its output.
+    #[error("bench process {index} stopped ({status})")]
+    Stopped {
+        /// Which worker.
+        index: usize,
+        /// Its exit status, if it has one.
+        status: String,
+    },
+    /// A worker said nothing in time.
+    #[error("bench process {index} did not answer within {timeout:?}")]
+    Silent {
+        /// Which worker.
+        index: usize,
+        /// How long the parent waited.
+        timeout: Duration,
+    },
+    /// A worker said something that is no answer.
+    #[error("bench process {index} said {line:?}")]
+    BadLine {
+        /// Which worker.
+        index: usize,
+        /// What it said.
+        line: String,
+        /// Why that does not parse.
+        source: serde_json::Error,
+    },
+    /// A worker reported an error.
+    #[error("bench process {index}")]
+    Failed {
+        /// Which worker.
+        index: usize,
+        /// Its error.
+        source: RemoteError,
+    },
+    /// The worker's stdin could not be read.
+    #[error("reading the job")]
+    ReadJob(#[source] std::io::Error),
+    /// The worker's stdin was empty.
+    #[error("no job on stdin: `worker` is started by derp-bench --procs, not by hand")]
+    NoJob,
+    /// The job does not parse.
+    #[error("parsing the job")]
+    ParseJob(#[source] serde_json::Error),
+    /// A command does not parse.
+    #[error("parsing command {line:?}")]
+    BadCommand {
+        /// The command line.
+        line: String,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
+    /// Writing an answer to stdout failed.
+    #[error("writing an answer")]
+    Answer(#[source] std::io::Error),
 }
 
 /// Now, as Unix nanoseconds: the clock every process on the machine shares.

@@ -215,3 +215,20 @@ pub fn ratio(part: u64, whole: u64) -> f64 {
         part as f64 / whole as f64
     }
 }
+
+/// An error and its causes on one line (`outer: inner: ...`), as a report's error lists and a
+/// worker's answers carry them. A cause the text already ends with (an error that shows its
+/// cause itself) is not repeated.
+pub fn error_text(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        let more = e.to_string();
+        if !text.ends_with(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = e.source();
+    }
+    text
+}

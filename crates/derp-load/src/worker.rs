@@ -5,20 +5,19 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use crate::Ctx;
 use crate::args::TargetArgs;
 use crate::closed_loop::ClientKind;
-use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
+use crate::closed_loop::{LoopError, LoopPairs, LoopResult, LoopSpec, LoopWindow};
 use crate::connections::{ConnectionShare, Opening, Storm};
-use crate::fleet::{Fleet, run_fleets};
+use crate::fleet::{Fleet, FleetError, run_fleets};
 use crate::measure::{Clock, HistWire, new_histogram};
-use crate::procs::{Parent, Workers, instant_at};
-use crate::report::{LoadRun, WindowSpec};
-use crate::target::{BENCH_THREAD_NAME, Target};
+use crate::procs::{Parent, ProcsError, RemoteError, Workers, instant_at};
+use crate::report::{LoadRun, WindowSpec, error_text};
+use crate::target::{BENCH_THREAD_NAME, Target, TargetError};
 
 /// How long the parent waits for answers beyond the window itself: stragglers, the
 /// senders' grace period and a loaded machine.
@@ -32,7 +31,7 @@ pub async fn start_workers(
     ctx: &mut Ctx,
     target_args: &TargetArgs,
     work: Vec<Work>,
-) -> anyhow::Result<Workers> {
+) -> Result<Workers, WorkerError> {
     let n = work.len();
     let mut target = target_args.clone();
     // The parent observes the server; workers only generate load, at the URL the parent
@@ -53,7 +52,7 @@ pub async fn start_workers(
     let (workers, ready) =
         Workers::start::<Job, Answer>(&jobs, ctx.target.connect_timeout + CONNECT_SLACK).await?;
     if let Some(other) = ready.iter().find(|a| !matches!(a, Answer::Ready)) {
-        bail!("a bench process answered its job with {other:?}");
+        return Err(WorkerError::Unexpected(format!("{other:?}")));
     }
     ctx.procs = n;
     if n < ctx.procs_asked as usize {
@@ -193,22 +192,22 @@ pub struct OpenOut {
 
 /// A worker process's whole life: its job first (read from stdin before any runtime exists,
 /// since the job says how many threads the runtime gets), then [`run`] on that runtime.
-pub fn run_process() -> anyhow::Result<()> {
+pub fn run_process() -> Result<(), WorkerError> {
     let job: Job = Parent::read_job()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(job.threads.max(1))
         .enable_all()
         .thread_name(BENCH_THREAD_NAME)
         .build()
-        .context("starting the worker's runtime")?;
+        .map_err(WorkerError::Runtime)?;
     let out = rt.block_on(run(job));
     rt.shutdown_timeout(Duration::from_secs(2));
-    out
+    Ok(out?)
 }
 
 /// Runs a worker: the job has been read; this connects, answers `Ready`, then serves
 /// commands until the parent closes stdin. Errors go back to the parent as answers.
-pub async fn run(job: Job) -> anyhow::Result<()> {
+pub async fn run(job: Job) -> Result<(), ProcsError> {
     let mut parent = Parent::listen()?;
     let setup = async {
         let target = Target::new(&job.target, None)?;
@@ -239,12 +238,12 @@ pub async fn run(job: Job) -> anyhow::Result<()> {
             Work::Storm(s) => Held::Storm(Some(Storm::prepare(&target, s)), s),
             Work::Idle(s) => Held::Idle(Some(Opening::prepare(&target, s)), None, s),
         };
-        anyhow::Ok((target, clock, held))
+        Ok::<_, WorkerError>((target, clock, held))
     };
     let (target, clock, mut held) = match setup.await {
         Ok(s) => s,
         Err(e) => {
-            Parent::answer::<Answer>(&Err(format!("{e:#}")))?;
+            Parent::answer::<Answer>(&Err(RemoteError(error_text(&e))))?;
             return Ok(());
         }
     };
@@ -252,7 +251,7 @@ pub async fn run(job: Job) -> anyhow::Result<()> {
     while let Some(command) = parent.recv::<Command>().await? {
         let answer = serve(&target, clock, &mut held, command)
             .await
-            .map_err(|e| format!("{e:#}"));
+            .map_err(|e| RemoteError(error_text(&e)));
         Parent::answer(&answer)?;
     }
     Ok(())
@@ -278,7 +277,7 @@ async fn serve(
     clock: Clock,
     held: &mut Held,
     command: Command,
-) -> anyhow::Result<Answer> {
+) -> Result<Answer, WorkerError> {
     match (held, command) {
         (
             Held::Fleets(fleets),
@@ -305,9 +304,7 @@ async fn serve(
                 specs,
             },
         ) => {
-            let spec = specs
-                .first()
-                .ok_or_else(|| anyhow::anyhow!("a window without a spec"))?;
+            let spec = specs.first().ok_or(WorkerError::NoSpec)?;
             let start = instant_at(start_unix_ns);
             let window = LoopWindow {
                 run: spec.run,
@@ -389,8 +386,35 @@ async fn serve(
             *next = Some(Opening::prepare(target, *share));
             Ok(Answer::Closed)
         }
-        (_, command) => Err(anyhow::anyhow!(
-            "{command:?} does not fit this worker's job"
-        )),
+        (_, command) => Err(WorkerError::Misfit(format!("{command:?}"))),
     }
+}
+
+/// Why a worker, or the parent's side of one, failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Talking to the other processes.
+    #[error(transparent)]
+    Procs(#[from] ProcsError),
+    /// The worker's target.
+    #[error(transparent)]
+    Target(#[from] TargetError),
+    /// The worker's fleets.
+    #[error(transparent)]
+    Fleet(#[from] FleetError),
+    /// The worker's closed loops.
+    #[error(transparent)]
+    Loop(#[from] LoopError),
+    /// The worker's runtime.
+    #[error("starting the worker's runtime")]
+    Runtime(#[source] std::io::Error),
+    /// A worker answered its job with something else than `Ready`.
+    #[error("a bench process answered its job with {0}")]
+    Unexpected(String),
+    /// A window command without a spec.
+    #[error("a window without a spec")]
+    NoSpec,
+    /// A command for another kind of worker.
+    #[error("{0} does not fit this worker's job")]
+    Misfit(String),
 }

@@ -69,7 +69,7 @@ impl Generator {
     ) -> anyhow::Result<Vec<(LoadRun, RttHistogram)>> {
         match self {
             Self::Local(fleets) => {
-                run_fleets(fleets, specs, Instant::now(), ctx.clock, &ctx.target).await
+                Ok(run_fleets(fleets, specs, Instant::now(), ctx.clock, &ctx.target).await?)
             }
             Self::Procs(workers) => remote_windows(workers, ctx, specs).await,
         }

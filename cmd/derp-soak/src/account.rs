@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use derp_client::Client;
 use derp_load::procfs;
 use derp_load::prom::Scrape;
@@ -244,9 +245,7 @@ pub(crate) async fn settle_and_check(
     check(
         "a new client is served afterwards",
         fresh.is_ok(),
-        fresh
-            .err()
-            .unwrap_or_else(|| "connected and pinged".to_owned()),
+        fresh.map_or_else(|e| format!("{e:#}"), |()| "connected and pinged".to_owned()),
     );
 
     Ok(Account {
@@ -307,12 +306,10 @@ pub(crate) async fn scrape_until(
 }
 
 /// Connects one more client and pings: the server still serves after everything.
-async fn fresh_client(target: &Target) -> Result<(), String> {
+async fn fresh_client(target: &Target) -> anyhow::Result<()> {
     let config = target.client_config(new_key(), None);
-    let mut client = Client::connect(&config)
-        .await
-        .map_err(|e| format!("connect: {e}"))?;
-    client.ping().await.map_err(|e| format!("ping: {e}"))?;
+    let mut client = Client::connect(&config).await.context("connect")?;
+    client.ping().await.context("ping")?;
     let _ = client.close().await;
     Ok(())
 }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::anyhow;
 use derp_client::ReceivedFrame;
 use derp_load::packet::Header;
 use derp_proto::SecretKey;
@@ -112,7 +113,7 @@ async fn closed_pair(sh: Arc<Shared>, flow: u32, slots: (usize, usize), rate: f6
     let mut oldest_sent_at: Option<Instant> = None;
     let mut stopping = false;
     let mut drain_until = None;
-    let outcome: Result<(), String> = loop {
+    let outcome: anyhow::Result<()> = loop {
         let in_flight = next_seq - next_echo;
         if stopping && in_flight == 0 {
             break Ok(());
@@ -121,12 +122,12 @@ async fn closed_pair(sh: Arc<Shared>, flow: u32, slots: (usize, usize), rate: f6
             && in_flight > 0
             && since.elapsed() > ECHO_DEADLINE
         {
-            break Err(format!(
+            break Err(anyhow!(
                 "{who}: packet {next_echo} not echoed within {ECHO_DEADLINE:?}"
             ));
         }
         if drain_until.is_some_and(|d| Instant::now() >= d) {
-            break Err(format!(
+            break Err(anyhow!(
                 "{who}: {in_flight} packets still in flight at the end"
             ));
         }
@@ -136,31 +137,31 @@ async fn closed_pair(sh: Arc<Shared>, flow: u32, slots: (usize, usize), rate: f6
                     Stats::add(&sh.stats.received, 1);
                     let seq = Header::read(&packet).map(|h| h.seq);
                     if src != b.key || seq != Some(next_echo) {
-                        break Err(format!("{who}: expected echo {next_echo}, got {seq:?} from {src:?}"));
+                        break Err(anyhow!("{who}: expected echo {next_echo}, got {seq:?} from {src:?}"));
                     }
                     next_echo += 1;
                     Stats::add(&sh.stats.closed_echoed, 1);
                     oldest_sent_at = (next_echo < next_seq).then(Instant::now);
                 }
                 Ok(_) => {}
-                Err(e) => break Err(format!("{who}: A lost its connection: {e}")),
+                Err(e) => break Err(anyhow!("{who}: A lost its connection: {e}")),
             },
             f = b.reader.recv() => match f {
                 Ok(ReceivedFrame::RecvPacket { src, packet }) => {
                     Stats::add(&sh.stats.received, 1);
                     if src != a.key {
-                        break Err(format!("{who}: B got a packet from {src:?}"));
+                        break Err(anyhow!("{who}: B got a packet from {src:?}"));
                     }
                     if let Err(e) = b.send(&sh, a.key, &packet).await {
-                        break Err(format!("{who}: B could not echo: {e}"));
+                        break Err(anyhow!("{who}: B could not echo: {e}"));
                     }
                 }
                 Ok(_) => {}
-                Err(e) => break Err(format!("{who}: B lost its connection: {e}")),
+                Err(e) => break Err(anyhow!("{who}: B lost its connection: {e}")),
             },
             _ = send_tick.tick(), if !stopping && in_flight < WINDOW => {
                 if let Err(e) = a.send(&sh, b.key, &packet(flow, next_seq, SMALL_PACKET)).await {
-                    break Err(format!("{who}: A could not send: {e}"));
+                    break Err(anyhow!("{who}: A could not send: {e}"));
                 }
                 Stats::add(&sh.stats.closed_sent, 1);
                 if next_echo == next_seq {
@@ -170,12 +171,12 @@ async fn closed_pair(sh: Arc<Shared>, flow: u32, slots: (usize, usize), rate: f6
             },
             _ = ping_tick.tick(), if !stopping => {
                 if let Err(e) = a.start_ping(&sh).await {
-                    break Err(format!("{who}: A could not ping: {e}"));
+                    break Err(anyhow!("{who}: A could not ping: {e}"));
                 }
             },
             r = Conn::ping_done(&mut a.ping) => {
                 if let Err(e) = a.ponged(&sh, r) {
-                    break Err(format!("{who}: ping unanswered: {e}"));
+                    break Err(anyhow!("{who}: ping unanswered: {e}"));
                 }
             },
             _ = sh.stopped(), if !stopping => {
@@ -186,7 +187,7 @@ async fn closed_pair(sh: Arc<Shared>, flow: u32, slots: (usize, usize), rate: f6
     };
     if let Err(what) = outcome {
         Stats::add(&sh.stats.closed_lost, next_seq - next_echo);
-        sh.stats.violation(what);
+        sh.stats.violation(format!("{what:#}"));
     }
     for (name, mut c) in [("A", a), ("B", b)] {
         if let Err(e) = c.barrier(&sh).await {
@@ -205,29 +206,29 @@ async fn idle(sh: Arc<Shared>, slot: usize) {
     };
     let first = Duration::from_millis(rand::thread_rng().gen_range(0..10_000));
     let mut ping_at = Instant::now() + first;
-    let result: Result<(), String> = loop {
+    let result: anyhow::Result<()> = loop {
         tokio::select! {
             f = c.reader.recv() => match f {
                 Ok(f) => count_frame(&sh, &f),
-                Err(e) => break Err(format!("idle client {slot} lost its connection: {e}")),
+                Err(e) => break Err(anyhow!("idle client {slot} lost its connection: {e}")),
             },
             _ = tokio::time::sleep_until(ping_at) => {
                 if let Err(e) = c.start_ping(&sh).await {
-                    break Err(format!("idle client {slot} could not ping: {e}"));
+                    break Err(anyhow!("idle client {slot} could not ping: {e}"));
                 }
                 ping_at = Instant::now()
                     + Duration::from_millis(rand::thread_rng().gen_range(5_000..15_000));
             },
             r = Conn::ping_done(&mut c.ping) => {
                 if let Err(e) = c.ponged(&sh, r) {
-                    break Err(format!("idle client {slot}: ping unanswered: {e}"));
+                    break Err(anyhow!("idle client {slot}: ping unanswered: {e}"));
                 }
             },
             _ = sh.stopped() => break Ok(()),
         }
     };
     if let Err(what) = result {
-        sh.stats.violation(what);
+        sh.stats.violation(format!("{what:#}"));
     }
     if let Err(e) = c.barrier(&sh).await {
         sh.stats
@@ -264,18 +265,18 @@ async fn churner(sh: Arc<Shared>, index: usize, slot: usize) {
             rand::thread_rng().gen_range(100..500),
         ));
         send_tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        let result: Result<(), String> = loop {
+        let result: anyhow::Result<()> = loop {
             tokio::select! {
                 f = c.reader.recv() => match f {
                     Ok(f) => count_frame(&sh, &f),
-                    Err(e) => break Err(format!("churner {index} lost its connection: {e}")),
+                    Err(e) => break Err(anyhow!("churner {index} lost its connection: {e}")),
                 },
                 f = async { match dup.as_mut() {
                     Some(d) => d.reader.recv().await,
                     None => std::future::pending().await,
                 } } => match f {
                     Ok(f) => count_frame(&sh, &f),
-                    Err(e) => break Err(format!("churner {index}'s duplicate lost its connection: {e}")),
+                    Err(e) => break Err(anyhow!("churner {index}'s duplicate lost its connection: {e}")),
                 },
                 _ = send_tick.tick() => {
                     let dst = sh.churn_keys[rand::thread_rng().gen_range(0..sh.churn_keys.len())];
@@ -285,7 +286,7 @@ async fn churner(sh: Arc<Shared>, index: usize, slot: usize) {
                         _ => &mut c,
                     };
                     if let Err(e) = from.send(&sh, dst, &packet(u32::MAX - index as u32, seq, SMALL_PACKET)).await {
-                        break Err(format!("churner {index} could not send: {e}"));
+                        break Err(anyhow!("churner {index} could not send: {e}"));
                     }
                 },
                 _ = &mut end => break Ok(()),
@@ -293,7 +294,7 @@ async fn churner(sh: Arc<Shared>, index: usize, slot: usize) {
             }
         };
         if let Err(what) = result {
-            sh.stats.violation(what);
+            sh.stats.violation(format!("{what:#}"));
         }
         let abrupt = rand::thread_rng().gen_bool(0.5);
         for mut conn in std::iter::once(c).chain(dup) {

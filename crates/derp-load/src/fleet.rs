@@ -18,19 +18,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::measure::{Clock, RttHistogram, drops_between, new_histogram, sample_cpu, scrape};
-use crate::pacing::TokenBucket;
+use crate::pacing::Pacer;
 use crate::packet::{HEADER_LEN, Header, Kind};
 use crate::report::{CpuUse, LoadRun, PairResult, WindowSpec, ratio};
 use crate::target::{Target, describe_connect_error};
 
-/// Packets per flush when a sender is not paced: enough to amortise the write call, small
-/// enough that one connection does not hog a worker.
-const UNPACED_BATCH: u64 = 16;
-/// Most packets a paced sender queues before flushing. Kept well under the relay's
-/// per-client queue depth (32 in derper and derpd): a relay reads a whole write at once, and a
-/// burst larger than the destination's queue would be dropped even at a low average rate,
-/// which would measure the bench's burstiness instead of the relay.
-const PACED_BATCH: u64 = 8;
 /// How long a sender may stay blocked in a write after its window ended.
 const SENDER_GRACE: Duration = Duration::from_secs(3);
 /// Drain phase: stop waiting for stragglers after this long without progress...
@@ -381,7 +373,7 @@ async fn send_loop(
     counters: Arc<PairCounters>,
 ) -> (ClientWriter, Option<String>) {
     let mut buf = vec![0u8; spec.size.max(HEADER_LEN)];
-    let mut bucket = spec.rate_pps.map(|r| TokenBucket::new(r, Instant::now()));
+    let mut pacer = Pacer::new(spec.rate_pps, Instant::now());
     let mut seq = 0u64;
     let mut sent_in_window = 0u64;
     loop {
@@ -389,13 +381,10 @@ async fn send_loop(
         if now >= spec.end {
             break;
         }
-        let n = match &mut bucket {
-            Some(b) => b.take(now, PACED_BATCH),
-            None => UNPACED_BATCH,
-        };
+        let n = pacer.due(now);
         if n == 0 {
-            if let Some(b) = &bucket {
-                tokio::time::sleep_until(b.next_ready(now).min(spec.end)).await;
+            if let Some(at) = pacer.next(now) {
+                tokio::time::sleep_until(at.min(spec.end)).await;
             }
             continue;
         }
@@ -429,7 +418,7 @@ async fn send_loop(
         if let Err(e) = writer.flush().await {
             return (writer, Some(e.to_string()));
         }
-        if bucket.is_some() {
+        if pacer.is_paced() {
             // Let the relay (and the other senders) run between small paced batches.
             tokio::task::yield_now().await;
         }

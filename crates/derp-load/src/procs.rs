@@ -316,9 +316,12 @@ pub fn unix_ns_now() -> u64 {
 
 /// The local instant of a Unix time in nanoseconds (now, if it has passed).
 pub fn instant_at(unix_ns: u64) -> Instant {
-    let now_unix = unix_ns_now();
-    let now = Instant::now();
-    now + Duration::from_nanos(unix_ns.saturating_sub(now_unix))
+    instant_from(unix_ns, unix_ns_now(), Instant::now())
+}
+
+/// The local instant of `unix_ns`, given that `now_unix_ns` is `now`.
+fn instant_from(unix_ns: u64, now_unix_ns: u64, now: Instant) -> Instant {
+    now + Duration::from_nanos(unix_ns.saturating_sub(now_unix_ns))
 }
 
 /// `total` split into `parts` near-equal shares, the larger ones first.
@@ -345,12 +348,20 @@ mod tests {
     }
 
     #[test]
-    fn a_past_start_is_now() {
-        let before = Instant::now();
-        let at = instant_at(unix_ns_now() - 1_000_000_000);
-        assert!(at >= before && at <= Instant::now());
-        let ahead = instant_at(unix_ns_now() + 500_000_000);
-        let lead = ahead - Instant::now();
-        assert!(lead > Duration::from_millis(400) && lead <= Duration::from_millis(500));
+    fn a_start_maps_onto_the_local_clock() {
+        let now = Instant::now();
+        let now_unix = 1_700_000_000_000_000_000;
+        // Past (or this very moment): now.
+        assert_eq!(instant_from(now_unix - 1_000_000_000, now_unix, now), now);
+        assert_eq!(instant_from(now_unix, now_unix, now), now);
+        // Ahead: as far ahead on the local clock, to the nanosecond.
+        assert_eq!(
+            instant_from(now_unix + 500_000_000, now_unix, now),
+            now + Duration::from_millis(500)
+        );
+        assert_eq!(
+            instant_from(now_unix + 1, now_unix, now),
+            now + Duration::from_nanos(1)
+        );
     }
 }

@@ -142,7 +142,9 @@ fn soak_runs_every_role_and_balances_the_books() {
     assert!(res.pings > 0 && res.pongs > 0);
     assert!(res.resources_after.fds <= res.resources_before.fds);
     assert!(res.resources_peak.rss_bytes >= res.resources_before.rss_bytes);
-    assert!(res.peak_connections > 0 && res.elapsed_s >= 3.0);
+    // The load ran for its whole --duration: a lower bound, which a slow machine only
+    // lengthens.
+    assert!(res.peak_connections > 0 && res.elapsed_s >= c.duration_s);
     assert!(res.server.accepts > 0);
     assert_eq!((res.server.forwarded_in, res.server.forwarded_out), (0, 0));
     for reason in res.server.connection_errors.keys() {

@@ -397,7 +397,8 @@ fn throughput_paced_counts_every_packet() {
     );
     assert_eq!(r.target.server_pid, None);
     assert!(r.machine.cores >= 1);
-    let _ = r.machine.bench_release_build;
+    // The tests and the program are built with the same profile.
+    assert_eq!(r.machine.bench_release_build, !cfg!(debug_assertions));
     let c: ThroughputConfig = config(&r);
     assert_eq!((c.pairs, c.size_bytes, c.runs), (2, 570, 2));
     assert_eq!(c.rate_pps_per_pair, Some(400.0));
@@ -992,7 +993,7 @@ fn sweep_steps_up_and_plots() {
         (2.0, Some(3.0), None)
     );
     assert!(c.warmup_s > 0.0 && c.step_duration_s > 0.0 && c.loss_threshold > 0.0);
-    let _ = c.steps_past;
+    assert_eq!(c.steps_past, 2);
     let steps = &r.result.steps;
     assert!(!steps.is_empty() && steps.len() <= 3);
     assert_eq!(steps[0].offered_mbps, 2.0);
@@ -1016,9 +1017,18 @@ fn sweep_steps_up_and_plots() {
         .fold(0.0, f64::max);
     assert_eq!(sat.max_delivered_mbps, best);
     assert!(sat.max_delivered_at_offered_mbps > 0.0);
-    let _ = (
+    let within = |s: &&SweepStep| s.undelivered_ratio <= c.loss_threshold;
+    assert_eq!(
         sat.last_ok_offered_mbps,
+        steps
+            .iter()
+            .take_while(within)
+            .last()
+            .map(|s| s.offered_mbps)
+    );
+    assert_eq!(
         sat.first_over_threshold_offered_mbps,
+        steps.iter().find(|s| !within(s)).map(|s| s.offered_mbps)
     );
     let svg = std::fs::read_to_string(&plot).expect("plot written");
     let _ = std::fs::remove_file(&plot);

@@ -131,7 +131,7 @@ mod tests {
         let due = schedule(&mut pacer, start, MS, 600 * MS);
         assert_eq!(due[0], 0);
         assert!(due[1..].iter().all(|&n| n == 1), "{due:?}");
-        // The window the bench test once timed: every packet of 600 ms is due, no more.
+        // Every packet of the window is due, and no more.
         assert_eq!(due.iter().sum::<u64>(), 600);
     }
 

@@ -9,7 +9,9 @@
 //! Neither side shares a runtime, a lock or a queue with anything else; TCP_NODELAY is on,
 //! and each packet leaves in its own write as soon as it is made.
 
-use std::io::{ErrorKind, Write as _};
+mod blocking_client;
+mod tokio_client;
+
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
@@ -17,21 +19,20 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use clap::ValueEnum;
-use derp_client::{
-    Client, ClientConfig, ClientError, ClientReader, ClientWriter, ConnectError, ReceivedFrame,
-    Scheme, ServerUrl,
-};
-use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN};
-use derp_proto::{ClientToRelay, PublicKey, SecretKey};
+use derp_client::{ClientError, ConnectError, Scheme, ServerUrl};
+use derp_proto::frame::{FRAME_HEADER_LEN, KEY_LEN};
+use derp_proto::{PublicKey, SecretKey};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
 use crate::measure::{Clock, RttHistogram, new_histogram};
-use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::rawclient::RawConn;
+use crate::packet::{Header, Kind};
 use crate::report::error_text;
 use crate::target::{Target, describe_connect_error};
+
+use self::blocking_client::{blocking_echo, blocking_sender};
+use self::tokio_client::{tokio_echo, tokio_sender};
 
 /// A sender that hears nothing back for this long gives its outstanding packets up as lost
 /// and starts again with new ones.
@@ -344,25 +345,6 @@ fn spawn(what: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
         })
 }
 
-fn current_thread_runtime() -> Result<tokio::runtime::Runtime, SideError> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(SideError::Runtime)
-}
-
-/// One side of a pair: a current-thread runtime of its own and a client connected on it.
-fn connect_lean(
-    config: &ClientConfig,
-) -> Result<(tokio::runtime::Runtime, ClientReader, ClientWriter), SideError> {
-    let rt = current_thread_runtime()?;
-    let client = rt
-        .block_on(Client::connect(config))
-        .map_err(SideError::Connect)?;
-    let (reader, writer) = client.split();
-    Ok((rt, reader, writer))
-}
-
 /// What a sender's thread starts with.
 struct Setup {
     dst: PublicKey,
@@ -450,309 +432,6 @@ impl Books {
         self.outstanding = 0;
         self.floor = self.seq;
         self.last_progress = Instant::now();
-    }
-}
-
-fn tokio_sender(config: ClientConfig, setup: Setup) {
-    let Setup {
-        dst,
-        pair,
-        spec,
-        clock,
-        ready,
-        commands,
-    } = setup;
-    let (rt, mut reader, mut writer) = match connect_lean(&config) {
-        Ok(connected) => connected,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let _ = ready.send(Ok(()));
-    let mut buf = vec![0u8; spec.size.max(HEADER_LEN)];
-    while let Ok((window, reply)) = commands.recv() {
-        let mut books = Books::new(pair, &window, clock);
-        let outcome = rt.block_on(tokio_window(
-            &mut reader,
-            &mut writer,
-            dst,
-            &spec,
-            &window,
-            &mut books,
-            &mut buf,
-        ));
-        let mut result = books.result;
-        let failed = outcome.is_err();
-        result.error = outcome.err().map(|e| error_text(&e));
-        let _ = reply.send(result);
-        if failed {
-            return;
-        }
-    }
-}
-
-async fn tokio_window(
-    reader: &mut ClientReader,
-    writer: &mut ClientWriter,
-    dst: PublicKey,
-    spec: &LoopSpec,
-    window: &LoopWindow,
-    books: &mut Books,
-    buf: &mut [u8],
-) -> Result<(), ClientError> {
-    tokio::time::sleep_until(window.start).await;
-    books.last_progress = Instant::now();
-    loop {
-        if Instant::now() < window.end {
-            while books.outstanding < spec.in_flight {
-                books.stamp(buf);
-                writer.queue_packet(dst, &*buf)?;
-            }
-        } else if books.outstanding == 0 {
-            return Ok(());
-        }
-        // Keep reading while a write waits, so neither end can block the other.
-        while writer.buffered_len() > 0 {
-            let frame = tokio::select! {
-                biased;
-                r = writer.flush() => {
-                    r?;
-                    break;
-                }
-                f = reader.recv() => f,
-            };
-            on_sender_frame(frame?, writer, books)?;
-        }
-        match tokio::time::timeout_at(books.last_progress + STALL, reader.recv()).await {
-            Ok(frame) => on_sender_frame(frame?, writer, books)?,
-            Err(_) => {
-                books.stalled();
-                if Instant::now() >= window.end {
-                    return Ok(());
-                }
-            }
-        }
-    }
-}
-
-fn on_sender_frame(
-    frame: ReceivedFrame,
-    writer: &mut ClientWriter,
-    books: &mut Books,
-) -> Result<(), ClientError> {
-    match frame {
-        ReceivedFrame::RecvPacket { packet, .. } => books.echoed(&packet),
-        ReceivedFrame::Ping(data) => writer.queue_frame(&ClientToRelay::Pong(data))?,
-        _ => {}
-    }
-    Ok(())
-}
-
-fn tokio_echo(
-    config: ClientConfig,
-    ready: oneshot::Sender<Result<Option<TcpStream>, SideError>>,
-    mut stop: watch::Receiver<bool>,
-    error: Arc<Mutex<Option<SideError>>>,
-) {
-    let (rt, mut reader, mut writer) = match connect_lean(&config) {
-        Ok(connected) => connected,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let _ = ready.send(Ok(None));
-    let outcome: Result<(), ClientError> = rt.block_on(async {
-        loop {
-            let frame = tokio::select! {
-                biased;
-                _ = stop.changed() => return Ok(()),
-                f = reader.recv() => f?,
-            };
-            echo(frame, &mut writer)?;
-            while writer.buffered_len() > 0 {
-                let frame = tokio::select! {
-                    biased;
-                    r = writer.flush() => {
-                        r?;
-                        break;
-                    }
-                    f = reader.recv() => f?,
-                };
-                echo(frame, &mut writer)?;
-            }
-        }
-    });
-    if let Err(e) = outcome
-        && !*stop.borrow()
-    {
-        *error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.into());
-    }
-}
-
-/// Queues the echo of a probe (or the answer to a ping).
-fn echo(frame: ReceivedFrame, writer: &mut ClientWriter) -> Result<(), ClientError> {
-    match frame {
-        ReceivedFrame::RecvPacket { src, packet }
-            if Header::read(&packet).is_some_and(|h| h.kind == Kind::Probe) =>
-        {
-            writer.queue_packet(src, &packet)?;
-        }
-        ReceivedFrame::Ping(data) => writer.queue_frame(&ClientToRelay::Pong(data))?,
-        _ => {}
-    }
-    Ok(())
-}
-
-fn raw_connect(
-    config: &ClientConfig,
-    secret: &SecretKey,
-    timeout: Duration,
-) -> Result<RawConn, SideError> {
-    RawConn::connect(
-        config.url.host(),
-        config.url.port(),
-        config.url.path(),
-        secret,
-        timeout,
-    )
-    .map_err(SideError::RawConnect)
-}
-
-fn blocking_sender(config: ClientConfig, secret: SecretKey, timeout: Duration, setup: Setup) {
-    let Setup {
-        dst,
-        pair,
-        spec,
-        clock,
-        ready,
-        commands,
-    } = setup;
-    let mut conn = match raw_connect(&config, &secret, timeout) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    if let Err(e) = conn.stream.set_read_timeout(Some(STALL)) {
-        let _ = ready.send(Err(e.into()));
-        return;
-    }
-    let _ = ready.send(Ok(()));
-    // One SendPacket frame, built once; only the bench header changes between packets.
-    let size = spec.size.max(HEADER_LEN);
-    let mut frame = vec![0u8; PACKET_FRAME_HEAD + size];
-    frame[0] = FrameType::SendPacket as u8;
-    frame[1..FRAME_HEADER_LEN].copy_from_slice(&((KEY_LEN + size) as u32).to_be_bytes());
-    frame[FRAME_HEADER_LEN..PACKET_FRAME_HEAD].copy_from_slice(dst.as_bytes());
-    while let Ok((window, reply)) = commands.recv() {
-        let mut books = Books::new(pair, &window, clock);
-        let outcome = blocking_window(&mut conn, &spec, &window, &mut books, &mut frame);
-        let mut result = books.result;
-        let failed = outcome.is_err();
-        result.error = outcome.err().map(|e| e.to_string());
-        let _ = reply.send(result);
-        if failed {
-            return;
-        }
-    }
-}
-
-fn blocking_window(
-    conn: &mut RawConn,
-    spec: &LoopSpec,
-    window: &LoopWindow,
-    books: &mut Books,
-    frame: &mut [u8],
-) -> Result<(), std::io::Error> {
-    std::thread::sleep(window.start.saturating_duration_since(Instant::now()));
-    books.last_progress = Instant::now();
-    loop {
-        if Instant::now() < window.end {
-            while books.outstanding < spec.in_flight {
-                books.stamp(&mut frame[PACKET_FRAME_HEAD..]);
-                (&conn.stream).write_all(frame)?;
-            }
-        } else if books.outstanding == 0 {
-            return Ok(());
-        }
-        match conn.next_frame() {
-            Ok((ty, range)) if ty == FrameType::RecvPacket as u8 => {
-                if range.len() >= PACKET_FRAME_HEAD {
-                    books.echoed(&conn.buf[range.start + PACKET_FRAME_HEAD..range.end]);
-                }
-            }
-            Ok((ty, range)) if ty == FrameType::Ping as u8 => {
-                conn.buf[range.start] = FrameType::Pong as u8;
-                (&conn.stream).write_all(&conn.buf[range])?;
-            }
-            Ok(_) => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                if books.last_progress.elapsed() >= STALL {
-                    books.stalled();
-                    if Instant::now() >= window.end {
-                        return Ok(());
-                    }
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-fn blocking_echo(
-    config: ClientConfig,
-    secret: SecretKey,
-    timeout: Duration,
-    ready: oneshot::Sender<Result<Option<TcpStream>, SideError>>,
-    stopping: Arc<AtomicBool>,
-    error: Arc<Mutex<Option<SideError>>>,
-) {
-    let mut conn = match raw_connect(&config, &secret, timeout) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    match conn.stream.try_clone() {
-        Ok(s) => {
-            let _ = ready.send(Ok(Some(s)));
-        }
-        Err(e) => {
-            let _ = ready.send(Err(e.into()));
-            return;
-        }
-    }
-    let outcome: std::io::Result<()> = (|| {
-        loop {
-            let (ty, range) = conn.next_frame()?;
-            // A RecvPacket from A becomes a SendPacket back to A by its type byte alone: the
-            // key after the header is A's either way.
-            let is_probe = ty == FrameType::RecvPacket as u8
-                && range.len() >= PACKET_FRAME_HEAD
-                && Header::read(&conn.buf[range.start + PACKET_FRAME_HEAD..range.end])
-                    .is_some_and(|h| h.kind == Kind::Probe);
-            let answer = if is_probe {
-                conn.buf[range.start] = FrameType::SendPacket as u8;
-                true
-            } else if ty == FrameType::Ping as u8 {
-                conn.buf[range.start] = FrameType::Pong as u8;
-                true
-            } else {
-                false
-            };
-            if answer {
-                (&conn.stream).write_all(&conn.buf[range])?;
-            }
-        }
-    })();
-    if let Err(e) = outcome
-        && !stopping.load(Ordering::Relaxed)
-    {
-        *error.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.into());
     }
 }
 

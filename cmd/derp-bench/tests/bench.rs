@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
-use support::{Report, config, private_ca_relay, serve_metrics, temp_path};
+use support::{Report, config, private_ca_relay, serve_metrics, temp_path, tls_relay};
 
 fn bench(args: &[&str]) -> Output {
     support::run(env!("CARGO_BIN_EXE_derp-bench"), args)
@@ -1290,16 +1290,7 @@ fn pairs_split_across_two_meshed_relays_with_peer_url() {
 /// An in-process relay serving QUIC with a self-signed certificate for 127.0.0.1. Returns
 /// the server, its quic:// URL and the certificate pin.
 fn quic_relay(rt: &tokio::runtime::Runtime) -> (derp_server::Server, String, String) {
-    let registry = prometheus::Registry::new();
-    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
-    let server =
-        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
-    let front = derp_tls::TlsFront::new(
-        &server.public_key(),
-        derp_tls::TlsOptions::new("127.0.0.1"),
-        &registry,
-    )
-    .unwrap();
+    let (server, front, _) = tls_relay();
     let (cert, key) = derp_tls::generate_self_signed("127.0.0.1".parse().unwrap()).unwrap();
     let chain = derp_tls::load_certs_pem(cert.as_bytes()).unwrap();
     let pin = derp_tls::cert_pin(&chain[0]);

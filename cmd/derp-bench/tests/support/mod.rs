@@ -116,6 +116,26 @@ pub(crate) async fn serve_metrics(registry: prometheus::Registry) -> std::net::S
     addr
 }
 
+/// A relay with derpd's defaults and its TLS front for 127.0.0.1, with no certificate yet;
+/// the relay's metrics registry.
+pub(crate) fn tls_relay() -> (
+    derp_server::Server,
+    derp_tls::TlsFront,
+    prometheus::Registry,
+) {
+    let registry = prometheus::Registry::new();
+    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
+    let server =
+        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
+    let front = derp_tls::TlsFront::new(
+        &server.public_key(),
+        derp_tls::TlsOptions::new("127.0.0.1"),
+        &registry,
+    )
+    .unwrap();
+    (server, front, registry)
+}
+
 /// A CA made for the test and a relay behind derpd's TLS front with a certificate for
 /// 127.0.0.1 that this CA issued. Returns the server, the relay's address and the CA's PEM
 /// file.
@@ -144,16 +164,7 @@ pub(crate) fn private_ca_relay(
     let ca_file = temp_path("ca.pem");
     std::fs::write(&ca_file, ca_cert.pem()).unwrap();
 
-    let registry = prometheus::Registry::new();
-    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
-    let server =
-        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
-    let front = derp_tls::TlsFront::new(
-        &server.public_key(),
-        derp_tls::TlsOptions::new("127.0.0.1"),
-        &registry,
-    )
-    .unwrap();
+    let (server, front, registry) = tls_relay();
     front
         .install(
             derp_tls::load_certs_pem(leaf.pem().as_bytes()).unwrap(),

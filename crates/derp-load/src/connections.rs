@@ -21,9 +21,13 @@ use crate::target::{ClientTemplate, SourceAddrs, Target, connect_error_kind};
 /// number), `concurrency` of them opening at once.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct ConnectionShare {
+    /// Connections in this share.
     pub count: usize,
+    /// The number of the first.
     pub first: usize,
+    /// Connections in the whole run.
     pub total: usize,
+    /// How many of this share open at once.
     pub concurrency: u32,
 }
 
@@ -77,14 +81,18 @@ pub struct Storm {
 /// What a storm did.
 #[derive(Debug)]
 pub struct StormDone {
+    /// Connections tried.
     pub attempted: u64,
+    /// Handshake times of those that succeeded.
     pub handshakes: RttHistogram,
+    /// Failures by kind.
     pub failures: BTreeMap<String, u64>,
     /// When the last connection completed (or failed).
     pub end: Instant,
 }
 
 impl Storm {
+    /// Makes the keys and chooses the source addresses for `share`.
     pub fn prepare(target: &Target, share: ConnectionShare) -> Self {
         Self {
             keys: Arc::new(
@@ -165,6 +173,7 @@ pub struct Opening {
 }
 
 impl Opening {
+    /// Makes the keys and client configs for `share`.
     pub fn prepare(target: &Target, share: ConnectionShare) -> Self {
         let sources = target.source_addrs(share.total);
         let template = target.template();

@@ -22,9 +22,13 @@ pub struct Tool {
 /// What every mode gets.
 #[derive(Debug)]
 pub struct Ctx {
+    /// The server under test.
     pub target: Target,
+    /// The clock packets carry.
     pub clock: Clock,
+    /// CPUs available to the bench.
     pub cores: usize,
+    /// What makes the figures less trustworthy, for the report.
     pub warnings: Vec<String>,
     /// `--procs`: how many processes the load may be spread over.
     pub procs_asked: u32,
@@ -128,8 +132,11 @@ impl Ctx {
 /// What a mode hands back: the JSON document and the human summary.
 #[derive(Debug)]
 pub struct Outcome {
+    /// The whole JSON document.
     pub json: serde_json::Value,
+    /// The summary for a terminal.
     pub human: String,
+    /// The warnings, printed after the summary.
     pub warnings: Vec<String>,
     /// Set when the mode's own checks failed: the output is printed, then the run fails.
     pub failure: Option<String>,

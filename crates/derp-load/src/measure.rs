@@ -46,6 +46,7 @@ pub fn new_histogram() -> RttHistogram {
 pub struct HistWire(Vec<(u64, u64)>);
 
 impl HistWire {
+    /// Every bucket of `h`.
     pub fn of(h: &RttHistogram) -> Self {
         Self(
             h.iter_recorded()
@@ -62,6 +63,7 @@ impl HistWire {
     }
 }
 
+/// The bench's, the server's and the machine's CPU time now.
 pub fn sample_cpu(target: &Target) -> CpuSample {
     CpuSample {
         bench: target.bench_cpu(),

@@ -31,10 +31,15 @@ pub enum Kind {
 /// A decoded header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// The run id.
     pub run: u32,
+    /// The pair id.
     pub pair: u32,
+    /// Load or probe.
     pub kind: Kind,
+    /// Sequence number, from 0 per pair and run.
     pub seq: u64,
+    /// Send time, nanoseconds on the bench's clock.
     pub sent_ns: u64,
 }
 

@@ -16,10 +16,12 @@ pub struct CpuTime {
 }
 
 impl CpuTime {
+    /// User plus system.
     pub fn total(self) -> f64 {
         self.user_s + self.system_s
     }
 
+    /// What was used since `earlier` (never negative).
     pub fn since(self, earlier: Self) -> Self {
         Self {
             user_s: (self.user_s - earlier.user_s).max(0.0),
@@ -181,8 +183,11 @@ pub fn ephemeral_ports() -> u32 {
 /// Bench and server CPU at one instant.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuSample {
+    /// The bench's CPU, less an in-process relay's.
     pub bench: Option<CpuTime>,
+    /// The server's, when it can be observed.
     pub server: Option<CpuTime>,
+    /// The whole machine's.
     pub machine: Option<MachineCpu>,
 }
 

@@ -11,12 +11,16 @@ use tokio::net::TcpStream;
 /// One sample line.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
+    /// The metric's name.
     pub name: String,
+    /// Its labels, in the order written.
     pub labels: Vec<(String, String)>,
+    /// Its value.
     pub value: f64,
 }
 
 impl Sample {
+    /// The value of label `key`, if the sample has it.
     pub fn label(&self, key: &str) -> Option<&str> {
         self.labels
             .iter()
@@ -28,6 +32,7 @@ impl Sample {
 /// A parsed scrape.
 #[derive(Clone, Debug, Default)]
 pub struct Scrape {
+    /// Every sample, in the order served.
     pub samples: Vec<Sample>,
 }
 
@@ -131,6 +136,7 @@ pub enum MetricsSource {
 }
 
 impl MetricsSource {
+    /// Reads the metrics once.
     pub async fn scrape(&self) -> Result<Scrape, ScrapeError> {
         match self {
             Self::Http(url) => {
@@ -152,6 +158,7 @@ impl MetricsSource {
         }
     }
 
+    /// Where the metrics come from, for the report.
     pub fn describe(&self) -> String {
         match self {
             Self::Http(url) => url.clone(),

@@ -25,7 +25,9 @@ pub const BENCH_THREAD_NAME: &str = "derp-bench";
 pub struct SpawnedServer {
     runtime: tokio::runtime::Runtime,
     server: Server,
+    /// Its DERP URL.
     pub url: String,
+    /// Its metrics registry.
     pub registry: prometheus::Registry,
 }
 
@@ -89,12 +91,17 @@ pub enum ServerProbe {
 /// The server under test.
 #[derive(Debug)]
 pub struct Target {
+    /// The DERP URL.
     pub url: ServerUrl,
     /// Where the receiving halves of pairs connect, when not to `url`.
     pub peer_url: Option<ServerUrl>,
+    /// Where the server's metrics come from, if anywhere.
     pub metrics: Option<MetricsSource>,
+    /// Where its CPU and memory figures come from.
     pub probe: ServerProbe,
+    /// Budget for each connection's dial, upgrade and handshake.
     pub connect_timeout: Duration,
+    /// Whether the server is the relay this process started.
     pub spawned: bool,
     ticks: f64,
     tls: TlsOptions,
@@ -286,6 +293,7 @@ pub struct ClientTemplate {
 }
 
 impl ClientTemplate {
+    /// A config for a client with key `secret`, from `local` when given.
     pub fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         let mut config = ClientConfig::with_url(self.url.clone(), secret)
             .with_connect_timeout(self.connect_timeout)

@@ -73,6 +73,7 @@ pub struct Job {
     /// The parent's target flags, with the URL resolved (an in-process relay is the parent's)
     /// and the server's observation left to the parent.
     pub target: TargetArgs,
+    /// Its share.
     pub work: Work,
 }
 
@@ -89,19 +90,29 @@ pub enum Work {
     Idle(ConnectionShare),
 }
 
+/// A worker's part of one fleet.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct FleetShare {
+    /// Pairs in this part.
     pub pairs: u32,
+    /// The number of its first pair in the whole fleet.
     pub first_pair: u32,
+    /// Whether the fleet echoes probes (latency's).
     pub echo: bool,
 }
 
+/// A worker's part of the closed loops.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct LoopShare {
+    /// Pairs in this part.
     pub pairs: u32,
+    /// The number of its first pair.
     pub first_pair: u32,
+    /// Packet size in bytes.
     pub size: usize,
+    /// Packets each pair keeps outstanding.
     pub in_flight: u32,
+    /// The client each side runs on.
     pub client: ClientKind,
 }
 
@@ -111,16 +122,23 @@ pub enum Command {
     /// Run a window on every fleet (one spec each) or on the closed loops (the first spec's
     /// run, warm-up and duration), from `start_unix_ns`.
     Window {
+        /// The common start, Unix nanoseconds.
         start_unix_ns: u64,
+        /// One per fleet.
         specs: Vec<WindowSpec>,
     },
     /// Connect-mode storm from `start_unix_ns`, stopping at `max_duration`.
     Storm {
+        /// The common start, Unix nanoseconds.
         start_unix_ns: u64,
+        /// When to stop even if connections remain.
         max_duration: Duration,
     },
     /// Idle mode: open the connections from `start_unix_ns` and hold them.
-    Open { start_unix_ns: u64 },
+    Open {
+        /// The common start, Unix nanoseconds.
+        start_unix_ns: u64,
+    },
     /// Idle mode: close the connections held.
     Close,
 }
@@ -134,31 +152,47 @@ pub enum Answer {
     Windows(Vec<WindowOut>),
     /// One per closed loop, and the worker's CPU over the measured window.
     Loops {
+        /// Each pair's window.
         results: Vec<LoopOut>,
+        /// The worker's CPU over it.
         bench_cpu_s: Option<f64>,
     },
+    /// The worker's part of a storm.
     Storm(StormOut),
+    /// The worker's connections are open.
     Opened(OpenOut),
+    /// The worker's connections are closed.
     Closed,
 }
 
+/// One fleet's window, as a worker ran it.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct WindowOut {
+    /// The worker's pairs' figures and its own CPU.
     pub run: LoadRun,
+    /// Probe round trips.
     pub rtt: HistWire,
 }
 
+/// One closed loop's window, as a worker ran it ([`LoopResult`] between processes).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct LoopOut {
+    /// The pair's number.
     pub pair: u32,
+    /// Packets sent in the window.
     pub sent: u64,
+    /// Of those, packets that came back.
     pub round_trips: u64,
+    /// Packets given up.
     pub lost: u64,
+    /// Round trips.
     pub rtt: HistWire,
+    /// What stopped the pair, if anything did.
     pub error: Option<String>,
 }
 
 impl LoopOut {
+    /// Back into a result with a histogram.
     pub fn into_result(self) -> LoopResult {
         let mut rtt = new_histogram();
         self.rtt.add_to(&mut rtt);
@@ -173,20 +207,29 @@ impl LoopOut {
     }
 }
 
+/// A worker's part of a storm.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct StormOut {
+    /// Connections tried.
     pub attempted: u64,
+    /// Handshake times of those that succeeded.
     pub handshakes: HistWire,
+    /// Failures by kind.
     pub failures: BTreeMap<String, u64>,
     /// From the common start to the last completion.
     pub elapsed_s: f64,
+    /// The worker's CPU over the storm.
     pub bench_cpu_s: Option<f64>,
 }
 
+/// A worker's part of an idle run's opening.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct OpenOut {
+    /// Connections open.
     pub opened: u64,
+    /// Failures by kind.
     pub failures: BTreeMap<String, u64>,
+    /// How long opening them took.
     pub open_s: f64,
 }
 

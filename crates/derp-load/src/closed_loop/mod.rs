@@ -46,11 +46,14 @@ const PACKET_FRAME_HEAD: usize = FRAME_HEADER_LEN + KEY_LEN;
 /// Which client the closed loop runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 pub enum ClientKind {
+    /// derp-client on a current-thread runtime per side; every URL scheme.
     Tokio,
+    /// A blocking socket speaking DERP itself; plain http:// only.
     Blocking,
 }
 
 impl ClientKind {
+    /// The flag's value, for the report.
     pub fn name(self) -> &'static str {
         match self {
             Self::Tokio => "tokio",
@@ -62,8 +65,11 @@ impl ClientKind {
 /// What each pair does.
 #[derive(Clone, Copy, Debug)]
 pub struct LoopSpec {
+    /// Packet size in bytes.
     pub size: usize,
+    /// Packets each pair keeps outstanding.
     pub in_flight: u32,
+    /// The client each side runs on.
     pub client: ClientKind,
 }
 
@@ -89,9 +95,13 @@ impl LoopSpec {
 /// One measured window, in the bench's clock.
 #[derive(Clone, Copy, Debug)]
 pub struct LoopWindow {
+    /// The run id packets carry.
     pub run: u32,
+    /// When the warm-up starts.
     pub start: Instant,
+    /// When the measured window starts.
     pub warm_end: Instant,
+    /// When it ends.
     pub end: Instant,
 }
 
@@ -99,6 +109,7 @@ pub struct LoopWindow {
 /// window.
 #[derive(Debug)]
 pub struct LoopResult {
+    /// The pair's number.
     pub pair: u32,
     /// Packets sent in the window.
     pub sent: u64,
@@ -106,7 +117,9 @@ pub struct LoopResult {
     pub round_trips: u64,
     /// Packets given up after [`STALL`] without an answer (any time in the run).
     pub lost: u64,
+    /// Round trips of the packets sent in the window, nanoseconds.
     pub rtt: RttHistogram,
+    /// What stopped the pair, if anything did.
     pub error: Option<String>,
 }
 

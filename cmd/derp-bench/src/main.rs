@@ -3,14 +3,15 @@
 //! What it does: measures a relay from the outside over its DERP URL (plain, WebSocket, TLS
 //! or QUIC), in six modes (throughput, latency, pingpong, connect, idle, sweep), with paced
 //! senders, per-pair loss counting, timestamped packets, warm-up and repeated runs, in one
-//! process or spread over several (`--procs`); and soaks it (`soak`): every kind of client for
-//! a long time, then a strict account that fails the run on any discrepancy. It reports its
-//! own CPU use next to the server's and warns when it, rather than the server, is the likely
-//! bottleneck. With `--spawn-server` it starts an in-process derpd relay to test;
-//! `floor-relay` runs the least relay there is, to measure against.
+//! process or spread over several (`--procs`). It reports its own CPU use next to the
+//! server's and warns when it, rather than the server, is the likely bottleneck. With
+//! `--spawn-server` it starts an in-process derpd relay to test; `floor-relay` runs the least
+//! relay there is, to measure against. This crate is the command line and the modes; the
+//! engines are derp-load's.
 //!
 //! What it does not do: generate load from several machines (run one bench per machine
-//! for that), or send anything anywhere but the URLs it is given.
+//! for that), send anything anywhere but the URLs it is given, or soak a relay (that is
+//! `derp-soak`).
 
 mod cli;
 mod modes;

@@ -4,8 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use serde::{Deserialize, Serialize};
+use clap::{Args, Parser, Subcommand};
+use derp_load::args::{MAX_CONNECTIONS, TargetArgs, parse_duration};
+use derp_load::closed_loop::ClientKind;
 
 /// Load-test client for DERP relays (derpd, Tailscale's derper or any other).
 ///
@@ -27,67 +28,6 @@ pub(crate) struct Cli {
     pub(crate) procs: u32,
     #[command(subcommand)]
     pub(crate) mode: Mode,
-}
-
-/// Which server to test and how to observe it.
-#[derive(Clone, Debug, Args, Serialize, Deserialize)]
-pub(crate) struct TargetArgs {
-    /// DERP URL: http://host:port/derp, ws://host:port/derp for WebSocket, https:// or
-    /// wss:// over TLS, or quic://host:port for DERP over QUIC.
-    #[arg(long, global = true)]
-    pub(crate) url: Option<String>,
-
-    /// TLS and QUIC: how to check the server's certificate, as a DERP map's CertName: a
-    /// `sha256-raw:<hex>` pin (self-signed nodes; derpd prints it) or the name the
-    /// certificate must be valid for.
-    #[arg(long, global = true)]
-    pub(crate) cert_name: Option<String>,
-
-    /// TLS and QUIC: PEM file of extra CA certificates to trust, for nodes whose
-    /// certificate comes from a private CA (`--ca-cert` is the same flag).
-    #[arg(
-        long = "ca",
-        visible_alias = "ca-cert",
-        global = true,
-        value_name = "FILE"
-    )]
-    pub(crate) ca: Option<PathBuf>,
-
-    /// With an https:// URL: connect over QUIC to this UDP port of the same host instead
-    /// (the node's --quic-port).
-    #[arg(long, global = true)]
-    pub(crate) quic_port: Option<u16>,
-
-    /// QUIC: send and accept packets on the stream only, no datagrams.
-    #[arg(long, global = true)]
-    pub(crate) quic_no_datagrams: bool,
-
-    /// Start an in-process derpd relay on 127.0.0.1 (random port) and test it. Its CPU is
-    /// measured per thread; its memory is shared with the bench's.
-    #[arg(long, global = true, conflicts_with = "url")]
-    pub(crate) spawn_server: bool,
-
-    /// A second server for the receiving half of every pair (the echoing half in latency
-    /// mode): senders connect to --url, receivers here, so every packet crosses between the
-    /// two, e.g. two meshed nodes of one region.
-    #[arg(long, global = true, conflicts_with = "spawn_server")]
-    pub(crate) peer_url: Option<String>,
-
-    /// Prometheus text endpoint of the server (e.g. http://127.0.0.1:9090/metrics or
-    /// http://127.0.0.1:3340/debug/varz), scraped before and after each run for drop counters,
-    /// connection counts and process_resident_memory_bytes.
-    #[arg(long, global = true)]
-    pub(crate) metrics_url: Option<String>,
-
-    /// Process id of the server when it runs on this machine: its CPU time and RSS are read
-    /// from /proc/PID (the honest per-packet CPU figure). Repeat (or comma-separate) for
-    /// several processes, e.g. both nodes with --peer-url: their CPU is added up.
-    #[arg(long, global = true, value_delimiter = ',')]
-    pub(crate) server_pid: Vec<u32>,
-
-    /// Budget for each connection's dial, upgrade and handshake.
-    #[arg(long, global = true, default_value = "5s", value_parser = parse_duration)]
-    pub(crate) connect_timeout: Duration,
 }
 
 /// How results are shown.
@@ -120,10 +60,12 @@ pub(crate) enum Mode {
     Idle(IdleArgs),
     /// Step the offered load up until the relay stops delivering it.
     Sweep(SweepArgs),
-    /// Many clients for a long time, every kind of traffic and misbehaviour at once, then a
-    /// strict account of every packet, connection, descriptor and byte of memory. Exits
-    /// non-zero when any check fails. Needs --metrics-url and --server-pid (or --spawn-server).
-    Soak(SoakArgs),
+    /// The soak test is its own program now: `derp-soak`, with the same flags.
+    #[command(hide = true, disable_help_flag = true)]
+    Soak {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Not a measurement: a minimal relay to measure against. It speaks just enough DERP for
     /// derp-bench's clients (plain http://, no TLS) and copies each packet from one socket to
     /// the other with one read and one write, so a round trip through it is the floor of what
@@ -253,25 +195,10 @@ pub(crate) struct PingpongArgs {
     pub(crate) runs: u32,
 }
 
-/// Which client the closed loop runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-pub(crate) enum ClientKind {
-    Tokio,
-    Blocking,
-}
-
-impl ClientKind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Tokio => "tokio",
-            Self::Blocking => "blocking",
-        }
-    }
-}
-
+/// Connections opened for their own sake, shared by connect and idle.
 #[derive(Debug, Args)]
-pub(crate) struct ConnectArgs {
-    /// Connections to open (each: dial, upgrade, handshake, close).
+pub(crate) struct ConnectionArgs {
+    /// Connections to open.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS))]
     pub(crate) connections: u32,
 
@@ -279,32 +206,32 @@ pub(crate) struct ConnectArgs {
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) concurrency: u32,
 
-    /// Stop a run after this long even if connections remain.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    pub(crate) max_duration: Duration,
-
-    /// Repeat the storm; the summary gives medians.
+    /// Repeat the run; the summary gives medians.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
     pub(crate) runs: u32,
 }
 
+/// Each connection dials, upgrades, completes the handshake and closes.
 #[derive(Debug, Args)]
-pub(crate) struct IdleArgs {
-    /// Idle connections to open and hold.
-    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=MAX_CONNECTIONS))]
-    pub(crate) connections: u32,
+pub(crate) struct ConnectArgs {
+    #[command(flatten)]
+    pub(crate) conns: ConnectionArgs,
 
-    /// Handshakes in flight while opening.
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub(crate) concurrency: u32,
+    /// Stop a run after this long even if connections remain.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub(crate) max_duration: Duration,
+}
+
+/// The connections are opened, then held idle.
+#[derive(Debug, Args)]
+#[command(mut_arg("concurrency", |a| a.default_value("100")))]
+pub(crate) struct IdleArgs {
+    #[command(flatten)]
+    pub(crate) conns: ConnectionArgs,
 
     /// How long to hold the connections before measuring.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub(crate) hold: Duration,
-
-    /// Repeat; the summary gives medians.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=MAX_RUNS))]
-    pub(crate) runs: u32,
 }
 
 #[derive(Debug, Args)]
@@ -341,72 +268,10 @@ pub(crate) struct SweepArgs {
     pub(crate) max_steps: u32,
 }
 
-#[derive(Debug, Args)]
-pub(crate) struct SoakArgs {
-    /// Clients: 40% closed-loop pairs, 10% flood pairs (half with slow readers), 25% churn,
-    /// 5% hostile, the rest idle.
-    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(20..=MAX_CONNECTIONS))]
-    pub(crate) clients: u32,
-
-    /// How long the load runs.
-    #[arg(long, default_value = "10m", value_parser = parse_duration)]
-    pub(crate) duration: Duration,
-
-    /// Packets per second each closed-loop pair sends (each is echoed back).
-    #[arg(long, default_value_t = 10.0)]
-    pub(crate) closed_rate: f64,
-
-    /// Packets per second each flood sender offers, open loop (1200-byte packets; 8 KiB to
-    /// slow readers).
-    #[arg(long, default_value_t = 100.0)]
-    pub(crate) flood_rate: f64,
-
-    /// Bound on the server's peak resident memory, MiB.
-    #[arg(long, default_value_t = 256)]
-    pub(crate) max_rss_mib: u64,
-
-    /// Bound on how much more resident memory the server holds after every client has left
-    /// than before the run, MiB (the allocator keeps some; a leak keeps growing).
-    #[arg(long, default_value_t = 64)]
-    pub(crate) max_rss_after_mib: u64,
-
-    /// How long to wait at the end for clients to leave and the server to settle.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    pub(crate) settle: Duration,
-}
-
 /// Upper bounds that keep every run finite.
 pub(crate) const MAX_PAIRS: i64 = 5000;
-pub(crate) const MAX_CONNECTIONS: i64 = 200_000;
 pub(crate) const MAX_RUNS: i64 = 20;
 pub(crate) const MAX_PROCS: i64 = 64;
-/// No single window may be longer than this.
-pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(3600);
-
-/// Parses "5s", "250ms", "1m", "1.5" (seconds).
-pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?} (want e.g. 5s, 250ms)"))?;
-    let scale = match unit {
-        "" | "s" => 1.0,
-        "ms" => 1e-3,
-        "us" | "µs" => 1e-6,
-        "m" => 60.0,
-        _ => return Err(format!("unknown unit {unit:?} in duration {s:?}")),
-    };
-    let d = Duration::try_from_secs_f64(value * scale)
-        .map_err(|_| format!("duration {s:?} out of range"))?;
-    if d > MAX_WINDOW {
-        return Err(format!("duration {s:?} exceeds the {MAX_WINDOW:?} bound"));
-    }
-    Ok(d)
-}
 
 #[cfg(test)]
 mod tests {
@@ -416,17 +281,6 @@ mod tests {
     #[test]
     fn cli_is_consistent() {
         Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("5h").is_err());
-        assert!(parse_duration("2d").is_err());
-        assert!(parse_duration("").is_err());
     }
 
     #[test]
@@ -452,5 +306,33 @@ mod tests {
                 .is_err()
         );
         assert!(Cli::try_parse_from(["derp-bench", "throughput", "--size", "8"]).is_err());
+    }
+
+    #[test]
+    fn connect_and_idle_share_their_flags_but_not_the_concurrency_default() {
+        let Mode::Connect(c) = Cli::try_parse_from(["derp-bench", "connect"]).unwrap().mode else {
+            panic!("wrong mode")
+        };
+        assert_eq!(
+            (c.conns.connections, c.conns.concurrency, c.conns.runs),
+            (1000, 50, 1)
+        );
+        let Mode::Idle(i) = Cli::try_parse_from(["derp-bench", "idle", "--runs", "3"])
+            .unwrap()
+            .mode
+        else {
+            panic!("wrong mode")
+        };
+        assert_eq!(
+            (i.conns.connections, i.conns.concurrency, i.conns.runs),
+            (1000, 100, 3)
+        );
+        let Mode::Idle(i) = Cli::try_parse_from(["derp-bench", "idle", "--concurrency", "7"])
+            .unwrap()
+            .mode
+        else {
+            panic!("wrong mode")
+        };
+        assert_eq!(i.conns.concurrency, 7);
     }
 }

@@ -4,9 +4,9 @@ use std::fmt::Display;
 use std::path::Path;
 
 use anyhow::anyhow;
+use derp_load::measure::RttHistogram;
 use plotters::prelude::*;
 
-use crate::load::RttHistogram;
 use crate::report::SweepStep;
 
 fn plot_err<E: Display>(path: &Path) -> impl Fn(E) -> anyhow::Error + '_ {

@@ -2,76 +2,27 @@
 //! its numbers make sense and that its JSON matches the documented schema (the structs below
 //! mirror docs/derp-bench.md and refuse unknown fields).
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
+use support::{Report, config, private_ca_relay, serve_metrics, temp_path, tls_relay};
+
 fn bench(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_derp-bench"))
-        .args(args)
-        .output()
-        .expect("running derp-bench")
+    support::run(env!("CARGO_BIN_EXE_derp-bench"), args)
 }
 
 fn bench_json<T: DeserializeOwned>(args: &[&str]) -> Report<T> {
-    let mut all = vec!["--json"];
-    all.extend_from_slice(args);
-    let out = bench(&all);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "derp-bench {all:?} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "JSON does not match the schema: {e}\n{}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
-
-fn temp_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("derp-bench-test-{}-{name}", std::process::id()))
+    support::run_json(env!("CARGO_BIN_EXE_derp-bench"), args)
 }
 
 // ---- The documented schema ----
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Report<T> {
-    schema_version: u32,
-    tool_version: String,
-    mode: String,
-    started_unix_s: u64,
-    procs: usize,
-    target: TargetInfo,
-    machine: Machine,
-    config: serde_json::Value,
-    result: T,
-    warnings: Vec<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TargetInfo {
-    url: String,
-    spawned_server: bool,
-    metrics_source: Option<String>,
-    server_pid: Option<u32>,
-    #[serde(default)]
-    server_pids: Vec<u32>,
-    #[serde(default)]
-    peer_url: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Machine {
-    cores: usize,
-    bench_release_build: bool,
-}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -382,10 +333,6 @@ struct SweepResult {
     saturation: Saturation,
 }
 
-fn config<T: DeserializeOwned>(report: &Report<impl std::fmt::Debug>) -> T {
-    serde_json::from_value(report.config.clone()).expect("config matches the schema")
-}
-
 /// Checks that hold for every load window.
 fn check_load_run(run: &LoadRun, pairs: usize) {
     assert_eq!(run.pairs.len(), pairs);
@@ -450,7 +397,8 @@ fn throughput_paced_counts_every_packet() {
     );
     assert_eq!(r.target.server_pid, None);
     assert!(r.machine.cores >= 1);
-    let _ = r.machine.bench_release_build;
+    // The tests and the program are built with the same profile.
+    assert_eq!(r.machine.bench_release_build, !cfg!(debug_assertions));
     let c: ThroughputConfig = config(&r);
     assert_eq!((c.pairs, c.size_bytes, c.runs), (2, 570, 2));
     assert_eq!(c.rate_pps_per_pair, Some(400.0));
@@ -458,13 +406,9 @@ fn throughput_paced_counts_every_packet() {
     assert_eq!(r.result.runs.len(), 2);
     for run in &r.result.runs {
         check_load_run(run, 2);
-        // 2 pairs x 400 packets/s over 0.6 s: about 480 packets, paced (a busy CI machine
-        // may starve the senders, never speed them up).
-        assert!(
-            (240..=560).contains(&run.sent_packets),
-            "sent {}",
-            run.sent_packets
-        );
+        // How many packets the pacer lets out is derp-load's pacing tests' (with an injected
+        // clock); how close a loaded machine comes to the rate is what sent_pps measures.
+        assert!(run.pairs.iter().all(|p| p.sent_packets > 0), "{run:?}");
         assert_eq!(run.offered_pps, Some(800.0));
         let drops = run
             .server_drops
@@ -559,7 +503,7 @@ fn latency_percentiles_are_ordered_and_plotted() {
     assert_eq!(c.probe_rate_pps, 500.0);
     assert!(c.load_rate_pps_per_pair.unwrap() > 0.0 && c.warmup_s > 0.0 && c.duration_s > 0.0);
     let run = &r.result.runs[0];
-    assert!(run.probes_sent > 100, "{run:?}");
+    assert!(run.probes_sent > 0, "{run:?}");
     assert!(run.probes_received > 0 && run.probes_received <= run.probes_sent);
     assert_eq!(run.probes_lost, run.probes_sent - run.probes_received);
     let p = &run.rtt;
@@ -567,8 +511,6 @@ fn latency_percentiles_are_ordered_and_plotted() {
     assert!(p.min_us <= p.p50_us && p.p50_us <= p.p90_us && p.p90_us <= p.p99_us);
     assert!(p.p99_us <= p.p999_us && p.p999_us <= p.max_us);
     assert!(p.mean_us >= p.min_us && p.mean_us <= p.max_us);
-    // A loopback round trip is well under a second even on a loaded CI machine.
-    assert!(p.p50_us < 1e6);
     let bg = run.background.as_ref().expect("background load ran");
     check_load_run(bg, 1);
     assert!(run.cpu.bench_cores.is_some() && run.errors.is_empty());
@@ -801,48 +743,6 @@ fn pingpong_and_floor_relay_refuse_what_they_cannot_do() {
     );
 }
 
-#[test]
-fn soak_over_tls_with_a_private_ca() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (server, addr, ca_file, registry) = private_ca_relay(&rt);
-    let metrics = rt.block_on(serve_metrics(registry));
-    let pid = std::process::id().to_string();
-    // Hostile clients and slow readers dial their own sockets: over TLS too, for both
-    // schemes (a wss:// node serves plain DERP upgrades on the same port).
-    for url in [format!("https://{addr}/derp"), format!("wss://{addr}/derp")] {
-        let r: Report<SoakResult> = bench_json(&[
-            "soak",
-            "--url",
-            &url,
-            "--ca",
-            ca_file.to_str().unwrap(),
-            "--metrics-url",
-            &format!("http://{metrics}/metrics"),
-            "--server-pid",
-            &pid,
-            "--clients",
-            "20",
-            "--duration",
-            "2s",
-            "--settle",
-            "10s",
-        ]);
-        assert!(r.result.passed, "{url}: {:#?}", r.result.checks);
-        assert!(!r.result.hostile_attempts.is_empty(), "{url}");
-        assert!(r.result.closed_loop_sent > 0, "{url}");
-    }
-    let _ = std::fs::remove_file(&ca_file);
-    rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(5), server.shutdown())
-            .await
-            .unwrap()
-    });
-}
-
 // ---- Several bench processes ----
 
 #[test]
@@ -871,12 +771,8 @@ fn procs_split_the_load_and_merge_the_figures() {
     check_load_run(run, 3);
     let ids: Vec<u32> = run.pairs.iter().map(|p| p.pair).collect();
     assert_eq!(ids, [0, 1, 2]);
-    // 3 pairs x 300/s over 0.5 s from both processes: about 450 (fewer on a starved machine).
-    assert!(
-        (150..=520).contains(&run.sent_packets),
-        "sent {}",
-        run.sent_packets
-    );
+    // Both processes' pairs sent in the window.
+    assert!(run.pairs.iter().all(|p| p.sent_packets > 0), "{run:?}");
     assert_eq!(run.offered_pps, Some(900.0));
     assert!(run.cpu.bench_cpu_s.is_some() && run.cpu.server_cpu_s.is_some());
     assert!(run.server_drops.is_some(), "the parent scrapes the metrics");
@@ -992,9 +888,10 @@ fn procs_beyond_the_load_or_where_they_do_not_apply() {
         "{:?}",
         r.warnings
     );
-    let out = bench(&["soak", "--spawn-server", "--procs", "2"]);
+    // The soak is its own program; the old mode says where it went.
+    let out = bench(&["soak", "--spawn-server", "--clients", "20"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("soak runs in one process"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("run `derp-soak` with the same flags"));
     let out = bench(&["worker"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no job on stdin"));
@@ -1096,7 +993,7 @@ fn sweep_steps_up_and_plots() {
         (2.0, Some(3.0), None)
     );
     assert!(c.warmup_s > 0.0 && c.step_duration_s > 0.0 && c.loss_threshold > 0.0);
-    let _ = c.steps_past;
+    assert_eq!(c.steps_past, 2);
     let steps = &r.result.steps;
     assert!(!steps.is_empty() && steps.len() <= 3);
     assert_eq!(steps[0].offered_mbps, 2.0);
@@ -1106,7 +1003,12 @@ fn sweep_steps_up_and_plots() {
     for s in steps {
         check_load_run(&s.load, 1);
         assert!((0.0..=1.0).contains(&s.undelivered_ratio));
-        assert!(s.load.delivered_mbps <= s.offered_mbps * 1.1, "{s:?}");
+        // Each step's senders were paced at the step's load.
+        let paced = s.load.offered_mbps.expect("sweep steps are paced");
+        assert!(
+            (paced - s.offered_mbps).abs() < 1e-9 * s.offered_mbps,
+            "{s:?}"
+        );
     }
     let sat = &r.result.saturation;
     let best = steps
@@ -1115,9 +1017,18 @@ fn sweep_steps_up_and_plots() {
         .fold(0.0, f64::max);
     assert_eq!(sat.max_delivered_mbps, best);
     assert!(sat.max_delivered_at_offered_mbps > 0.0);
-    let _ = (
+    let within = |s: &&SweepStep| s.undelivered_ratio <= c.loss_threshold;
+    assert_eq!(
         sat.last_ok_offered_mbps,
+        steps
+            .iter()
+            .take_while(within)
+            .last()
+            .map(|s| s.offered_mbps)
+    );
+    assert_eq!(
         sat.first_over_threshold_offered_mbps,
+        steps.iter().find(|s| !within(s)).map(|s| s.offered_mbps)
     );
     let svg = std::fs::read_to_string(&plot).expect("plot written");
     let _ = std::fs::remove_file(&plot);
@@ -1128,41 +1039,6 @@ fn sweep_steps_up_and_plots() {
 }
 
 // ---- A separately served relay: metrics over HTTP, CPU and memory from /proc ----
-
-/// Serves the registry in the Prometheus text format, chunked, on a loopback port.
-async fn serve_metrics(registry: prometheus::Registry) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            let registry = registry.clone();
-            tokio::spawn(async move {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let text = prometheus::TextEncoder::new()
-                    .encode_to_string(&registry.gather())
-                    .unwrap();
-                let (a, b) = text.split_at(text.len() / 2);
-                let body = format!("{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n", a.len(), b.len());
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n{body}"
-                );
-                let _ = s.write_all(resp.as_bytes()).await;
-            });
-        }
-    });
-    addr
-}
 
 #[test]
 fn separate_relay_with_metrics_url_and_server_pid() {
@@ -1240,182 +1116,6 @@ fn separate_relay_with_metrics_url_and_server_pid() {
             .await
             .unwrap()
     });
-}
-
-// ---- Soak ----
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SoakConfig {
-    clients: u32,
-    duration_s: f64,
-    closed_pairs: usize,
-    closed_rate_pps: f64,
-    flood_pairs: usize,
-    flood_rate_pps: f64,
-    churners: usize,
-    hostile: usize,
-    idle: usize,
-    max_rss_bytes: u64,
-    max_rss_after_bytes: u64,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SoakCheck {
-    name: String,
-    ok: bool,
-    detail: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SoakServer {
-    packets_received: u64,
-    packets_sent: u64,
-    packets_dropped: u64,
-    dropped_by_reason: BTreeMap<String, u64>,
-    forwarded_in: u64,
-    forwarded_out: u64,
-    accepts: u64,
-    connection_errors: BTreeMap<String, u64>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SoakResources {
-    rss_bytes: Option<u64>,
-    fds: Option<u64>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SoakResult {
-    passed: bool,
-    checks: Vec<SoakCheck>,
-    violations: Vec<String>,
-    violation_count: u64,
-    elapsed_s: f64,
-    client_packets_sent: u64,
-    client_packets_received: u64,
-    closed_loop_sent: u64,
-    closed_loop_echoed: u64,
-    closed_loop_lost: u64,
-    pings: u64,
-    pongs: u64,
-    connects: u64,
-    connect_failures: BTreeMap<String, u64>,
-    slow_readers_cut_off: u64,
-    churn_sessions: u64,
-    churn_duplicates: u64,
-    churn_abrupt_closes: u64,
-    hostile_attempts: BTreeMap<String, u64>,
-    server: SoakServer,
-    resources_before: SoakResources,
-    resources_peak: SoakResources,
-    resources_after: SoakResources,
-    peak_connections: u64,
-}
-
-#[test]
-fn soak_runs_every_role_and_balances_the_books() {
-    let r: Report<SoakResult> = bench_json(&[
-        "soak",
-        "--spawn-server",
-        "--clients",
-        "40",
-        "--duration",
-        "3s",
-    ]);
-    let c: SoakConfig = config(&r);
-    assert_eq!(c.clients, 40);
-    assert_eq!(
-        (c.duration_s, c.closed_rate_pps, c.flood_rate_pps),
-        (3.0, 10.0, 100.0)
-    );
-    assert_eq!(c.max_rss_bytes, 256 << 20);
-    assert!(c.max_rss_after_bytes > 64 << 20);
-    assert_eq!(
-        c.closed_pairs * 2 + c.flood_pairs * 2 + c.churners + c.hostile + c.idle,
-        40
-    );
-    let res = &r.result;
-    assert!(res.passed, "{:#?}", res.checks);
-    let names: Vec<&str> = res.checks.iter().map(|c| c.name.as_str()).collect();
-    for wanted in [
-        "connection gauges back to 0",
-        "descriptors back to the baseline",
-        "server: received = sent + dropped",
-        "closed loop: zero loss",
-        "peak RSS within bound",
-    ] {
-        assert!(names.contains(&wanted), "{names:?}");
-    }
-    assert_eq!(res.checks.len(), 12);
-    assert!(res.checks.iter().all(|c| c.ok && !c.detail.is_empty()));
-    assert_eq!((res.violation_count, res.violations.len()), (0, 0));
-    assert!(res.closed_loop_sent > 0 && res.closed_loop_lost == 0);
-    assert_eq!(res.closed_loop_sent, res.closed_loop_echoed);
-    assert_eq!(res.client_packets_sent, res.server.packets_received);
-    assert_eq!(
-        res.server.packets_received,
-        res.server.packets_sent + res.server.packets_dropped
-    );
-    assert_eq!(
-        res.server.dropped_by_reason.values().sum::<u64>(),
-        res.server.packets_dropped
-    );
-    assert!(res.client_packets_received <= res.server.packets_sent);
-    assert!(res.churn_sessions >= c.churners as u64 && res.connects > 0);
-    assert!(!res.hostile_attempts.is_empty());
-    assert!(res.pings > 0 && res.pongs > 0);
-    assert!(res.resources_after.fds <= res.resources_before.fds);
-    assert!(res.resources_peak.rss_bytes >= res.resources_before.rss_bytes);
-    assert!(res.peak_connections > 0 && res.elapsed_s >= 3.0);
-    assert!(res.server.accepts > 0);
-    assert_eq!((res.server.forwarded_in, res.server.forwarded_out), (0, 0));
-    for reason in res.server.connection_errors.keys() {
-        assert!(
-            [
-                "handshake",
-                "low_order_key",
-                "malformed_frame",
-                "not_mesh_peer",
-                "io",
-                "timeout"
-            ]
-            .contains(&reason.as_str()),
-            "{reason}"
-        );
-    }
-    // Connections refused, slow readers cut off and churners' duplicates and abrupt exits
-    // depend on timing; they are counted, and the checks above hold whatever they are.
-    let counted = res.connect_failures.values().sum::<u64>()
-        + res.slow_readers_cut_off
-        + res.churn_duplicates
-        + res.churn_abrupt_closes;
-    assert!(counted <= res.connects + res.churn_sessions * 2);
-
-    // A bound the run cannot meet fails it, with the report printed first.
-    let out = bench(&[
-        "soak",
-        "--spawn-server",
-        "--clients",
-        "20",
-        "--duration",
-        "1s",
-        "--max-rss-mib",
-        "1",
-    ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stdout}");
-    assert!(stdout.contains("FAIL peak RSS within bound"), "{stdout}");
-    assert!(stdout.contains("soak FAILED"), "{stdout}");
-    assert!(
-        stderr.contains("soak failed: peak RSS within bound"),
-        "{stderr}"
-    );
 }
 
 // ---- Failures are loud ----
@@ -1590,16 +1290,7 @@ fn pairs_split_across_two_meshed_relays_with_peer_url() {
 /// An in-process relay serving QUIC with a self-signed certificate for 127.0.0.1. Returns
 /// the server, its quic:// URL and the certificate pin.
 fn quic_relay(rt: &tokio::runtime::Runtime) -> (derp_server::Server, String, String) {
-    let registry = prometheus::Registry::new();
-    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
-    let server =
-        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
-    let front = derp_tls::TlsFront::new(
-        &server.public_key(),
-        derp_tls::TlsOptions::new("127.0.0.1"),
-        &registry,
-    )
-    .unwrap();
+    let (server, front, _) = tls_relay();
     let (cert, key) = derp_tls::generate_self_signed("127.0.0.1".parse().unwrap()).unwrap();
     let chain = derp_tls::load_certs_pem(cert.as_bytes()).unwrap();
     let pin = derp_tls::cert_pin(&chain[0]);
@@ -1714,61 +1405,6 @@ fn every_mode_takes_a_quic_url() {
 }
 
 // ---- TLS nodes with a private CA: https:// and wss:// ----
-
-/// A CA made for the test and a relay behind derpd's TLS front with a certificate for
-/// 127.0.0.1 that this CA issued. Returns the server, the relay's address and the CA's PEM
-/// file.
-fn private_ca_relay(
-    rt: &tokio::runtime::Runtime,
-) -> (
-    derp_server::Server,
-    std::net::SocketAddr,
-    PathBuf,
-    prometheus::Registry,
-) {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-    let mut ca_params = CertificateParams::default();
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "derp-bench test CA");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_key = KeyPair::generate().unwrap();
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::new(ca_params, ca_key);
-    let mut leaf_params = CertificateParams::default();
-    leaf_params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap())];
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
-    let ca_file = temp_path("ca.pem");
-    std::fs::write(&ca_file, ca_cert.pem()).unwrap();
-
-    let registry = prometheus::Registry::new();
-    let secret = derp_proto::SecretKey::generate(&mut rand::rngs::OsRng);
-    let server =
-        derp_server::Server::new(derp_server::ServerConfig::new(secret), &registry).unwrap();
-    let front = derp_tls::TlsFront::new(
-        &server.public_key(),
-        derp_tls::TlsOptions::new("127.0.0.1"),
-        &registry,
-    )
-    .unwrap();
-    front
-        .install(
-            derp_tls::load_certs_pem(leaf.pem().as_bytes()).unwrap(),
-            derp_tls::load_key_pem(leaf_key.serialize_pem().as_bytes()).unwrap(),
-            derp_tls::CertOrigin::Other,
-        )
-        .unwrap();
-    let addr = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let serving = server.clone();
-        tokio::spawn(async move { front.serve(&serving, listener).await });
-        addr
-    });
-    (server, addr, ca_file, registry)
-}
 
 #[test]
 fn every_mode_takes_https_and_wss_with_a_private_ca() {

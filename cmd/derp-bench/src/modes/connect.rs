@@ -4,50 +4,50 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use std::time::Duration;
 
-use derp_client::Client;
-use derp_proto::SecretKey;
+use derp_load::args::TargetArgs;
+use derp_load::connections::{ConnectionShare, Storm};
+use derp_load::measure::{RttHistogram, new_histogram, sample_cpu};
+use derp_load::procs::{START_LEAD, Workers, instant_at, unix_ns_now};
+use derp_load::report::CpuUse;
+use derp_load::target::Target;
+use derp_load::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
+use derp_load::{Ctx, Outcome};
 use tokio::time::Instant;
 
-use crate::cli::{ConnectArgs, TargetArgs};
-use crate::load::{RttHistogram, new_histogram, sample_cpu};
-use crate::procs::{START_LEAD, Workers, instant_at, unix_ns_now};
+use crate::cli::ConnectArgs;
 use crate::progress::Progress;
 use crate::report::{
-    ConnectConfig, ConnectMedian, ConnectResult, ConnectRun, CpuUse, HandshakeTimes, opt, pct,
-    table,
+    ConnectConfig, ConnectMedian, ConnectResult, ConnectRun, HandshakeTimes, opt, pct, table,
 };
-use crate::target::{ClientTemplate, SourceAddrs, Target, connect_error_kind};
-use crate::{Ctx, Outcome};
-
-use super::worker::{ANSWER_SLACK, Answer, Command, ConnectionShare, Work, start_workers};
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
     target_args: &TargetArgs,
     args: &ConnectArgs,
 ) -> anyhow::Result<Outcome> {
-    let n = args.connections as usize;
-    let shares = ConnectionShare::split(args.connections, args.concurrency, ctx.procs_asked);
+    let n = args.conns.connections as usize;
+    let shares = ConnectionShare::split(
+        args.conns.connections,
+        args.conns.concurrency,
+        ctx.procs_asked,
+    );
     let mut workers = if shares.len() > 1 {
         let work = shares.iter().map(|s| Work::Storm(*s)).collect();
         Some(start_workers(ctx, target_args, work).await?)
     } else {
         // Only `concurrency` connections are open at once (plus the server's side of them).
-        crate::target::check_fd_budget(args.concurrency as usize, ctx.target.spawned)?;
+        derp_load::target::check_fd_budget(args.conns.concurrency as usize, ctx.target.spawned)?;
         None
     };
     let progress = Progress::start(
-        args.max_duration.min(Duration::from_secs(3600)) * args.runs,
+        args.max_duration.min(Duration::from_secs(3600)) * args.conns.runs,
         "connect",
     );
     let mut runs = Vec::new();
-    for i in 0..args.runs {
-        progress.message(format!("connect run {}/{}", i + 1, args.runs));
+    for i in 0..args.conns.runs {
+        progress.message(format!("connect run {}/{}", i + 1, args.conns.runs));
         let run = match &mut workers {
             None => storm(&ctx.target, args, n).await,
             Some(w) => remote_storm(&ctx.target, w, args, n).await?,
@@ -76,10 +76,10 @@ pub(crate) async fn run(
     let median = ConnectMedian::of(&runs);
     let human = human(args, &runs, &median);
     let config = ConnectConfig {
-        connections: args.connections,
-        concurrency: args.concurrency,
+        connections: args.conns.connections,
+        concurrency: args.conns.concurrency,
         max_duration_s: args.max_duration.as_secs_f64(),
-        runs: args.runs,
+        runs: args.conns.runs,
     };
     let report = ctx.report(
         target_args,
@@ -95,107 +95,11 @@ pub(crate) async fn run(
     })
 }
 
-/// A storm ready to go: keys made (that is the client's share of the handshake work, done
-/// before the clock starts) and source addresses chosen.
-#[derive(Debug)]
-pub(crate) struct Storm {
-    keys: Arc<Vec<SecretKey>>,
-    share: ConnectionShare,
-    sources: SourceAddrs,
-    template: ClientTemplate,
-}
-
-/// What a storm did.
-#[derive(Debug)]
-pub(crate) struct StormDone {
-    pub(crate) attempted: u64,
-    pub(crate) handshakes: RttHistogram,
-    pub(crate) failures: BTreeMap<String, u64>,
-    /// When the last connection completed (or failed).
-    pub(crate) end: Instant,
-}
-
-impl Storm {
-    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
-        Self {
-            keys: Arc::new(
-                (0..share.count)
-                    .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
-                    .collect(),
-            ),
-            share,
-            sources: target.source_addrs(share.total),
-            template: target.template(),
-        }
-    }
-
-    /// Runs the storm from `start` (now, or a start shared with other processes).
-    pub(crate) async fn run(self, start: Instant, max_duration: Duration) -> StormDone {
-        let next = Arc::new(AtomicUsize::new(0));
-        let deadline = start + max_duration;
-        let mut workers = Vec::new();
-        for _ in 0..(self.share.concurrency as usize).min(self.share.count) {
-            let keys = self.keys.clone();
-            let next = next.clone();
-            let template = self.template.clone();
-            let (sources, first) = (self.sources, self.share.first);
-            workers.push(tokio::spawn(async move {
-                let mut hist = new_histogram();
-                let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-                let mut attempted = 0u64;
-                let mut last_done = start;
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= keys.len() || Instant::now() >= deadline {
-                        break;
-                    }
-                    attempted += 1;
-                    let config = template.config(keys[i].clone(), sources.for_index(first + i));
-                    let t0 = Instant::now();
-                    match Client::connect(&config).await {
-                        Ok(client) => {
-                            let took = t0.elapsed();
-                            hist.saturating_record((took.as_nanos() as u64).max(1));
-                            drop(client);
-                        }
-                        Err(e) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
-                    }
-                    last_done = Instant::now();
-                }
-                (hist, failures, attempted, last_done)
-            }));
-        }
-        let mut done = StormDone {
-            attempted: 0,
-            handshakes: new_histogram(),
-            failures: BTreeMap::new(),
-            end: start,
-        };
-        for w in workers {
-            match w.await {
-                Ok((h, f, a, last)) => {
-                    let _ = done.handshakes.add(&h);
-                    for (k, v) in f {
-                        *done.failures.entry(k).or_default() += v;
-                    }
-                    done.attempted += a;
-                    done.end = done.end.max(last);
-                }
-                Err(e) => *done.failures.entry(format!("task_{e}")).or_default() += 1,
-            }
-        }
-        done
-    }
-}
-
 async fn storm(target: &Target, args: &ConnectArgs, n: usize) -> ConnectRun {
-    let share = ConnectionShare {
-        count: n,
-        first: 0,
-        total: n,
-        concurrency: args.concurrency,
-    };
-    let storm = Storm::prepare(target, share);
+    let storm = Storm::prepare(
+        target,
+        ConnectionShare::all(args.conns.connections, args.conns.concurrency),
+    );
     let cpu_before = sample_cpu(target);
     let start = Instant::now();
     let done = storm.run(start, args.max_duration).await;
@@ -289,7 +193,7 @@ fn human(args: &ConnectArgs, runs: &[ConnectRun], median: &ConnectMedian) -> Str
     let _ = writeln!(
         out,
         "connect: {} connections, {} in flight, {} run(s)",
-        args.connections, args.concurrency, args.runs
+        args.conns.connections, args.conns.concurrency, args.conns.runs
     );
     let rows: Vec<Vec<String>> = runs
         .iter()

@@ -2,15 +2,14 @@
 //! over worker processes (`--procs`) whose windows open together and whose figures are
 //! merged into the same [`LoadRun`]s.
 
+use derp_load::Ctx;
+use derp_load::args::TargetArgs;
+use derp_load::fleet::{Fleet, run_fleets};
+use derp_load::measure::{RttHistogram, new_histogram, sample_cpu, scrape};
+use derp_load::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
+use derp_load::report::{CpuUse, LoadRun, PairResult, WindowSpec};
+use derp_load::worker::{ANSWER_SLACK, Answer, Command, FleetShare, Work, start_workers};
 use tokio::time::Instant;
-
-use crate::cli::TargetArgs;
-use crate::load::{Fleet, RttHistogram, new_histogram, run_fleets, sample_cpu, scrape};
-use crate::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
-use crate::report::{CpuUse, LoadRun, PairResult, WindowSpec};
-use crate::{Ctx, load};
-
-use super::worker::{ANSWER_SLACK, Answer, Command, FleetShare, Work, start_workers};
 
 /// Fleets that run their windows together.
 #[derive(Debug)]
@@ -30,7 +29,7 @@ impl Generator {
         let total: u32 = fleets.iter().map(|f| f.pairs).sum();
         let procs = (ctx.procs_asked).min(total).max(1) as usize;
         if procs == 1 {
-            crate::target::check_fd_budget(total as usize * 2, ctx.target.spawned)?;
+            derp_load::target::check_fd_budget(total as usize * 2, ctx.target.spawned)?;
             let mut local = Vec::new();
             for f in fleets {
                 local.push(Fleet::connect(&ctx.target, f.pairs, f.first_pair, f.echo).await?);
@@ -38,7 +37,7 @@ impl Generator {
             return Ok(Self::Local(local));
         }
         if ctx.target.spawned {
-            crate::target::check_fd_budget(total as usize * 2, false)?;
+            derp_load::target::check_fd_budget(total as usize * 2, false)?;
         }
         // Each fleet split by pairs; worker i gets the i-th share of every fleet.
         let mut work: Vec<Vec<FleetShare>> = vec![Vec::new(); procs];
@@ -70,7 +69,7 @@ impl Generator {
     ) -> anyhow::Result<Vec<(LoadRun, RttHistogram)>> {
         match self {
             Self::Local(fleets) => {
-                run_fleets(fleets, specs, Instant::now(), ctx.clock, &ctx.target).await
+                Ok(run_fleets(fleets, specs, Instant::now(), ctx.clock, &ctx.target).await?)
             }
             Self::Procs(workers) => remote_windows(workers, ctx, specs).await,
         }
@@ -122,7 +121,7 @@ async fn remote_windows(
         per_worker.push(outs);
     }
     let parent_cpu = CpuUse::between(cpu_before, cpu_after, wall_s);
-    let drops = load::drops_between(scrape_before.as_ref(), scrape_after.as_ref());
+    let drops = derp_load::measure::drops_between(scrape_before.as_ref(), scrape_after.as_ref());
     let mut out = Vec::new();
     for (k, spec) in specs.iter().enumerate() {
         let mut pairs: Vec<PairResult> = Vec::new();

@@ -3,24 +3,21 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Arc;
 use std::time::Duration;
 
-use derp_client::Client;
-use derp_proto::SecretKey;
-use tokio::sync::Semaphore;
+use derp_load::args::TargetArgs;
+use derp_load::connections::{ConnectionShare, Opening};
+use derp_load::measure::scrape;
+use derp_load::procfs;
+use derp_load::procs::{START_LEAD, Workers, unix_ns_now};
+use derp_load::target::{ServerProbe, Target};
+use derp_load::worker::{ANSWER_SLACK, Answer, Command, Work, start_workers};
+use derp_load::{Ctx, Outcome};
 use tokio::time::Instant;
 
-use crate::cli::{IdleArgs, TargetArgs};
-use crate::load::scrape;
-use crate::procfs;
-use crate::procs::{START_LEAD, Workers, unix_ns_now};
+use crate::cli::IdleArgs;
 use crate::progress::Progress;
 use crate::report::{IdleConfig, IdleMedian, IdleResult, IdleRun, median, median_opt, opt, table};
-use crate::target::{ServerProbe, Target, connect_error_kind};
-use crate::{Ctx, Outcome};
-
-use super::worker::{ANSWER_SLACK, Answer, Command, ConnectionShare, Work, start_workers};
 
 /// How long to wait for the server to notice closed connections before the last RSS reading.
 const CLOSE_SETTLE: Duration = Duration::from_secs(3);
@@ -32,23 +29,30 @@ pub(crate) async fn run(
     target_args: &TargetArgs,
     args: &IdleArgs,
 ) -> anyhow::Result<Outcome> {
-    let n = args.connections as usize;
-    let shares = ConnectionShare::split(args.connections, args.concurrency, ctx.procs_asked);
+    let n = args.conns.connections as usize;
+    let shares = ConnectionShare::split(
+        args.conns.connections,
+        args.conns.concurrency,
+        ctx.procs_asked,
+    );
     let mut workers = if shares.len() > 1 {
         if ctx.target.spawned {
             // The in-process relay holds the server side of every connection here.
-            crate::target::check_fd_budget(n, false)?;
+            derp_load::target::check_fd_budget(n, false)?;
         }
         let work = shares.iter().map(|s| Work::Idle(*s)).collect();
         Some(start_workers(ctx, target_args, work).await?)
     } else {
-        crate::target::check_fd_budget(n, ctx.target.spawned)?;
+        derp_load::target::check_fd_budget(n, ctx.target.spawned)?;
         None
     };
-    let progress = Progress::start((args.hold + Duration::from_secs(2)) * args.runs, "idle");
+    let progress = Progress::start(
+        (args.hold + Duration::from_secs(2)) * args.conns.runs,
+        "idle",
+    );
     let mut runs = Vec::new();
-    for i in 0..args.runs {
-        progress.message(format!("idle run {}/{}", i + 1, args.runs));
+    for i in 0..args.conns.runs {
+        progress.message(format!("idle run {}/{}", i + 1, args.conns.runs));
         runs.push(hold_run(&ctx.target, args, n, workers.as_mut()).await?);
     }
     progress.finish();
@@ -88,10 +92,10 @@ pub(crate) async fn run(
     };
     let human = human(args, &runs, &median);
     let config = IdleConfig {
-        connections: args.connections,
-        concurrency: args.concurrency,
+        connections: args.conns.connections,
+        concurrency: args.conns.concurrency,
         hold_s: args.hold.as_secs_f64(),
-        runs: args.runs,
+        runs: args.conns.runs,
     };
     let report = ctx.report(target_args, "idle", config, IdleResult { runs, median });
     Ok(Outcome {
@@ -100,52 +104,6 @@ pub(crate) async fn run(
         warnings: ctx.warnings.clone(),
         failure: None,
     })
-}
-
-/// Connections about to be opened: keys made and addresses chosen.
-#[derive(Debug)]
-pub(crate) struct Opening {
-    configs: Vec<derp_client::ClientConfig>,
-    concurrency: usize,
-}
-
-impl Opening {
-    pub(crate) fn prepare(target: &Target, share: ConnectionShare) -> Self {
-        let sources = target.source_addrs(share.total);
-        let template = target.template();
-        Self {
-            configs: (0..share.count)
-                .map(|i| {
-                    let key = SecretKey::generate(&mut rand::rngs::OsRng);
-                    template.config(key, sources.for_index(share.first + i))
-                })
-                .collect(),
-            concurrency: share.concurrency as usize,
-        }
-    }
-
-    /// Opens them all, `concurrency` at a time; the clients and the failures by kind.
-    pub(crate) async fn open(self) -> (Vec<Client>, BTreeMap<String, u64>) {
-        let gate = Arc::new(Semaphore::new(self.concurrency.max(1)));
-        let mut tasks = Vec::with_capacity(self.configs.len());
-        for config in self.configs {
-            let gate = gate.clone();
-            tasks.push(tokio::spawn(async move {
-                let _permit = gate.acquire_owned().await;
-                Client::connect(&config).await
-            }));
-        }
-        let mut clients = Vec::with_capacity(tasks.len());
-        let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-        for t in tasks {
-            match t.await {
-                Ok(Ok(c)) => clients.push(c),
-                Ok(Err(e)) => *failures.entry(connect_error_kind(&e)).or_default() += 1,
-                Err(e) => *failures.entry(format!("task_{e}")).or_default() += 1,
-            }
-        }
-        (clients, failures)
-    }
 }
 
 /// The server's RSS and where it came from: `--server-pid`, then the metrics'
@@ -212,12 +170,7 @@ async fn hold_run(
     let clients_here = workers.is_none();
     let (opened, failures, open_s, clients, workers) = match workers {
         None => {
-            let share = ConnectionShare {
-                count: n,
-                first: 0,
-                total: n,
-                concurrency: args.concurrency,
-            };
+            let share = ConnectionShare::all(args.conns.connections, args.conns.concurrency);
             let opening = Opening::prepare(target, share);
             let started = Instant::now();
             let (clients, failures) = opening.open().await;
@@ -295,7 +248,7 @@ fn human(args: &IdleArgs, runs: &[IdleRun], median: &IdleMedian) -> String {
     let _ = writeln!(
         out,
         "idle: {} connections ({} opening at once), held {:?}, {} run(s)",
-        args.connections, args.concurrency, args.hold, args.runs
+        args.conns.connections, args.conns.concurrency, args.hold, args.conns.runs
     );
     let mib = |b: Option<u64>| opt(b.map(|b| b as f64 / (1024.0 * 1024.0)), 1);
     let rows: Vec<Vec<String>> = runs

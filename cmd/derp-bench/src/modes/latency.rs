@@ -3,20 +3,21 @@
 use std::fmt::Write as _;
 
 use anyhow::bail;
+use derp_load::args::TargetArgs;
+use derp_load::measure::{RttHistogram, new_histogram};
+use derp_load::packet::Kind;
+use derp_load::report::WindowSpec;
+use derp_load::worker::FleetShare;
+use derp_load::{Ctx, Outcome};
 
-use crate::cli::{LatencyArgs, OutputArgs, TargetArgs};
-use crate::load::{RttHistogram, new_histogram};
+use crate::cli::{LatencyArgs, OutputArgs};
 use crate::modes::throughput::note_shortfall;
-use crate::packet::Kind;
 use crate::progress::Progress;
-use crate::report::WindowSpec;
 use crate::report::{
     LatencyConfig, LatencyMedian, LatencyResult, LatencyRun, Percentiles, opt, pct, table,
 };
-use crate::{Ctx, Outcome};
 
 use super::fleets::Generator;
-use super::worker::FleetShare;
 
 pub(crate) async fn run(
     ctx: &mut Ctx,

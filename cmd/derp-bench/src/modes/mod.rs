@@ -1,11 +1,9 @@
-//! The six measurements, and the soak test.
+//! The six measurements.
 
 pub(crate) mod connect;
 pub(crate) mod fleets;
 pub(crate) mod idle;
 pub(crate) mod latency;
 pub(crate) mod pingpong;
-pub(crate) mod soak;
 pub(crate) mod sweep;
 pub(crate) mod throughput;
-pub(crate) mod worker;

@@ -4,21 +4,21 @@
 
 use std::fmt::Write as _;
 
+use derp_load::args::TargetArgs;
+use derp_load::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
+use derp_load::measure::{RttHistogram, new_histogram, sample_cpu};
+use derp_load::packet::Kind;
+use derp_load::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
+use derp_load::report::{CpuUse, WindowSpec};
+use derp_load::worker::{ANSWER_SLACK, Answer, Command, LoopShare, Work, start_workers};
+use derp_load::{Ctx, Outcome};
 use tokio::time::Instant;
 
-use crate::cli::{PingpongArgs, TargetArgs};
-use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
-use crate::load::{RttHistogram, new_histogram, sample_cpu};
-use crate::packet::Kind;
-use crate::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
+use crate::cli::PingpongArgs;
 use crate::progress::Progress;
 use crate::report::{
-    CpuUse, Percentiles, PingpongConfig, PingpongMedian, PingpongResult, PingpongRun, WindowSpec,
-    opt, table,
+    Percentiles, PingpongConfig, PingpongMedian, PingpongResult, PingpongRun, opt, table,
 };
-use crate::{Ctx, Outcome};
-
-use super::worker::{ANSWER_SLACK, Answer, Command, LoopShare, Work, start_workers};
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -30,7 +30,7 @@ pub(crate) async fn run(
     let procs = ctx.procs_asked.min(args.pairs).max(1) as usize;
     let mut pairs = if procs > 1 {
         if ctx.target.spawned {
-            crate::target::check_fd_budget(args.pairs as usize * 2, false)?;
+            derp_load::target::check_fd_budget(args.pairs as usize * 2, false)?;
         }
         let mut first_pair = 0;
         let work = split(u64::from(args.pairs), procs)
@@ -49,7 +49,7 @@ pub(crate) async fn run(
             .collect();
         Loops::Procs(start_workers(ctx, target_args, work).await?)
     } else {
-        crate::target::check_fd_budget(args.pairs as usize * 2, ctx.target.spawned)?;
+        derp_load::target::check_fd_budget(args.pairs as usize * 2, ctx.target.spawned)?;
         Loops::Local(LoopPairs::connect(&ctx.target, spec, 0, args.pairs, ctx.clock).await?)
     };
     let progress = Progress::start((args.warmup + args.duration) * args.runs, "pingpong");

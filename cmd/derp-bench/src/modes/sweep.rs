@@ -8,16 +8,17 @@
 use std::fmt::Write as _;
 
 use anyhow::bail;
+use derp_load::args::TargetArgs;
+use derp_load::packet::Kind;
+use derp_load::report::{LoadRun, WindowSpec};
+use derp_load::worker::FleetShare;
+use derp_load::{Ctx, Outcome};
 
-use crate::cli::{OutputArgs, SweepArgs, TargetArgs};
-use crate::packet::Kind;
+use crate::cli::{OutputArgs, SweepArgs};
 use crate::progress::Progress;
-use crate::report::WindowSpec;
 use crate::report::{Saturation, SweepConfig, SweepResult, SweepStep, opt, pct, table};
-use crate::{Ctx, Outcome};
 
 use super::fleets::Generator;
-use super::worker::FleetShare;
 
 pub(crate) async fn run(
     ctx: &mut Ctx,
@@ -144,7 +145,7 @@ pub(crate) async fn run(
     })
 }
 
-fn fleet_dead(load: &crate::report::LoadRun) -> bool {
+fn fleet_dead(load: &LoadRun) -> bool {
     load.pairs.iter().all(|p| p.sent_packets == 0) && !load.errors.is_empty()
 }
 

@@ -3,16 +3,18 @@
 use std::fmt::Write as _;
 
 use anyhow::bail;
+use derp_load::args::TargetArgs;
+use derp_load::packet::Kind;
+use derp_load::report::LoadRun;
+use derp_load::report::WindowSpec;
+use derp_load::worker::FleetShare;
+use derp_load::{Ctx, Outcome};
 
-use crate::cli::{TargetArgs, ThroughputArgs};
-use crate::packet::Kind;
+use crate::cli::ThroughputArgs;
 use crate::progress::Progress;
-use crate::report::WindowSpec;
-use crate::report::{LoadMedian, LoadRun, ThroughputConfig, ThroughputResult, opt, pct, table};
-use crate::{Ctx, Outcome};
+use crate::report::{LoadMedian, ThroughputConfig, ThroughputResult, opt, pct, table};
 
 use super::fleets::Generator;
-use super::worker::FleetShare;
 
 pub(crate) async fn run(
     ctx: &mut Ctx,

@@ -8,19 +8,21 @@ use std::path::Path;
 
 /// CPU time of a process or thread, user plus system.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct CpuTime {
+pub struct CpuTime {
     /// Seconds spent in user space.
-    pub(crate) user_s: f64,
+    pub user_s: f64,
     /// Seconds spent in the kernel.
-    pub(crate) system_s: f64,
+    pub system_s: f64,
 }
 
 impl CpuTime {
-    pub(crate) fn total(self) -> f64 {
+    /// User plus system.
+    pub fn total(self) -> f64 {
         self.user_s + self.system_s
     }
 
-    pub(crate) fn since(self, earlier: Self) -> Self {
+    /// What was used since `earlier` (never negative).
+    pub fn since(self, earlier: Self) -> Self {
         Self {
             user_s: (self.user_s - earlier.user_s).max(0.0),
             system_s: (self.system_s - earlier.system_s).max(0.0),
@@ -30,7 +32,7 @@ impl CpuTime {
 
 /// Clock ticks per second for `/proc/*/stat`. `sysconf(_SC_CLK_TCK)` needs libc, but the
 /// kernel also hands the value to every process in its auxiliary vector (`AT_CLKTCK`).
-pub(crate) fn clock_ticks_per_second() -> f64 {
+pub fn clock_ticks_per_second() -> f64 {
     const AT_CLKTCK: u64 = 17;
     if let Ok(auxv) = std::fs::read("/proc/self/auxv") {
         for entry in auxv.chunks_exact(16) {
@@ -50,7 +52,7 @@ pub(crate) fn clock_ticks_per_second() -> f64 {
 ///
 /// The command name (field 2) is in parentheses and may itself contain spaces and
 /// parentheses, so fields are counted from the last `)`.
-pub(crate) fn parse_stat(stat: &str, ticks_per_s: f64) -> Option<(String, CpuTime)> {
+pub fn parse_stat(stat: &str, ticks_per_s: f64) -> Option<(String, CpuTime)> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
     let comm = stat.get(open + 1..close)?.to_owned();
@@ -68,13 +70,13 @@ pub(crate) fn parse_stat(stat: &str, ticks_per_s: f64) -> Option<(String, CpuTim
 }
 
 /// CPU time of a whole process (all its threads, live and exited).
-pub(crate) fn process_cpu(pid: &str, ticks_per_s: f64) -> Option<CpuTime> {
+pub fn process_cpu(pid: &str, ticks_per_s: f64) -> Option<CpuTime> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     parse_stat(&stat, ticks_per_s).map(|(_, cpu)| cpu)
 }
 
 /// CPU time of this process's live threads whose name starts with `prefix`.
-pub(crate) fn own_threads_cpu(prefix: &str, ticks_per_s: f64) -> Option<CpuTime> {
+pub fn own_threads_cpu(prefix: &str, ticks_per_s: f64) -> Option<CpuTime> {
     let mut total = CpuTime::default();
     for entry in std::fs::read_dir(Path::new("/proc/self/task")).ok()? {
         let Ok(entry) = entry else { continue };
@@ -94,16 +96,16 @@ pub(crate) fn own_threads_cpu(prefix: &str, ticks_per_s: f64) -> Option<CpuTime>
 
 /// Machine-wide CPU time from the first line of `/proc/stat`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct MachineCpu {
+pub struct MachineCpu {
     /// Every non-idle state: user, nice, system, irq, softirq, steal.
-    pub(crate) busy_s: f64,
+    pub busy_s: f64,
     /// Softirq alone: loopback TCP delivery runs there, and with IRQ time accounting it is
     /// charged to no process.
-    pub(crate) softirq_s: f64,
+    pub softirq_s: f64,
 }
 
 /// Parses the aggregate `cpu` line of `/proc/stat`.
-pub(crate) fn parse_proc_stat(stat: &str, ticks_per_s: f64) -> Option<MachineCpu> {
+pub fn parse_proc_stat(stat: &str, ticks_per_s: f64) -> Option<MachineCpu> {
     let line = stat.lines().find(|l| l.starts_with("cpu "))?;
     let v: Vec<u64> = line
         .split_whitespace()
@@ -122,12 +124,12 @@ pub(crate) fn parse_proc_stat(stat: &str, ticks_per_s: f64) -> Option<MachineCpu
 }
 
 /// Machine-wide CPU time so far.
-pub(crate) fn machine_cpu(ticks_per_s: f64) -> Option<MachineCpu> {
+pub fn machine_cpu(ticks_per_s: f64) -> Option<MachineCpu> {
     parse_proc_stat(&std::fs::read_to_string("/proc/stat").ok()?, ticks_per_s)
 }
 
 /// Resident set size in bytes from a `/proc/*/status` text (`VmRSS:  1234 kB`).
-pub(crate) fn parse_vm_rss(status: &str) -> Option<u64> {
+pub fn parse_vm_rss(status: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     let mut parts = line.split_whitespace().skip(1);
     let value: u64 = parts.next()?.parse().ok()?;
@@ -140,12 +142,12 @@ pub(crate) fn parse_vm_rss(status: &str) -> Option<u64> {
 }
 
 /// Resident set size of a process, in bytes.
-pub(crate) fn process_rss(pid: &str) -> Option<u64> {
+pub fn process_rss(pid: &str) -> Option<u64> {
     parse_vm_rss(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?)
 }
 
 /// The soft limit on open files, from a `/proc/*/limits` text.
-pub(crate) fn parse_open_files_limit(limits: &str) -> Option<u64> {
+pub fn parse_open_files_limit(limits: &str) -> Option<u64> {
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
     let soft = line
         .trim_start_matches("Max open files")
@@ -158,13 +160,13 @@ pub(crate) fn parse_open_files_limit(limits: &str) -> Option<u64> {
 }
 
 /// This process's soft limit on open files, if it can be read.
-pub(crate) fn open_files_limit() -> Option<u64> {
+pub fn open_files_limit() -> Option<u64> {
     parse_open_files_limit(&std::fs::read_to_string("/proc/self/limits").ok()?)
 }
 
 /// The ephemeral port range (`net.ipv4.ip_local_port_range`); how many client connections one
 /// source address can hold to one server address.
-pub(crate) fn ephemeral_ports() -> u32 {
+pub fn ephemeral_ports() -> u32 {
     std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| {
@@ -180,10 +182,13 @@ pub(crate) fn ephemeral_ports() -> u32 {
 
 /// Bench and server CPU at one instant.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct CpuSample {
-    pub(crate) bench: Option<CpuTime>,
-    pub(crate) server: Option<CpuTime>,
-    pub(crate) machine: Option<MachineCpu>,
+pub struct CpuSample {
+    /// The bench's CPU, less an in-process relay's.
+    pub bench: Option<CpuTime>,
+    /// The server's, when it can be observed.
+    pub server: Option<CpuTime>,
+    /// The whole machine's.
+    pub machine: Option<MachineCpu>,
 }
 
 #[cfg(test)]

@@ -8,31 +8,30 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use anyhow::bail;
-
-use crate::cli::{ClientKind, TargetArgs};
-use crate::closed_loop::{LoopPairs, LoopResult, LoopSpec, LoopWindow};
-use crate::load::{Clock, Fleet, HistWire, new_histogram, run_fleets};
-use crate::procs::{Parent, Workers, instant_at};
-use crate::report::{LoadRun, WindowSpec};
-use crate::target::Target;
-
-use super::{connect, idle};
 use crate::Ctx;
+use crate::args::TargetArgs;
+use crate::closed_loop::ClientKind;
+use crate::closed_loop::{LoopError, LoopPairs, LoopResult, LoopSpec, LoopWindow};
+use crate::connections::{ConnectionShare, Opening, Storm};
+use crate::fleet::{Fleet, FleetError, run_fleets};
+use crate::measure::{Clock, HistWire, new_histogram};
+use crate::procs::{Parent, ProcsError, RemoteError, Workers, instant_at};
+use crate::report::{LoadRun, WindowSpec, error_text};
+use crate::target::{BENCH_THREAD_NAME, Target, TargetError};
 
 /// How long the parent waits for answers beyond the window itself: stragglers, the
 /// senders' grace period and a loaded machine.
-pub(crate) const ANSWER_SLACK: Duration = Duration::from_secs(30);
+pub const ANSWER_SLACK: Duration = Duration::from_secs(30);
 /// How long workers get to connect their share, beyond the connect timeout.
 const CONNECT_SLACK: Duration = Duration::from_secs(120);
 
 /// Starts one worker per share of work (the caller leaves out empty shares) and waits until
 /// every one is connected. Records in `ctx` how many processes carry the load.
-pub(crate) async fn start_workers(
+pub async fn start_workers(
     ctx: &mut Ctx,
     target_args: &TargetArgs,
     work: Vec<Work>,
-) -> anyhow::Result<Workers> {
+) -> Result<Workers, WorkerError> {
     let n = work.len();
     let mut target = target_args.clone();
     // The parent observes the server; workers only generate load, at the URL the parent
@@ -53,7 +52,7 @@ pub(crate) async fn start_workers(
     let (workers, ready) =
         Workers::start::<Job, Answer>(&jobs, ctx.target.connect_timeout + CONNECT_SLACK).await?;
     if let Some(other) = ready.iter().find(|a| !matches!(a, Answer::Ready)) {
-        bail!("a bench process answered its job with {other:?}");
+        return Err(WorkerError::Unexpected(format!("{other:?}")));
     }
     ctx.procs = n;
     if n < ctx.procs_asked as usize {
@@ -68,18 +67,19 @@ pub(crate) async fn start_workers(
 
 /// Everything a worker needs to connect its share.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Job {
+pub struct Job {
     /// Runtime worker threads: the machine's cores divided among the workers.
-    pub(crate) threads: usize,
+    pub threads: usize,
     /// The parent's target flags, with the URL resolved (an in-process relay is the parent's)
     /// and the server's observation left to the parent.
-    pub(crate) target: TargetArgs,
-    pub(crate) work: Work,
+    pub target: TargetArgs,
+    /// Its share.
+    pub work: Work,
 }
 
 /// A worker's share of the connections.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Work {
+pub enum Work {
     /// Sender/receiver fleets (throughput, sweep; latency's probes and background load).
     Fleets(Vec<FleetShare>),
     /// Closed-loop pairs (pingpong).
@@ -90,113 +90,110 @@ pub(crate) enum Work {
     Idle(ConnectionShare),
 }
 
+/// A worker's part of one fleet.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct FleetShare {
-    pub(crate) pairs: u32,
-    pub(crate) first_pair: u32,
-    pub(crate) echo: bool,
+pub struct FleetShare {
+    /// Pairs in this part.
+    pub pairs: u32,
+    /// The number of its first pair in the whole fleet.
+    pub first_pair: u32,
+    /// Whether the fleet echoes probes (latency's).
+    pub echo: bool,
 }
 
+/// A worker's part of the closed loops.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct LoopShare {
-    pub(crate) pairs: u32,
-    pub(crate) first_pair: u32,
-    pub(crate) size: usize,
-    pub(crate) in_flight: u32,
-    pub(crate) client: ClientKind,
-}
-
-/// `count` connections, numbered from `first` of `total` (source addresses are chosen by
-/// number), `concurrency` of them opening at once.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct ConnectionShare {
-    pub(crate) count: usize,
-    pub(crate) first: usize,
-    pub(crate) total: usize,
-    pub(crate) concurrency: u32,
-}
-
-impl ConnectionShare {
-    /// `connections` opened `concurrency` at a time, split over up to `procs` processes:
-    /// both divided as evenly as they go, no process with nothing to do.
-    pub(crate) fn split(connections: u32, concurrency: u32, procs: u32) -> Vec<Self> {
-        let n = connections as usize;
-        let procs = (procs as usize).min(n).min(concurrency as usize).max(1);
-        let counts = crate::procs::split(n as u64, procs);
-        let concurrencies = crate::procs::split(u64::from(concurrency), procs);
-        let mut first = 0;
-        counts
-            .iter()
-            .zip(&concurrencies)
-            .map(|(&count, &c)| {
-                let share = Self {
-                    count: count as usize,
-                    first,
-                    total: n,
-                    concurrency: c as u32,
-                };
-                first += count as usize;
-                share
-            })
-            .collect()
-    }
+pub struct LoopShare {
+    /// Pairs in this part.
+    pub pairs: u32,
+    /// The number of its first pair.
+    pub first_pair: u32,
+    /// Packet size in bytes.
+    pub size: usize,
+    /// Packets each pair keeps outstanding.
+    pub in_flight: u32,
+    /// The client each side runs on.
+    pub client: ClientKind,
 }
 
 /// What the parent asks, after the job.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Command {
+pub enum Command {
     /// Run a window on every fleet (one spec each) or on the closed loops (the first spec's
     /// run, warm-up and duration), from `start_unix_ns`.
     Window {
+        /// The common start, Unix nanoseconds.
         start_unix_ns: u64,
+        /// One per fleet.
         specs: Vec<WindowSpec>,
     },
     /// Connect-mode storm from `start_unix_ns`, stopping at `max_duration`.
     Storm {
+        /// The common start, Unix nanoseconds.
         start_unix_ns: u64,
+        /// When to stop even if connections remain.
         max_duration: Duration,
     },
     /// Idle mode: open the connections from `start_unix_ns` and hold them.
-    Open { start_unix_ns: u64 },
+    Open {
+        /// The common start, Unix nanoseconds.
+        start_unix_ns: u64,
+    },
     /// Idle mode: close the connections held.
     Close,
 }
 
 /// A worker's answers.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Answer {
+pub enum Answer {
     /// Connected (or, for connections, keys made) and waiting for commands.
     Ready,
     /// One per fleet.
     Windows(Vec<WindowOut>),
     /// One per closed loop, and the worker's CPU over the measured window.
     Loops {
+        /// Each pair's window.
         results: Vec<LoopOut>,
+        /// The worker's CPU over it.
         bench_cpu_s: Option<f64>,
     },
+    /// The worker's part of a storm.
     Storm(StormOut),
+    /// The worker's connections are open.
     Opened(OpenOut),
+    /// The worker's connections are closed.
     Closed,
 }
 
+/// One fleet's window, as a worker ran it.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct WindowOut {
-    pub(crate) run: LoadRun,
-    pub(crate) rtt: HistWire,
+pub struct WindowOut {
+    /// The worker's pairs' figures and its own CPU.
+    pub run: LoadRun,
+    /// Probe round trips.
+    pub rtt: HistWire,
 }
 
+/// One closed loop's window, as a worker ran it ([`LoopResult`] between processes).
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct LoopOut {
-    pub(crate) pair: u32,
-    pub(crate) sent: u64,
-    pub(crate) round_trips: u64,
-    pub(crate) lost: u64,
-    pub(crate) rtt: HistWire,
-    pub(crate) error: Option<String>,
+pub struct LoopOut {
+    /// The pair's number.
+    pub pair: u32,
+    /// Packets sent in the window.
+    pub sent: u64,
+    /// Of those, packets that came back.
+    pub round_trips: u64,
+    /// Packets given up.
+    pub lost: u64,
+    /// Round trips.
+    pub rtt: HistWire,
+    /// What stopped the pair, if anything did.
+    pub error: Option<String>,
 }
 
 impl LoopOut {
-    pub(crate) fn into_result(self) -> LoopResult {
+    /// Back into a result with a histogram.
+    pub fn into_result(self) -> LoopResult {
         let mut rtt = new_histogram();
         self.rtt.add_to(&mut rtt);
         LoopResult {
@@ -210,30 +207,54 @@ impl LoopOut {
     }
 }
 
+/// A worker's part of a storm.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct StormOut {
-    pub(crate) attempted: u64,
-    pub(crate) handshakes: HistWire,
-    pub(crate) failures: BTreeMap<String, u64>,
+pub struct StormOut {
+    /// Connections tried.
+    pub attempted: u64,
+    /// Handshake times of those that succeeded.
+    pub handshakes: HistWire,
+    /// Failures by kind.
+    pub failures: BTreeMap<String, u64>,
     /// From the common start to the last completion.
-    pub(crate) elapsed_s: f64,
-    pub(crate) bench_cpu_s: Option<f64>,
+    pub elapsed_s: f64,
+    /// The worker's CPU over the storm.
+    pub bench_cpu_s: Option<f64>,
 }
 
+/// A worker's part of an idle run's opening.
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct OpenOut {
-    pub(crate) opened: u64,
-    pub(crate) failures: BTreeMap<String, u64>,
-    pub(crate) open_s: f64,
+pub struct OpenOut {
+    /// Connections open.
+    pub opened: u64,
+    /// Failures by kind.
+    pub failures: BTreeMap<String, u64>,
+    /// How long opening them took.
+    pub open_s: f64,
+}
+
+/// A worker process's whole life: its job first (read from stdin before any runtime exists,
+/// since the job says how many threads the runtime gets), then [`run`] on that runtime.
+pub fn run_process() -> Result<(), WorkerError> {
+    let job: Job = Parent::read_job()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(job.threads.max(1))
+        .enable_all()
+        .thread_name(BENCH_THREAD_NAME)
+        .build()
+        .map_err(WorkerError::Runtime)?;
+    let out = rt.block_on(run(job));
+    rt.shutdown_timeout(Duration::from_secs(2));
+    Ok(out?)
 }
 
 /// Runs a worker: the job has been read; this connects, answers `Ready`, then serves
 /// commands until the parent closes stdin. Errors go back to the parent as answers.
-pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
+pub async fn run(job: Job) -> Result<(), ProcsError> {
     let mut parent = Parent::listen()?;
     let setup = async {
         let target = Target::new(&job.target, None)?;
-        let clock = Clock::new();
+        let clock = Clock::start();
         let connections = match &job.work {
             Work::Fleets(shares) => shares.iter().map(|s| s.pairs as usize * 2).sum(),
             Work::Loops(s) => s.pairs as usize * 2,
@@ -257,15 +278,15 @@ pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
                 };
                 Held::Loops(LoopPairs::connect(&target, spec, s.first_pair, s.pairs, clock).await?)
             }
-            Work::Storm(s) => Held::Storm(Some(connect::Storm::prepare(&target, s)), s),
-            Work::Idle(s) => Held::Idle(Some(idle::Opening::prepare(&target, s)), None, s),
+            Work::Storm(s) => Held::Storm(Some(Storm::prepare(&target, s)), s),
+            Work::Idle(s) => Held::Idle(Some(Opening::prepare(&target, s)), None, s),
         };
-        anyhow::Ok((target, clock, held))
+        Ok::<_, WorkerError>((target, clock, held))
     };
     let (target, clock, mut held) = match setup.await {
         Ok(s) => s,
         Err(e) => {
-            Parent::answer::<Answer>(&Err(format!("{e:#}")))?;
+            Parent::answer::<Answer>(&Err(RemoteError(error_text(&e))))?;
             return Ok(());
         }
     };
@@ -273,7 +294,7 @@ pub(crate) async fn run(job: Job) -> anyhow::Result<()> {
     while let Some(command) = parent.recv::<Command>().await? {
         let answer = serve(&target, clock, &mut held, command)
             .await
-            .map_err(|e| format!("{e:#}"));
+            .map_err(|e| RemoteError(error_text(&e)));
         Parent::answer(&answer)?;
     }
     Ok(())
@@ -285,10 +306,10 @@ enum Held {
     Fleets(Vec<Fleet>),
     Loops(LoopPairs),
     /// The next storm, its keys made ahead so that making them is not timed.
-    Storm(Option<connect::Storm>, ConnectionShare),
+    Storm(Option<Storm>, ConnectionShare),
     /// The next opening (keys made ahead), and the connections held between Open and Close.
     Idle(
-        Option<idle::Opening>,
+        Option<Opening>,
         Option<Vec<derp_client::Client>>,
         ConnectionShare,
     ),
@@ -299,7 +320,7 @@ async fn serve(
     clock: Clock,
     held: &mut Held,
     command: Command,
-) -> anyhow::Result<Answer> {
+) -> Result<Answer, WorkerError> {
     match (held, command) {
         (
             Held::Fleets(fleets),
@@ -326,9 +347,7 @@ async fn serve(
                 specs,
             },
         ) => {
-            let spec = specs
-                .first()
-                .ok_or_else(|| anyhow::anyhow!("a window without a spec"))?;
+            let spec = specs.first().ok_or(WorkerError::NoSpec)?;
             let start = instant_at(start_unix_ns);
             let window = LoopWindow {
                 run: spec.run,
@@ -369,7 +388,7 @@ async fn serve(
         ) => {
             let storm = match next.take() {
                 Some(s) => s,
-                None => connect::Storm::prepare(target, *share),
+                None => Storm::prepare(target, *share),
             };
             let start = instant_at(start_unix_ns);
             tokio::time::sleep_until(start).await;
@@ -380,7 +399,7 @@ async fn serve(
                 .map(|(b, a)| a.since(b).total());
             // The next run's keys, made before answering: the parent starts the next run
             // only when every process has answered.
-            *next = Some(connect::Storm::prepare(target, *share));
+            *next = Some(Storm::prepare(target, *share));
             Ok(Answer::Storm(StormOut {
                 attempted: done.attempted,
                 handshakes: HistWire::of(&done.handshakes),
@@ -392,7 +411,7 @@ async fn serve(
         (Held::Idle(next, open @ None, share), Command::Open { start_unix_ns }) => {
             let opening = match next.take() {
                 Some(o) => o,
-                None => idle::Opening::prepare(target, *share),
+                None => Opening::prepare(target, *share),
             };
             tokio::time::sleep_until(instant_at(start_unix_ns)).await;
             let started = Instant::now();
@@ -407,11 +426,38 @@ async fn serve(
         }
         (Held::Idle(next, open @ Some(_), share), Command::Close) => {
             *open = None;
-            *next = Some(idle::Opening::prepare(target, *share));
+            *next = Some(Opening::prepare(target, *share));
             Ok(Answer::Closed)
         }
-        (_, command) => Err(anyhow::anyhow!(
-            "{command:?} does not fit this worker's job"
-        )),
+        (_, command) => Err(WorkerError::Misfit(format!("{command:?}"))),
     }
+}
+
+/// Why a worker, or the parent's side of one, failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Talking to the other processes.
+    #[error(transparent)]
+    Procs(#[from] ProcsError),
+    /// The worker's target.
+    #[error(transparent)]
+    Target(#[from] TargetError),
+    /// The worker's fleets.
+    #[error(transparent)]
+    Fleet(#[from] FleetError),
+    /// The worker's closed loops.
+    #[error(transparent)]
+    Loop(#[from] LoopError),
+    /// The worker's runtime.
+    #[error("starting the worker's runtime")]
+    Runtime(#[source] std::io::Error),
+    /// A worker answered its job with something else than `Ready`.
+    #[error("a bench process answered its job with {0}")]
+    Unexpected(String),
+    /// A window command without a spec.
+    #[error("a window without a spec")]
+    NoSpec,
+    /// A command for another kind of worker.
+    #[error("{0} does not fit this worker's job")]
+    Misfit(String),
 }

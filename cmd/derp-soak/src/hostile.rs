@@ -13,7 +13,7 @@ use rand::{Rng, RngCore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::{Shared, Stats, Stream};
+use crate::client::{Shared, Stats, Stream};
 
 /// The relay's handshake and request-head deadline is 10 s; allow for a loaded machine.
 const CLOSE_DEADLINE: Duration = Duration::from_secs(20);
@@ -33,7 +33,7 @@ const KINDS: [&str; 10] = [
 ];
 
 /// Runs hostile attempts one after another until the run stops.
-pub(super) async fn worker(sh: Arc<Shared>, index: usize) {
+pub(crate) async fn worker(sh: Arc<Shared>, index: usize) {
     let mut round = index;
     while !sh.stopping() {
         let kind = KINDS[round % KINDS.len()];
@@ -69,15 +69,12 @@ pub(super) async fn worker(sh: Arc<Shared>, index: usize) {
     }
 }
 
-async fn attempt(sh: &Shared, kind: &str) -> Result<(), String> {
+async fn attempt(sh: &Shared, kind: &str) -> Result<(), Failure> {
     let tcp = TcpStream::connect(&sh.addr)
         .await
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(Failure::Connect)?;
     let _ = tcp.set_nodelay(true);
-    let mut s = sh
-        .secure(tcp)
-        .await
-        .map_err(|e| format!("TLS handshake: {e}"))?;
+    let mut s = sh.secure(tcp).await.map_err(Failure::Tls)?;
     match kind {
         "garbage_request" => {
             let mut junk = vec![0u8; 64];
@@ -142,14 +139,14 @@ async fn attempt(sh: &Shared, kind: &str) -> Result<(), String> {
             partial[1..5].copy_from_slice(&(32u32 + 100).to_be_bytes());
             partial.extend_from_slice(&[9; 40]);
             write(&mut s, &partial).await?;
-            s.shutdown().await.map_err(|e| format!("shutdown: {e}"))?;
+            s.shutdown().await.map_err(Failure::Shutdown)?;
             expect_silent_close(&mut s, &mut buf).await
         }
         "slowloris" => {
             write(&mut s, b"GET /derp HTTP/1.1\r\nHost: x\r\nUpgr").await?;
             expect_silent_close(&mut s, &mut BytesMut::new()).await
         }
-        other => Err(format!("unknown kind {other}")),
+        other => Err(Failure::UnknownKind(other.to_owned())),
     }
 }
 
@@ -161,24 +158,24 @@ fn frame(ty: u8, body: &[u8]) -> Vec<u8> {
     out
 }
 
-async fn write(s: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), String> {
+async fn write(s: &mut Box<dyn Stream>, bytes: &[u8]) -> Result<(), Failure> {
     tokio::time::timeout(CLOSE_DEADLINE, s.write_all(bytes))
         .await
-        .map_err(|_| "write timed out".to_owned())?
-        .map_err(|e| format!("write: {e}"))
+        .map_err(|_| Failure::WriteTimeout)?
+        .map_err(Failure::Write)
 }
 
-async fn read_more(s: &mut Box<dyn Stream>, buf: &mut BytesMut) -> Result<usize, String> {
+async fn read_more(s: &mut Box<dyn Stream>, buf: &mut BytesMut) -> Result<usize, Failure> {
     buf.reserve(4096);
     tokio::time::timeout(CLOSE_DEADLINE, s.read_buf(buf))
         .await
-        .map_err(|_| "the server neither answered nor closed".to_owned())?
-        .map_err(|e| format!("read: {e}"))
+        .map_err(|_| Failure::Silent)?
+        .map_err(Failure::Read)
 }
 
 /// Upgrades with `Upgrade: DERP` and reads the 101 head and the ServerKey frame; returns
 /// what followed.
-async fn upgrade(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
+async fn upgrade(s: &mut Box<dyn Stream>) -> Result<BytesMut, Failure> {
     write(
         s,
         b"GET /derp HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\r\n",
@@ -190,33 +187,43 @@ async fn upgrade(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
             break i + 4;
         }
         if read_more(s, &mut buf).await? == 0 {
-            return Err("closed before the 101".to_owned());
+            return Err(Failure::Closed("before the 101"));
         }
     };
     if !buf.starts_with(b"HTTP/1.1 101 ") {
-        return Err(format!(
-            "expected 101, got {:?}",
-            String::from_utf8_lossy(&buf[..head_end])
-        ));
+        return Err(Failure::Expected {
+            expected: "101".to_owned(),
+            got: format!("{:?}", String::from_utf8_lossy(&buf[..head_end])),
+        });
     }
     let _ = buf.split_to(head_end);
     let mut decoder = ClientDecoder::new();
     loop {
         match decoder.decode(&mut buf) {
             Ok(Some(RelayToClient::ServerKey(_))) => return Ok(buf),
-            Ok(Some(other)) => return Err(format!("expected ServerKey, got {other:?}")),
+            Ok(Some(other)) => {
+                return Err(Failure::Expected {
+                    expected: "ServerKey".to_owned(),
+                    got: format!("{other:?}"),
+                });
+            }
             Ok(None) => {
                 if read_more(s, &mut buf).await? == 0 {
-                    return Err("closed before ServerKey".to_owned());
+                    return Err(Failure::Closed("before ServerKey"));
                 }
             }
-            Err(e) => return Err(format!("decoding ServerKey: {e}")),
+            Err(error) => {
+                return Err(Failure::Decode {
+                    what: "decoding ServerKey",
+                    error,
+                });
+            }
         }
     }
 }
 
 /// A full, valid handshake (up to ServerInfo) with a fresh key.
-async fn handshaken(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
+async fn handshaken(s: &mut Box<dyn Stream>) -> Result<BytesMut, Failure> {
     let mut buf = BytesMut::new();
     write(
         s,
@@ -228,7 +235,7 @@ async fn handshaken(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
             break i + 4;
         }
         if read_more(s, &mut buf).await? == 0 {
-            return Err("closed before the 101".to_owned());
+            return Err(Failure::Closed("before the 101"));
         }
     };
     let _ = buf.split_to(head_end);
@@ -245,69 +252,127 @@ async fn handshaken(s: &mut Box<dyn Stream>) -> Result<BytesMut, String> {
         match decoder.decode(&mut buf) {
             Ok(Some(RelayToClient::ServerKey(key))) => {
                 hs.handle_server_key(key)
-                    .map_err(|e| format!("server key: {e}"))?;
+                    .map_err(|error| Failure::Handshake {
+                        step: "server key",
+                        error,
+                    })?;
                 let mut nonce = [0u8; 24];
                 rand::rngs::OsRng.fill_bytes(&mut nonce);
                 let mut out = BytesMut::new();
                 hs.client_info_frame(nonce, &mut out)
-                    .map_err(|e| format!("client info: {e}"))?;
+                    .map_err(|error| Failure::Handshake {
+                        step: "client info",
+                        error,
+                    })?;
                 write(s, &out).await?;
             }
             Ok(Some(RelayToClient::ServerInfo { sealed })) => {
                 hs.handle_server_info(&sealed)
-                    .map_err(|e| format!("server info: {e}"))?;
+                    .map_err(|error| Failure::Handshake {
+                        step: "server info",
+                        error,
+                    })?;
                 return Ok(buf);
             }
             Ok(Some(_)) => {}
             Ok(None) => {
                 if read_more(s, &mut buf).await? == 0 {
-                    return Err("closed during the handshake".to_owned());
+                    return Err(Failure::Closed("during the handshake"));
                 }
             }
-            Err(e) => return Err(format!("decoding the handshake: {e}")),
+            Err(error) => {
+                return Err(Failure::Decode {
+                    what: "decoding the handshake",
+                    error,
+                });
+            }
         }
     }
 }
 
 /// The server must close without sending anything more (keepalives excepted).
-async fn expect_silent_close(s: &mut Box<dyn Stream>, buf: &mut BytesMut) -> Result<(), String> {
+async fn expect_silent_close(s: &mut Box<dyn Stream>, buf: &mut BytesMut) -> Result<(), Failure> {
     let mut decoder = ClientDecoder::new();
     loop {
         loop {
             match decoder.decode(buf) {
                 Ok(Some(RelayToClient::KeepAlive)) => continue,
-                Ok(Some(other)) => return Err(format!("the server answered with {other:?}")),
+                Ok(Some(other)) => return Err(Failure::Answered(format!("{other:?}"))),
                 Ok(None) => break,
-                Err(e) => return Err(format!("the server sent bytes that are no frame: {e}")),
+                Err(error) => {
+                    return Err(Failure::Decode {
+                        what: "the server sent bytes that are no frame",
+                        error,
+                    });
+                }
             }
         }
         match read_more(s, buf).await {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             // A reset is a close too.
-            Err(e) if e.starts_with("read:") => return Ok(()),
+            Err(Failure::Read(_)) => return Ok(()),
             Err(e) => return Err(e),
         }
     }
 }
 
 /// The server must answer with `status` and then close.
-async fn expect_answer_then_close(s: &mut Box<dyn Stream>, status: &str) -> Result<(), String> {
+async fn expect_answer_then_close(s: &mut Box<dyn Stream>, status: &str) -> Result<(), Failure> {
     let mut buf = BytesMut::new();
     loop {
         match read_more(s, &mut buf).await {
             Ok(0) => break,
             Ok(_) => {}
-            Err(e) if e.starts_with("read:") => break,
+            Err(Failure::Read(_)) => break,
             Err(e) => return Err(e),
         }
     }
     if buf.starts_with(status.as_bytes()) {
         Ok(())
     } else {
-        Err(format!(
-            "expected {status:?}, got {:?}",
-            String::from_utf8_lossy(&buf[..buf.len().min(80)])
-        ))
+        Err(Failure::Expected {
+            expected: format!("{status:?}"),
+            got: format!("{:?}", String::from_utf8_lossy(&buf[..buf.len().min(80)])),
+        })
     }
+}
+
+/// How a hostile attempt went wrong: the server did not answer and close as it should, or
+/// the attempt itself failed.
+#[derive(Debug, thiserror::Error)]
+enum Failure {
+    #[error("connect: {0}")]
+    Connect(std::io::Error),
+    #[error("TLS handshake: {0}")]
+    Tls(derp_client::ConnectError),
+    #[error("write timed out")]
+    WriteTimeout,
+    #[error("write: {0}")]
+    Write(std::io::Error),
+    #[error("the server neither answered nor closed")]
+    Silent,
+    /// A read error: the server reset the connection, which counts as closing it.
+    #[error("read: {0}")]
+    Read(std::io::Error),
+    #[error("shutdown: {0}")]
+    Shutdown(std::io::Error),
+    #[error("closed {0}")]
+    Closed(&'static str),
+    #[error("expected {expected}, got {got}")]
+    Expected { expected: String, got: String },
+    #[error("the server answered with {0}")]
+    Answered(String),
+    #[error("{what}: {error}")]
+    Decode {
+        what: &'static str,
+        error: derp_proto::DecodeError,
+    },
+    #[error("{step}: {error}")]
+    Handshake {
+        step: &'static str,
+        error: derp_proto::HandshakeError,
+    },
+    #[error("unknown kind {0}")]
+    UnknownKind(String),
 }

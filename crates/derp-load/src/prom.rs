@@ -5,20 +5,23 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// One sample line.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Sample {
-    pub(crate) name: String,
-    pub(crate) labels: Vec<(String, String)>,
-    pub(crate) value: f64,
+pub struct Sample {
+    /// The metric's name.
+    pub name: String,
+    /// Its labels, in the order written.
+    pub labels: Vec<(String, String)>,
+    /// Its value.
+    pub value: f64,
 }
 
 impl Sample {
-    pub(crate) fn label(&self, key: &str) -> Option<&str> {
+    /// The value of label `key`, if the sample has it.
+    pub fn label(&self, key: &str) -> Option<&str> {
         self.labels
             .iter()
             .find(|(k, _)| k == key)
@@ -28,13 +31,14 @@ impl Sample {
 
 /// A parsed scrape.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Scrape {
-    pub(crate) samples: Vec<Sample>,
+pub struct Scrape {
+    /// Every sample, in the order served.
+    pub samples: Vec<Sample>,
 }
 
 impl Scrape {
     /// Sum of every sample of `name`, or `None` when the metric is absent.
-    pub(crate) fn sum(&self, name: &str) -> Option<f64> {
+    pub fn sum(&self, name: &str) -> Option<f64> {
         let mut found = false;
         let mut total = 0.0;
         for s in self.samples.iter().filter(|s| s.name == name) {
@@ -45,7 +49,7 @@ impl Scrape {
     }
 
     /// Sums `name` grouped by the value of `label`, in first-seen order.
-    pub(crate) fn sum_by(&self, name: &str, label: &str) -> Vec<(String, f64)> {
+    pub fn sum_by(&self, name: &str, label: &str) -> Vec<(String, f64)> {
         let mut out: Vec<(String, f64)> = Vec::new();
         for s in self.samples.iter().filter(|s| s.name == name) {
             let key = s.label(label).unwrap_or("").to_owned();
@@ -60,7 +64,7 @@ impl Scrape {
 
 /// Parses the Prometheus text exposition format. Lines that do not parse are skipped, so a
 /// server with unusual extra lines still yields the metrics the bench needs.
-pub(crate) fn parse_text(text: &str) -> Scrape {
+pub fn parse_text(text: &str) -> Scrape {
     let samples = text
         .lines()
         .map(str::trim)
@@ -124,7 +128,7 @@ fn parse_labels(mut s: &str) -> Option<(Vec<(String, String)>, &str)> {
 
 /// Where the server's metrics come from.
 #[derive(Clone, Debug)]
-pub(crate) enum MetricsSource {
+pub enum MetricsSource {
     /// A plain-HTTP URL serving the text format.
     Http(String),
     /// The registry of the relay this process spawned.
@@ -132,24 +136,30 @@ pub(crate) enum MetricsSource {
 }
 
 impl MetricsSource {
-    pub(crate) async fn scrape(&self) -> anyhow::Result<Scrape> {
+    /// Reads the metrics once.
+    pub async fn scrape(&self) -> Result<Scrape, ScrapeError> {
         match self {
             Self::Http(url) => {
-                let body = http_get(url, SCRAPE_TIMEOUT)
-                    .await
-                    .with_context(|| format!("scraping metrics from {url}"))?;
+                let body =
+                    http_get(url, SCRAPE_TIMEOUT)
+                        .await
+                        .map_err(|source| ScrapeError::Http {
+                            url: url.clone(),
+                            source,
+                        })?;
                 Ok(parse_text(&body))
             }
             Self::InProcess(registry) => {
                 let text = prometheus::TextEncoder::new()
                     .encode_to_string(&registry.gather())
-                    .context("encoding in-process metrics")?;
+                    .map_err(ScrapeError::Encode)?;
                 Ok(parse_text(&text))
             }
         }
     }
 
-    pub(crate) fn describe(&self) -> String {
+    /// Where the metrics come from, for the report.
+    pub fn describe(&self) -> String {
         match self {
             Self::Http(url) => url.clone(),
             Self::InProcess(_) => "in-process registry".to_owned(),
@@ -162,17 +172,17 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_BODY: usize = 32 << 20;
 
 /// Fetches `url` (plain `http://` only) and returns the body of a 200 response.
-pub(crate) async fn http_get(url: &str, timeout: Duration) -> anyhow::Result<String> {
+pub async fn http_get(url: &str, timeout: Duration) -> Result<String, HttpError> {
     tokio::time::timeout(timeout, http_get_inner(url))
         .await
-        .map_err(|_| anyhow!("timed out after {timeout:?}"))?
+        .map_err(|_| HttpError::Timeout(timeout))?
 }
 
-async fn http_get_inner(url: &str) -> anyhow::Result<String> {
+async fn http_get_inner(url: &str) -> Result<String, HttpError> {
     let rest = match url.split_once("://") {
         Some(("http", rest)) => rest,
-        Some((scheme, _)) => bail!("metrics URL scheme {scheme:?} is not supported (use http://)"),
-        None => bail!("metrics URL {url:?} has no scheme (want http://host:port/path)"),
+        Some((scheme, _)) => return Err(HttpError::Scheme(scheme.to_owned())),
+        None => return Err(HttpError::NoScheme(url.to_owned())),
     };
     let (authority, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
@@ -186,9 +196,10 @@ async fn http_get_inner(url: &str) -> anyhow::Result<String> {
     } else {
         format!("{authority}:80")
     };
-    let mut stream = TcpStream::connect(&addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
+    let mut stream = match TcpStream::connect(&addr).await {
+        Ok(s) => s,
+        Err(source) => return Err(HttpError::Connect { addr, source }),
+    };
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {authority}\r\nAccept: text/plain\r\n\
          User-Agent: derp-bench\r\nConnection: close\r\n\r\n"
@@ -200,22 +211,22 @@ async fn http_get_inner(url: &str) -> anyhow::Result<String> {
         .read_to_end(&mut raw)
         .await?;
     if raw.len() > MAX_BODY {
-        bail!("response larger than {MAX_BODY} bytes");
+        return Err(HttpError::TooLarge);
     }
     let head_end = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("no complete HTTP response head"))?;
-    let head = std::str::from_utf8(&raw[..head_end]).context("response head is not UTF-8")?;
+        .ok_or(HttpError::NoHead)?;
+    let head = std::str::from_utf8(&raw[..head_end]).map_err(|_| HttpError::NotUtf8("head"))?;
     let mut lines = head.split("\r\n");
     let status_line = lines.next().unwrap_or("");
     let status: u16 = status_line
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("bad status line {status_line:?}"))?;
+        .ok_or_else(|| HttpError::StatusLine(status_line.to_owned()))?;
     if status != 200 {
-        bail!("HTTP status {status}");
+        return Err(HttpError::Status(status));
     }
     let chunked = lines.any(|l| {
         l.split_once(':').is_some_and(|(k, v)| {
@@ -229,29 +240,91 @@ async fn http_get_inner(url: &str) -> anyhow::Result<String> {
     } else {
         body.to_vec()
     };
-    String::from_utf8(body).context("metrics body is not UTF-8")
+    String::from_utf8(body).map_err(|_| HttpError::NotUtf8("body"))
 }
 
 /// Decodes an HTTP/1.1 chunked body.
-fn dechunk(mut body: &[u8]) -> anyhow::Result<Vec<u8>> {
+fn dechunk(mut body: &[u8]) -> Result<Vec<u8>, HttpError> {
     let mut out = Vec::new();
     loop {
         let line_end = body
             .windows(2)
             .position(|w| w == b"\r\n")
-            .ok_or_else(|| anyhow!("truncated chunk size"))?;
-        let size_text = std::str::from_utf8(&body[..line_end])?;
+            .ok_or(HttpError::Chunk("truncated chunk size"))?;
+        let size_text = std::str::from_utf8(&body[..line_end])
+            .map_err(|_| HttpError::Chunk("chunk size is not text"))?;
         let size_text = size_text.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_text, 16)
-            .map_err(|_| anyhow!("bad chunk size {size_text:?}"))?;
+        let size =
+            usize::from_str_radix(size_text, 16).map_err(|_| HttpError::Chunk("bad chunk size"))?;
         body = &body[line_end + 2..];
         if size == 0 {
             return Ok(out);
         }
-        let chunk = body.get(..size).ok_or_else(|| anyhow!("truncated chunk"))?;
+        let chunk = body
+            .get(..size)
+            .ok_or(HttpError::Chunk("truncated chunk"))?;
         out.extend_from_slice(chunk);
         body = body.get(size + 2..).unwrap_or(&[]);
     }
+}
+
+/// Why a scrape failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// The metrics URL did not give a page.
+    #[error("scraping metrics from {url}")]
+    Http {
+        /// The `--metrics-url`.
+        url: String,
+        /// What went wrong.
+        source: HttpError,
+    },
+    /// The in-process registry could not be written out.
+    #[error("encoding in-process metrics")]
+    Encode(#[source] prometheus::Error),
+}
+
+/// Why a plain-HTTP GET failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    /// No whole answer in time.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// Not `http://`.
+    #[error("metrics URL scheme {0:?} is not supported (use http://)")]
+    Scheme(String),
+    /// No scheme at all.
+    #[error("metrics URL {0:?} has no scheme (want http://host:port/path)")]
+    NoScheme(String),
+    /// The connection failed.
+    #[error("connecting to {addr}")]
+    Connect {
+        /// `host:port`.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Writing the request or reading the answer failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// A page larger than any metrics page.
+    #[error("response larger than {MAX_BODY} bytes")]
+    TooLarge,
+    /// The answer ended inside its head.
+    #[error("no complete HTTP response head")]
+    NoHead,
+    /// The head or the body is not text.
+    #[error("response {0} is not UTF-8")]
+    NotUtf8(&'static str),
+    /// The status line does not parse.
+    #[error("bad status line {0:?}")]
+    StatusLine(String),
+    /// Anything but 200.
+    #[error("HTTP status {0}")]
+    Status(u16),
+    /// A chunked body that does not decode.
+    #[error("{0}")]
+    Chunk(&'static str),
 }
 
 #[cfg(test)]

@@ -15,13 +15,13 @@
 //! counts it as `kind="other"`, like WireGuard data.
 
 /// Size of the header; the smallest packet the bench sends.
-pub(crate) const HEADER_LEN: usize = 32;
+pub const HEADER_LEN: usize = 32;
 
 const MAGIC: [u8; 4] = *b"DRPB";
 
 /// What a packet is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) enum Kind {
+pub enum Kind {
     /// Throughput load.
     Load = 0,
     /// A latency probe, echoed back to its sender.
@@ -30,17 +30,22 @@ pub(crate) enum Kind {
 
 /// A decoded header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Header {
-    pub(crate) run: u32,
-    pub(crate) pair: u32,
-    pub(crate) kind: Kind,
-    pub(crate) seq: u64,
-    pub(crate) sent_ns: u64,
+pub struct Header {
+    /// The run id.
+    pub run: u32,
+    /// The pair id.
+    pub pair: u32,
+    /// Load or probe.
+    pub kind: Kind,
+    /// Sequence number, from 0 per pair and run.
+    pub seq: u64,
+    /// Send time, nanoseconds on the bench's clock.
+    pub sent_ns: u64,
 }
 
 impl Header {
     /// Writes the header into the front of `buf`, which is at least [`HEADER_LEN`] long.
-    pub(crate) fn write(&self, buf: &mut [u8]) {
+    pub fn write(&self, buf: &mut [u8]) {
         buf[0..4].copy_from_slice(&MAGIC);
         buf[4..8].copy_from_slice(&self.run.to_le_bytes());
         buf[8..12].copy_from_slice(&self.pair.to_le_bytes());
@@ -50,7 +55,7 @@ impl Header {
     }
 
     /// Reads a header; `None` for packets that are not the bench's.
-    pub(crate) fn read(buf: &[u8]) -> Option<Self> {
+    pub fn read(buf: &[u8]) -> Option<Self> {
         let head = buf.get(..HEADER_LEN)?;
         if head[0..4] != MAGIC {
             return None;

@@ -1,57 +1,59 @@
 //! The server under test: its URL, how to observe it, and the relay `--spawn-server` starts.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, anyhow, bail};
 use derp_client::rustls::pki_types::CertificateDer;
-use derp_client::{Client, ClientConfig, ConnectError, ServerUrl};
+use derp_client::{Client, ClientConfig, ConnectError, ServerUrl, UrlError};
 use derp_proto::SecretKey;
+use derp_server::ServeError;
 use derp_server::{Server, ServerConfig};
 
-use crate::cli::TargetArgs;
+use crate::args::TargetArgs;
 use crate::procfs::{self, CpuTime};
 use crate::prom::MetricsSource;
 
 /// Thread-name prefix of the spawned relay's runtime, so its CPU can be told from the
 /// bench's (both live in one process).
-pub(crate) const SERVER_THREAD_PREFIX: &str = "derpd-srv";
+pub const SERVER_THREAD_PREFIX: &str = "derpd-srv";
 /// Thread-name prefix of the bench's own runtime.
-pub(crate) const BENCH_THREAD_NAME: &str = "derp-bench";
+pub const BENCH_THREAD_NAME: &str = "derp-bench";
 
 /// A relay running in this process on its own runtime.
 #[derive(Debug)]
-pub(crate) struct SpawnedServer {
+pub struct SpawnedServer {
     runtime: tokio::runtime::Runtime,
     server: Server,
-    pub(crate) url: String,
-    pub(crate) registry: prometheus::Registry,
+    /// Its DERP URL.
+    pub url: String,
+    /// Its metrics registry.
+    pub registry: prometheus::Registry,
 }
 
 impl SpawnedServer {
     /// Starts a relay with derpd's defaults on 127.0.0.1, on a port the kernel picks.
-    pub(crate) fn start() -> anyhow::Result<Self> {
+    pub fn start() -> Result<Self, SpawnError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .thread_name(SERVER_THREAD_PREFIX)
             .build()
-            .context("starting the relay's runtime")?;
+            .map_err(SpawnError::Runtime)?;
         let registry = prometheus::Registry::new();
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
-        let server = Server::new(ServerConfig::new(secret), &registry)
-            .context("creating the in-process relay")?;
-        let std_listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .context("binding 127.0.0.1:0 for the in-process relay")?;
-        std_listener.set_nonblocking(true)?;
-        let addr = std_listener.local_addr()?;
-        let listener = {
+        let server = Server::new(ServerConfig::new(secret), &registry)?;
+        let listen = || {
+            let std_listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+            std_listener.set_nonblocking(true)?;
+            let addr = std_listener.local_addr()?;
             let _guard = runtime.enter();
-            tokio::net::TcpListener::from_std(std_listener)?
+            Ok((tokio::net::TcpListener::from_std(std_listener)?, addr))
         };
+        let (listener, addr) = listen().map_err(SpawnError::Listen)?;
         let serving = server.clone();
         runtime.spawn(async move {
             if let Err(e) = serving.serve(listener).await {
-                eprintln!("derp-bench: in-process relay stopped: {e}");
+                eprintln!("in-process relay stopped: {e}");
             }
         });
         Ok(Self {
@@ -63,7 +65,7 @@ impl SpawnedServer {
     }
 
     /// Closes every connection and stops the relay's runtime.
-    pub(crate) fn stop(self) {
+    pub fn stop(self) {
         let server = self.server;
         let stopped = self.runtime.block_on(async move {
             tokio::time::timeout(Duration::from_secs(5), server.shutdown()).await
@@ -77,7 +79,7 @@ impl SpawnedServer {
 
 /// Where the server's CPU and memory figures come from.
 #[derive(Clone, Debug)]
-pub(crate) enum ServerProbe {
+pub enum ServerProbe {
     /// Not observable from here.
     None,
     /// Separate processes on this machine (their CPU is added up).
@@ -88,14 +90,19 @@ pub(crate) enum ServerProbe {
 
 /// The server under test.
 #[derive(Debug)]
-pub(crate) struct Target {
-    pub(crate) url: ServerUrl,
+pub struct Target {
+    /// The DERP URL.
+    pub url: ServerUrl,
     /// Where the receiving halves of pairs connect, when not to `url`.
-    pub(crate) peer_url: Option<ServerUrl>,
-    pub(crate) metrics: Option<MetricsSource>,
-    pub(crate) probe: ServerProbe,
-    pub(crate) connect_timeout: Duration,
-    pub(crate) spawned: bool,
+    pub peer_url: Option<ServerUrl>,
+    /// Where the server's metrics come from, if anywhere.
+    pub metrics: Option<MetricsSource>,
+    /// Where its CPU and memory figures come from.
+    pub probe: ServerProbe,
+    /// Budget for each connection's dial, upgrade and handshake.
+    pub connect_timeout: Duration,
+    /// Whether the server is the relay this process started.
+    pub spawned: bool,
     ticks: f64,
     tls: TlsOptions,
 }
@@ -111,30 +118,33 @@ struct TlsOptions {
 
 impl Target {
     /// Resolves the flags into a target; `spawned` is the relay `--spawn-server` started.
-    pub(crate) fn new(args: &TargetArgs, spawned: Option<&SpawnedServer>) -> anyhow::Result<Self> {
+    pub fn new(args: &TargetArgs, spawned: Option<&SpawnedServer>) -> Result<Self, TargetError> {
         let url_text = match (spawned, &args.url) {
             (Some(s), _) => s.url.clone(),
             (None, Some(url)) => url.clone(),
-            (None, None) => bail!("give the server with --url URL, or use --spawn-server"),
+            (None, None) => return Err(TargetError::NoServer),
         };
-        let url: ServerUrl = url_text
-            .parse()
-            .map_err(|e| anyhow!("bad --url {url_text:?}: {e}"))?;
+        let url: ServerUrl = url_text.parse().map_err(|source| TargetError::BadUrl {
+            flag: "--url",
+            url: url_text.clone(),
+            source,
+        })?;
         let metrics = match (&args.metrics_url, spawned) {
             (Some(m), _) => Some(MetricsSource::Http(m.clone())),
             (None, Some(s)) => Some(MetricsSource::InProcess(s.registry.clone())),
             (None, None) => None,
         };
         let peer_url = match &args.peer_url {
-            Some(p) => Some(
-                p.parse::<ServerUrl>()
-                    .map_err(|e| anyhow!("bad --peer-url {p:?}: {e}"))?,
-            ),
+            Some(p) => Some(p.parse().map_err(|source| TargetError::BadUrl {
+                flag: "--peer-url",
+                url: p.clone(),
+                source,
+            })?),
             None => None,
         };
         for pid in &args.server_pid {
             if !std::path::Path::new(&format!("/proc/{pid}/stat")).exists() {
-                bail!("--server-pid {pid}: no such process (or /proc is not mounted)");
+                return Err(TargetError::NoSuchPid(*pid));
             }
         }
         let probe = match (args.server_pid.is_empty(), spawned) {
@@ -145,14 +155,18 @@ impl Target {
         let extra_roots = match &args.ca {
             None => Vec::new(),
             Some(path) => {
-                let pem = std::fs::read(path)
-                    .with_context(|| format!("reading --ca {}", path.display()))?;
-                read_pem_certs(&pem)
-                    .with_context(|| format!("--ca {}: no certificate", path.display()))?
+                let pem = std::fs::read(path).map_err(|source| TargetError::ReadCa {
+                    path: path.clone(),
+                    source,
+                })?;
+                read_pem_certs(&pem).map_err(|source| TargetError::CaFile {
+                    path: path.clone(),
+                    source,
+                })?
             }
         };
         if args.quic_port.is_some() && url.scheme() != derp_client::Scheme::Https {
-            bail!("--quic-port goes with an https:// URL (a quic:// URL names its own port)");
+            return Err(TargetError::QuicPortScheme);
         }
         Ok(Self {
             url,
@@ -172,20 +186,12 @@ impl Target {
     }
 
     /// A client config for this target.
-    pub(crate) fn client_config(
-        &self,
-        secret: SecretKey,
-        local: Option<SocketAddr>,
-    ) -> ClientConfig {
+    pub fn client_config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         self.template().config(secret, local)
     }
 
     /// A client config for the receiving half of a pair: on `--peer-url` when given.
-    pub(crate) fn peer_client_config(
-        &self,
-        secret: SecretKey,
-        local: Option<SocketAddr>,
-    ) -> ClientConfig {
+    pub fn peer_client_config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         match &self.peer_url {
             Some(url) => ClientTemplate {
                 url: url.clone(),
@@ -198,7 +204,7 @@ impl Target {
     }
 
     /// What tasks need to build client configs, detached from the target.
-    pub(crate) fn template(&self) -> ClientTemplate {
+    pub fn template(&self) -> ClientTemplate {
         ClientTemplate {
             url: self.url.clone(),
             connect_timeout: self.connect_timeout,
@@ -208,7 +214,7 @@ impl Target {
 
     /// One connection and handshake before anything else, so that an unreachable or refusing
     /// server ends the run at once with a clear message.
-    pub(crate) async fn preflight(&self) -> anyhow::Result<()> {
+    pub async fn preflight(&self) -> Result<(), TargetError> {
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
         let mut configs = vec![(self.url.clone(), self.client_config(secret.clone(), None))];
         if let Some(peer) = &self.peer_url {
@@ -219,19 +225,14 @@ impl Target {
                 Ok(client) => {
                     let _ = client.close().await;
                 }
-                Err(e) => {
-                    return Err(anyhow!(
-                        "cannot use DERP server {url}: {}",
-                        describe_connect_error(&e)
-                    ));
-                }
+                Err(error) => return Err(TargetError::Unusable { url, error }),
             }
         }
         Ok(())
     }
 
     /// CPU used so far by the server, if it can be observed.
-    pub(crate) fn server_cpu(&self) -> Option<CpuTime> {
+    pub fn server_cpu(&self) -> Option<CpuTime> {
         match self.probe {
             ServerProbe::None => None,
             ServerProbe::Pids(ref pids) => {
@@ -248,13 +249,13 @@ impl Target {
     }
 
     /// Machine-wide CPU time so far.
-    pub(crate) fn machine_cpu(&self) -> Option<procfs::MachineCpu> {
+    pub fn machine_cpu(&self) -> Option<procfs::MachineCpu> {
         procfs::machine_cpu(self.ticks)
     }
 
     /// CPU used so far by the bench itself: the whole process, less the spawned relay's
     /// threads when there is one.
-    pub(crate) fn bench_cpu(&self) -> Option<CpuTime> {
+    pub fn bench_cpu(&self) -> Option<CpuTime> {
         let all = procfs::process_cpu("self", self.ticks)?;
         match self.probe {
             ServerProbe::InProcess => {
@@ -268,7 +269,7 @@ impl Target {
     /// Source addresses for `n` connections: `None` (let the kernel pick) unless `n` exceeds
     /// what one source address can hold and the target is an IPv4 loopback address, in which
     /// case connections are spread over 127.0.1.0/24 and beyond.
-    pub(crate) fn source_addrs(&self, n: usize) -> SourceAddrs {
+    pub fn source_addrs(&self, n: usize) -> SourceAddrs {
         // Leave headroom for TIME_WAIT sockets and whatever else uses ephemeral ports.
         let per_addr = (procfs::ephemeral_ports() as usize * 3 / 4).max(1);
         let loopback = match self.url.host().parse::<IpAddr>() {
@@ -285,14 +286,15 @@ impl Target {
 
 /// Builds client configs for one target.
 #[derive(Clone, Debug)]
-pub(crate) struct ClientTemplate {
+pub struct ClientTemplate {
     url: ServerUrl,
     connect_timeout: Duration,
     tls: TlsOptions,
 }
 
 impl ClientTemplate {
-    pub(crate) fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
+    /// A config for a client with key `secret`, from `local` when given.
+    pub fn config(&self, secret: SecretKey, local: Option<SocketAddr>) -> ClientConfig {
         let mut config = ClientConfig::with_url(self.url.clone(), secret)
             .with_connect_timeout(self.connect_timeout)
             .with_app_name("derp-bench")
@@ -308,21 +310,21 @@ impl ClientTemplate {
 }
 
 /// The certificates in a PEM file.
-fn read_pem_certs(pem: &[u8]) -> anyhow::Result<Vec<CertificateDer<'static>>> {
-    let text = std::str::from_utf8(pem).context("not UTF-8 PEM")?;
+fn read_pem_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, PemError> {
+    let text = std::str::from_utf8(pem).map_err(|_| PemError::NotUtf8)?;
     let mut out = Vec::new();
     let mut rest = text;
     while let Some(start) = rest.find(PEM_BEGIN) {
         let body = &rest[start + PEM_BEGIN.len()..];
-        let end = body.find(PEM_END).context("unterminated certificate")?;
+        let end = body.find(PEM_END).ok_or(PemError::Unterminated)?;
         let b64: String = body[..end].split_whitespace().collect();
         let der = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, &b64)
-            .context("bad base64 in certificate")?;
+            .map_err(|_| PemError::Base64)?;
         out.push(CertificateDer::from(der));
         rest = &body[end + PEM_END.len()..];
     }
     if out.is_empty() {
-        bail!("no certificate");
+        return Err(PemError::NoCertificate);
     }
     Ok(out)
 }
@@ -332,14 +334,14 @@ const PEM_END: &str = "-----END CERTIFICATE-----";
 
 /// Assigns source addresses to connection indexes.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct SourceAddrs {
+pub struct SourceAddrs {
     /// Connections per source address; 0 means "let the kernel choose".
     per_addr: usize,
 }
 
 impl SourceAddrs {
     /// The local address for connection `i`.
-    pub(crate) fn for_index(self, i: usize) -> Option<SocketAddr> {
+    pub fn for_index(self, i: usize) -> Option<SocketAddr> {
         if self.per_addr == 0 {
             return None;
         }
@@ -350,7 +352,7 @@ impl SourceAddrs {
     }
 
     /// How many source addresses `n` connections use (1 when the kernel chooses).
-    pub(crate) fn count(self, n: usize) -> usize {
+    pub fn count(self, n: usize) -> usize {
         if self.per_addr == 0 {
             1
         } else {
@@ -360,7 +362,7 @@ impl SourceAddrs {
 }
 
 /// A connect error in words an operator can act on.
-pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
+pub fn describe_connect_error(e: &ConnectError) -> String {
     match e {
         ConnectError::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
             format!("connection refused (is the server running and listening there?): {e}")
@@ -384,7 +386,7 @@ pub(crate) fn describe_connect_error(e: &ConnectError) -> String {
 }
 
 /// A short, stable name for a connect error, for failure counts.
-pub(crate) fn connect_error_kind(e: &ConnectError) -> String {
+pub fn connect_error_kind(e: &ConnectError) -> String {
     match e {
         ConnectError::BadUrl(_) => "bad_url".into(),
         ConnectError::InvalidConfig(_) => "invalid_config".into(),
@@ -406,20 +408,112 @@ pub(crate) fn connect_error_kind(e: &ConnectError) -> String {
 
 /// Fails early when `n` connections (doubled when the relay lives in this process) would
 /// exceed the open-files limit, instead of failing half-way with EMFILE.
-pub(crate) fn check_fd_budget(n: usize, spawned: bool) -> anyhow::Result<()> {
+pub fn check_fd_budget(n: usize, spawned: bool) -> Result<(), TargetError> {
     let needed = n as u64 * if spawned { 2 } else { 1 } + 64;
     if let Some(limit) = procfs::open_files_limit()
         && needed > limit
     {
-        bail!(
-            "{n} connections need about {needed} open files{}, but the limit is {limit}: \
-             raise `ulimit -n` or lower --connections",
-            if spawned {
-                " (client and in-process server side)"
-            } else {
-                ""
-            }
-        );
+        return Err(TargetError::FdBudget {
+            connections: n,
+            needed,
+            limit,
+            spawned,
+        });
     }
     Ok(())
+}
+
+/// Why the target cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// Neither `--url` nor `--spawn-server`.
+    #[error("give the server with --url URL, or use --spawn-server")]
+    NoServer,
+    /// A URL flag that does not parse.
+    #[error("bad {flag} {url:?}")]
+    BadUrl {
+        /// `--url` or `--peer-url`.
+        flag: &'static str,
+        /// What was given.
+        url: String,
+        /// Why it is no DERP URL.
+        source: UrlError,
+    },
+    /// A `--server-pid` with no process behind it.
+    #[error("--server-pid {0}: no such process (or /proc is not mounted)")]
+    NoSuchPid(u32),
+    /// The `--ca` file cannot be read.
+    #[error("reading --ca {}", path.display())]
+    ReadCa {
+        /// The file.
+        path: PathBuf,
+        /// Why it cannot be read.
+        source: std::io::Error,
+    },
+    /// The `--ca` file holds no usable certificate.
+    #[error("--ca {}", path.display())]
+    CaFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: PemError,
+    },
+    /// `--quic-port` with a URL that is not https://.
+    #[error("--quic-port goes with an https:// URL (a quic:// URL names its own port)")]
+    QuicPortScheme,
+    /// The preflight connection failed.
+    #[error("cannot use DERP server {url}: {}", describe_connect_error(error))]
+    Unusable {
+        /// The server that failed.
+        url: ServerUrl,
+        /// How.
+        error: ConnectError,
+    },
+    /// More connections than the open-files limit allows.
+    #[error(
+        "{connections} connections need about {needed} open files{}, but the limit is \
+         {limit}: raise `ulimit -n` or lower --connections",
+        if *spawned { " (client and in-process server side)" } else { "" }
+    )]
+    FdBudget {
+        /// Connections asked for.
+        connections: usize,
+        /// Descriptors they need.
+        needed: u64,
+        /// The soft limit.
+        limit: u64,
+        /// Whether the in-process relay's side counts too.
+        spawned: bool,
+    },
+}
+
+/// What is wrong with a PEM file of certificates.
+#[derive(Debug, thiserror::Error)]
+pub enum PemError {
+    /// Not text.
+    #[error("not UTF-8 PEM")]
+    NotUtf8,
+    /// A BEGIN without its END.
+    #[error("unterminated certificate")]
+    Unterminated,
+    /// A certificate's body is not base64.
+    #[error("bad base64 in certificate")]
+    Base64,
+    /// No certificate at all.
+    #[error("no certificate")]
+    NoCertificate,
+}
+
+/// Why the in-process relay could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    /// Its runtime.
+    #[error("starting the relay's runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The relay itself.
+    #[error("creating the in-process relay")]
+    Server(#[from] ServeError),
+    /// Its listener on 127.0.0.1.
+    #[error("listening on 127.0.0.1 for the in-process relay")]
+    Listen(#[source] std::io::Error),
 }

@@ -11,46 +11,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, anyhow};
-use derp_client::{Client, ClientReader, ClientWriter, ReceivedFrame};
+use derp_client::{Client, ClientReader, ClientWriter, ConnectError, ReceivedFrame, ServerUrl};
 use derp_proto::{PublicKey, SecretKey};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::pacing::TokenBucket;
+use crate::measure::{Clock, RttHistogram, drops_between, new_histogram, sample_cpu, scrape};
+use crate::pacing::Pacer;
 use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::procfs::CpuSample;
-use crate::prom::Scrape;
-use crate::report::{CpuUse, Drops, LoadRun, PairResult, WindowSpec, ratio};
+use crate::report::{CpuUse, LoadRun, PairResult, WindowSpec, ratio};
 use crate::target::{Target, describe_connect_error};
 
-/// Monotonic time since the bench started, as carried in packets.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Clock {
-    start: Instant,
-}
-
-impl Clock {
-    pub(crate) fn new() -> Self {
-        Self {
-            start: Instant::now(),
-        }
-    }
-
-    pub(crate) fn ns(&self, t: Instant) -> u64 {
-        t.saturating_duration_since(self.start).as_nanos() as u64
-    }
-}
-
-/// Packets per flush when a sender is not paced: enough to amortise the write call, small
-/// enough that one connection does not hog a worker.
-const UNPACED_BATCH: u64 = 16;
-/// Most packets a paced sender queues before flushing. Kept well under the relay's
-/// per-client queue depth (32 in derper and derpd): a relay reads a whole write at once, and a
-/// burst larger than the destination's queue would be dropped even at a low average rate,
-/// which would measure the bench's burstiness instead of the relay.
-const PACED_BATCH: u64 = 8;
 /// How long a sender may stay blocked in a write after its window ended.
 const SENDER_GRACE: Duration = Duration::from_secs(3);
 /// Drain phase: stop waiting for stragglers after this long without progress...
@@ -83,7 +55,7 @@ struct Pair {
 
 /// A set of connected pairs, reused across windows.
 #[derive(Debug)]
-pub(crate) struct Fleet {
+pub struct Fleet {
     pairs: Vec<Pair>,
     /// Index of this fleet's first pair in packet headers, so two fleets in one run (probes
     /// and background load) never count each other's packets.
@@ -98,27 +70,17 @@ impl Drop for Fleet {
     }
 }
 
-/// Round-trip times of the probes sent in the window, in nanoseconds.
-pub(crate) type RttHistogram = hdrhistogram::Histogram<u64>;
-
-/// A histogram for nanoseconds up to a minute at 3 significant digits.
-pub(crate) fn new_histogram() -> RttHistogram {
-    // The bounds are constants that hdrhistogram accepts (low >= 1, high >= 2 * low), so
-    // this cannot fail.
-    hdrhistogram::Histogram::new_with_bounds(1, 60_000_000_000, 3).unwrap()
-}
-
 impl Fleet {
     /// Connects `pairs` sender/receiver pairs with pre-generated keys.
     ///
     /// With `echo`, the second connection of each pair sends every probe it receives back to
     /// its sender, and the first connection's reader collects the echoes.
-    pub(crate) async fn connect(
+    pub async fn connect(
         target: &Target,
         pairs: u32,
         first_pair: u32,
         echo: bool,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, FleetError> {
         let n = pairs as usize * 2;
         let keys: Vec<SecretKey> = (0..n)
             .map(|_| SecretKey::generate(&mut rand::rngs::OsRng))
@@ -142,12 +104,9 @@ impl Fleet {
         }
         let mut clients = Vec::with_capacity(n);
         for t in tasks {
-            let client = t.await.context("connect task")?.map_err(|e| {
-                anyhow!(
-                    "connecting load pairs to {}: {}",
-                    target.url,
-                    describe_connect_error(&e)
-                )
+            let client = t.await?.map_err(|error| FleetError::Connect {
+                url: target.url.clone(),
+                error,
             })?;
             clients.push(client);
         }
@@ -183,13 +142,13 @@ impl Fleet {
 
     /// Runs one warm-up plus measured window from `start` (now, or a start time shared
     /// with other bench processes) and waits for stragglers.
-    pub(crate) async fn run_window(
+    pub async fn run_window(
         &mut self,
         spec: &WindowSpec,
         start: Instant,
         clock: Clock,
         target: &Target,
-    ) -> anyhow::Result<(LoadRun, RttHistogram)> {
+    ) -> (LoadRun, RttHistogram) {
         tokio::time::sleep_until(start).await;
         let warm_end = start + spec.warmup;
         let end = warm_end + spec.duration;
@@ -308,99 +267,59 @@ impl Fleet {
             drops_between(scrape_before.as_ref(), scrape_after.as_ref()),
             errors,
         );
-        Ok((run, rtt))
+        (run, rtt)
     }
 }
 
 /// Runs a window on one fleet, or on two at once from the same start (latency's probes and
 /// background load), one spec each.
-pub(crate) async fn run_fleets(
+pub async fn run_fleets(
     fleets: &mut [Fleet],
     specs: &[WindowSpec],
     start: Instant,
     clock: Clock,
     target: &Target,
-) -> anyhow::Result<Vec<(LoadRun, RttHistogram)>> {
+) -> Result<Vec<(LoadRun, RttHistogram)>, FleetError> {
     match (fleets, specs) {
-        ([a], [sa]) => Ok(vec![a.run_window(sa, start, clock, target).await?]),
+        ([a], [sa]) => Ok(vec![a.run_window(sa, start, clock, target).await]),
         ([a, b], [sa, sb]) => {
             let (ra, rb) = tokio::join!(
                 a.run_window(sa, start, clock, target),
                 b.run_window(sb, start, clock, target)
             );
-            Ok(vec![ra?, rb?])
+            Ok(vec![ra, rb])
         }
-        (f, s) => Err(anyhow!(
-            "{} fleets and {} window specs: one or two of each, as many specs as fleets",
-            f.len(),
-            s.len()
-        )),
+        (f, s) => Err(FleetError::Shape {
+            fleets: f.len(),
+            specs: s.len(),
+        }),
     }
 }
 
-/// A histogram as (value, count) pairs, to carry it between bench processes without losing
-/// anything: each value is the top of its bucket, so it lands in the same bucket again.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub(crate) struct HistWire(Vec<(u64, u64)>);
-
-impl HistWire {
-    pub(crate) fn of(h: &RttHistogram) -> Self {
-        Self(
-            h.iter_recorded()
-                .map(|v| (v.value_iterated_to(), v.count_at_value()))
-                .collect(),
-        )
-    }
-
-    /// Adds the values to `h`.
-    pub(crate) fn add_to(&self, h: &mut RttHistogram) {
-        for &(value, count) in &self.0 {
-            h.saturating_record_n(value, count);
-        }
-    }
-}
-
-pub(crate) fn sample_cpu(target: &Target) -> CpuSample {
-    CpuSample {
-        bench: target.bench_cpu(),
-        server: target.server_cpu(),
-        machine: target.machine_cpu(),
-    }
-}
-
-/// Scrapes the server's metrics if a source is configured; a failed scrape is reported once
-/// on stderr and leaves the figures out rather than failing the run.
-pub(crate) async fn scrape(target: &Target) -> Option<Scrape> {
-    let source = target.metrics.as_ref()?;
-    match source.scrape().await {
-        Ok(s) => Some(s),
-        Err(e) => {
-            eprintln!("derp-bench: warning: {e:#}");
-            None
-        }
-    }
-}
-
-/// The change of `derp_packets_dropped` by reason between two scrapes.
-pub(crate) fn drops_between(before: Option<&Scrape>, after: Option<&Scrape>) -> Option<Drops> {
-    let (before, after) = (before?, after?);
-    after.sum("derp_packets_dropped")?;
-    let earlier = before.sum_by("derp_packets_dropped", "reason");
-    let mut by_reason = std::collections::BTreeMap::new();
-    let mut total = 0;
-    for (reason, value) in after.sum_by("derp_packets_dropped", "reason") {
-        let was = earlier
-            .iter()
-            .find(|(r, _)| *r == reason)
-            .map_or(0.0, |(_, v)| *v);
-        let delta = (value - was).max(0.0) as u64;
-        total += delta;
-        by_reason.insert(reason, delta);
-    }
-    Some(Drops {
-        total_packets: total,
-        by_reason,
-    })
+/// Why a fleet could not connect or run.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// A pair's connection failed.
+    #[error("connecting load pairs to {url}: {}", describe_connect_error(error))]
+    Connect {
+        /// The server.
+        url: ServerUrl,
+        /// How it failed.
+        error: ConnectError,
+    },
+    /// A connecting task panicked or was cancelled.
+    #[error("connect task")]
+    Task(#[from] tokio::task::JoinError),
+    /// Specs that do not match the fleets.
+    #[error(
+        "{fleets} fleets and {specs} window specs: one or two of each, as many specs as fleets"
+    )]
+    Shape {
+        /// Fleets given.
+        fleets: usize,
+        /// Specs given.
+        specs: usize,
+    },
 }
 
 /// Waits until every receiver has what its sender sent in the window, or until no packet has
@@ -454,7 +373,7 @@ async fn send_loop(
     counters: Arc<PairCounters>,
 ) -> (ClientWriter, Option<String>) {
     let mut buf = vec![0u8; spec.size.max(HEADER_LEN)];
-    let mut bucket = spec.rate_pps.map(|r| TokenBucket::new(r, Instant::now()));
+    let mut pacer = Pacer::new(spec.rate_pps, Instant::now());
     let mut seq = 0u64;
     let mut sent_in_window = 0u64;
     loop {
@@ -462,13 +381,10 @@ async fn send_loop(
         if now >= spec.end {
             break;
         }
-        let n = match &mut bucket {
-            Some(b) => b.take(now, PACED_BATCH),
-            None => UNPACED_BATCH,
-        };
+        let n = pacer.due(now);
         if n == 0 {
-            if let Some(b) = &bucket {
-                tokio::time::sleep_until(b.next_ready(now).min(spec.end)).await;
+            if let Some(at) = pacer.next(now) {
+                tokio::time::sleep_until(at.min(spec.end)).await;
             }
             continue;
         }
@@ -502,7 +418,7 @@ async fn send_loop(
         if let Err(e) = writer.flush().await {
             return (writer, Some(e.to_string()));
         }
-        if bucket.is_some() {
+        if pacer.is_paced() {
             // Let the relay (and the other senders) run between small paced batches.
             tokio::task::yield_now().await;
         }
@@ -592,40 +508,5 @@ async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn histograms_cross_processes_intact() {
-        let mut h = new_histogram();
-        for v in [
-            1u64,
-            999,
-            1_000,
-            1_001,
-            45_678,
-            45_679,
-            1_000_000_007,
-            59_000_000_000,
-        ] {
-            h.record_n(v, v % 7 + 1).unwrap();
-        }
-        let wire: HistWire =
-            serde_json::from_str(&serde_json::to_string(&HistWire::of(&h)).unwrap()).unwrap();
-        let mut back = new_histogram();
-        wire.add_to(&mut back);
-        assert_eq!(back.len(), h.len());
-        for q in [0.0, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0] {
-            assert_eq!(back.value_at_quantile(q), h.value_at_quantile(q), "q {q}");
-        }
-        assert_eq!((back.min(), back.max()), (h.min(), h.max()));
-        // Two processes' histograms merge into the histogram of all values.
-        wire.add_to(&mut back);
-        assert_eq!(back.len(), 2 * h.len());
-        assert_eq!(back.value_at_quantile(0.5), h.value_at_quantile(0.5));
     }
 }

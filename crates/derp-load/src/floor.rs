@@ -21,11 +21,15 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use bytes::BytesMut;
 use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN, MAX_PACKET_SIZE};
-use derp_proto::upgrade::{self, DerpUpgrade, Request, UpgradeKind};
-use derp_proto::{ClientToRelay, PublicKey, SecretKey, ServerDecoder, ServerHandshake};
+use derp_proto::upgrade::{self, DerpUpgrade, Request, UpgradeError, UpgradeKind};
+use derp_proto::{
+    ClientToRelay, DecodeError, HandshakeError, PublicKey, SecretKey, ServerDecoder,
+    ServerHandshake,
+};
+
+use crate::report::error_text;
 
 /// How long a new connection has for its request head and ClientInfo.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -60,9 +64,9 @@ struct Relay {
 
 /// Listens on `listen` and relays until the process is stopped. The first line on stdout is
 /// the DERP URL to give derp-bench (`--url`), with the port the kernel chose for port 0.
-pub(crate) fn run(listen: SocketAddr) -> anyhow::Result<()> {
+pub fn run(listen: SocketAddr) -> Result<(), FloorError> {
     let listener =
-        TcpListener::bind(listen).with_context(|| format!("binding {listen} for the relay"))?;
+        TcpListener::bind(listen).map_err(|source| FloorError::Bind { listen, source })?;
     let addr = listener.local_addr()?;
     println!("http://{addr}/derp");
     io::stdout().flush()?;
@@ -85,7 +89,10 @@ pub(crate) fn run(listen: SocketAddr) -> anyhow::Result<()> {
             .name("floor-conn".into())
             .spawn(move || {
                 if let Err(e) = serve(&relay, stream) {
-                    eprintln!("derp-bench floor-relay: connection closed: {e}");
+                    eprintln!(
+                        "derp-bench floor-relay: connection closed: {}",
+                        error_text(&e)
+                    );
                 }
             });
         if let Err(e) = spawned {
@@ -96,7 +103,7 @@ pub(crate) fn run(listen: SocketAddr) -> anyhow::Result<()> {
 }
 
 /// One connection from its first byte to its last.
-fn serve(relay: &Relay, mut stream: TcpStream) -> anyhow::Result<()> {
+fn serve(relay: &Relay, mut stream: TcpStream) -> Result<(), FloorError> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let mut buf = BytesMut::with_capacity(4096);
@@ -130,9 +137,9 @@ fn handshake(
     relay: &Relay,
     stream: &mut TcpStream,
     buf: &mut BytesMut,
-) -> anyhow::Result<Option<PublicKey>> {
+) -> Result<Option<PublicKey>, FloorError> {
     let head_len = loop {
-        if let Some(n) = upgrade::request_head_len(buf).context("request head")? {
+        if let Some(n) = upgrade::request_head_len(buf)? {
             break n;
         }
         read_more(stream, buf)?;
@@ -157,9 +164,9 @@ fn handshake(
     stream.write_all(&out)?;
     let mut decoder = ServerDecoder::new();
     let (key, sealed) = loop {
-        match decoder.decode(buf).context("ClientInfo frame")? {
+        match decoder.decode(buf)? {
             Some(ClientToRelay::ClientInfo { key, sealed }) => break (key, sealed),
-            Some(other) => anyhow::bail!("expected ClientInfo, got {other:?}"),
+            Some(other) => return Err(FloorError::NotClientInfo(format!("{other:?}"))),
             None => read_more(stream, buf)?,
         }
     };
@@ -170,10 +177,12 @@ fn handshake(
     Ok(Some(key))
 }
 
-fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> anyhow::Result<()> {
+fn read_more(stream: &mut TcpStream, buf: &mut BytesMut) -> Result<(), FloorError> {
     let mut chunk = [0u8; 4096];
     let n = stream.read(&mut chunk)?;
-    anyhow::ensure!(n > 0, "closed during the handshake");
+    if n == 0 {
+        return Err(FloorError::Closed);
+    }
     buf.extend_from_slice(&chunk[..n]);
     Ok(())
 }
@@ -185,7 +194,7 @@ fn forward(
     me: &Peer,
     stream: &mut TcpStream,
     early: &[u8],
-) -> anyhow::Result<()> {
+) -> Result<(), FloorError> {
     let mut buf = vec![0u8; READ_BUF];
     buf[..early.len()].copy_from_slice(early);
     let (mut start, mut end) = (0, early.len());
@@ -199,14 +208,18 @@ fn forward(
                 buf[start + 3],
                 buf[start + 4],
             ]) as usize;
-            anyhow::ensure!(len <= MAX_FRAME, "frame of {len} bytes");
+            if len > MAX_FRAME {
+                return Err(FloorError::FrameTooLarge(len));
+            }
             let frame_end = start + FRAME_HEADER_LEN + len;
             if frame_end > end {
                 break;
             }
             let frame = &mut buf[start..frame_end];
             if ty == FrameType::SendPacket as u8 {
-                anyhow::ensure!(len >= KEY_LEN, "SendPacket without a destination");
+                if len < KEY_LEN {
+                    return Err(FloorError::NoDestination);
+                }
                 let key_at = FRAME_HEADER_LEN..FRAME_HEADER_LEN + KEY_LEN;
                 let mut dst = [0u8; KEY_LEN];
                 dst.copy_from_slice(&frame[key_at.clone()]);
@@ -240,4 +253,41 @@ fn forward(
         }
         end += n;
     }
+}
+
+/// Why the floor relay, or one of its connections, stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum FloorError {
+    /// The listening address is not available.
+    #[error("binding {listen} for the relay")]
+    Bind {
+        /// The address asked for.
+        listen: SocketAddr,
+        /// Why.
+        source: io::Error,
+    },
+    /// The socket.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// A request head that does not parse.
+    #[error("request head")]
+    Head(#[from] UpgradeError),
+    /// A frame that does not decode during the handshake.
+    #[error("ClientInfo frame")]
+    Decode(#[from] DecodeError),
+    /// Another frame where ClientInfo belongs.
+    #[error("expected ClientInfo, got {0}")]
+    NotClientInfo(String),
+    /// The DERP handshake.
+    #[error("handshake")]
+    Handshake(#[from] HandshakeError),
+    /// The client left during the handshake.
+    #[error("closed during the handshake")]
+    Closed,
+    /// A frame larger than a full-size SendPacket.
+    #[error("frame of {0} bytes")]
+    FrameTooLarge(usize),
+    /// A SendPacket shorter than its key.
+    #[error("SendPacket without a destination")]
+    NoDestination,
 }

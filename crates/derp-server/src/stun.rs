@@ -215,7 +215,7 @@ mod tests {
     use std::time::Duration;
 
     use derp_proto::stun::{TxId, binding_request, parse_response};
-    use derp_testkit::{unhex, vectors};
+    use derp_testkit::vectors;
     use tokio::sync::oneshot;
     use tokio::task::JoinHandle;
 
@@ -308,18 +308,6 @@ mod tests {
         assert_eq!(got, tx, "{name} must not be answered");
     }
 
-    fn ignored_requests() -> Vec<(String, Vec<u8>)> {
-        vectors::stun()["ignored_requests"]
-            .as_array()
-            .expect("ignored_requests")
-            .iter()
-            .map(|r| {
-                let name = r["name"].as_str().expect("name").to_owned();
-                (name, unhex(r["request_hex"].as_str().expect("request_hex")))
-            })
-            .collect()
-    }
-
     fn counts(m: &StunMetrics) -> [u64; 6] {
         [
             m.read_error.get(),
@@ -337,7 +325,7 @@ mod tests {
         };
         let client = client_for(server.addr).await;
         exchange(&client, TxId(*b"derp-vectors")).await;
-        for (i, (name, request)) in ignored_requests().iter().enumerate() {
+        for (i, (name, request)) in vectors::stun_ignored_requests().iter().enumerate() {
             assert_ignored(&client, name, request, TxId([i as u8; 12])).await;
         }
         let (metrics, _) = server.stop().await;
@@ -358,7 +346,7 @@ mod tests {
 
     #[tokio::test]
     async fn generic_mode_answers_plain_rfc5389_requests() {
-        let requests = ignored_requests();
+        let requests = vectors::stun_ignored_requests();
         let bare = &requests
             .iter()
             .find(|(name, _)| name == "no_attributes")

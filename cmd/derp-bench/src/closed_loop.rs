@@ -5,12 +5,13 @@
 //! The client side bounds what can be measured, so it is kept lean: each side of each pair
 //! has its own OS thread, with either a current-thread tokio runtime driving a
 //! [`derp_client`] connection (`--client tokio`: every URL scheme) or a blocking socket
-//! speaking DERP directly ([`crate::rawclient`], `--client blocking`: plain http:// only).
+//! speaking DERP directly ([`derp_testkit::raw::BlockingClient`], `--client blocking`: plain
+//! http:// only).
 //! Neither side shares a runtime, a lock or a queue with anything else; TCP_NODELAY is on,
 //! and each packet leaves in its own write as soon as it is made.
 
 use std::io::{ErrorKind, Write as _};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use std::thread::JoinHandle;
@@ -18,15 +19,15 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail};
 use derp_client::{Client, ClientConfig, ClientReader, ClientWriter, ReceivedFrame, Scheme};
-use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN};
-use derp_proto::{ClientToRelay, PublicKey, SecretKey};
+use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN, PROTOCOL_VERSION};
+use derp_proto::{ClientInfo, ClientToRelay, PublicKey, SecretKey};
+use derp_testkit::raw::{BlockingClient, UpgradeRequest};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
 use crate::cli::ClientKind;
 use crate::load::{Clock, RttHistogram, new_histogram};
 use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::rawclient::RawConn;
 use crate::target::{Target, describe_connect_error};
 
 /// A sender that hears nothing back for this long gives its outstanding packets up as lost
@@ -598,15 +599,30 @@ fn raw_connect(
     config: &ClientConfig,
     secret: &SecretKey,
     timeout: Duration,
-) -> Result<RawConn, String> {
-    RawConn::connect(
-        config.url.host(),
-        config.url.port(),
-        config.url.path(),
-        secret,
-        timeout,
-    )
-    .map_err(|e| format!("{e:#}"))
+) -> Result<BlockingClient, String> {
+    let (host, port) = (config.url.host(), config.url.port());
+    let addr = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("resolving {host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{host} has no address"))?;
+    let host_header = if port == 80 {
+        host.to_owned()
+    } else {
+        format!("{host}:{port}")
+    };
+    let request = UpgradeRequest {
+        host: &host_header,
+        path: config.url.path(),
+        extra_headers: "User-Agent: derp-bench\r\n",
+    };
+    let info = ClientInfo {
+        version: i64::from(PROTOCOL_VERSION),
+        app_name: "derp-bench".into(),
+        ..ClientInfo::default()
+    };
+    BlockingClient::connect(addr, &request, secret, info, timeout)
+        .map_err(|e| format!("connecting to {addr}: {e}"))
 }
 
 fn blocking_sender(config: ClientConfig, secret: SecretKey, timeout: Duration, setup: Setup) {
@@ -650,7 +666,7 @@ fn blocking_sender(config: ClientConfig, secret: SecretKey, timeout: Duration, s
 }
 
 fn blocking_window(
-    conn: &mut RawConn,
+    conn: &mut BlockingClient,
     spec: &LoopSpec,
     window: &LoopWindow,
     clock: Clock,

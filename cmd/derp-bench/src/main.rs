@@ -24,7 +24,6 @@ mod procfs;
 mod procs;
 mod progress;
 mod prom;
-mod rawclient;
 mod report;
 mod target;
 

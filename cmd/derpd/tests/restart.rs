@@ -26,16 +26,16 @@ async fn small_buffer_client(addr: SocketAddr, secret: SecretKey) -> RawClient {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_sends_restarting_delivers_queued_packets_and_exits_zero() {
     let mut node = Node::start(&[
-        "-a".into(),
-        "127.0.0.1:0".into(),
-        "--dev".into(),
+        "-a",
+        "127.0.0.1:0",
+        "--dev",
         // A receiver that reads late must not be cut off before the drain reaches it.
-        "--tcp-write-timeout".into(),
-        "0".into(),
-        "--restart-reconnect-in".into(),
-        "1500ms".into(),
-        "--restart-try-for".into(),
-        "45s".into(),
+        "--tcp-write-timeout",
+        "0",
+        "--restart-reconnect-in",
+        "1500ms",
+        "--restart-try-for",
+        "45s",
     ]);
     let mut receiver = small_buffer_client(node.addr, secret()).await;
     let s = secret();
@@ -106,13 +106,13 @@ async fn sigterm_sends_restarting_delivers_queued_packets_and_exits_zero() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_ends_the_drain_at_once() {
     let mut node = Node::start(&[
-        "-a".into(),
-        "127.0.0.1:0".into(),
-        "--dev".into(),
-        "--tcp-write-timeout".into(),
-        "0".into(),
-        "--drain-timeout".into(),
-        "10m".into(),
+        "-a",
+        "127.0.0.1:0",
+        "--dev",
+        "--tcp-write-timeout",
+        "0",
+        "--drain-timeout",
+        "10m",
     ]);
     // A receiver that never reads: its queue cannot drain, so the first signal's drain would
     // run to its ten-minute deadline.

@@ -507,8 +507,8 @@ async fn ping_flood_is_answered_without_queueing_pongs() {
     srv.stop().await;
 }
 
-// Fails against the current server (uncommitted): a writer blocked on a client that does
-// not read ignores cancellation when no write timeout is set, so shutdown never returns.
+/// A writer blocked on a client that does not read must still notice shutdown when no write
+/// timeout is set, or shutdown never returns.
 #[tokio::test]
 async fn shutdown_finishes_with_a_stuck_receiver_and_no_write_timeout() {
     let srv = TestServer::start(ServerConfig {

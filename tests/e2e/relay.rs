@@ -1290,8 +1290,8 @@ async fn ideal_node_header_marks_the_connection_not_ideal() {
     srv.stop().await;
 }
 
-// Fails against the current server (uncommitted): the hyper upgrade path matches `derp` as a
-// substring and accepts `derpish` as the derp subprotocol.
+/// The hyper upgrade path must match the `derp` subprotocol exactly, not as a substring
+/// (`derpish`).
 #[tokio::test]
 async fn websocket_subprotocol_is_checked_on_keepalive_requests_too() {
     let srv = TestServer::start_default().await;
@@ -1317,8 +1317,8 @@ async fn empty_and_self_addressed_packets_are_delivered() {
     srv.stop().await;
 }
 
-// Fails against the current server (uncommitted): the receiver registers its PeerGone watch
-// only after writing the packet, so a sender that leaves right away is never reported.
+/// The receiver must watch for the sender's PeerGone before the packet is written to it, or
+/// a sender that leaves right away is never reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_gone_reaches_a_receiver_even_when_the_sender_leaves_at_once() {
     let srv = TestServer::start_default().await;

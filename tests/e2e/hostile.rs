@@ -333,10 +333,14 @@ async fn client_that_never_reads_is_dropped_without_hurting_others() {
     }
     // Meanwhile A and B keep talking.
     let mut round = 0u32;
+    let deadline = tokio::time::Instant::now() + STEP;
     while metrics.write_timeouts.get() == 0 {
         pair_still_works(&mut a, &mut b, &format!("round {round}")).await;
         round += 1;
-        assert!(round < 100_000, "victim never cut off");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "victim never cut off"
+        );
     }
     let mut flooded = 0;
     // Kept connected until the end, so the gauge below counts them.

@@ -54,8 +54,7 @@ async fn client_library_relays_pings_and_sees_peers_leave() {
         b.send_packet(a_pub, vec![9u8; 1400]).await.expect("send");
         assert_eq!(next_packet(&mut a).await, (b_pub, vec![9u8; 1400]));
 
-        let rtt = a.ping().await.expect("ping");
-        assert!(rtt > std::time::Duration::ZERO);
+        within(a.ping()).await.expect("ping");
 
         a.note_preferred(true).await.expect("note preferred");
         srv.eventually("home connection counted", |s| {

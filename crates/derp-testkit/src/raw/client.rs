@@ -153,15 +153,12 @@ impl RawClient {
     pub async fn try_handshake(&mut self, info: ClientInfo) -> bool {
         let mut hs = Handshake::new(self.secret.clone(), info);
         loop {
-            let frame = match self.try_recv_any().await {
-                Some(frame) => frame,
-                None => {
-                    assert!(
-                        hs.sent_client_info(),
-                        "the server closed the connection before ServerKey"
-                    );
-                    return false;
-                }
+            let Some(frame) = self.try_recv_any().await else {
+                assert!(
+                    hs.sent_client_info(),
+                    "the server closed the connection before ServerKey"
+                );
+                return false;
             };
             match hs.step(frame).expect("handshake") {
                 Step::Send(out) => self.send_raw(&out).await,

@@ -189,26 +189,12 @@ fn a_key_file_the_disk_cannot_take_is_a_clear_error_and_leaves_nothing() {
     assert_eq!(dir.names(), ["derper.key"]);
 }
 
+/// support's manual IP node, for a derpd started without [`support::Node`]: JSON logs, STUN
+/// on an ephemeral port.
 fn manual_ip_args(certdir: &str) -> Vec<&str> {
-    vec![
-        "--dev",
-        "-a",
-        "127.0.0.1:0",
-        "--stun-port",
-        "0",
-        "--log-format",
-        "json",
-        "--certmode",
-        "manual",
-        "--hostname",
-        "127.0.0.1",
-        "--http-port",
-        "-1",
-        "--cert-reload-interval",
-        "0",
-        "--certdir",
-        certdir,
-    ]
+    let mut args = support::manual_ip_args(certdir);
+    args.extend(["--stun-port", "0", "--log-format", "json"]);
+    args
 }
 
 /// The self-signed certificate of an IP-only node is written key first, then certificate.

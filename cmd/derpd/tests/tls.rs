@@ -8,27 +8,12 @@ use std::path::Path;
 
 use derp_client::{Client, ClientConfig};
 use derp_proto::SecretKey;
-use support::{Node, STEP, TempDir};
+use support::{Node, STEP, TempDir, manual_ip_args};
 
 /// An IP-only node in manual mode with its certificates in `certdir`; returns it and the pin
 /// it printed in its DERP map node line.
 fn start_ip_node(certdir: &Path) -> (Node, String) {
-    let certdir = certdir.to_str().expect("utf8");
-    let node = Node::start(&[
-        "--dev",
-        "-a",
-        "127.0.0.1:0",
-        "--certmode",
-        "manual",
-        "--hostname",
-        "127.0.0.1",
-        "--http-port",
-        "-1",
-        "--cert-reload-interval",
-        "0",
-        "--certdir",
-        certdir,
-    ]);
+    let node = Node::start(&manual_ip_args(certdir.to_str().expect("utf8")));
     let map_node: serde_json::Value =
         node.wait_stdout("DERP map node", |l| serde_json::from_str(l.trim()).ok());
     let pin = map_node["CertName"].as_str().expect("CertName").to_owned();

@@ -97,6 +97,26 @@ pub fn write_mesh_key(path: &Path) -> String {
     hex
 }
 
+/// Flags for an IP-only dev node on an ephemeral loopback port in manual mode, its
+/// self-signed certificate in `certdir`: no port-80 listener, no periodic reload.
+pub fn manual_ip_args(certdir: &str) -> Vec<&str> {
+    vec![
+        "--dev",
+        "-a",
+        "127.0.0.1:0",
+        "--certmode",
+        "manual",
+        "--hostname",
+        "127.0.0.1",
+        "--http-port",
+        "-1",
+        "--cert-reload-interval",
+        "0",
+        "--certdir",
+        certdir,
+    ]
+}
+
 /// A running derpd, with the addresses it logged. Killed and reaped on drop; everything a
 /// [`Process`] does, it does.
 pub struct Node {

@@ -401,6 +401,8 @@ async fn tls13_clients_fast_start_from_the_meta_certificate_and_tls12_clients_ge
     connect_pair(&relay, tls13).await;
 
     // Over TLS 1.3 on the wire: with Derp-Fast-Start the first bytes are the ServerKey frame.
+    // (The raw connections are closed before the relay stops, which would otherwise wait for
+    // their handshake deadline.)
     let mut s = raw_connect(&relay, raw_tls(&ca.cert, &[&rustls::version::TLS13])).await;
     assert_eq!(
         s.get_ref().1.protocol_version(),
@@ -428,6 +430,7 @@ async fn tls13_clients_fast_start_from_the_meta_certificate_and_tls12_clients_ge
         [0x01, 0, 0, 0, 40],
         "expected a ServerKey frame header"
     );
+    drop(s);
 
     // TLS 1.2: the meta certificate is still in the chain, but it must not be used.
     let mut s = raw_connect(&relay, raw_tls(&ca.cert, &[&rustls::version::TLS12])).await;
@@ -455,6 +458,7 @@ async fn tls13_clients_fast_start_from_the_meta_certificate_and_tls12_clients_ge
         .await
         .expect("read");
     assert_eq!(&head[..], b"HTTP/1.1 101 Switching Protocols\r\n");
+    drop(s);
 
     // The full client limited to TLS 1.2 takes the 101 path and works.
     let tls12 = || {

@@ -2,8 +2,8 @@
 //! a fuzzer, so anything a fuzzer once found stays fixed.
 //!
 //! Layout: `corpus/<target>/*` (seeds) and `regressions/<target>/*` (inputs that once crashed
-//! a target; copy them there from `artifacts/<target>/`). Every target must have seeds, and
-//! every directory must name a target.
+//! a target; copy them there from `artifacts/<target>/`). Every target must have seeds, there
+//! must be regression inputs, and every directory must name a target.
 
 use std::fs;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -53,5 +53,8 @@ fn corpus_replays_clean() {
 
 #[test]
 fn regressions_replay_clean() {
-    replay_dir("regressions", false);
+    // Not every target has regressions, but the suite has some: none found means the
+    // directory moved or was emptied, and the replay would pass having replayed nothing.
+    let n = replay_dir("regressions", false);
+    assert!(n >= 1, "no regression inputs under regressions/");
 }

@@ -1,24 +1,18 @@
-//! Shared test scaffolding: a real server on 127.0.0.1:0 and a byte-level DERP client.
+//! Shared test scaffolding: a real server on 127.0.0.1:0, and helpers for raw HTTP and
+//! floods from many loopback sources.
 //!
-//! The raw client is built straight on `derp-proto` so tests can check exact bytes and send
-//! malformed input; higher-level tests use `derp-client`.
+//! The byte-level DERP client is derp-testkit's ([`RawClient`]), so tests can check exact
+//! bytes and send malformed input; higher-level tests use `derp-client`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::BytesMut;
-use derp_proto::{
-    ClientDecoder, ClientHandshake, ClientInfo, ClientToRelay, PublicKey, RelayToClient, SecretKey,
-    ServerInfo,
-};
 use derp_server::{Server, ServerConfig};
-use rand::RngCore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 
-/// How long any single expected event may take before the test fails.
-pub(crate) const STEP: Duration = Duration::from_secs(10);
+pub(crate) use derp_testkit::raw::{RawClient, STEP, plain_info};
 
 pub(crate) struct TestServer {
     pub(crate) server: Server,
@@ -116,243 +110,11 @@ impl TestServer {
     }
 }
 
-/// A DERP client that speaks the wire format directly.
-pub(crate) struct RawClient {
-    pub(crate) stream: TcpStream,
-    pub(crate) buf: BytesMut,
-    pub(crate) decoder: ClientDecoder,
-    pub(crate) secret: SecretKey,
-    pub(crate) key: PublicKey,
-    pub(crate) server_info: Option<ServerInfo>,
-}
-
-impl RawClient {
-    /// A client on `stream` that has done nothing yet: no upgrade, no handshake.
-    pub(crate) fn on_stream(stream: TcpStream, secret: SecretKey) -> Self {
-        Self {
-            stream,
-            buf: BytesMut::new(),
-            decoder: ClientDecoder::new(),
-            key: secret.public_key(),
-            secret,
-            server_info: None,
-        }
-    }
-
-    /// Connects with a fresh random key.
-    pub(crate) async fn connect(addr: SocketAddr) -> Self {
-        Self::connect_with(addr, SecretKey::generate(&mut rand::rngs::OsRng)).await
-    }
-
-    /// Upgrades over plain HTTP and completes the handshake with `secret`.
-    pub(crate) async fn connect_with(addr: SocketAddr, secret: SecretKey) -> Self {
-        let mut c = Self::upgrade(addr, secret, "").await;
-        c.handshake(ClientInfo {
-            version: 2,
-            can_ack_pings: true,
-            ..ClientInfo::default()
-        })
-        .await;
-        c
-    }
-
-    /// Sends the upgrade request (with `extra_headers`, each ending in CRLF) and reads the
-    /// 101 response head, without starting the DERP handshake.
-    pub(crate) async fn upgrade(addr: SocketAddr, secret: SecretKey, extra_headers: &str) -> Self {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        stream.set_nodelay(true).expect("nodelay");
-        let req = format!(
-            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n{extra_headers}\r\n"
-        );
-        stream.write_all(req.as_bytes()).await.expect("write");
-        let mut c = Self::on_stream(stream, secret);
-        let head = c.read_http_head().await;
-        assert!(
-            head.starts_with("HTTP/1.1 101 "),
-            "expected 101, got {head:?}"
-        );
-        c
-    }
-
-    /// Reads an HTTP response head from the stream, leaving later bytes in `buf`.
-    pub(crate) async fn read_http_head(&mut self) -> String {
-        loop {
-            if let Some(i) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = self.buf.split_to(i + 4);
-                return String::from_utf8_lossy(&head).into_owned();
-            }
-            self.read_some().await;
-        }
-    }
-
-    /// Runs the client side of the handshake: ServerKey, ClientInfo, ServerInfo.
-    pub(crate) async fn handshake(&mut self, info: ClientInfo) {
-        let mut hs = ClientHandshake::new(self.secret.clone(), info);
-        match self.recv().await {
-            RelayToClient::ServerKey(k) => hs.handle_server_key(k).expect("server key"),
-            other => panic!("expected ServerKey, got {other:?}"),
-        }
-        let mut nonce = [0u8; 24];
-        rand::rngs::OsRng.fill_bytes(&mut nonce);
-        let mut out = BytesMut::new();
-        hs.client_info_frame(nonce, &mut out).expect("client info");
-        self.stream
-            .write_all(&out)
-            .await
-            .expect("write client info");
-        match self.recv().await {
-            RelayToClient::ServerInfo { sealed } => {
-                self.server_info = Some(hs.handle_server_info(&sealed).expect("server info"));
-            }
-            other => panic!("expected ServerInfo, got {other:?}"),
-        }
-    }
-
-    /// Reads whatever arrives next into `buf`.
-    pub(crate) async fn read_more(&mut self) {
-        self.read_some().await;
-    }
-
-    async fn read_some(&mut self) {
-        self.buf.reserve(64 * 1024);
-        let n = tokio::time::timeout(STEP, self.stream.read_buf(&mut self.buf))
-            .await
-            .expect("timed out reading")
-            .expect("read");
-        assert!(n > 0, "server closed the connection");
-    }
-
-    pub(crate) async fn send(&mut self, msg: ClientToRelay) {
-        let mut out = BytesMut::new();
-        msg.encode(&mut out);
-        self.stream.write_all(&out).await.expect("send");
-    }
-
-    pub(crate) async fn send_packet(&mut self, dst: PublicKey, packet: &[u8]) {
-        self.send(ClientToRelay::SendPacket {
-            dst,
-            packet: bytes::Bytes::copy_from_slice(packet),
-        })
-        .await;
-    }
-
-    /// The next frame from the server, skipping keepalives.
-    pub(crate) async fn recv(&mut self) -> RelayToClient {
-        loop {
-            match self.decoder.decode(&mut self.buf).expect("decode") {
-                Some(RelayToClient::KeepAlive) => continue,
-                Some(frame) => return frame,
-                None => self.read_some().await,
-            }
-        }
-    }
-
-    /// The next RecvPacket, as (source, bytes).
-    pub(crate) async fn recv_packet(&mut self) -> (PublicKey, Vec<u8>) {
-        match self.recv().await {
-            RelayToClient::RecvPacket { src, packet } => (src, packet.to_vec()),
-            other => panic!("expected RecvPacket, got {other:?}"),
-        }
-    }
-
-    /// Reads until the server closes the connection; fails if it does not within [`STEP`].
-    pub(crate) async fn expect_closed(&mut self) {
-        let mut scratch = [0u8; 4096];
-        loop {
-            match tokio::time::timeout(STEP, self.stream.read(&mut scratch)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => return,
-                Ok(Ok(_)) => continue,
-                Err(_) => panic!("server did not close the connection"),
-            }
-        }
-    }
-}
-
 /// A packet that looks like a disco message to the server (magic + at least 62 bytes).
 pub(crate) fn disco_packet() -> Vec<u8> {
     let mut p = "TS💬".as_bytes().to_vec();
     p.resize(62, 7);
     p
-}
-
-impl RawClient {
-    /// Like [`RawClient::connect_with`], on a stream the caller opened (for example one with
-    /// a small receive buffer).
-    pub(crate) async fn connect_on(stream: TcpStream, secret: SecretKey) -> Self {
-        let mut c = Self::upgrade_on(stream, secret, "").await;
-        c.handshake(ClientInfo {
-            version: 2,
-            can_ack_pings: true,
-            ..ClientInfo::default()
-        })
-        .await;
-        c
-    }
-
-    /// Like [`RawClient::upgrade`], on a stream the caller opened.
-    pub(crate) async fn upgrade_on(
-        mut stream: TcpStream,
-        secret: SecretKey,
-        extra_headers: &str,
-    ) -> Self {
-        stream.set_nodelay(true).expect("nodelay");
-        let addr = stream.peer_addr().expect("peer addr");
-        let req = format!(
-            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n{extra_headers}\r\n"
-        );
-        stream.write_all(req.as_bytes()).await.expect("write");
-        let mut c = Self::on_stream(stream, secret);
-        let head = c.read_http_head().await;
-        assert!(
-            head.starts_with("HTTP/1.1 101 "),
-            "expected 101, got {head:?}"
-        );
-        c
-    }
-
-    /// The next frame from the server, keepalives included.
-    pub(crate) async fn recv_any(&mut self) -> RelayToClient {
-        loop {
-            match self.decoder.decode(&mut self.buf).expect("decode") {
-                Some(frame) => return frame,
-                None => self.read_some().await,
-            }
-        }
-    }
-
-    /// Writes bytes as they are, for malformed frames.
-    pub(crate) async fn send_raw(&mut self, bytes: &[u8]) {
-        self.stream.write_all(bytes).await.expect("send raw");
-    }
-
-    /// Returns every frame (keepalives excepted) that the server had queued for this client
-    /// before the call: pings twice and collects what arrives before each pong.
-    ///
-    /// Two round trips because the server may write a pong ahead of packets taken in the same
-    /// batch; everything queued before the first ping was handled is written before the
-    /// second pong. Also proves the connection is alive and the server has handled every
-    /// frame this client sent before.
-    pub(crate) async fn barrier(&mut self) -> Vec<RelayToClient> {
-        let mut seen = Vec::new();
-        for _ in 0..2 {
-            let mut tag = [0u8; 8];
-            rand::rngs::OsRng.fill_bytes(&mut tag);
-            self.send(ClientToRelay::Ping(tag)).await;
-            loop {
-                match self.recv().await {
-                    RelayToClient::Pong(p) if p == tag => break,
-                    other => seen.push(other),
-                }
-            }
-        }
-        seen
-    }
-
-    /// Fails unless the server queued nothing for this client (see [`RawClient::barrier`]).
-    pub(crate) async fn expect_quiet(&mut self) {
-        let seen = self.barrier().await;
-        assert!(seen.is_empty(), "expected no frames, got {seen:?}");
-    }
 }
 
 /// A complete frame: 5-byte header for type `ty` and `body`.
@@ -441,96 +203,16 @@ pub(crate) fn flood_source(round: u8, i: usize) -> std::net::Ipv4Addr {
 pub(crate) async fn read_until_closed(s: &mut TcpStream) -> Vec<u8> {
     let mut got = Vec::new();
     let mut chunk = [0u8; 4096];
-    loop {
-        match tokio::time::timeout(STEP, s.read(&mut chunk)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return got,
-            Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
-            Err(_) => panic!("server kept the connection open"),
-        }
-    }
-}
-
-impl RawClient {
-    /// Runs the handshake like [`RawClient::handshake`], but tells whether the server let the
-    /// client in (answered with ServerInfo) or closed the connection after ClientInfo with
-    /// nothing else said.
-    pub(crate) async fn try_handshake(&mut self, info: ClientInfo) -> bool {
-        let mut hs = ClientHandshake::new(self.secret.clone(), info);
-        match self.recv().await {
-            RelayToClient::ServerKey(k) => hs.handle_server_key(k).expect("server key"),
-            other => panic!("expected ServerKey, got {other:?}"),
-        }
-        let mut nonce = [0u8; 24];
-        rand::rngs::OsRng.fill_bytes(&mut nonce);
-        let mut out = BytesMut::new();
-        hs.client_info_frame(nonce, &mut out).expect("client info");
-        self.stream
-            .write_all(&out)
-            .await
-            .expect("write client info");
+    let closed = async {
         loop {
-            match self.decoder.decode(&mut self.buf).expect("decode") {
-                Some(RelayToClient::ServerInfo { sealed }) => {
-                    self.server_info = Some(hs.handle_server_info(&sealed).expect("server info"));
-                    return true;
-                }
-                Some(other) => panic!("expected ServerInfo or a close, got {other:?}"),
-                None => {}
-            }
-            self.buf.reserve(4096);
-            match tokio::time::timeout(STEP, self.stream.read_buf(&mut self.buf)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => return false,
-                Ok(Ok(_)) => {}
-                Err(_) => panic!("server neither admitted nor closed the client"),
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
             }
         }
-    }
-
-    /// Connects with `secret` and `info`; `None` when the server refused the client after
-    /// its ClientInfo.
-    pub(crate) async fn try_connect(
-        addr: SocketAddr,
-        secret: SecretKey,
-        info: ClientInfo,
-    ) -> Option<Self> {
-        let mut c = Self::upgrade(addr, secret, "").await;
-        c.try_handshake(info).await.then_some(c)
-    }
-}
-
-/// The ClientInfo ordinary test clients send.
-pub(crate) fn plain_info() -> ClientInfo {
-    ClientInfo {
-        version: 2,
-        can_ack_pings: true,
-        ..ClientInfo::default()
-    }
-}
-
-impl RawClient {
-    /// Like [`RawClient::upgrade`] with a fresh key, but `None` when the server closes the
-    /// connection instead of answering (refused at accept).
-    pub(crate) async fn try_upgrade(addr: SocketAddr) -> Option<Self> {
-        let mut stream = TcpStream::connect(addr).await.ok()?;
-        stream.set_nodelay(true).ok()?;
-        let req = format!(
-            "GET /derp HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\r\n"
-        );
-        stream.write_all(req.as_bytes()).await.ok()?;
-        let secret = SecretKey::generate(&mut rand::rngs::OsRng);
-        let mut c = Self::on_stream(stream, secret);
-        loop {
-            if let Some(i) = c.buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = c.buf.split_to(i + 4);
-                assert!(head.starts_with(b"HTTP/1.1 101 "), "{head:?}");
-                return Some(c);
-            }
-            c.buf.reserve(4096);
-            match tokio::time::timeout(STEP, c.stream.read_buf(&mut c.buf)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => return None,
-                Ok(Ok(_)) => {}
-                Err(_) => panic!("no answer to the upgrade"),
-            }
-        }
-    }
+    };
+    tokio::time::timeout(STEP, closed)
+        .await
+        .expect("server kept the connection open");
+    got
 }

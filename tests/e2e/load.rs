@@ -3,11 +3,12 @@
 
 use bytes::BytesMut;
 use derp_proto::{ClientToRelay, PublicKey};
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 use tokio::task::JoinSet;
 
 use crate::harness::{RawClient, TestServer};
 
-/// Clients wanted in the ring.
+/// Clients in the ring.
 const CLIENTS: usize = 1000;
 /// Packets each client sends to its successor; well under the queue depth of 32, so a
 /// correct relay has no reason to drop any.
@@ -15,32 +16,33 @@ const PER_CLIENT: usize = 5;
 /// Handshakes in flight at once.
 const CONNECT_BATCH: usize = 100;
 /// File descriptors kept free for the runtime, the listener and tests running alongside.
-const FD_RESERVE: usize = 256;
+const FD_RESERVE: u64 = 256;
 
-/// The soft limit on open files, from `/proc/self/limits` (Linux); `None` when unknown.
-fn open_file_limit() -> Option<usize> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
-    let soft = line.split_whitespace().nth(3)?;
-    if soft == "unlimited" {
-        return Some(usize::MAX);
+/// Raises this process's soft limit on open files to its hard limit, and fails with the
+/// reason unless that leaves room for `CLIENTS`: each client costs two descriptors in this
+/// process, its own socket and the server's end. Never runs fewer clients than it says.
+fn make_room_for_the_clients() {
+    let need = 2 * CLIENTS as u64 + FD_RESERVE;
+    let Rlimit { current, maximum } = getrlimit(Resource::Nofile);
+    if current.is_none_or(|soft| soft >= need) {
+        return;
     }
-    soft.parse().ok()
-}
-
-/// As many clients as the fd limit allows, up to [`CLIENTS`]. Each client costs two
-/// descriptors in this process: its own socket and the server's end.
-fn client_count() -> usize {
-    match open_file_limit() {
-        Some(limit) => {
-            let fit = limit.saturating_sub(FD_RESERVE) / 2;
-            if fit < CLIENTS {
-                eprintln!("open file limit {limit}: running {fit} clients instead of {CLIENTS}");
-            }
-            fit.min(CLIENTS)
-        }
-        None => CLIENTS,
-    }
+    // An unlimited hard limit still caps the soft one at the kernel's nr_open: ask for what
+    // is needed.
+    let soft = maximum.unwrap_or(need);
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(soft),
+            maximum,
+        },
+    )
+    .unwrap_or_else(|e| panic!("raising the open file limit to {soft}: {e}"));
+    assert!(
+        soft >= need,
+        "{CLIENTS} clients need {need} open files, and the hard limit is {soft}: raise it \
+         (`ulimit -Hn`, LimitNOFILE=) to run this test"
+    );
 }
 
 fn payload(sender: usize, seq: usize) -> Vec<u8> {
@@ -55,11 +57,8 @@ fn payload(sender: usize, seq: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_clients_in_a_ring_get_every_packet() {
-    let n = client_count();
-    assert!(
-        n >= 100,
-        "too few file descriptors for a meaningful load test"
-    );
+    make_room_for_the_clients();
+    let n = CLIENTS;
     let srv = TestServer::start_default().await;
 
     let mut clients: Vec<Option<RawClient>> = (0..n).map(|_| None).collect();

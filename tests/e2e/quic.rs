@@ -626,7 +626,12 @@ async fn a_rebound_client_keeps_its_registration_and_its_packets_keep_flowing() 
             );
         }
         let payload = i.to_be_bytes();
+        let give_up = tokio::time::Instant::now() + STEP;
         'resend: loop {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "packet {i} was not echoed within {STEP:?}, resends included"
+            );
             a_tx.send_packet(kb, payload).await.expect("send");
             let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
             loop {

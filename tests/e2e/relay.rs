@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use derp_proto::{
-    ClientDecoder, ClientHandshake, ClientInfo, ClientToRelay, PeerGoneReason, PublicKey,
-    RelayToClient, SecretKey,
+    ClientDecoder, ClientHandshake, ClientInfo, ClientToRelay, FrameType, PeerGoneReason,
+    PublicKey, RelayToClient, SecretKey,
 };
 use derp_server::{HomePage, ServerConfig};
 use rand::RngCore;
@@ -371,23 +371,11 @@ async fn packets_handed_to_the_socket_before_a_write_timeout_count_as_sent() {
         gauge(s, "derp_current_connections") == 1.0
     })
     .await;
-    let mut delivered = 0u32;
-    let mut chunk = vec![0u8; 64 * 1024];
-    loop {
-        while let Some(frame) = cathy.decoder.decode(&mut cathy.buf).expect("decode") {
-            if let RelayToClient::RecvPacket { .. } = frame {
-                delivered += 1;
-            }
-        }
-        let n = tokio::time::timeout(STEP, cathy.stream.read(&mut chunk))
-            .await
-            .expect("Cathy's socket drained in time")
-            .unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        cathy.buf.extend_from_slice(&chunk[..n]);
-    }
+    let (frames, _) = cathy.frames_until_closed().await;
+    let delivered = frames
+        .iter()
+        .filter(|(ty, _)| *ty == FrameType::RecvPacket as u8)
+        .count() as u32;
     let drops: f64 = [
         "queue_head",
         "queue_tail",
@@ -1166,10 +1154,10 @@ async fn derp_upgrade_methods_other_than_get_and_post_get_405() {
         })
         .flatten()
         .expect("content-length");
-    while c.buf.len() < len {
+    while c.buf.unread().len() < len {
         c.read_more().await;
     }
-    let _ = c.buf.split_to(len);
+    c.buf.consume(len);
     c.send_raw(format!("POST /derp HTTP/1.1\r\nHost: {}\r\n{upgrade}\r\n", srv.addr).as_bytes())
         .await;
     let head = c.read_http_head().await;
@@ -1263,14 +1251,8 @@ async fn frames_pipelined_behind_the_handshake_are_handled_in_order() {
     }
     .encode(&mut out);
     ClientToRelay::Ping([6; 8]).encode(&mut out);
-    let mut c = RawClient {
-        stream: TcpStream::connect(srv.addr).await.expect("connect"),
-        buf: BytesMut::new(),
-        decoder: ClientDecoder::new(),
-        key,
-        secret,
-        server_info: None,
-    };
+    let stream = TcpStream::connect(srv.addr).await.expect("connect");
+    let mut c = RawClient::on_stream(stream, secret);
     c.send_raw(&out).await;
     assert!(matches!(c.recv().await, RelayToClient::ServerKey(k) if k == srv.server.public_key()));
     match c.recv().await {
@@ -1308,8 +1290,8 @@ async fn ideal_node_header_marks_the_connection_not_ideal() {
     srv.stop().await;
 }
 
-// Fails against the current server (uncommitted): the hyper upgrade path matches `derp` as a
-// substring and accepts `derpish` as the derp subprotocol.
+/// The hyper upgrade path must match the `derp` subprotocol exactly, not as a substring
+/// (`derpish`).
 #[tokio::test]
 async fn websocket_subprotocol_is_checked_on_keepalive_requests_too() {
     let srv = TestServer::start_default().await;
@@ -1335,8 +1317,8 @@ async fn empty_and_self_addressed_packets_are_delivered() {
     srv.stop().await;
 }
 
-// Fails against the current server (uncommitted): the receiver registers its PeerGone watch
-// only after writing the packet, so a sender that leaves right away is never reported.
+/// The receiver must watch for the sender's PeerGone before the packet is written to it, or
+/// a sender that leaves right away is never reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_gone_reaches_a_receiver_even_when_the_sender_leaves_at_once() {
     let srv = TestServer::start_default().await;

@@ -1,102 +1,22 @@
 //! The derpd binary as an operator runs it: flags, key files, startup and shutdown.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
 
-use support::TempDir;
+use support::{Launch, Node, STEP, TempDir, http_get, run_to_exit};
 
 mod support;
 
-const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
-
 /// Runs derpd to completion and returns (exit success, stderr).
 fn run(args: &[&str]) -> (bool, String) {
-    let out = Command::new(DERPD)
-        .args(args)
-        .env("RUST_LOG", "info")
-        .output()
-        .expect("run derpd");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// A running derpd that is killed when dropped.
-struct Running {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    let (status, stderr) = run_to_exit(&Launch::plain(), args);
+    (status.success(), stderr)
 }
 
 /// Starts derpd on ephemeral ports and waits for its "listening" log line.
-fn start(extra: &[&str]) -> Running {
-    // Wrapped at once, so the process is killed and reaped on every path, panics included.
-    let mut running = Running {
-        child: Command::new(DERPD)
-            .args([
-                "-a",
-                "127.0.0.1:0",
-                "--stun-port",
-                "0",
-                "--log-format",
-                "json",
-            ])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn derpd"),
-        addr: String::new(),
-    };
-    let stderr = running.child.stderr.take().expect("stderr");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let line = rx.recv_timeout(left).expect("derpd logged its address");
-        let v: serde_json::Value = match serde_json::from_str(&line) {
-            Ok(v) => v,
-            Err(_) => continue,
-        };
-        if v["fields"]["message"]
-            .as_str()
-            .is_some_and(|m| m.starts_with("derpd listening"))
-        {
-            running.addr = v["fields"]["addr"].as_str().expect("addr field").to_owned();
-            return running;
-        }
-    }
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    out
+fn start(extra: &[&str]) -> Node {
+    let mut args = vec!["-a", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    Node::start(&args)
 }
 
 #[test]
@@ -201,11 +121,10 @@ fn reference_key_file_loads_in_both_forms() {
         std::fs::write(&path, &contents).expect("write");
         let r = start(&["-c", path.to_str().expect("utf8")]);
         // The probe answers, and the home page is served; the key shows in the 101 head.
-        assert!(http_get(&r.addr, "/derp/probe").starts_with("HTTP/1.1 200"));
+        assert!(http_get(r.addr, "/derp/probe").starts_with("HTTP/1.1 200"));
         use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&r.addr).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
+        let mut s = std::net::TcpStream::connect(r.addr).expect("connect");
+        s.set_read_timeout(Some(STEP)).expect("timeout");
         s.write_all(
             b"GET /derp HTTP/1.1\r\nHost: x\r\nUpgrade: DERP\r\nConnection: Upgrade\r\n\r\n",
         )
@@ -223,37 +142,18 @@ fn reference_key_file_loads_in_both_forms() {
 #[test]
 fn dev_mode_serves_survives_sighup_and_stops_cleanly_on_sigterm() {
     let mut r = start(&["--dev", "--home", "blank"]);
-    let resp = http_get(&r.addr, "/");
+    let resp = http_get(r.addr, "/");
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    let varz = http_get(&r.addr, "/debug/varz");
+    let varz = http_get(r.addr, "/debug/varz");
     assert!(varz.contains("derp_build_info"), "{varz}");
     // SIGHUP (a systemd reload) must not end it, in any mode.
-    let status = Command::new("kill")
-        .args(["-HUP", &r.child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+    r.signal("HUP");
     assert!(
-        http_get(&r.addr, "/derp/probe").starts_with("HTTP/1.1 200"),
+        http_get(r.addr, "/derp/probe").starts_with("HTTP/1.1 200"),
         "derpd died on SIGHUP"
     );
-    assert!(r.child.try_wait().expect("try_wait").is_none());
-    let status = Command::new("kill")
-        .args(["-TERM", &r.child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-    // Wait for the exit, bounded: poll try_wait on a short interval.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let exit = loop {
-        if let Some(exit) = r.child.try_wait().expect("try_wait") {
-            break exit;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "derpd ignored SIGTERM"
-        );
-        std::thread::park_timeout(Duration::from_millis(20));
-    };
+    assert!(r.is_running());
+    r.signal("TERM");
+    let exit = r.wait_exit(STEP);
     assert!(exit.success(), "{exit:?}");
 }

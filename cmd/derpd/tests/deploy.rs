@@ -11,16 +11,14 @@
 mod tools;
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Instant;
 
 mod support;
 
-use support::{DERPD, TempDir};
+use support::{DERPD, Node, STEP, TempDir};
 
 fn deploy(rel: &str) -> PathBuf {
     tools::repo().join("deploy").join(rel)
@@ -61,89 +59,24 @@ fn derpd_check(args: &[String]) -> String {
     out
 }
 
-/// A running derpd, killed on drop.
-struct Running {
-    child: Child,
-    metrics: SocketAddr,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Starts derpd with `args` plus a metrics listener, and waits until it reports itself ready
-/// there (listening; with TLS, a certificate in service).
-fn start_derpd(args: &[&str]) -> Running {
-    let mut child = Command::new(DERPD)
-        .args(args)
-        .args([
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--stun-port",
-            "0",
-            "--log-format",
-            "json",
-        ])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn derpd");
-    let stderr = child.stderr.take().expect("stderr");
-    let mut running = Running {
-        child,
-        metrics: SocketAddr::from(([127, 0, 0, 1], 0)),
-    };
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
-            .recv_timeout(left)
-            .expect("derpd logged its metrics address");
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        if v["fields"]["message"] == "metrics listening at /metrics" {
-            running.metrics = v["fields"]["addr"]
-                .as_str()
-                .and_then(|a| a.parse().ok())
-                .expect("addr");
-            break;
-        }
-    }
-    wait_ready(&running);
-    running
-}
-
-/// Asks the readiness endpoint until it says 200; each answer is one round trip.
-fn wait_ready(running: &Running) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while http_get(running.metrics, "/derp/probe").0 != 200 {
+/// there (listening; with TLS, a certificate in service). Returns it and the metrics address.
+fn start_derpd(args: &[&str]) -> (Node, SocketAddr) {
+    let mut all = args.to_vec();
+    all.extend(["--metrics-addr", "127.0.0.1:0"]);
+    let node = Node::start(&all);
+    let metrics = node.metrics_addr.expect("metrics address");
+    // Asks the readiness endpoint until it says 200; each answer is one round trip.
+    let deadline = Instant::now() + STEP;
+    while http_get(metrics, "/derp/probe").0 != 200 {
         assert!(Instant::now() < deadline, "derpd never became ready");
     }
+    (node, metrics)
 }
 
+/// A GET on a new connection: the status and the body.
 fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
+    let out = support::http_get(addr, path);
     let status = out
         .split(' ')
         .nth(1)
@@ -364,8 +297,8 @@ fn healthcheck(port: u16) -> Vec<String> {
 
 #[test]
 fn dockerfile_healthcheck_passes_on_a_ready_derpd_only() {
-    let derpd = start_derpd(&["--dev", "-a", "127.0.0.1:0"]);
-    let argv = healthcheck(derpd.metrics.port());
+    let (_derpd, metrics) = start_derpd(&["--dev", "-a", "127.0.0.1:0"]);
+    let argv = healthcheck(metrics.port());
     must(Command::new(&argv[0]).args(&argv[1..]));
     // Nothing listening: unhealthy.
     let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -605,7 +538,7 @@ fn dashboard_and_alert_queries_parse_and_read_only_metrics_derpd_exports() {
         .write("mesh.key", &format!("{}\n", "cd".repeat(32)))
         .display()
         .to_string();
-    let derpd = start_derpd(&[
+    let (_derpd, metrics) = start_derpd(&[
         "-a",
         "127.0.0.1:0",
         "-c",
@@ -623,7 +556,7 @@ fn dashboard_and_alert_queries_parse_and_read_only_metrics_derpd_exports() {
         "--mesh-with",
         "http://127.0.0.1:9/derp",
     ]);
-    let (status, body) = http_get(derpd.metrics, "/metrics");
+    let (status, body) = http_get(metrics, "/metrics");
     assert_eq!(status, 200);
     let exported: BTreeSet<String> = body
         .lines()

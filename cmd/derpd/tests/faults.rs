@@ -11,8 +11,8 @@ use std::time::Duration;
 use derp_client::{Client, ClientConfig, ReceivedFrame};
 use derp_proto::{PublicKey, SecretKey};
 
-use support::faults::{self as fault, Derpd, Launch, open_fds, read_opt, run_to_exit};
-use support::{STEP, TempDir};
+use support::faults::{self as fault, open_fds, read_opt};
+use support::{Launch, Process, STEP, TempDir, derpd_command, run_to_exit};
 
 /// A connected client and its key.
 struct Peer {
@@ -82,7 +82,8 @@ fn http_get(addr: &str, path: &str, wait: Duration) -> Option<String> {
 /// clients leave, the waiting connection and new ones are served.
 #[tokio::test]
 async fn descriptor_exhaustion_is_survived_and_serving_resumes() {
-    let (mut derpd, addr) = Derpd::start_dev(&Launch::with_setup("ulimit -n 48"), &[]);
+    let mut derpd = fault::start_dev(&Launch::with_setup("ulimit -n 48"), &[]);
+    let addr = derpd.addr.to_string();
     let baseline = open_fds(derpd.pid());
     let at_start = fault::describe_fds(derpd.pid());
     let mut a = Peer::connect(&addr).await.expect("first client");
@@ -111,7 +112,7 @@ async fn descriptor_exhaustion_is_survived_and_serving_resumes() {
     a.relay_to(&mut b, b"while full").await;
     let (first, rest) = fillers.split_at_mut(1);
     rest[0].relay_to(&mut first[0], b"filler to filler").await;
-    assert!(derpd.alive());
+    assert!(derpd.is_running());
 
     // Clients leave: the waiting connection is served, and so are new ones.
     let filled = fillers.len();
@@ -143,7 +144,7 @@ async fn descriptor_exhaustion_is_survived_and_serving_resumes() {
         );
         poll.tick().await;
     }
-    assert!(derpd.alive());
+    assert!(derpd.is_running());
 }
 
 /// The one line derpd printed before exiting with an error.
@@ -179,35 +180,21 @@ fn a_key_file_the_disk_cannot_take_is_a_clear_error_and_leaves_nothing() {
         );
     }
 
-    let (derpd, _) = Derpd::start_dev(&Launch::plain(), &["-c", key_arg]);
+    let derpd = fault::start_dev(&Launch::plain(), &["-c", key_arg]);
     drop(derpd);
     let written = read_opt(&key).expect("key file");
-    let (derpd, _) = Derpd::start_dev(&Launch::full_disk(0), &["-c", key_arg]);
+    let derpd = fault::start_dev(&Launch::full_disk(0), &["-c", key_arg]);
     drop(derpd);
     assert_eq!(read_opt(&key).as_deref(), Some(written.as_str()));
     assert_eq!(dir.names(), ["derper.key"]);
 }
 
+/// support's manual IP node, for a derpd started without [`support::Node`]: JSON logs, STUN
+/// on an ephemeral port.
 fn manual_ip_args(certdir: &str) -> Vec<&str> {
-    vec![
-        "--dev",
-        "-a",
-        "127.0.0.1:0",
-        "--stun-port",
-        "0",
-        "--log-format",
-        "json",
-        "--certmode",
-        "manual",
-        "--hostname",
-        "127.0.0.1",
-        "--http-port",
-        "-1",
-        "--cert-reload-interval",
-        "0",
-        "--certdir",
-        certdir,
-    ]
+    let mut args = support::manual_ip_args(certdir);
+    args.extend(["--stun-port", "0", "--log-format", "json"]);
+    args
 }
 
 /// The self-signed certificate of an IP-only node is written key first, then certificate.
@@ -244,7 +231,7 @@ async fn a_certificate_cache_the_disk_cannot_take_is_a_clear_error_and_recovers(
         "{key}"
     );
 
-    let derpd = Derpd::spawn(fault::derpd_command(&Launch::plain(), &args));
+    let derpd = Process::spawn(derpd_command(&Launch::plain(), &args));
     let pin = derpd.wait_log("the certificate in service", |v| {
         (v["fields"]["message"] == "manual certificate in service")
             .then(|| v["fields"]["pin"].as_str().map(str::to_owned))?
@@ -290,7 +277,7 @@ fn dev_args(key: &str) -> Vec<&str> {
 }
 
 /// The public key derpd logged when it started listening.
-fn served_key(derpd: &Derpd) -> String {
+fn served_key(derpd: &Process) -> String {
     derpd.find_log("the listening line", |v| {
         (v["fields"]["message"] == "derpd listening (plain HTTP)")
             .then(|| v["fields"]["key"].as_str().map(str::to_owned))?
@@ -336,7 +323,7 @@ fn sigkill_while_the_key_file_is_created_never_leaves_a_partial_key() {
             },
             &dev_args(key_arg),
         );
-        let status = traced.derpd.wait_exit();
+        let status = traced.derpd.wait_exit(STEP);
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(9),
@@ -354,7 +341,7 @@ fn sigkill_while_the_key_file_is_created_never_leaves_a_partial_key() {
             dir.names()
         );
 
-        let (derpd, _) = Derpd::start_dev(&Launch::plain(), &["-c", key_arg]);
+        let derpd = fault::start_dev(&Launch::plain(), &["-c", key_arg]);
         let served = served_key(&derpd);
         assert_eq!(served, public_of(&key), "{syscalls}");
         if let Some(before) = before {
@@ -423,7 +410,7 @@ async fn sigkill_while_the_certificate_cache_is_written_is_recovered_from() {
             |pid| dir.path(&format!("{file}.tmp{pid}")),
             &args,
         );
-        let status = traced.derpd.wait_exit();
+        let status = traced.derpd.wait_exit(STEP);
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(9),
@@ -435,7 +422,7 @@ async fn sigkill_while_the_certificate_cache_is_written_is_recovered_from() {
         assert_eq!(key.is_some(), key_in_place, "{syscalls} {file}");
         assert!(read_opt(&dir.path("127.0.0.1.crt")).is_none());
 
-        let derpd = Derpd::spawn(fault::derpd_command(&Launch::plain(), &args));
+        let derpd = Process::spawn(derpd_command(&Launch::plain(), &args));
         let pin = derpd.wait_log("the certificate in service", |v| {
             (v["fields"]["message"] == "manual certificate in service")
                 .then(|| v["fields"]["pin"].as_str().map(str::to_owned))?
@@ -495,7 +482,7 @@ fn faketime_command(
     args: &[&str],
 ) -> std::process::Command {
     std::fs::write(offset_file, "+0s").expect("offset file");
-    let mut cmd = fault::derpd_command(&Launch::plain(), args);
+    let mut cmd = derpd_command(&Launch::plain(), args);
     cmd.env("LD_PRELOAD", libfaketime())
         .env("FAKETIME_TIMESTAMP_FILE", offset_file)
         .env("FAKETIME_CACHE_DURATION", "1");
@@ -521,7 +508,7 @@ async fn a_monotonic_clock_leap_sends_keepalives_and_drops_no_one() {
         "--log-format",
         "json",
     ];
-    let derpd = Derpd::spawn(faketime_command(&offset, false, &args));
+    let derpd = Process::spawn(faketime_command(&offset, false, &args));
     let addr = derpd.find_log("the listening line", |v| {
         (v["fields"]["message"] == "derpd listening (plain HTTP)")
             .then(|| v["fields"]["addr"].as_str().map(str::to_owned))?
@@ -577,7 +564,7 @@ async fn wall_clock_jumps_change_nothing_for_clients() {
     let mut cmd = faketime_command(&offset, true, &args);
     // Connection lines (debug) carry derpd's idea of the time, which shows the jump took.
     cmd.env("RUST_LOG", "info,derp_server=debug");
-    let derpd = Derpd::spawn(cmd);
+    let derpd = Process::spawn(cmd);
     let year_now = 1970
         + std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

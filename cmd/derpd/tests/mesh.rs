@@ -280,8 +280,8 @@ async fn a_mesh_flood_through_one_sibling_does_not_stall_local_delivery() {
     let mut flood = mesh_client(&node, key).await;
     let packet = Bytes::from(vec![7u8; 1200]);
     let flooding = tokio::spawn(async move {
-        // Bounded: 200 batches of 256 packets, to a local client and to nobody.
-        for _ in 0..200 {
+        // Batches of 256 packets, to a local client and to nobody, until the test ends it.
+        loop {
             for i in 0..256u32 {
                 let dst = if i % 2 == 0 {
                     stuck_key
@@ -301,14 +301,31 @@ async fn a_mesh_flood_through_one_sibling_does_not_stall_local_delivery() {
         }
     });
     node.wait_metric("derp_packets_forwarded_in", &[], |v| v >= 1000.0);
+    let forwarded = || {
+        node.metric("derp_packets_forwarded_in", &[])
+            .expect("derp_packets_forwarded_in")
+    };
+    // Forwarded packets counted at the start, the middle and the end of the round trips:
+    // the flood kept arriving in each half, so it overlapped all of them.
+    let mut counts = vec![forwarded()];
     for i in 0..200u32 {
+        if i == 100 {
+            counts.push(forwarded());
+        }
         p.send_packet(kq, i.to_be_bytes()).await.expect("send");
         expect_packet(&mut q, kp, &i.to_be_bytes()).await;
         q.send_packet(kp, i.to_be_bytes()).await.expect("send");
         expect_packet(&mut p, kq, &i.to_be_bytes()).await;
     }
-    let flooded = node.metric("derp_packets_forwarded_in", &[]).unwrap_or(0.0);
-    eprintln!("local round trips completed while {flooded} forwarded packets arrived");
+    counts.push(forwarded());
+    assert!(
+        !flooding.is_finished(),
+        "the flood stopped before the round trips ended"
+    );
+    assert!(
+        counts[1] > counts[0] && counts[2] > counts[1],
+        "forwarded packets did not keep arriving during the round trips: {counts:?}"
+    );
     flooding.abort();
 }
 

@@ -11,7 +11,7 @@ mod support;
 
 use std::process::{Command, Stdio};
 
-use support::{Node, TempDir, client, expect_gone, expect_packet, secret, write_mesh_key};
+use support::{Launch, Node, TempDir, client, expect_gone, expect_packet, secret, write_mesh_key};
 
 /// The namespaces and links of one run, removed on drop.
 struct Lab {
@@ -112,13 +112,8 @@ async fn mesh_across_network_namespaces() {
         .join(",");
     let mut nodes: Vec<Node> = (0..3)
         .map(|i| {
-            Node::start_wrapped(
-                &[
-                    "ip".into(),
-                    "netns".into(),
-                    "exec".into(),
-                    lab.nodes[i].clone(),
-                ],
+            Node::start_with(
+                &Launch::in_netns(&lab.nodes[i]),
                 &[
                     "-a".into(),
                     format!("{}:3340", Lab::addr(i)),

@@ -2,97 +2,34 @@
 //! generic STUN is enabled. `scripts/test` installs the tool (or says how); without it the
 //! test fails rather than pass without having run.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+mod support;
 
-const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
+use std::process::Command;
+
+use support::{Node, Process, require_tool};
+
 const STUNCLIENT: &str = "turnutils_stunclient";
-
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn tool_available() -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {STUNCLIENT}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// Starts derpd with generic STUN on ephemeral ports; returns it and its STUN port.
-fn start_derpd() -> (Running, u16) {
-    let mut running = Running(
-        Command::new(DERPD)
-            .args(["--dev", "-a", "127.0.0.1:0", "--stun-port", "0"])
-            .args(["--stun-answer-generic", "--log-format", "json"])
-            .env("RUST_LOG", "info")
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn derpd"),
-    );
-    let stderr = running.0.stderr.take().expect("stderr");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("derpd logged its STUN address");
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-            continue;
-        };
-        if v["fields"]["message"] == "STUN listening" {
-            let addr: std::net::SocketAddr = v["fields"]["addr"]
-                .as_str()
-                .and_then(|a| a.parse().ok())
-                .expect("addr field");
-            return (running, addr.port());
-        }
-    }
-}
 
 #[test]
 fn third_party_stun_client_is_answered_in_generic_mode() {
-    assert!(
-        tool_available(),
-        "{STUNCLIENT} is not installed: `apt-get install --no-install-recommends coturn`, or \
-         run `scripts/test-tools install` (scripts/test does it when it can)"
-    );
-    let (_derpd, port) = start_derpd();
-    let mut client = Running(
-        Command::new(STUNCLIENT)
-            .args(["-p", &port.to_string(), "127.0.0.1"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run stun client"),
-    );
-    let stdout = client.0.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
+    require_tool(STUNCLIENT, "coturn");
+    let node = Node::start(&[
+        "--dev",
+        "-a",
+        "127.0.0.1:0",
+        "--stun-port",
+        "0",
+        "--stun-answer-generic",
+    ]);
+    let stun: std::net::SocketAddr = node.find_log("the STUN line", |v| {
+        (v["fields"]["message"] == "STUN listening")
+            .then(|| v["fields"]["addr"].as_str()?.parse().ok())?
     });
-    let line = loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("the STUN client printed its reflexive address");
-        if line.contains("reflexive addr") {
-            break line;
-        }
-    };
+    let mut cmd = Command::new(STUNCLIENT);
+    cmd.args(["-p", &stun.port().to_string(), "127.0.0.1"]);
+    let client = Process::spawn(cmd);
+    let line = client.wait_stdout("the STUN client's reflexive address", |l| {
+        l.contains("reflexive addr").then(|| l.to_owned())
+    });
     assert!(line.contains("127.0.0.1:"), "{line}");
 }

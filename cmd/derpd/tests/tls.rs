@@ -1,125 +1,32 @@
 //! The derpd binary serving TLS: an IP-only node in manual mode prints the pin clients need,
 //! and SIGHUP puts rotated certificate files into service without a restart.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
 
 use derp_client::{Client, ClientConfig};
 use derp_proto::SecretKey;
+use support::{Node, STEP, TempDir, manual_ip_args};
 
-const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
-const STEP: Duration = Duration::from_secs(20);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("derpd-tls-cli-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A running derpd, killed on drop, with its stdout and stderr lines on channels.
-struct Running {
-    child: Child,
-    stdout: mpsc::Receiver<String>,
-    stderr: mpsc::Receiver<String>,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn lines(r: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(r).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    rx
-}
-
-/// Waits for a line for which `pick` returns something.
-fn wait_line<T>(rx: &mpsc::Receiver<String>, what: &str, pick: impl Fn(&str) -> Option<T>) -> T {
-    let deadline = Instant::now() + STEP;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
-            .recv_timeout(left)
-            .unwrap_or_else(|e| panic!("waiting for {what}: {e}"));
-        if let Some(v) = pick(&line) {
-            return v;
-        }
-    }
-}
-
-fn start_ip_node(certdir: &Path) -> (Running, String, String) {
-    let mut child = Command::new(DERPD)
-        .args([
-            "--dev",
-            "-a",
-            "127.0.0.1:0",
-            "--stun-port",
-            "0",
-            "--log-format",
-            "json",
-        ])
-        .args([
-            "--certmode",
-            "manual",
-            "--hostname",
-            "127.0.0.1",
-            "--http-port",
-            "-1",
-        ])
-        .args(["--cert-reload-interval", "0", "--certdir"])
-        .arg(certdir)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn derpd");
-    let stdout = lines(child.stdout.take().expect("stdout"));
-    let stderr = lines(child.stderr.take().expect("stderr"));
-    let running = Running {
-        child,
-        stdout,
-        stderr,
-    };
-    let node: serde_json::Value = wait_line(&running.stdout, "DERP map node", |l| {
-        serde_json::from_str(l.trim()).ok()
-    });
-    let pin = node["CertName"].as_str().expect("CertName").to_owned();
-    let addr = wait_line(&running.stderr, "listening line", |l| {
-        let v: serde_json::Value = serde_json::from_str(l).ok()?;
-        (v["fields"]["message"] == "derpd listening (TLS)")
-            .then(|| v["fields"]["addr"].as_str().map(str::to_owned))?
-    });
-    assert_eq!(node["HostName"], "127.0.0.1");
+/// An IP-only node in manual mode with its certificates in `certdir`; returns it and the pin
+/// it printed in its DERP map node line.
+fn start_ip_node(certdir: &Path) -> (Node, String) {
+    let node = Node::start(&manual_ip_args(certdir.to_str().expect("utf8")));
+    let map_node: serde_json::Value =
+        node.wait_stdout("DERP map node", |l| serde_json::from_str(l.trim()).ok());
+    let pin = map_node["CertName"].as_str().expect("CertName").to_owned();
+    assert_eq!(map_node["HostName"], "127.0.0.1");
     assert_eq!(
-        node["DERPPort"].as_u64(),
-        addr.rsplit(':').next().and_then(|p| p.parse().ok())
+        map_node["DERPPort"].as_u64(),
+        Some(u64::from(node.addr.port()))
     );
-    (running, addr, pin)
+    (node, pin)
 }
 
-fn client(addr: &str, pin: &str) -> ClientConfig {
-    let port = addr.rsplit(':').next().expect("port");
+fn client(addr: SocketAddr, pin: &str) -> ClientConfig {
+    let port = addr.port();
     ClientConfig::new(
         &format!("https://127.0.0.1:{port}/derp"),
         SecretKey::generate(&mut rand::rngs::OsRng),
@@ -132,10 +39,11 @@ fn client(addr: &str, pin: &str) -> ClientConfig {
 #[tokio::test]
 async fn ip_node_prints_its_pin_and_sighup_rotates_the_certificate() {
     let dir = TempDir::new("sighup");
-    let (running, addr, pin) = start_ip_node(&dir.0);
+    let (node, pin) = start_ip_node(&dir.0);
+    let addr = node.addr;
     assert!(dir.0.join("127.0.0.1.crt").exists() && dir.0.join("127.0.0.1.key").exists());
 
-    let mut old = Client::connect(&client(&addr, &pin))
+    let mut old = Client::connect(&client(addr, &pin))
         .await
         .expect("pinned client");
     assert!(
@@ -150,22 +58,16 @@ async fn ip_node_prints_its_pin_and_sighup_rotates_the_certificate() {
     std::fs::write(dir.0.join("127.0.0.1.crt"), &cert_pem).expect("write crt");
     let leaf = derp_tls::load_certs_pem(cert_pem.as_bytes()).expect("pem");
     let new_pin = derp_tls::cert_pin(&leaf[0]);
-    let status = Command::new("kill")
-        .args(["-HUP", &running.child.id().to_string()])
-        .status()
-        .expect("kill -HUP");
-    assert!(status.success());
-    wait_line(&running.stderr, "reload log line", |l| {
-        l.contains("SIGHUP: new certificate in service")
-            .then_some(())
-    });
+    node.signal("HUP");
+    node.wait_message("SIGHUP: new certificate in service");
 
     // New connections need the new pin; the old connection is still up.
-    Client::connect(&client(&addr, &new_pin))
+    Client::connect(&client(addr, &new_pin))
         .await
         .expect("client pinned to the new certificate");
-    assert!(Client::connect(&client(&addr, &pin)).await.is_err());
-    let rtt = old.ping().await.expect("old connection still works");
-    assert!(rtt < STEP);
-    drop(running);
+    assert!(Client::connect(&client(addr, &pin)).await.is_err());
+    tokio::time::timeout(STEP, old.ping())
+        .await
+        .expect("the old connection answers a ping")
+        .expect("old connection still works");
 }

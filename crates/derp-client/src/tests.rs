@@ -570,8 +570,7 @@ async fn ping_consumes_its_pong_and_keeps_frames_that_arrive_meanwhile() {
         server.send(&RelayToClient::Health(String::new())).await;
         server
     });
-    let rtt = within(client.ping()).await.unwrap();
-    assert!(rtt < TEST_TIMEOUT);
+    within(client.ping()).await.unwrap();
     let _server = within(server_task).await.unwrap();
     assert_eq!(client.recv().await.unwrap(), ReceivedFrame::KeepAlive);
     assert_eq!(client.recv().await.unwrap(), ReceivedFrame::Pong([0xee; 8]));

@@ -34,7 +34,6 @@ pub mod packet;
 pub mod procfs;
 pub mod procs;
 pub mod prom;
-mod rawclient;
 pub mod report;
 pub mod target;
 pub mod worker;

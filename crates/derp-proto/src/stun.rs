@@ -428,30 +428,13 @@ mod tests {
         TxId(unhex(s).try_into().expect("12-byte txid"))
     }
 
-    fn exchanges() -> Vec<Value> {
-        let v = vectors::stun();
-        vec![v["ipv4"].clone(), v["ipv6"].clone()]
-    }
-
-    fn ignored() -> Vec<(String, Vec<u8>)> {
-        vectors::stun()["ignored_requests"]
-            .as_array()
-            .expect("ignored_requests")
-            .iter()
-            .map(|r| {
-                let name = r["name"].as_str().expect("name").to_owned();
-                (name, unhex(r["request_hex"].as_str().expect("request_hex")))
-            })
-            .collect()
-    }
-
     fn addr(v: &Value, key: &str) -> SocketAddr {
         v[key].as_str().expect(key).parse().expect("socket address")
     }
 
     #[test]
     fn vector_requests_parse_to_their_txid() {
-        for ex in exchanges() {
+        for ex in vectors::stun_exchanges() {
             let request = unhex(ex["request_hex"].as_str().unwrap());
             let want = tx_from_hex(ex["parsed_txid_hex"].as_str().unwrap());
             assert_eq!(parse_binding_request(&request), Ok(want));
@@ -461,7 +444,7 @@ mod tests {
 
     #[test]
     fn vector_responses_are_reproduced_exactly() {
-        for ex in exchanges() {
+        for ex in vectors::stun_exchanges() {
             let tx = tx_from_hex(ex["txid_hex"].as_str().unwrap());
             let mut out = [0u8; MAX_RESPONSE_LEN];
             let n = binding_response(&tx, addr(&ex, "client"), &mut out);
@@ -476,7 +459,7 @@ mod tests {
 
     #[test]
     fn vector_requests_are_built_exactly() {
-        for ex in exchanges() {
+        for ex in vectors::stun_exchanges() {
             let tx = tx_from_hex(ex["txid_hex"].as_str().unwrap());
             assert_eq!(
                 hex::encode(binding_request(&tx)),
@@ -487,7 +470,7 @@ mod tests {
 
     #[test]
     fn vector_responses_parse_to_the_client_address() {
-        for ex in exchanges() {
+        for ex in vectors::stun_exchanges() {
             let response = unhex(ex["response_hex"].as_str().unwrap());
             let tx = tx_from_hex(ex["parsed_txid_hex"].as_str().unwrap());
             let want = addr(&ex, "parsed_mapped_address");
@@ -503,7 +486,7 @@ mod tests {
             ("fingerprint_without_software", StunError::WrongSoftware),
             ("other_software", StunError::WrongSoftware),
         ];
-        let requests = ignored();
+        let requests = vectors::stun_ignored_requests();
         assert_eq!(requests.len(), want.len());
         for ((name, request), (want_name, want_err)) in requests.iter().zip(want) {
             assert_eq!(name, want_name);
@@ -513,7 +496,7 @@ mod tests {
 
     #[test]
     fn generic_parser_accepts_well_formed_requests_but_not_a_bad_fingerprint() {
-        for (name, request) in ignored() {
+        for (name, request) in vectors::stun_ignored_requests() {
             let got = parse_generic_binding_request(&request);
             if name == "bad_fingerprint" {
                 assert_eq!(got, Err(StunError::BadFingerprint));

@@ -285,6 +285,56 @@ mod tests {
         assert!((secs - 10.0).abs() < 0.2, "{secs}");
     }
 
+    /// What the limit grants a client that always has frames waiting, on an injected clock:
+    /// by every batch, the burst plus the rate times the time since the start, never more
+    /// and never less by more than the one frame that put the bucket in debt; and a batch at
+    /// [`ClientLimiter::resume_at`] handles one quantum (and that frame). Batches come at the
+    /// times the limiter names and at others in between, as a reader woken by new bytes
+    /// begins one early.
+    #[test]
+    fn a_busy_client_is_granted_the_burst_plus_the_rate_and_a_quantum_per_refill() {
+        let (rate, burst) = (1_000_000u64, 100_000u64);
+        let l = limits(rate, burst);
+        let t0 = Instant::now();
+        let mut c = ClientLimiter::new(&l, t0);
+        let sizes = [1037usize, 60, 65573, 300, 4000, 5];
+        let largest = *sizes.iter().max().expect("sizes") as f64;
+        let (mut t, mut granted, mut k) = (t0, 0u64, 0usize);
+        for step in 0u64..3000 {
+            let due = c.resume_at(&l);
+            let on_time = step % 3 != 1;
+            t = match due {
+                Some(at) if on_time => at,
+                // Early, by a varying amount: before the debt is paid, or not long after.
+                _ => t + Duration::from_micros(step * 7919 % 20_000),
+            };
+            c.begin_batch(&l, t);
+            let mut batch = 0u64;
+            while !c.in_debt() {
+                let size = sizes[k % sizes.len()];
+                k += 1;
+                c.charge(size);
+                batch += size as u64;
+            }
+            granted += batch;
+            let promised = burst as f64 + rate as f64 * (t - t0).as_secs_f64();
+            let got = granted as f64;
+            assert!(
+                got >= promised - 1.0 && got <= promised + largest + 1.0,
+                "step {step}: granted {got}, promised {promised}"
+            );
+            if on_time && due.is_some_and(|at| at == t) {
+                let b = batch as f64;
+                assert!(
+                    b >= QUANTUM - 1.0 && b <= QUANTUM + largest + 1.0,
+                    "step {step}: a refill handled {b} bytes"
+                );
+            }
+        }
+        let secs = (t - t0).as_secs_f64();
+        assert!(secs > 1.0, "the run covered {secs} s of the clock");
+    }
+
     #[test]
     fn a_quiet_client_saves_up_no_more_than_the_burst() {
         let l = limits(100_000, 200_000);

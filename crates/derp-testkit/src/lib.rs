@@ -1,10 +1,15 @@
 //! Test fixtures shared by derpd's test suites.
 //!
 //! What it provides: the reference vectors (bytes recorded from Tailscale's Go implementation,
-//! vendored under `crates/derp-proto/testdata/`), the three fixed node keys they use, and a
-//! once-per-binary tracing setup. What it does not provide: servers, clients or sockets; those
-//! live in the crates under test so this crate can depend on `derp-proto` alone and be a
-//! dev-dependency of everything else without cycles.
+//! vendored under `crates/derp-proto/testdata/`) and loaders for the parts more than one
+//! suite reads, the three fixed node keys they use, a once-per-binary tracing setup, and a
+//! DERP client that speaks the wire format itself over plain TCP ([`raw`]: an async one for
+//! tests, a blocking one for derp-bench's closed loop). What it does not provide: servers,
+//! TLS, WebSocket or QUIC clients; those live in the crates under test, so this crate can
+//! depend on `derp-proto` alone (and tokio) and be a dev-dependency of everything else
+//! without cycles.
+
+pub mod raw;
 
 use std::sync::Once;
 
@@ -59,6 +64,26 @@ pub mod vectors {
         stun,
         "stun.json"
     );
+
+    /// The recorded STUN binding exchanges, IPv4 then IPv6.
+    pub fn stun_exchanges() -> Vec<Value> {
+        let v = stun();
+        vec![v["ipv4"].clone(), v["ipv6"].clone()]
+    }
+
+    /// The STUN requests Tailscale's server ignores, as (name, request bytes).
+    pub fn stun_ignored_requests() -> Vec<(String, Vec<u8>)> {
+        stun()["ignored_requests"]
+            .as_array()
+            .expect("ignored_requests")
+            .iter()
+            .map(|r| {
+                let name = r["name"].as_str().expect("name").to_owned();
+                let request = super::unhex(r["request_hex"].as_str().expect("request_hex"));
+                (name, request)
+            })
+            .collect()
+    }
 }
 
 /// Decodes a lowercase hex string from a vector, panicking with the offending text if it is bad.

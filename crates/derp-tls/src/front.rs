@@ -36,9 +36,9 @@ pub const DEFAULT_HTTP_PORT_MAX_CONNECTIONS: usize = 1024;
 /// host cannot fill the port and block captive-portal checks or HTTP-01 validation: one more
 /// evicts that source's oldest.
 const HTTP_PORT_MAX_PER_SOURCE: usize = 16;
-/// Deadline for the ClientHello. A socket that says nothing is cut off well before the
+/// Default deadline for the ClientHello. A socket that says nothing is cut off well before the
 /// whole-handshake deadline, so idle connections hold a slot only briefly.
-const CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
+pub const DEFAULT_CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// ALPN protocol of TLS-ALPN-01 validation connections (RFC 8737).
 pub(crate) const ACME_TLS_ALPN: &[u8] = b"acme-tls/1";
@@ -55,6 +55,9 @@ pub struct TlsOptions {
     /// in progress at once is the server's unproven-connection budget
     /// ([`ConnLimits`](derp_server::ConnLimits)).
     pub handshake_timeout: Duration,
+    /// Deadline for the ClientHello, within the handshake's; see
+    /// [`DEFAULT_CLIENT_HELLO_TIMEOUT`].
+    pub client_hello_timeout: Duration,
     /// The port-80 listener's connections are all unproven and held in a budget of this size
     /// (16 at most from one source); when full, the oldest is closed to admit a new one.
     pub http_port_max_connections: usize,
@@ -66,6 +69,7 @@ impl TlsOptions {
         Self {
             hostname: hostname.into(),
             handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
+            client_hello_timeout: DEFAULT_CLIENT_HELLO_TIMEOUT,
             http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
         }
     }
@@ -491,7 +495,7 @@ impl TlsFront {
     /// buffered connection.
     async fn handshake(&self, mut tcp: TcpStream) -> io::Result<Option<(Transport, &'static str)>> {
         let mut received = Vec::new();
-        let hello = tokio::time::timeout(CLIENT_HELLO_TIMEOUT, async {
+        let hello = tokio::time::timeout(self.inner.options.client_hello_timeout, async {
             match read_client_hello(&mut tcp, &mut received).await? {
                 derp_io::tls::ClientHello::Hello { tls13: true, alpn } => {
                     Ok::<_, io::Error>(Hello::Tls13(alpn))

@@ -47,8 +47,8 @@ pub use certs::{
     load_key_pem, sanitize_hostname,
 };
 pub use front::{
-    CertInfo, CertOrigin, DEFAULT_HTTP_PORT_MAX_CONNECTIONS, DEFAULT_TLS_HANDSHAKE_TIMEOUT,
-    TlsFront, TlsOptions,
+    CertInfo, CertOrigin, DEFAULT_CLIENT_HELLO_TIMEOUT, DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
+    DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront, TlsOptions,
 };
 pub use meta::meta_certificate;
 pub use temp_files::{remove_stale_temps, temp_path};

@@ -2,188 +2,22 @@
 //! before `exec`, so the limits apply to derpd alone and not to the test; strace injects
 //! signals at chosen system calls.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{DERPD, STEP};
+use super::{Launch, Node, Process, STEP, derpd_command, require_tool};
 
-/// A derpd process, killed and reaped on drop, with its stderr lines collected.
-pub struct Derpd {
-    pub child: Child,
-    lines: mpsc::Receiver<String>,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Drop for Derpd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// How derpd is started: shell lines run first (e.g. `ulimit -n 64`), then an optional
-/// wrapper that execs it in turn (e.g. `prlimit --fsize=0`). The process id stays derpd's.
-#[derive(Clone, Debug, Default)]
-pub struct Launch {
-    pub setup: String,
-    pub wrapper: String,
-}
-
-impl Launch {
-    /// Plain: no limits.
-    pub fn plain() -> Self {
-        Self::default()
-    }
-
-    /// With `setup` run by the shell first.
-    pub fn with_setup(setup: &str) -> Self {
-        Self {
-            setup: setup.to_owned(),
-            wrapper: String::new(),
-        }
-    }
-
-    /// A disk that takes only `bytes` more bytes per file: writes past that fail with EFBIG,
-    /// as they would with ENOSPC on a full disk (RLIMIT_FSIZE, with SIGXFSZ ignored so the
-    /// write returns the error instead of killing the process).
-    pub fn full_disk(bytes: u64) -> Self {
-        require_tool("prlimit", "util-linux");
-        Self {
-            setup: "trap '' XFSZ".to_owned(),
-            wrapper: format!("prlimit --fsize={bytes}"),
-        }
-    }
-}
-
-/// A command that runs `launch.setup` in `sh`, then execs derpd with `args` (through
-/// `launch.wrapper`, if any).
-pub fn derpd_command(launch: &Launch, args: &[&str]) -> Command {
-    let mut cmd = Command::new("sh");
-    cmd.arg("-c")
-        .arg(format!(
-            "{}\nexec {} \"$0\" \"$@\"",
-            launch.setup, launch.wrapper
-        ))
-        .arg(DERPD)
-        .args(args)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    cmd
-}
-
-impl Derpd {
-    /// Spawns `cmd` (stderr piped) and collects its stderr lines.
-    pub fn spawn(mut cmd: Command) -> Self {
-        let mut child = cmd.spawn().expect("spawn derpd");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = mpsc::channel();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let keep = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                keep.lock().expect("log").push(line.clone());
-                let _ = tx.send(line);
-            }
-        });
-        Self {
-            child,
-            lines: rx,
-            log,
-        }
-    }
-
-    /// Starts derpd in plain-HTTP dev mode on ephemeral loopback ports with JSON logs.
-    pub fn start_dev(launch: &Launch, extra: &[&str]) -> (Self, String) {
-        let mut args = vec![
-            "--dev",
-            "-a",
-            "127.0.0.1:0",
-            "--stun-port",
-            "0",
-            "--log-format",
-            "json",
-        ];
-        args.extend_from_slice(extra);
-        let d = Self::spawn(derpd_command(launch, &args));
-        let addr = d.wait_log("the listening line", |v| {
-            (v["fields"]["message"] == "derpd listening (plain HTTP)")
-                .then(|| v["fields"]["addr"].as_str().map(str::to_owned))?
-        });
-        // The STUN socket is opened after the listening line; wait for it so that descriptor
-        // counts taken now are the steady state.
-        d.wait_log("the STUN line", |v| {
-            (v["fields"]["message"] == "STUN listening").then_some(())
-        });
-        (d, addr)
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Waits for a JSON log line for which `pick` returns something.
-    pub fn wait_log<T>(&self, what: &str, pick: impl Fn(&serde_json::Value) -> Option<T>) -> T {
-        let deadline = Instant::now() + STEP;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = self.lines.recv_timeout(left).unwrap_or_else(|e| {
-                panic!("waiting for {what}: {e}; log so far:\n{}", self.log_text())
-            });
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-                && let Some(t) = pick(&v)
-            {
-                return t;
-            }
-        }
-    }
-
-    /// The first line logged so far (not only the unread ones) for which `pick` returns
-    /// something; waits for new lines when none has yet.
-    pub fn find_log<T>(&self, what: &str, pick: impl Fn(&serde_json::Value) -> Option<T>) -> T {
-        let seen = self.log.lock().expect("log").clone();
-        for line in seen {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-                && let Some(t) = pick(&v)
-            {
-                return t;
-            }
-        }
-        self.wait_log(what, pick)
-    }
-
-    /// Marks every line logged so far as read, so [`Derpd::wait_log`] sees only later ones.
-    pub fn skip_log(&self) {
-        while self.lines.try_recv().is_ok() {}
-    }
-
-    /// Everything derpd wrote to stderr so far.
-    pub fn log_text(&self) -> String {
-        self.log.lock().expect("log").join("\n")
-    }
-
-    /// Waits for the process to exit on its own.
-    pub fn wait_exit(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + STEP;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                // Let the reader thread take the last lines.
-                let _ = self.lines.recv_timeout(Duration::from_millis(200));
-                return status;
-            }
-            assert!(Instant::now() < deadline, "derpd did not exit");
-            std::thread::park_timeout(Duration::from_millis(20));
-        }
-    }
-
-    /// Whether the process is still running.
-    pub fn alive(&mut self) -> bool {
-        self.child.try_wait().expect("try_wait").is_none()
-    }
+/// derpd in plain-HTTP dev mode on ephemeral loopback ports, started as `launch` says, once
+/// its STUN socket is open too, so that descriptor counts taken now are the steady state.
+pub fn start_dev(launch: &Launch, extra: &[&str]) -> Node {
+    let mut args = vec!["--dev", "-a", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let node = Node::start_with(launch, &args, &[]);
+    node.find_log("the STUN line", |v| {
+        (v["fields"]["message"] == "STUN listening").then_some(())
+    });
+    node
 }
 
 /// Open descriptors of process `pid`.
@@ -206,28 +40,6 @@ pub fn describe_fds(pid: u32) -> String {
     }
     out.sort();
     out.join("\n")
-}
-
-/// Runs derpd to completion; returns its exit status and stderr.
-pub fn run_to_exit(launch: &Launch, args: &[&str]) -> (ExitStatus, String) {
-    let mut d = Derpd::spawn(derpd_command(launch, args));
-    let status = d.wait_exit();
-    (status, d.log_text())
-}
-
-/// Whether `tool` is on PATH; if not, fails the test with the line that installs it. Never
-/// skips: a test that cannot run must not pass.
-pub fn require_tool(tool: &str, package: &str) {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        found,
-        "{tool} is not installed (Debian package {package}); run `scripts/test-tools install` \
-         (scripts/test does it when it can)"
-    );
 }
 
 /// Reads a file, or `None` when it does not exist.
@@ -273,7 +85,7 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 /// returns. derpd is started stopped, so strace is attached before it runs a single
 /// instruction of its own.
 pub struct Traced {
-    pub derpd: Derpd,
+    pub derpd: Process,
     strace: Child,
     /// strace's own output: the traced calls and the signals it delivered.
     output: PathBuf,
@@ -296,7 +108,7 @@ impl Traced {
     ) -> Self {
         require_tool("strace", "strace");
         let launch = Launch::with_setup("kill -STOP $$");
-        let derpd = Derpd::spawn(derpd_command(&launch, args));
+        let derpd = Process::spawn(derpd_command(&launch, args));
         let pid = derpd.pid();
         wait_until("derpd to stop itself", || process_state(pid) == Some('T'));
         let path = path_of(pid);

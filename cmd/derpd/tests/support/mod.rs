@@ -1,23 +1,27 @@
-//! Running real derpd processes on loopback for the multi-process tests: start, wait for
-//! readiness by probing (log lines, metrics), signal, kill, restart, and clients.
+//! Running real derpd processes on loopback for the multi-process tests: start (under limits
+//! or in a namespace, too), wait for readiness by probing (log lines, metrics), signal, kill,
+//! restart, and clients; temporary directories.
 //!
 //! These tests live in derpd's package because Cargo hands the path of the built binary
 //! (`CARGO_BIN_EXE_derpd`) only to the integration tests of the package that owns it.
 
 #![allow(dead_code, unreachable_pub)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use derp_client::{Client, ClientConfig, ReceivedFrame};
 use derp_proto::{PeerGoneReason, PublicKey, SecretKey};
 
 pub mod faults;
+mod process;
+
+#[allow(unused_imports)]
+pub use process::{Launch, Process, derpd_command, require_tool, run_to_exit};
 
 pub const DERPD: &str = env!("CARGO_BIN_EXE_derpd");
 /// How long any single expected event may take before a test fails.
@@ -93,48 +97,78 @@ pub fn write_mesh_key(path: &Path) -> String {
     hex
 }
 
-/// A running derpd. Killed and reaped on drop.
+/// Flags for an IP-only dev node on an ephemeral loopback port in manual mode, its
+/// self-signed certificate in `certdir`: no port-80 listener, no periodic reload.
+pub fn manual_ip_args(certdir: &str) -> Vec<&str> {
+    vec![
+        "--dev",
+        "-a",
+        "127.0.0.1:0",
+        "--certmode",
+        "manual",
+        "--hostname",
+        "127.0.0.1",
+        "--http-port",
+        "-1",
+        "--cert-reload-interval",
+        "0",
+        "--certdir",
+        certdir,
+    ]
+}
+
+/// A running derpd, with the addresses it logged. Killed and reaped on drop; everything a
+/// [`Process`] does, it does.
 pub struct Node {
-    pub child: Option<Child>,
+    pub process: Process,
     /// The listening address it logged.
     pub addr: SocketAddr,
     /// The `--metrics-addr` listener, when started with one (TLS nodes are scraped there).
     pub metrics_addr: Option<SocketAddr>,
-    /// Every stderr line so far, for diagnostics and log checks.
-    log: Arc<Mutex<Vec<String>>>,
-    lines: mpsc::Receiver<String>,
+    pub launch: Launch,
     pub args: Vec<String>,
     pub envs: Vec<(String, String)>,
 }
 
+impl Deref for Node {
+    type Target = Process;
+
+    fn deref(&self) -> &Process {
+        &self.process
+    }
+}
+
+impl DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut Process {
+        &mut self.process
+    }
+}
+
 impl Node {
     /// Starts derpd with `args` (which must include `-a`) and waits for its listening line.
-    pub fn start(args: &[String]) -> Self {
-        Self::start_with_env(args, &[])
+    pub fn start(args: &[impl AsRef<str>]) -> Self {
+        Self::start_with(&Launch::plain(), args, &[])
     }
 
-    pub fn start_with_env(args: &[String], envs: &[(String, String)]) -> Self {
-        Self::start_wrapped(&[], args, envs)
+    pub fn start_with_env(args: &[impl AsRef<str>], envs: &[(String, String)]) -> Self {
+        Self::start_with(&Launch::plain(), args, envs)
     }
 
-    /// Like [`Node::start_with_env`], with the command prefixed by `wrapper` (e.g.
-    /// `ip netns exec NAME`).
-    pub fn start_wrapped(wrapper: &[String], args: &[String], envs: &[(String, String)]) -> Self {
-        let mut cmd = match wrapper.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(DERPD);
-                c
-            }
-            None => Command::new(DERPD),
-        };
-        cmd.args(["--stun-port", "0", "--log-format", "json"])
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        // An empty value removes the variable (e.g. SSL_CERT_DIR, for a known trust store).
+    /// Starts derpd as `launch` says, with `args` and the environment changed by `envs` (an
+    /// empty value removes the variable, e.g. SSL_CERT_DIR, for a known trust store). Logs
+    /// are JSON; STUN is on an ephemeral port unless `args` set STUN up themselves.
+    pub fn start_with(
+        launch: &Launch,
+        args: &[impl AsRef<str>],
+        envs: &[(String, String)],
+    ) -> Self {
+        let args: Vec<String> = args.iter().map(|a| a.as_ref().to_owned()).collect();
+        let mut full = vec!["--log-format".to_owned(), "json".to_owned()];
+        if !args.iter().any(|a| a.starts_with("--stun")) {
+            full.extend(["--stun-port".to_owned(), "0".to_owned()]);
+        }
+        full.extend(args.iter().cloned());
+        let mut cmd = derpd_command(launch, &full);
         for (k, v) in envs {
             if v.is_empty() {
                 cmd.env_remove(k);
@@ -142,156 +176,47 @@ impl Node {
                 cmd.env(k, v);
             }
         }
-        let mut child = cmd.spawn().expect("spawn derpd");
-        let stderr = child.stderr.take().expect("stderr");
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().expect("log").push(line.clone());
-                let _ = tx.send(line);
-            }
-        });
-        let mut node = Self {
-            child: Some(child),
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            metrics_addr: None,
-            log,
-            lines: rx,
-            args: args.to_vec(),
-            envs: envs.to_vec(),
-        };
-        let addr = node.wait_log("the listening line", |v| {
+        let process = Process::spawn(cmd);
+        let addr = process.wait_log("the listening line", |v| {
             let msg = v["fields"]["message"].as_str()?;
             msg.starts_with("derpd listening")
                 .then(|| v["fields"]["addr"].as_str().map(str::to_owned))?
         });
-        node.addr = addr.parse().expect("listening address");
-        if args.iter().any(|a| a == "--metrics-addr") {
+        let metrics_addr = args.iter().any(|a| a == "--metrics-addr").then(|| {
             // Logged before or after the listening line, depending on the mode.
-            let pick = |v: &serde_json::Value| {
+            let found = process.find_log("the metrics listener", |v| {
                 (v["fields"]["message"].as_str()? == "metrics listening at /metrics")
                     .then(|| v["fields"]["addr"].as_str().map(str::to_owned))?
-            };
-            let seen = node
-                .log
-                .lock()
-                .expect("log")
-                .iter()
-                .find_map(|l| serde_json::from_str(l).ok().and_then(|v| pick(&v)));
-            let found = match seen {
-                Some(a) => a,
-                None => node.wait_log("the metrics listener", pick),
-            };
-            node.metrics_addr = Some(found.parse().expect("metrics address"));
-        }
-        node
-    }
-
-    /// Waits for a JSON log line for which `pick` returns something.
-    pub fn wait_log<T>(&mut self, what: &str, pick: impl Fn(&serde_json::Value) -> Option<T>) -> T {
-        let deadline = Instant::now() + STEP;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = match self.lines.recv_timeout(left) {
-                Ok(l) => l,
-                Err(e) => panic!("waiting for {what}: {e}; log:\n{}", self.log_text()),
-            };
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-                && let Some(t) = pick(&v)
-            {
-                return t;
-            }
-        }
-    }
-
-    /// Waits for a log line whose message starts with `prefix`.
-    pub fn wait_message(&mut self, prefix: &str) {
-        self.wait_log(prefix, |v| {
-            v["fields"]["message"]
-                .as_str()
-                .is_some_and(|m| m.starts_with(prefix))
-                .then_some(())
+            });
+            found.parse().expect("metrics address")
         });
-    }
-
-    pub fn log_text(&self) -> String {
-        self.log.lock().expect("log").join("\n")
+        Self {
+            process,
+            addr: addr.parse().expect("listening address"),
+            metrics_addr,
+            launch: launch.clone(),
+            args,
+            envs: envs.to_vec(),
+        }
     }
 
     pub fn url(&self) -> String {
         format!("http://{}/derp", self.addr)
     }
 
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// Sends a signal by name ("TERM", "INT", "KILL").
-    pub fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .args([&format!("-{sig}"), &self.pid().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill -{sig} failed");
-    }
-
-    /// SIGKILL, and reap.
-    pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Waits for the process to exit, polling on a short interval, for at most `within`.
-    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let child = self.child.as_mut().expect("running");
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                self.child = None;
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "derpd did not exit within {within:?}; log:\n{}",
-                self.log_text()
-            );
-            std::thread::park_timeout(Duration::from_millis(10));
-        }
-    }
-
-    pub fn is_running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().expect("try_wait").is_none())
-    }
-
     /// Starts the same command again (same port, same key file).
     pub fn restart(&mut self) {
         self.kill();
-        *self = Self::start_with_env(&self.args.clone(), &self.envs.clone());
+        *self = Self::start_with(&self.launch.clone(), &self.args.clone(), &self.envs.clone());
     }
 
     /// Prometheus text from `/debug/varz` (loopback may read it), or from `/metrics` on the
-    /// metrics listener when there is one.
+    /// metrics listener when there is one; the HTTP head included.
     pub fn scrape(&self) -> String {
-        let (addr, path) = match self.metrics_addr {
-            Some(m) => (m, "/metrics"),
-            None => (self.addr, "/debug/varz"),
-        };
-        let mut s = TcpStream::connect(addr).expect("connect for scrape");
-        s.set_read_timeout(Some(STEP)).expect("timeout");
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .expect("write");
-        let mut out = String::new();
-        s.read_to_string(&mut out).expect("read scrape");
-        out
+        match self.metrics_addr {
+            Some(m) => http_get(m, "/metrics"),
+            None => http_get(self.addr, "/debug/varz"),
+        }
     }
 
     /// Sum of the samples of `name` whose labels include every `labels` pair; None if there
@@ -319,10 +244,18 @@ impl Node {
     }
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// A plain HTTP GET on a new connection, answered within [`STEP`]: the whole response.
+pub fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(STEP)).expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read the response");
+    out
 }
 
 /// Sum of the samples of `name` with all of `labels` in a Prometheus text page.

@@ -2,19 +2,19 @@
 //! http:// only, one write per packet and one read per arriving frame.
 
 use std::io::{ErrorKind, Write as _};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use derp_client::ClientConfig;
-use derp_proto::SecretKey;
-use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN};
+use derp_proto::frame::{FRAME_HEADER_LEN, FrameType, KEY_LEN, PROTOCOL_VERSION};
+use derp_proto::{ClientInfo, SecretKey};
+use derp_testkit::raw::{BlockingClient, UpgradeRequest};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::rawclient::RawConn;
 
 use super::{Books, LoopSpec, LoopWindow, PACKET_FRAME_HEAD, STALL, Setup, SideError};
 
@@ -22,15 +22,34 @@ fn raw_connect(
     config: &ClientConfig,
     secret: &SecretKey,
     timeout: Duration,
-) -> Result<RawConn, SideError> {
-    RawConn::connect(
-        config.url.host(),
-        config.url.port(),
-        config.url.path(),
-        secret,
-        timeout,
-    )
-    .map_err(SideError::RawConnect)
+) -> Result<BlockingClient, SideError> {
+    let (host, port) = (config.url.host(), config.url.port());
+    let resolve_error = |source| SideError::Resolve {
+        host: host.to_owned(),
+        source,
+    };
+    let addr = (host, port)
+        .to_socket_addrs()
+        .map_err(resolve_error)?
+        .next()
+        .ok_or_else(|| resolve_error(ErrorKind::NotFound.into()))?;
+    let host_header = if port == 80 {
+        host.to_owned()
+    } else {
+        format!("{host}:{port}")
+    };
+    let request = UpgradeRequest {
+        host: &host_header,
+        path: config.url.path(),
+        extra_headers: "User-Agent: derp-bench\r\n",
+    };
+    let info = ClientInfo {
+        version: i64::from(PROTOCOL_VERSION),
+        app_name: "derp-bench".into(),
+        ..ClientInfo::default()
+    };
+    BlockingClient::connect(addr, &request, secret, info, timeout)
+        .map_err(|source| SideError::RawConnect { addr, source })
 }
 
 pub(super) fn blocking_sender(
@@ -79,7 +98,7 @@ pub(super) fn blocking_sender(
 }
 
 fn blocking_window(
-    conn: &mut RawConn,
+    conn: &mut BlockingClient,
     spec: &LoopSpec,
     window: &LoopWindow,
     books: &mut Books,

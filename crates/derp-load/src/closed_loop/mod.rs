@@ -5,7 +5,8 @@
 //! The client side bounds what can be measured, so it is kept lean: each side of each pair
 //! has its own OS thread, with either a current-thread tokio runtime driving a
 //! [`derp_client`] connection (`--client tokio`: every URL scheme) or a blocking socket
-//! speaking DERP directly (`--client blocking`: plain http:// only).
+//! speaking DERP directly ([`derp_testkit::raw::BlockingClient`], `--client blocking`: plain
+//! http:// only).
 //! Neither side shares a runtime, a lock or a queue with anything else; TCP_NODELAY is on,
 //! and each packet leaves in its own write as soon as it is made.
 
@@ -491,9 +492,24 @@ pub enum SideError {
     /// Its connection, with derp-client.
     #[error("{}", describe_connect_error(.0))]
     Connect(ConnectError),
+    /// The target's host, for the blocking client.
+    #[error("resolving {host}: {source}")]
+    Resolve {
+        /// The host name resolved.
+        host: String,
+        /// Why it gave no address.
+        #[source]
+        source: std::io::Error,
+    },
     /// Its connection, with the blocking client.
-    #[error("{0:#}")]
-    RawConnect(anyhow::Error),
+    #[error("connecting to {addr}: {source}")]
+    RawConnect {
+        /// The address dialled.
+        addr: std::net::SocketAddr,
+        /// What failed.
+        #[source]
+        source: derp_testkit::raw::ConnectError,
+    },
     /// The connection, once up.
     #[error(transparent)]
     Client(#[from] ClientError),

@@ -525,7 +525,14 @@ impl<'a> ReadLoop<'a> {
             // Flushed when dropped, on unwinding too: a writer taken along must never be
             // left behind in the thread's list.
             let inline = FlushOnDrop(inline);
-            let result = self.process_frames(counts, inline.0);
+            let mut cx = BatchContext {
+                guard: self.shared.registry.mirror().guard(),
+                now: Instant::now(),
+                counts,
+                inline: inline.0,
+            };
+            let result = self.process_frames(&mut cx);
+            drop(cx);
             drop(inline);
             let congested = counts.queue_drops() > 0;
             self.shared.fold(counts);
@@ -535,17 +542,11 @@ impl<'a> ReadLoop<'a> {
 
     /// Handles the frames. Synchronous: the lookup guard and the batch timestamp never cross
     /// an await.
-    fn process_frames(
-        &mut self,
-        counts: &mut ReaderCounts,
-        inline: &mut Inline,
-    ) -> Result<(), ConnError> {
-        let now = Instant::now();
+    fn process_frames(&mut self, cx: &mut BatchContext<'_>) -> Result<(), ConnError> {
+        let now = cx.now;
         if let Some(limiter) = &mut self.limiter {
             limiter.begin_batch(&self.shared.rate_limits, now);
         }
-        let registry = &self.shared.registry;
-        let guard = registry.mirror().guard();
         let mut buffered = self.reader.buf.len();
         loop {
             if self.limiter.as_ref().is_some_and(|l| l.in_debt()) {
@@ -558,22 +559,21 @@ impl<'a> ReadLoop<'a> {
                 buffered = self.reader.buf.len();
             }
             let Some(frame) = frame else { break };
-            counts.frames += 1;
+            cx.counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
                 self.shared.registry.note_activity(self.handle);
             }
             match frame {
                 ClientToRelay::SendPacket { dst, packet } => {
                     let packet = self.own_payload(packet);
-                    self.client_packet(&guard, dst, packet, now, counts, inline);
+                    self.client_packet(cx, dst, packet);
                 }
                 ClientToRelay::ForwardPacket { src, dst, packet } => {
                     self.require_mesh(FrameType::ForwardPacket)?;
                     let packet = self.own_payload(packet);
                     let kind = PacketKind::of(&packet);
-                    counts.forwarded_in += 1;
-                    let origin = Origin::Mesh;
-                    self.route(&guard, origin, src, dst, packet, kind, now, counts, inline);
+                    cx.counts.forwarded_in += 1;
+                    self.route(cx, Origin::Mesh, src, dst, packet, kind);
                 }
                 ClientToRelay::NotePreferred(preferred) => self.note_preferred(preferred, now),
                 ClientToRelay::WatchConns => {
@@ -587,20 +587,20 @@ impl<'a> ReadLoop<'a> {
                     }
                 }
                 ClientToRelay::Ping(data) => {
-                    counts.got_ping += 1;
+                    cx.counts.got_ping += 1;
                     self.router.trim(now);
-                    self.handle.queue.push_pong(data, inline);
+                    self.handle.queue.push_pong(data, cx.inline);
                 }
                 ClientToRelay::ClientInfo { .. }
                 | ClientToRelay::Pong(_)
                 | ClientToRelay::Unknown { .. } => {
                     trace!("skipping unhandled frame");
-                    counts.unknown_frames += 1;
+                    cx.counts.unknown_frames += 1;
                 }
             }
         }
         if let Some(mut datagrams) = self.reader.take_datagrams() {
-            self.handle_datagrams(&guard, &mut datagrams, now, counts, inline);
+            self.handle_datagrams(cx, &mut datagrams);
             if let Some(q) = &mut self.reader.quic {
                 // Hand the vector back (emptied, or with what the rate limit held back) so
                 // its capacity is reused.
@@ -608,51 +608,27 @@ impl<'a> ReadLoop<'a> {
             }
         }
         let misses = std::mem::take(&mut self.router.misses);
-        counts.mirror_misses += misses.mirror;
-        counts.cache_misses += misses.cache;
+        cx.counts.mirror_misses += misses.mirror;
+        cx.counts.cache_misses += misses.cache;
         Ok(())
     }
 
     /// A packet the client sent, on the stream or in a datagram.
-    fn client_packet(
-        &mut self,
-        guard: &impl papaya::Guard,
-        dst: PublicKey,
-        packet: Bytes,
-        now: Instant,
-        counts: &mut ReaderCounts,
-        inline: &mut Inline,
-    ) {
+    fn client_packet(&mut self, cx: &mut BatchContext<'_>, dst: PublicKey, packet: Bytes) {
         let kind = PacketKind::of(&packet);
+        let counts = &mut *cx.counts;
         counts.packets_received += 1;
         counts.bytes_received += packet.len() as u64;
         counts.packets_received_kind[kind as usize] += 1;
         let src = self.handle.key;
-        self.route(
-            guard,
-            Origin::Client,
-            src,
-            dst,
-            packet,
-            kind,
-            now,
-            counts,
-            inline,
-        );
+        self.route(cx, Origin::Client, src, dst, packet, kind);
     }
 
     /// QUIC datagrams: each one SendPacket frame, routed like one from the stream. Anything
     /// else is dropped and counted; a datagram is never a reason to close the connection.
     /// Datagrams count against the receive rate limit like stream bytes: those left when the
     /// bucket runs into debt stay in `datagrams` for a later batch.
-    fn handle_datagrams(
-        &mut self,
-        guard: &impl papaya::Guard,
-        datagrams: &mut Vec<Bytes>,
-        now: Instant,
-        counts: &mut ReaderCounts,
-        inline: &mut Inline,
-    ) {
+    fn handle_datagrams(&mut self, cx: &mut BatchContext<'_>, datagrams: &mut Vec<Bytes>) {
         let mut handled = 0;
         while handled < datagrams.len() {
             if self.limiter.as_ref().is_some_and(|l| l.in_debt()) {
@@ -663,16 +639,16 @@ impl<'a> ReadLoop<'a> {
             if let Some(limiter) = &mut self.limiter {
                 limiter.charge(datagram.len());
             }
-            counts.frames += 1;
+            cx.counts.frames += 1;
             if self.handle.is_dup.load(Ordering::Relaxed) {
                 self.shared.registry.note_activity(self.handle);
             }
             match derp_proto::decode_send_packet_datagram(&datagram) {
                 Some((dst, packet)) => {
-                    counts.datagrams_in += 1;
-                    self.client_packet(guard, dst, packet, now, counts, inline);
+                    cx.counts.datagrams_in += 1;
+                    self.client_packet(cx, dst, packet);
                 }
-                None => counts.garbage_datagrams += 1,
+                None => cx.counts.garbage_datagrams += 1,
             }
         }
         datagrams.drain(..handled);
@@ -682,19 +658,22 @@ impl<'a> ReadLoop<'a> {
     /// packet from a client) the mesh peer that has it. Packets that came from a mesh peer
     /// are delivered locally or dropped: forwarding is exactly one hop. A disco packet for a
     /// destination nobody has is answered with PeerGone(NotHere).
-    #[allow(clippy::too_many_arguments)]
     fn route(
         &mut self,
-        guard: &impl papaya::Guard,
+        cx: &mut BatchContext<'_>,
         origin: Origin,
         src: PublicKey,
         dst: PublicKey,
         packet: Bytes,
         kind: PacketKind,
-        now: Instant,
-        counts: &mut ReaderCounts,
-        inline: &mut Inline,
     ) {
+        let BatchContext {
+            guard,
+            now,
+            counts,
+            inline,
+        } = cx;
+        let now = *now;
         let registry = &self.shared.registry;
         let len = packet.len();
         let missing = self.router.route_with(registry, guard, &dst, now, |route| {
@@ -784,6 +763,18 @@ impl<'a> ReadLoop<'a> {
             }
         }
     }
+}
+
+/// What every frame of one read batch is handled with, passed by reference to each handler:
+/// the lookup guard and the timestamp taken once for the batch, what the batch counts, and
+/// the idle destinations' writers it takes along.
+struct BatchContext<'b> {
+    /// Pins the mirror's entries for the batch: a hit borrows its connection without moving
+    /// a reference count.
+    guard: papaya::LocalGuard<'b>,
+    now: Instant,
+    counts: &'b mut ReaderCounts,
+    inline: &'b mut Inline,
 }
 
 /// What the batch being handled on a thread gathers (see `ReadLoop::process_buffered`).

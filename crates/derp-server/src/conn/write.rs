@@ -3,31 +3,32 @@
 //!
 //! An idle connection's writer is parked in its queue. A sender that queues a packet for it
 //! takes it along and, at the end of its read batch, has it write right away on the sender's
-//! task ([`Writer::try_write_now`], polled once with a no-op waker, so it never waits). Only
-//! when the socket cannot take everything at once does the writer get a task of its own, which
-//! finishes the batch under the write deadline and parks again when the queue is empty. A lone
-//! packet thus goes from one client's socket to another's without a task switch.
+//! task (polled once with a no-op waker, so it never waits). Only when the socket cannot take
+//! everything at once does the writer get a task of its own, which finishes the batch under
+//! the write deadline and parks again when the queue is empty. A lone packet thus goes from
+//! one client's socket to another's without a task switch.
+//!
+//! Both run the same loop, [`Writer::poll_write`]: take what is queued, lay it out
+//! ([`Writer::begin_batch`]: frame headers and the order of the pieces), hand it to the
+//! transport from where the last attempt stopped and flush, then account it
+//! ([`Writer::account`], or after a failed write [`Writer::account_failed`]: a packet whose
+//! frame was handed to the transport in full before the failure, or went out in a QUIC
+//! datagram, counts as sent, since the peer may well read it; the rest as `write_error`).
+//! What the writer holds between polls is its [`State`]: nothing between batches, the batch
+//! and its progress while one is being written.
 //!
 //! A parked writer holds only what the connection needs between writes (its half of the
-//! socket, its PeerGone watches, its flags). The batch, its frame headers and its layout
-//! ([`Scratch`]) go back to a per-thread pool when it parks and are taken from it for the
-//! next write, so idle connections do not each keep them and busy ones do not allocate them.
-//!
-//! A batch goes through three steps: [`Writer::begin_batch`] lays out the frame headers and
-//! the order of the pieces, the write ([`Writer::write_stream`] in the task,
-//! [`Writer::try_write_now`] inline) hands them to the transport from where the last attempt
-//! stopped, and [`Writer::account`] counts what was sent and, after a failed write,
-//! [`Writer::account_failed`] what was dropped: a packet whose frame was handed to the
-//! transport in full before the failure (or went out in a QUIC datagram) counts as sent,
-//! since the peer may well read it; the rest as `write_error`.
+//! socket, its PeerGone watches). The batch, its frame headers and its layout ([`Scratch`])
+//! go back to a per-thread pool when a batch run ends and are taken from it for the next, so
+//! idle connections do not each keep them and busy ones do not allocate them.
 
 use std::collections::HashSet;
 use std::io::{self, IoSlice};
 use std::ops::Range;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -35,11 +36,11 @@ use derp_io::WriteHalf;
 use derp_proto::{PeerGoneReason, PublicKey, RelayToClient, frame, ws};
 use quinn::SendDatagramError;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tracing::debug;
 
 use super::{Framing, count_gone};
-use crate::handle::ConnHandle;
+use crate::handle::{Cancel, ConnHandle};
 use crate::metrics::{DropReason, FallbackReason, PacketKind};
 use crate::queue::{Batch, Control, Resume};
 use crate::quic::QuicLink;
@@ -54,22 +55,62 @@ pub(super) struct Writer {
     w: WriteHalf,
     framing: Framing,
     write_timeout: Option<Duration>,
-    /// The batch and its layout, while the writer has one; a parked writer gives it back to
-    /// its thread's pool ([`Scratch::take`], [`Scratch::give`]).
-    s: Option<Box<Scratch>>,
     /// Sources this connection has received from; each is registered once for PeerGone.
     sent_from: HashSet<PublicKey, foldhash::fast::RandomState>,
     /// A QUIC connection's datagram side and migration gate.
     quic: Option<Arc<QuicLink>>,
-    /// A batch is framed and not yet all handed to the transport.
-    in_batch: bool,
-    /// The last take found the queue still open.
-    open: bool,
-    /// An inline write failed; the task reports it when it starts.
-    failed: Option<io::Error>,
-    /// QUIC: the last take left the packets queued, the client's address not being
-    /// validated yet.
-    held_back: bool,
+    state: State,
+}
+
+/// What a writer holds between polls of [`Writer::poll_write`].
+enum State {
+    /// No batch in hand and no scratch: how a writer parks, and where it takes the next
+    /// batch from.
+    Idle,
+    /// A batch taken from the queue and laid out, not yet all handed to the transport: its
+    /// QUIC datagrams go first (those left in [`Scratch::datagrams`]), then its stream
+    /// pieces from [`Scratch::progress`] on.
+    Writing(Box<Scratch>),
+}
+
+/// What [`Writer::poll_write`] leaves to the one driving it.
+enum Next {
+    /// Nothing more is queued, or a sender wrote its share: park, unless more arrived.
+    Park,
+    /// The batch's QUIC datagrams are to be sent, which takes awaiting quinn; then poll
+    /// again for the rest of the batch.
+    SendDatagrams,
+    /// QUIC: the packets wait in the queue until the client's new address is validated. The
+    /// path watcher queues a probe, which wakes the writer, until it is.
+    AwaitPath,
+    /// The queue is closed: close the socket.
+    Close,
+}
+
+/// One drive of [`Writer::poll_write`]: a sender's, or the writer's own task's.
+struct Turn<'a> {
+    /// Batches it may still write.
+    batches: usize,
+    /// The task's: no write call starts once the connection is cancelled. A sender's write
+    /// never waits, so it needs none.
+    cancel: Option<&'a Cancel>,
+    /// Write and flush calls that returned; the task's deadline starts again when this moves.
+    calls: u64,
+}
+
+impl Turn<'_> {
+    /// A sender's turn: a few batches for another connection, then it leaves the rest.
+    fn sender() -> Self {
+        Self {
+            batches: INLINE_BATCHES,
+            cancel: None,
+            calls: 0,
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.is_some_and(Cancel::is_cancelled)
+    }
 }
 
 impl std::fmt::Debug for Writer {
@@ -82,8 +123,7 @@ impl std::fmt::Debug for Writer {
 
 /// What a writer needs only while it writes: the batch taken from the queue, how it is laid
 /// out and what it holds. Kept per thread while no writer there needs it, so an idle
-/// connection's parked writer holds none (some 300 bytes less per idle connection), and a
-/// busy one takes one without allocating.
+/// connection's parked writer holds none, and a busy one takes one without allocating.
 #[derive(Default)]
 struct Scratch {
     batch: Batch,
@@ -91,7 +131,8 @@ struct Scratch {
     headers: Vec<u8>,
     /// The pieces of the current batch in write order, while one is being written.
     segs: Vec<Seg>,
-    /// Packets of the current batch that go in QUIC datagrams rather than on the stream.
+    /// Packets of the current batch that go in QUIC datagrams rather than on the stream;
+    /// emptied once they are sent.
     datagrams: Vec<(PacketKind, usize)>,
     /// Those of them sent so far.
     datagrams_sent: Vec<(PacketKind, usize)>,
@@ -102,7 +143,7 @@ struct Scratch {
 }
 
 thread_local! {
-    /// Scratch given back by writers that parked on this thread. Boxed: a writer holds its
+    /// Scratch given back by writers on this thread between batches. Boxed: a writer holds its
     /// scratch by pointer, so taking one and giving it back moves no bytes and allocates
     /// nothing.
     #[allow(clippy::vec_box)]
@@ -119,14 +160,14 @@ impl Scratch {
             .unwrap_or_default()
     }
 
-    /// Back to this thread's pool (empty: a writer parks only with its batch written), or
-    /// freed when the pool is full. What a burst grew it to stays with it, up to a bound:
+    /// Back to this thread's pool (empty: given back only between batches), or freed when
+    /// the pool is full. What a burst grew it to stays with it, up to a bound:
     /// a busy stream's writer parks between batches and takes the same scratch back for
     /// the next, and must not regrow it each time.
     fn give(mut self: Box<Self>) {
         debug_assert!(
             self.batch.is_empty(),
-            "a writer parks with its batch written"
+            "scratch goes back only between batches"
         );
         if self.batch.disco.capacity().max(self.batch.other.capacity()) > MAX_POOLED_PACKETS
             || self.headers.capacity() > MAX_POOLED_HEADERS
@@ -140,6 +181,18 @@ impl Scratch {
                 pool.push(self);
             }
         });
+    }
+
+    /// Bytes of the batch that go on the stream.
+    fn stream_len(&self) -> usize {
+        self.segs
+            .iter()
+            .map(|seg| match seg {
+                Seg::Header(range) => range.len(),
+                Seg::Payload(PacketKind::Disco, i) => self.batch.disco[*i].data.len(),
+                Seg::Payload(PacketKind::Other, i) => self.batch.other[*i].data.len(),
+            })
+            .sum()
     }
 
     /// Gives back what a burst grew the batch and the buffers to.
@@ -158,21 +211,10 @@ impl Scratch {
     }
 }
 
-/// How a writer's run ended.
-enum Step {
-    /// Nothing to write for a while: park.
-    Idle,
-    /// The connection is closing.
-    Closed,
-}
-
 impl Resume for Writer {
-    /// Gives back what a burst grew the batch and the scratch buffers to, so an idle
-    /// connection holds only small ones.
+    /// Gives back what a burst grew the socket half's buffers to; a parked writer holds no
+    /// scratch.
     fn shrink_idle(&mut self) {
-        if let Some(s) = &mut self.s {
-            s.shrink_idle();
-        }
         self.w.shrink_idle();
     }
 
@@ -187,22 +229,25 @@ impl Resume for Writer {
         self.quic.is_none()
     }
 
+    /// Polls the writer's loop once with a no-op waker, on the task of a sender that found
+    /// it parked: when the transport took everything (and another sender's packets that
+    /// arrived meanwhile, up to [`INLINE_BATCHES`] batches), the writer parks again; when it
+    /// pushed back, the writer's task finishes the batch from where this stopped.
     fn write_inline(mut self: Box<Self>) {
-        match self.try_write_now() {
-            Poll::Ready(Ok(())) => {
-                self.release_scratch();
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.poll_write(&mut cx, &mut Turn::sender()) {
+            Poll::Ready(Ok(Next::Park)) => {
                 let handle = self.handle.clone();
                 if let Err(back) = handle.queue.park(self) {
                     // More arrived, or the connection is closing: the task takes over.
                     back.resume();
                 }
             }
-            Poll::Ready(Err(e)) => {
-                self.failed = Some(e);
-                self.resume();
-            }
-            // The socket pushed back: the task finishes the batch, waiting for it.
-            Poll::Pending => self.resume(),
+            Poll::Ready(Ok(Next::Close)) => self.finish_on_task(None),
+            Poll::Ready(Err(e)) => self.finish_on_task(Some(e)),
+            // The socket pushed back (or the rest takes awaiting): the task finishes the
+            // batch, waiting for it.
+            Poll::Ready(Ok(Next::SendDatagrams | Next::AwaitPath)) | Poll::Pending => self.resume(),
         }
     }
 }
@@ -223,59 +268,95 @@ impl Writer {
             w,
             framing,
             write_timeout,
-            s: None,
             sent_from: HashSet::default(),
             quic,
-            in_batch: false,
-            open: true,
-            failed: None,
-            held_back: false,
+            state: State::Idle,
         });
         if let Err(writer) = handle.queue.park(writer) {
             writer.resume();
         }
     }
 
+    /// The writer's task: writes until the queue is empty (then the writer parks, and
+    /// senders write inline again) or the connection closes.
     async fn run(mut self: Box<Self>) {
+        let handle = self.handle.clone();
+        let error = loop {
+            match self.drain(&handle).await {
+                Ok(Next::Park) => match handle.queue.park(self) {
+                    Ok(()) => return,
+                    // Work arrived between the drain and the park.
+                    Err(back) => self = back,
+                },
+                Ok(Next::AwaitPath) => tokio::select! {
+                    biased;
+                    _ = handle.cancel.cancelled() => break None,
+                    _ = handle.queue.wait() => {}
+                },
+                Ok(Next::Close) => break None,
+                // `drain` sends them itself and goes on.
+                Ok(Next::SendDatagrams) => {}
+                Err(e) => break Some(e),
+            }
+        };
+        self.finish(error).await;
+    }
+
+    /// Drives [`Writer::poll_write`] on the writer's own task until it has nothing to write,
+    /// starting with the batch an inline write left unfinished. It waits for the socket; a
+    /// write call that takes longer than the deadline fails, and one blocked on a peer that
+    /// does not read still ends when the connection is closed (shutdown, ClosePeer, the read
+    /// side ending). It also sends the QUIC datagrams the loop asks for.
+    async fn drain(&mut self, handle: &ConnHandle) -> io::Result<Next> {
+        let mut cancelled = pin!(handle.cancel.cancelled());
+        // Armed only once the transport pushes back, and started again with each new call.
+        let mut deadline = pin!(None::<Sleep>);
+        let mut armed_at = 0;
+        let mut turn = Turn {
+            batches: usize::MAX,
+            cancel: Some(&handle.cancel),
+            calls: 0,
+        };
         loop {
-            match self.serve().await {
-                Ok(Step::Idle) => {
-                    self.release_scratch();
-                    let handle = self.handle.clone();
-                    match handle.queue.park(self) {
-                        Ok(()) => return,
-                        // Work arrived between the drain and the park.
-                        Err(back) => self = back,
-                    }
+            let polled = std::future::poll_fn(|cx| {
+                if let Poll::Ready(r) = self.poll_write(cx, &mut turn) {
+                    return Poll::Ready(r);
                 }
-                Ok(Step::Closed) => return self.finish(None).await,
-                Err(e) => return self.finish(Some(e)).await,
+                if cancelled.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(aborted()));
+                }
+                let Some(timeout) = self.write_timeout else {
+                    return Poll::Pending;
+                };
+                match deadline.as_mut().as_pin_mut() {
+                    None => deadline.set(Some(tokio::time::sleep(timeout))),
+                    Some(d) if armed_at != turn.calls => d.reset(Instant::now() + timeout),
+                    Some(_) => {}
+                }
+                armed_at = turn.calls;
+                match deadline.as_mut().as_pin_mut().map(|d| d.poll(cx)) {
+                    Some(Poll::Ready(())) => Poll::Ready(Err(io::ErrorKind::TimedOut.into())),
+                    _ => Poll::Pending,
+                }
+            })
+            .await;
+            let result = match polled {
+                Ok(Next::SendDatagrams) => self.send_datagrams(&handle.cancel).await,
+                Ok(next) => return Ok(next),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                self.abandon_batch();
+                return Err(e);
             }
         }
     }
 
-    /// Writes until the queue is empty (then the writer parks, and senders write inline
-    /// again) or the connection closes.
-    async fn serve(&mut self) -> io::Result<Step> {
-        if let Some(e) = self.failed.take() {
-            return Err(e);
-        }
-        loop {
-            if !self.drain().await? {
-                return Ok(Step::Closed);
-            }
-            if !self.held_back {
-                return Ok(Step::Idle);
-            }
-            // QUIC packets held back until the client's new address is validated: the path
-            // watcher queues a probe, which wakes this writer, until it is.
-            let handle = self.handle.clone();
-            tokio::select! {
-                biased;
-                _ = handle.cancel.cancelled() => return Ok(Step::Closed),
-                _ = handle.queue.wait() => {}
-            }
-        }
+    /// Ends the connection's writing side on a task of its own: for a sender whose inline
+    /// write failed or found the queue closed.
+    fn finish_on_task(self: Box<Self>, error: Option<io::Error>) {
+        let tasks = self.shared.tasks.clone();
+        tasks.spawn(self.finish(error));
     }
 
     /// Ends the connection's writing side: counts what is left, drops PeerGone watches and
@@ -333,155 +414,110 @@ struct Framed {
 }
 
 impl Writer {
-    /// Writes batches until nothing is pending, starting with the one an inline write left
-    /// unfinished. Returns false once the connection is closed.
-    async fn drain(&mut self) -> io::Result<bool> {
+    /// The writer's one loop: takes what is queued, lays it out, hands it to the transport and
+    /// flushes, accounts it, and takes again, until the queue is empty, `turn` has written its
+    /// share, or the transport pushes back (`Pending`, with the batch and its progress kept
+    /// in [`State::Writing`] for the next poll). A sender polls it once with a no-op waker;
+    /// the writer's task polls it until it is done ([`Writer::drain`]).
+    fn poll_write(&mut self, cx: &mut Context<'_>, turn: &mut Turn<'_>) -> Poll<io::Result<Next>> {
+        let mut s = match std::mem::replace(&mut self.state, State::Idle) {
+            State::Writing(s) => s,
+            State::Idle => match self.next_batch(Scratch::take()) {
+                Ok(s) => s,
+                Err(next) => return Poll::Ready(Ok(next)),
+            },
+        };
         loop {
-            if !self.in_batch {
-                if !self.take_batch() {
-                    return Ok(self.open);
-                }
-                self.begin_batch();
+            if !s.datagrams.is_empty() {
+                self.state = State::Writing(s);
+                return Poll::Ready(Ok(Next::SendDatagrams));
             }
-            let frames = self.write_batch().await?;
+            match poll_stream(&mut self.w, &mut s, cx, turn) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => {
+                    self.end_batch(&mut s, false);
+                    s.give();
+                    return Poll::Ready(Err(e));
+                }
+                Poll::Pending => {
+                    self.state = State::Writing(s);
+                    return Poll::Pending;
+                }
+            }
+            let frames = s.framed.frames;
+            self.end_batch(&mut s, true);
             self.shared
                 .metrics
                 .buffered_write_frames
                 .observe(frames as f64);
-            if !self.open {
-                return Ok(false);
+            turn.batches -= 1;
+            if turn.batches == 0 {
+                s.give();
+                return Poll::Ready(Ok(Next::Park));
             }
+            s = match self.next_batch(s) {
+                Ok(s) => s,
+                Err(next) => return Poll::Ready(Ok(next)),
+            };
         }
     }
 
-    /// Takes what is queued into the batch: everything, or for a QUIC client whose address
-    /// is not validated only the control frames. False when that was nothing.
-    fn take_batch(&mut self) -> bool {
-        self.held_back = false;
-        let batch = &mut self.s.get_or_insert_with(Scratch::take).batch;
-        self.open = match &self.quic {
-            None => self.handle.queue.take(batch),
-            Some(link) => {
-                if link.check_path(&self.handle, &self.shared.metrics) {
-                    self.handle.queue.take(batch)
-                } else {
-                    self.held_back = true;
-                    // The client's address is not validated: its packets wait in the queue
-                    // (the path watcher wakes this writer until it is).
-                    self.handle.queue.take_control(batch)
-                }
+    /// Takes what is queued into `s` (everything, or for a QUIC client whose address is not
+    /// validated only the control frames) and lays it out. With nothing taken, gives the
+    /// scratch back and says what to do instead.
+    fn next_batch(&mut self, mut s: Box<Scratch>) -> Result<Box<Scratch>, Next> {
+        let queue = &self.handle.queue;
+        let (open, held_back) = match &self.quic {
+            Some(link) if !link.check_path(&self.handle, &self.shared.metrics) => {
+                // The client's address is not validated: its packets wait in the queue.
+                (queue.take_control(&mut s.batch), true)
             }
+            _ => (queue.take(&mut s.batch), false),
         };
-        !batch.is_empty()
+        if s.batch.is_empty() {
+            s.give();
+            return Err(match (open, held_back) {
+                (false, _) => Next::Close,
+                (true, true) => Next::AwaitPath,
+                (true, false) => Next::Park,
+            });
+        }
+        self.begin_batch(&mut s);
+        Ok(s)
     }
 
-    /// Gives the scratch back to the thread's pool; for a writer about to park, whose
-    /// batches are all written.
-    fn release_scratch(&mut self) {
-        if !self.in_batch
-            && let Some(s) = self.s.take()
-        {
+    /// Accounts a batch that will not be finished (the connection is ending) as failed.
+    fn abandon_batch(&mut self) {
+        if let State::Writing(mut s) = std::mem::replace(&mut self.state, State::Idle) {
+            self.end_batch(&mut s, false);
             s.give();
         }
     }
 
-    /// Writes what is queued without waiting, with a no-op waker: on the task of a sender
-    /// that found this writer parked. `Ready(Ok)` when the transport took everything (and
-    /// another sender's packets that arrived meanwhile, up to [`INLINE_BATCHES`] batches);
-    /// `Pending` when it pushed back, with the batch's progress kept for the task to finish.
-    fn try_write_now(&mut self) -> Poll<io::Result<()>> {
-        let mut cx = Context::from_waker(Waker::noop());
-        for _ in 0..INLINE_BATCHES {
-            if !self.in_batch {
-                if !self.take_batch() {
-                    return Poll::Ready(Ok(()));
-                }
-                self.begin_batch();
-            }
-            let total = self.stream_len();
-            let s = self.s.get_or_insert_with(Scratch::take);
-            while s.progress < total {
-                let mut iov = [IoSlice::new(&[]); MAX_IOV];
-                let n = gather(&s.segs, &s.headers, &s.batch, s.progress, &mut iov);
-                match Pin::new(&mut self.w).poll_write_vectored(&mut cx, &iov[..n]) {
-                    Poll::Ready(Ok(0)) => {
-                        return Poll::Ready(self.fail(io::ErrorKind::WriteZero.into()));
-                    }
-                    Poll::Ready(Ok(written)) => s.progress += written,
-                    Poll::Ready(Err(e)) => return Poll::Ready(self.fail(e)),
-                    Poll::Pending => return Poll::Pending,
-                }
-            }
-            match Pin::new(&mut self.w).poll_flush(&mut cx) {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => {
-                    // What a layer above the socket (TLS) still buffered is lost.
-                    s.progress = 0;
-                    return Poll::Ready(self.fail(e));
-                }
-                Poll::Pending => return Poll::Pending,
-            }
-            let frames = s.framed.frames;
-            self.end_batch(true);
-            self.shared
-                .metrics
-                .buffered_write_frames
-                .observe(frames as f64);
-            if !self.open {
-                // Closing: the park fails and the task closes the socket.
-                return Poll::Ready(Ok(()));
-            }
-        }
-        Poll::Ready(Ok(()))
-    }
-
-    /// Accounts the current batch as failed and returns the error.
-    fn fail(&mut self, e: io::Error) -> io::Result<()> {
-        self.end_batch(false);
-        Err(e)
-    }
-
-    /// Writes the current batch (from where an inline attempt stopped), then flushes once.
-    /// Returns the number of frames written.
-    async fn write_batch(&mut self) -> io::Result<usize> {
-        let mut result = Ok(());
-        if self.s.as_ref().is_some_and(|s| !s.datagrams.is_empty()) {
-            result = self.send_datagrams().await;
-        }
-        if result.is_ok() {
-            result = self.write_stream().await;
-        }
-        let frames = self.s.as_ref().map_or(0, |s| s.framed.frames);
-        self.end_batch(result.is_ok());
-        result.map(|()| frames)
-    }
-
-    /// Accounts the current batch, sent or failed, and makes ready for the next.
-    fn end_batch(&mut self, written: bool) {
-        let s = self.s.get_or_insert_with(Scratch::take);
+    /// Accounts the batch, sent or failed, and empties it for the next (keeping its queues'
+    /// capacity).
+    fn end_batch(&mut self, s: &mut Scratch, written: bool) {
         let framed = std::mem::take(&mut s.framed);
         let progress = std::mem::take(&mut s.progress);
         if written {
-            self.account(&framed);
+            self.account(s, &framed);
         } else {
-            self.account_failed(progress);
+            self.account_failed(s, progress);
         }
-        self.in_batch = false;
-        self.recycle();
+        s.batch.disco.clear();
+        s.batch.other.clear();
+        s.batch.control.clear();
     }
 
     /// Sends the batch's datagram packets, each under the write deadline. A frame that no
-    /// longer fits (the path MTU shrank since it was framed) goes on the stream instead.
-    async fn send_datagrams(&mut self) -> io::Result<()> {
-        let Some(link) = self.quic.clone() else {
+    /// longer fits (the path MTU shrank since it was laid out) goes on the stream instead.
+    async fn send_datagrams(&mut self, cancel: &Cancel) -> io::Result<()> {
+        let (Some(link), State::Writing(s)) = (&self.quic, &mut self.state) else {
             return Ok(());
         };
-        let handle = self.handle.clone();
-        let cancel = &handle.cancel;
         let far = Duration::from_secs(86_400);
         let deadline = tokio::time::sleep(self.write_timeout.unwrap_or(far));
         tokio::pin!(deadline);
-        let s = self.s.get_or_insert_with(Scratch::take);
         for n in 0..s.datagrams.len() {
             let (kind, i) = s.datagrams[n];
             let p = match kind {
@@ -493,10 +529,7 @@ impl Writer {
             out.extend_from_slice(&p.data);
             let sent = tokio::select! {
                 biased;
-                _ = cancel.cancelled() => return Err(io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "connection closed while writing",
-                )),
+                _ = cancel.cancelled() => return Err(aborted()),
                 _ = &mut deadline => return Err(io::ErrorKind::TimedOut.into()),
                 r = link.send_datagram(out.freeze()) => r,
             };
@@ -519,16 +552,16 @@ impl Writer {
                 deadline.as_mut().reset(Instant::now() + t);
             }
         }
+        // All sent or moved to the stream: the stream part is next.
+        s.datagrams.clear();
         Ok(())
     }
 
     /// Lays the batch out as frames: control frames and headers go into the scratch buffer,
     /// payloads stay where they are, and `segs` lists the pieces in write order.
-    fn begin_batch(&mut self) {
-        let s = self.s.get_or_insert_with(Scratch::take);
+    fn begin_batch(&mut self, s: &mut Scratch) {
         s.headers.clear();
         s.segs.clear();
-        self.in_batch = true;
         s.progress = 0;
         let segs = &mut s.segs;
         let framing = self.framing;
@@ -630,59 +663,10 @@ impl Writer {
         s.framed = framed;
     }
 
-    /// Bytes of the current batch that go on the stream.
-    fn stream_len(&self) -> usize {
-        let Some(s) = &self.s else { return 0 };
-        s.segs
-            .iter()
-            .map(|seg| match seg {
-                Seg::Header(range) => range.len(),
-                Seg::Payload(PacketKind::Disco, i) => s.batch.disco[*i].data.len(),
-                Seg::Payload(PacketKind::Other, i) => s.batch.other[*i].data.len(),
-            })
-            .sum()
-    }
-
-    /// Writes the pieces in order from where the last attempt stopped, with as few `writev`
-    /// calls as the socket allows, then flushes. Each write call has the deadline, and a
-    /// write blocked on a peer that does not read still ends when the connection is closed
-    /// (shutdown, ClosePeer, the read side ending). After a failed flush `progress` is 0:
-    /// what a layer above the socket (TLS) still buffered is lost.
-    async fn write_stream(&mut self) -> io::Result<()> {
-        let total = self.stream_len();
-        let timeout = self.write_timeout;
-        let s = self.s.get_or_insert_with(Scratch::take);
-        while s.progress < total {
-            let mut iov = [IoSlice::new(&[]); MAX_IOV];
-            let n = gather(&s.segs, &s.headers, &s.batch, s.progress, &mut iov);
-            let write = timed(timeout, self.w.write_vectored(&iov[..n]));
-            let written = tokio::select! {
-                biased;
-                _ = self.handle.cancel.cancelled() => Err(aborted()),
-                r = write => r,
-            }?;
-            if written == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
-            }
-            s.progress += written;
-        }
-        let flush = timed(timeout, self.w.flush());
-        let flushed = tokio::select! {
-            biased;
-            _ = self.handle.cancel.cancelled() => Err(aborted()),
-            r = flush => r,
-        };
-        if flushed.is_err() {
-            s.progress = 0;
-        }
-        flushed
-    }
-
     /// After a failed write: the packets sent in QUIC datagrams and those whose frames lay
     /// entirely within the first `handed_over` bytes of the stream count as sent, the others
     /// as dropped (`write_error`).
-    fn account_failed(&self, handed_over: usize) {
-        let Some(s) = &self.s else { return };
+    fn account_failed(&self, s: &Scratch, handed_over: usize) {
         let segs = &s.segs;
         let m = &self.shared.metrics;
         let mut sent = [
@@ -732,11 +716,11 @@ impl Writer {
     }
 
     /// Counts a written batch into the metrics and watches its sources for PeerGone.
-    fn account(&mut self, framed: &Framed) {
+    fn account(&mut self, s: &Scratch, framed: &Framed) {
         let shared = self.shared.clone();
         let m = &shared.metrics;
         if framed.packets > 0 {
-            self.note_sources();
+            self.note_sources(s);
             if shared.config.packet_metrics {
                 m.packets_sent.inc_by(framed.packets);
                 m.bytes_sent.inc_by(framed.packet_bytes);
@@ -763,8 +747,7 @@ impl Writer {
     }
 
     /// Registers this connection as a PeerGone watcher of every new source in the batch.
-    fn note_sources(&mut self) {
-        let Some(s) = &self.s else { return };
+    fn note_sources(&mut self, s: &Scratch) {
         for p in s.batch.disco.iter().chain(s.batch.other.iter()) {
             if !self.sent_from.contains(&p.src) {
                 self.sent_from.insert(p.src);
@@ -772,15 +755,6 @@ impl Writer {
                     .registry
                     .watch_peer_gone(p.src, p.forwarded, &self.handle);
             }
-        }
-    }
-
-    /// Empties the batch but keeps its queues' capacity for the next swap.
-    fn recycle(&mut self) {
-        if let Some(s) = &mut self.s {
-            s.batch.disco.clear();
-            s.batch.other.clear();
-            s.batch.control.clear();
         }
     }
 }
@@ -860,17 +834,38 @@ fn gather<'a>(
     n
 }
 
-/// A write under the deadline, if there is one.
-async fn timed<T>(
-    timeout: Option<Duration>,
-    write: impl Future<Output = io::Result<T>>,
-) -> io::Result<T> {
-    match timeout {
-        Some(t) => tokio::time::timeout(t, write)
-            .await
-            .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into())),
-        None => write.await,
+/// Hands the batch's stream pieces to the transport from where the last call stopped, with as
+/// few `writev` calls as it takes, then flushes. After a failed flush `progress` is 0: what a
+/// layer above the socket (TLS) still buffered is lost.
+fn poll_stream(
+    w: &mut WriteHalf,
+    s: &mut Scratch,
+    cx: &mut Context<'_>,
+    turn: &mut Turn<'_>,
+) -> Poll<io::Result<()>> {
+    let total = s.stream_len();
+    while s.progress < total {
+        if turn.cancelled() {
+            return Poll::Ready(Err(aborted()));
+        }
+        let mut iov = [IoSlice::new(&[]); MAX_IOV];
+        let n = gather(&s.segs, &s.headers, &s.batch, s.progress, &mut iov);
+        let written = ready!(Pin::new(&mut *w).poll_write_vectored(cx, &iov[..n]))?;
+        turn.calls += 1;
+        if written == 0 {
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+        }
+        s.progress += written;
     }
+    if turn.cancelled() {
+        return Poll::Ready(Err(aborted()));
+    }
+    let flushed = ready!(Pin::new(w).poll_flush(cx));
+    turn.calls += 1;
+    if flushed.is_err() {
+        s.progress = 0;
+    }
+    Poll::Ready(flushed)
 }
 
 fn aborted() -> io::Error {
@@ -916,13 +911,19 @@ mod tests {
             w,
             framing: Framing::Raw,
             write_timeout: None,
-            s: None,
             sent_from: HashSet::default(),
             quic: None,
-            in_batch: false,
-            open: true,
-            failed: None,
-            held_back: false,
+            state: State::Idle,
+        })
+    }
+
+    /// The scratch on top of this thread's pool, and how many the pool holds.
+    fn pool_top() -> (*const Scratch, usize) {
+        SCRATCH.with_borrow(|pool| {
+            let top = pool
+                .last()
+                .map_or(std::ptr::null(), |s| &**s as *const Scratch);
+            (top, pool.len())
         })
     }
 
@@ -932,28 +933,52 @@ mod tests {
         let (_, w) = Transport::Boxed(Box::new(server_side)).split();
         let mut writer = writer(w);
         let keepalive = [frame::FrameType::KeepAlive as u8, 0, 0, 0, 0];
+        let mut cx = Context::from_waker(Waker::noop());
 
         writer.handle.queue.push_control(Control::KeepAlive);
-        assert!(matches!(writer.try_write_now(), Poll::Ready(Ok(()))));
-        let first: *const Scratch = &**writer.s.as_ref().expect("scratch while writing");
-        // What a parked writer keeps: no scratch.
-        writer.release_scratch();
-        assert!(writer.s.is_none());
+        let written = writer.poll_write(&mut cx, &mut Turn::sender());
+        assert!(matches!(written, Poll::Ready(Ok(Next::Park))));
+        // What a parked writer keeps: no scratch; it went back to the thread's pool.
+        assert!(matches!(writer.state, State::Idle));
+        let (first, pooled) = pool_top();
+        assert_eq!(pooled, 1);
         let mut got = [0u8; 5];
         client.read_exact(&mut got).await.expect("keepalive");
         assert_eq!(got, keepalive);
 
-        // The next write on this thread takes the same scratch back from the pool.
+        // The next write on this thread takes the same scratch from the pool and gives it
+        // back: no second one was made.
         writer.handle.queue.push_control(Control::KeepAlive);
-        assert!(matches!(writer.try_write_now(), Poll::Ready(Ok(()))));
-        let second: *const Scratch = &**writer.s.as_ref().expect("scratch while writing");
-        assert_eq!(first, second);
+        let written = writer.poll_write(&mut cx, &mut Turn::sender());
+        assert!(matches!(written, Poll::Ready(Ok(Next::Park))));
+        assert!(matches!(writer.state, State::Idle));
+        assert_eq!(pool_top(), (first, 1));
         client.read_exact(&mut got).await.expect("keepalive");
         assert_eq!(got, keepalive);
+    }
 
-        // A writer in the middle of a batch keeps its scratch.
-        writer.in_batch = true;
-        writer.release_scratch();
-        assert!(writer.s.is_some());
+    #[tokio::test]
+    async fn a_writer_in_the_middle_of_a_batch_keeps_its_scratch_and_resumes_where_it_stopped() {
+        // Room for three bytes: a keepalive (five) does not go out in one write.
+        let (mut client, server_side) = tokio::io::duplex(3);
+        let (_, w) = Transport::Boxed(Box::new(server_side)).split();
+        let mut writer = writer(w);
+        let mut cx = Context::from_waker(Waker::noop());
+
+        writer.handle.queue.push_control(Control::KeepAlive);
+        assert!(writer.poll_write(&mut cx, &mut Turn::sender()).is_pending());
+        let State::Writing(s) = &writer.state else {
+            panic!("a writer the transport pushed back keeps its batch");
+        };
+        assert_eq!(s.progress, 3);
+        let mut got = [0u8; 5];
+        client.read_exact(&mut got[..3]).await.expect("first part");
+
+        // The rest of the frame, not the frame again.
+        let written = writer.poll_write(&mut cx, &mut Turn::sender());
+        assert!(matches!(written, Poll::Ready(Ok(Next::Park))));
+        assert!(matches!(writer.state, State::Idle));
+        client.read_exact(&mut got[3..]).await.expect("second part");
+        assert_eq!(got, [frame::FrameType::KeepAlive as u8, 0, 0, 0, 0]);
     }
 }

@@ -8,32 +8,25 @@
 //! the write deadline and parks again when the queue is empty. A lone packet thus goes from
 //! one client's socket to another's without a task switch.
 //!
-//! Both run the same loop, [`Writer::poll_write`]: take what is queued, lay it out
-//! ([`Writer::begin_batch`]: frame headers and the order of the pieces), hand it to the
-//! transport from where the last attempt stopped and flush, then account it
-//! ([`Writer::account`], or after a failed write [`Writer::account_failed`]: a packet whose
-//! frame was handed to the transport in full before the failure, or went out in a QUIC
-//! datagram, counts as sent, since the peer may well read it; the rest as `write_error`).
-//! What the writer holds between polls is its [`State`]: nothing between batches, the batch
-//! and its progress while one is being written.
-//!
-//! A parked writer holds only what the connection needs between writes (its half of the
-//! socket, its PeerGone watches). The batch, its frame headers and its layout ([`Scratch`])
-//! go back to a per-thread pool when a batch run ends and are taken from it for the next, so
-//! idle connections do not each keep them and busy ones do not allocate them.
+//! Both run the same loop, [`Writer::poll_write`]: take what is queued, lay it out and hand
+//! it to the transport from where the last attempt stopped, flush, account it ([`batch`]),
+//! and take again. What the writer holds between polls is its [`State`]: nothing between
+//! batches, the batch and its progress while one is being written. A parked writer thus
+//! holds only what the connection needs between writes: its half of the socket and its
+//! PeerGone watches.
+
+mod batch;
 
 use std::collections::HashSet;
 use std::io::{self, IoSlice};
-use std::ops::Range;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
-use bytes::BytesMut;
 use derp_io::WriteHalf;
-use derp_proto::{PeerGoneReason, PublicKey, RelayToClient, frame, ws};
+use derp_proto::{PublicKey, ws};
 use quinn::SendDatagramError;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
@@ -41,10 +34,10 @@ use tracing::debug;
 
 use super::{Framing, count_gone};
 use crate::handle::{Cancel, ConnHandle};
-use crate::metrics::{DropReason, FallbackReason, PacketKind};
-use crate::queue::{Batch, Control, Resume};
+use crate::queue::Resume;
 use crate::quic::QuicLink;
 use crate::state::ServerState;
+use batch::{MAX_IOV, Scratch};
 
 /// A connection's writer. It runs as a task only while the socket pushes back; otherwise it
 /// is parked in its queue and senders have it write inline, so idle connections cost one
@@ -118,96 +111,6 @@ impl std::fmt::Debug for Writer {
         f.debug_struct("Writer")
             .field("id", &self.handle.id)
             .finish()
-    }
-}
-
-/// What a writer needs only while it writes: the batch taken from the queue, how it is laid
-/// out and what it holds. Kept per thread while no writer there needs it, so an idle
-/// connection's parked writer holds none, and a busy one takes one without allocating.
-#[derive(Default)]
-struct Scratch {
-    batch: Batch,
-    /// Frame headers for the current batch; the payloads are written from their own buffers.
-    headers: Vec<u8>,
-    /// The pieces of the current batch in write order, while one is being written.
-    segs: Vec<Seg>,
-    /// Packets of the current batch that go in QUIC datagrams rather than on the stream;
-    /// emptied once they are sent.
-    datagrams: Vec<(PacketKind, usize)>,
-    /// Those of them sent so far.
-    datagrams_sent: Vec<(PacketKind, usize)>,
-    /// What the current batch holds, for its accounting.
-    framed: Framed,
-    /// Bytes of the current batch's stream pieces the transport has taken.
-    progress: usize,
-}
-
-thread_local! {
-    /// Scratch given back by writers on this thread between batches. Boxed: a writer holds its
-    /// scratch by pointer, so taking one and giving it back moves no bytes and allocates
-    /// nothing.
-    #[allow(clippy::vec_box)]
-    static SCRATCH: std::cell::RefCell<Vec<Box<Scratch>>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-impl Scratch {
-    /// One from this thread's pool, or a new one.
-    fn take() -> Box<Self> {
-        SCRATCH
-            .try_with(|pool| pool.borrow_mut().pop())
-            .ok()
-            .flatten()
-            .unwrap_or_default()
-    }
-
-    /// Back to this thread's pool (empty: given back only between batches), or freed when
-    /// the pool is full. What a burst grew it to stays with it, up to a bound:
-    /// a busy stream's writer parks between batches and takes the same scratch back for
-    /// the next, and must not regrow it each time.
-    fn give(mut self: Box<Self>) {
-        debug_assert!(
-            self.batch.is_empty(),
-            "scratch goes back only between batches"
-        );
-        if self.batch.disco.capacity().max(self.batch.other.capacity()) > MAX_POOLED_PACKETS
-            || self.headers.capacity() > MAX_POOLED_HEADERS
-            || self.segs.capacity() > 2 * MAX_POOLED_PACKETS
-        {
-            self.shrink_idle();
-        }
-        let _ = SCRATCH.try_with(|pool| {
-            let mut pool = pool.borrow_mut();
-            if pool.len() < MAX_POOLED_SCRATCH {
-                pool.push(self);
-            }
-        });
-    }
-
-    /// Bytes of the batch that go on the stream.
-    fn stream_len(&self) -> usize {
-        self.segs
-            .iter()
-            .map(|seg| match seg {
-                Seg::Header(range) => range.len(),
-                Seg::Payload(PacketKind::Disco, i) => self.batch.disco[*i].data.len(),
-                Seg::Payload(PacketKind::Other, i) => self.batch.other[*i].data.len(),
-            })
-            .sum()
-    }
-
-    /// Gives back what a burst grew the batch and the buffers to.
-    fn shrink_idle(&mut self) {
-        self.batch.shrink_idle();
-        if self.headers.capacity() > MAX_IDLE_HEADER_CAPACITY {
-            self.headers = Vec::new();
-        }
-        if self.segs.capacity() > MAX_IDLE_SEGS {
-            self.segs = Vec::new();
-        }
-        if self.datagrams.capacity() > MAX_IDLE_SEGS {
-            self.datagrams = Vec::new();
-            self.datagrams_sent = Vec::new();
-        }
     }
 }
 
@@ -388,31 +291,6 @@ impl Writer {
     }
 }
 
-/// Where one piece of a vectored write comes from.
-enum Seg {
-    /// A range of the header scratch buffer (frame headers and whole control frames).
-    Header(Range<usize>),
-    /// The payload of the packet at this index of one of the batch's packet queues.
-    Payload(PacketKind, usize),
-}
-
-/// What a framed batch holds, for the accounting after the write.
-#[derive(Default)]
-struct Framed {
-    frames: usize,
-    packets: u64,
-    packet_bytes: u64,
-    pongs: u64,
-    /// PeerGone frames, indexed by `[Disconnected, NotHere]`.
-    gone: [u64; 2],
-    /// The moving average of queueing time with this batch's packets folded in.
-    average_wait_ms: f64,
-    /// Packets sent in QUIC datagrams.
-    datagrams: u64,
-    /// Packets to QUIC clients that went on the stream, indexed by [`FallbackReason`].
-    fallbacks: [u64; 2],
-}
-
 impl Writer {
     /// The writer's one loop: takes what is queued, lays it out, hands it to the transport and
     /// flushes, accounts it, and takes again, until the queue is empty, `turn` has written its
@@ -444,8 +322,7 @@ impl Writer {
                     return Poll::Pending;
                 }
             }
-            let frames = s.framed.frames;
-            self.end_batch(&mut s, true);
+            let frames = self.end_batch(&mut s, true);
             self.shared
                 .metrics
                 .buffered_write_frames
@@ -494,21 +371,6 @@ impl Writer {
         }
     }
 
-    /// Accounts the batch, sent or failed, and empties it for the next (keeping its queues'
-    /// capacity).
-    fn end_batch(&mut self, s: &mut Scratch, written: bool) {
-        let framed = std::mem::take(&mut s.framed);
-        let progress = std::mem::take(&mut s.progress);
-        if written {
-            self.account(s, &framed);
-        } else {
-            self.account_failed(s, progress);
-        }
-        s.batch.disco.clear();
-        s.batch.other.clear();
-        s.batch.control.clear();
-    }
-
     /// Sends the batch's datagram packets, each under the write deadline. A frame that no
     /// longer fits (the path MTU shrank since it was laid out) goes on the stream instead.
     async fn send_datagrams(&mut self, cancel: &Cancel) -> io::Result<()> {
@@ -519,33 +381,15 @@ impl Writer {
         let deadline = tokio::time::sleep(self.write_timeout.unwrap_or(far));
         tokio::pin!(deadline);
         for n in 0..s.datagrams.len() {
-            let (kind, i) = s.datagrams[n];
-            let p = match kind {
-                PacketKind::Disco => &s.batch.disco[i],
-                PacketKind::Other => &s.batch.other[i],
-            };
-            let mut out = BytesMut::with_capacity(frame::FRAME_HEADER_LEN + 32 + p.data.len());
-            out.extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-            out.extend_from_slice(&p.data);
             let sent = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Err(aborted()),
                 _ = &mut deadline => return Err(io::ErrorKind::TimedOut.into()),
-                r = link.send_datagram(out.freeze()) => r,
+                r = link.send_datagram(s.datagram(n)) => r,
             };
             match sent {
-                Ok(()) => {
-                    s.framed.datagrams += 1;
-                    s.datagrams_sent.push((kind, i));
-                }
-                Err(SendDatagramError::TooLarge) => {
-                    let start = s.headers.len();
-                    s.headers
-                        .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-                    s.segs.push(Seg::Header(start..s.headers.len()));
-                    s.segs.push(Seg::Payload(kind, i));
-                    s.framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
-                }
+                Ok(()) => s.datagram_sent(n),
+                Err(SendDatagramError::TooLarge) => s.datagram_on_stream(n),
                 Err(e) => return Err(io::Error::other(e)),
             }
             if let Some(t) = self.write_timeout {
@@ -556,215 +400,40 @@ impl Writer {
         s.datagrams.clear();
         Ok(())
     }
-
-    /// Lays the batch out as frames: control frames and headers go into the scratch buffer,
-    /// payloads stay where they are, and `segs` lists the pieces in write order.
-    fn begin_batch(&mut self, s: &mut Scratch) {
-        s.headers.clear();
-        s.segs.clear();
-        s.progress = 0;
-        let segs = &mut s.segs;
-        let framing = self.framing;
-        let mut framed = Framed {
-            average_wait_ms: self.shared.metrics.average_queue_duration_ms.get(),
-            ..Framed::default()
-        };
-        for control in s.batch.control.drain(..) {
-            let start = s.headers.len();
-            match control {
-                Control::PeerGone(peer, reason) => {
-                    match reason {
-                        PeerGoneReason::NotHere => framed.gone[1] += 1,
-                        _ => {
-                            framed.gone[0] += 1;
-                            // If the peer comes back and sends again, watch it again.
-                            self.sent_from.remove(&peer);
-                        }
-                    }
-                    push_frame(
-                        &mut s.headers,
-                        framing,
-                        &RelayToClient::PeerGone { peer, reason },
-                    );
-                }
-                Control::PeerPresent { peer, addr, flags } => push_frame(
-                    &mut s.headers,
-                    framing,
-                    &RelayToClient::PeerPresent { peer, addr, flags },
-                ),
-                Control::KeepAlive => {
-                    push_frame(&mut s.headers, framing, &RelayToClient::KeepAlive)
-                }
-                Control::Restarting {
-                    reconnect_in_ms,
-                    try_for_ms,
-                } => push_frame(
-                    &mut s.headers,
-                    framing,
-                    &RelayToClient::Restarting {
-                        reconnect_in_ms,
-                        try_for_ms,
-                    },
-                ),
-                Control::WsPong(payload) => {
-                    s.headers
-                        .extend_from_slice(&ws::control_frame(ws::Opcode::Pong, &payload));
-                }
-                Control::ObservedAddr(addr) => {
-                    push_frame(&mut s.headers, framing, &RelayToClient::ObservedAddr(addr))
-                }
-            }
-            segs.push(Seg::Header(start..s.headers.len()));
-            framed.frames += 1;
-        }
-        if let Some(data) = s.batch.pong.take() {
-            let start = s.headers.len();
-            push_frame(&mut s.headers, framing, &RelayToClient::Pong(data));
-            segs.push(Seg::Header(start..s.headers.len()));
-            framed.frames += 1;
-            framed.pongs += 1;
-        }
-        let now = Instant::now();
-        // QUIC: `Some(limit)`, where the limit is `None` when the client takes no datagrams.
-        let datagram_limit = self.quic.as_ref().map(|link| link.max_datagram_frame());
-        s.datagrams.clear();
-        s.datagrams_sent.clear();
-        for (kind, queue) in [
-            (PacketKind::Disco, &s.batch.disco),
-            (PacketKind::Other, &s.batch.other),
-        ] {
-            for (i, p) in queue.iter().enumerate() {
-                let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
-                framed.average_wait_ms = framed.average_wait_ms * 0.9 + waited * 0.1;
-                framed.packets += 1;
-                framed.packet_bytes += p.data.len() as u64;
-                framed.frames += 1;
-                if let Some(limit) = datagram_limit {
-                    match limit {
-                        Some(max) if frame::FRAME_HEADER_LEN + 32 + p.data.len() <= max => {
-                            s.datagrams.push((kind, i));
-                            continue;
-                        }
-                        Some(_) => framed.fallbacks[FallbackReason::TooLarge as usize] += 1,
-                        None => framed.fallbacks[FallbackReason::NoDatagrams as usize] += 1,
-                    }
-                }
-                let start = s.headers.len();
-                if framing == Framing::WebSocket {
-                    let (hdr, n) = ws::binary_header(frame::FRAME_HEADER_LEN + 32 + p.data.len());
-                    s.headers.extend_from_slice(&hdr[..n]);
-                }
-                s.headers
-                    .extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-                segs.push(Seg::Header(start..s.headers.len()));
-                segs.push(Seg::Payload(kind, i));
-            }
-        }
-        s.framed = framed;
-    }
-
-    /// After a failed write: the packets sent in QUIC datagrams and those whose frames lay
-    /// entirely within the first `handed_over` bytes of the stream count as sent, the others
-    /// as dropped (`write_error`).
-    fn account_failed(&self, s: &Scratch, handed_over: usize) {
-        let segs = &s.segs;
-        let m = &self.shared.metrics;
-        let mut sent = [
-            vec![false; s.batch.disco.len()],
-            vec![false; s.batch.other.len()],
-        ];
-        for &(kind, i) in &s.datagrams_sent {
-            sent[kind as usize][i] = true;
-        }
-        let mut offset = 0;
-        for seg in segs {
-            match seg {
-                Seg::Header(range) => offset += range.len(),
-                Seg::Payload(kind, i) => {
-                    let queue = match kind {
-                        PacketKind::Disco => &s.batch.disco,
-                        PacketKind::Other => &s.batch.other,
-                    };
-                    offset += queue[*i].data.len();
-                    if offset <= handed_over {
-                        sent[*kind as usize][*i] = true;
-                    }
-                }
-            }
-        }
-        let (mut packets, mut bytes) = (0, 0);
-        for (queue, kind) in [
-            (&s.batch.disco, PacketKind::Disco),
-            (&s.batch.other, PacketKind::Other),
-        ] {
-            for (p, sent) in queue.iter().zip(&sent[kind as usize]) {
-                if *sent {
-                    packets += 1;
-                    bytes += p.data.len() as u64;
-                } else {
-                    m.drop_one(DropReason::WriteError, kind, p.data.len());
-                }
-            }
-        }
-        if packets > 0 && self.shared.config.packet_metrics {
-            m.packets_sent.inc_by(packets);
-            m.bytes_sent.inc_by(bytes);
-        }
-        if !s.datagrams_sent.is_empty() {
-            m.quic_datagrams_sent.inc_by(s.datagrams_sent.len() as u64);
-        }
-    }
-
-    /// Counts a written batch into the metrics and watches its sources for PeerGone.
-    fn account(&mut self, s: &Scratch, framed: &Framed) {
-        let shared = self.shared.clone();
-        let m = &shared.metrics;
-        if framed.packets > 0 {
-            self.note_sources(s);
-            if shared.config.packet_metrics {
-                m.packets_sent.inc_by(framed.packets);
-                m.bytes_sent.inc_by(framed.packet_bytes);
-                m.average_queue_duration_ms.set(framed.average_wait_ms);
-            }
-        }
-        if framed.pongs > 0 {
-            m.sent_pong.inc_by(framed.pongs);
-        }
-        if framed.datagrams > 0 {
-            m.quic_datagrams_sent.inc_by(framed.datagrams);
-        }
-        for (counter, n) in m.quic_stream_fallbacks.iter().zip(framed.fallbacks) {
-            if n > 0 {
-                counter.inc_by(n);
-            }
-        }
-        if framed.gone[0] > 0 {
-            m.peer_gone_disconnected_frames.inc_by(framed.gone[0]);
-        }
-        if framed.gone[1] > 0 {
-            m.peer_gone_not_here_frames.inc_by(framed.gone[1]);
-        }
-    }
-
-    /// Registers this connection as a PeerGone watcher of every new source in the batch.
-    fn note_sources(&mut self, s: &Scratch) {
-        for p in s.batch.disco.iter().chain(s.batch.other.iter()) {
-            if !self.sent_from.contains(&p.src) {
-                self.sent_from.insert(p.src);
-                self.shared
-                    .registry
-                    .watch_peer_gone(p.src, p.forwarded, &self.handle);
-            }
-        }
-    }
 }
 
-fn push_frame(out: &mut Vec<u8>, framing: Framing, frame: &RelayToClient) {
-    if framing == Framing::WebSocket {
-        let (hdr, n) = ws::binary_header(frame.encoded_len());
-        out.extend_from_slice(&hdr[..n]);
+/// Hands the batch's stream pieces to the transport from where the last call stopped, with as
+/// few `writev` calls as it takes, then flushes. After a failed flush `progress` is 0: what a
+/// layer above the socket (TLS) still buffered is lost.
+fn poll_stream(
+    w: &mut WriteHalf,
+    s: &mut Scratch,
+    cx: &mut Context<'_>,
+    turn: &mut Turn<'_>,
+) -> Poll<io::Result<()>> {
+    let total = s.stream_len();
+    while s.progress < total {
+        if turn.cancelled() {
+            return Poll::Ready(Err(aborted()));
+        }
+        let mut iov = [IoSlice::new(&[]); MAX_IOV];
+        let n = s.gather(&mut iov);
+        let written = ready!(Pin::new(&mut *w).poll_write_vectored(cx, &iov[..n]))?;
+        turn.calls += 1;
+        if written == 0 {
+            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+        }
+        s.progress += written;
     }
-    frame.encode(out);
+    if turn.cancelled() {
+        return Poll::Ready(Err(aborted()));
+    }
+    let flushed = ready!(Pin::new(w).poll_flush(cx));
+    turn.calls += 1;
+    if flushed.is_err() {
+        s.progress = 0;
+    }
+    Poll::Ready(flushed)
 }
 
 /// Writes all slices, applying the deadline to each write call: a peer that accepts nothing
@@ -803,71 +472,6 @@ pub(super) async fn write_with_timeout<W: AsyncWrite + Unpin>(
     w.flush().await
 }
 
-/// Fills `iov` with the pieces of the batch from byte `progress` on; returns how many it
-/// filled (at most [`MAX_IOV`]; the rest go in the next call).
-fn gather<'a>(
-    segs: &[Seg],
-    headers: &'a [u8],
-    batch: &'a Batch,
-    progress: usize,
-    iov: &mut [IoSlice<'a>; MAX_IOV],
-) -> usize {
-    let mut skip = progress;
-    let mut n = 0;
-    for seg in segs {
-        let bytes: &[u8] = match seg {
-            Seg::Header(range) => &headers[range.clone()],
-            Seg::Payload(PacketKind::Disco, i) => &batch.disco[*i].data,
-            Seg::Payload(PacketKind::Other, i) => &batch.other[*i].data,
-        };
-        if skip >= bytes.len() {
-            skip -= bytes.len();
-            continue;
-        }
-        iov[n] = IoSlice::new(&bytes[skip..]);
-        skip = 0;
-        n += 1;
-        if n == MAX_IOV {
-            break;
-        }
-    }
-    n
-}
-
-/// Hands the batch's stream pieces to the transport from where the last call stopped, with as
-/// few `writev` calls as it takes, then flushes. After a failed flush `progress` is 0: what a
-/// layer above the socket (TLS) still buffered is lost.
-fn poll_stream(
-    w: &mut WriteHalf,
-    s: &mut Scratch,
-    cx: &mut Context<'_>,
-    turn: &mut Turn<'_>,
-) -> Poll<io::Result<()>> {
-    let total = s.stream_len();
-    while s.progress < total {
-        if turn.cancelled() {
-            return Poll::Ready(Err(aborted()));
-        }
-        let mut iov = [IoSlice::new(&[]); MAX_IOV];
-        let n = gather(&s.segs, &s.headers, &s.batch, s.progress, &mut iov);
-        let written = ready!(Pin::new(&mut *w).poll_write_vectored(cx, &iov[..n]))?;
-        turn.calls += 1;
-        if written == 0 {
-            return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-        }
-        s.progress += written;
-    }
-    if turn.cancelled() {
-        return Poll::Ready(Err(aborted()));
-    }
-    let flushed = ready!(Pin::new(w).poll_flush(cx));
-    turn.calls += 1;
-    if flushed.is_err() {
-        s.progress = 0;
-    }
-    Poll::Ready(flushed)
-}
-
 fn aborted() -> io::Error {
     io::Error::new(
         io::ErrorKind::ConnectionAborted,
@@ -875,22 +479,9 @@ fn aborted() -> io::Error {
     )
 }
 
-/// Most pieces handed to one `writev`; a batch with more takes several calls.
-const MAX_IOV: usize = 64;
 /// Most batches a sender writes inline for one destination before leaving the rest to the
 /// destination's own task: a sender does others' work only briefly.
 const INLINE_BATCHES: usize = 2;
-/// Header scratch above this size is released when the writer parks (a few packets' worth
-/// is kept, so a steady trickle allocates nothing).
-const MAX_IDLE_HEADER_CAPACITY: usize = 512;
-/// Piece lists longer than this are released when the writer parks.
-const MAX_IDLE_SEGS: usize = 16;
-/// Scratch kept per thread for writers to take: about as many as write at once on a thread.
-const MAX_POOLED_SCRATCH: usize = 8;
-/// A pooled scratch whose batch queues or header buffer outgrew these is shrunk first, so
-/// the pools hold a few hundred KiB per thread at most.
-const MAX_POOLED_PACKETS: usize = 1024;
-const MAX_POOLED_HEADERS: usize = 64 * 1024;
 /// How long a closing connection may take to accept its last bytes (a WebSocket close frame,
 /// a TLS close_notify).
 const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -898,9 +489,11 @@ const WS_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 #[cfg(test)]
 mod tests {
     use derp_io::Transport;
+    use derp_proto::frame;
     use tokio::io::AsyncReadExt;
 
     use super::*;
+    use crate::queue::Control;
 
     fn writer(w: WriteHalf) -> Box<Writer> {
         let shared = ServerState::for_tests();
@@ -917,16 +510,6 @@ mod tests {
         })
     }
 
-    /// The scratch on top of this thread's pool, and how many the pool holds.
-    fn pool_top() -> (*const Scratch, usize) {
-        SCRATCH.with_borrow(|pool| {
-            let top = pool
-                .last()
-                .map_or(std::ptr::null(), |s| &**s as *const Scratch);
-            (top, pool.len())
-        })
-    }
-
     #[tokio::test]
     async fn a_parked_writer_holds_no_scratch_and_the_next_write_takes_it_back() {
         let (mut client, server_side) = tokio::io::duplex(1 << 16);
@@ -940,7 +523,7 @@ mod tests {
         assert!(matches!(written, Poll::Ready(Ok(Next::Park))));
         // What a parked writer keeps: no scratch; it went back to the thread's pool.
         assert!(matches!(writer.state, State::Idle));
-        let (first, pooled) = pool_top();
+        let (first, pooled) = Scratch::pool_top();
         assert_eq!(pooled, 1);
         let mut got = [0u8; 5];
         client.read_exact(&mut got).await.expect("keepalive");
@@ -952,7 +535,7 @@ mod tests {
         let written = writer.poll_write(&mut cx, &mut Turn::sender());
         assert!(matches!(written, Poll::Ready(Ok(Next::Park))));
         assert!(matches!(writer.state, State::Idle));
-        assert_eq!(pool_top(), (first, 1));
+        assert_eq!(Scratch::pool_top(), (first, 1));
         client.read_exact(&mut got).await.expect("keepalive");
         assert_eq!(got, keepalive);
     }

@@ -146,14 +146,35 @@ impl Batch {
 #[derive(Debug, Default)]
 struct State {
     pending: Batch,
-    closed: bool,
-    /// The connection's writer while it has no task (nothing to write).
-    parked: Option<Box<dyn Resume>>,
-    /// Set when the writer has been woken and has not yet taken the batch; senders skip the
-    /// wake-up then, so a burst costs one notification rather than one per packet.
-    woken: bool,
-    /// The writer holds a batch it has not finished writing.
-    writing: bool,
+    writer: WriterState,
+}
+
+/// Where the connection's writer is, as its queue sees it.
+#[derive(Debug)]
+enum WriterState {
+    /// Running, on its own task or taken along by a sender.
+    Active {
+        /// It holds a batch it has not finished writing.
+        writing: bool,
+        /// It has been woken and has not taken the batch since; senders skip the wake-up
+        /// then, so a burst costs one notification rather than one per packet.
+        woken: bool,
+    },
+    /// Parked here while the connection has nothing to write: the next sender takes it
+    /// along or starts it.
+    Parked(Box<dyn Resume>),
+    /// The connection is closing: nothing more is queued and the writer is not parked again.
+    Closed,
+}
+
+impl Default for WriterState {
+    /// A new queue's writer is about to park, or to start if something is queued first.
+    fn default() -> Self {
+        Self::Active {
+            writing: false,
+            woken: false,
+        }
+    }
 }
 
 /// A connection's outbound queues: two bounded packet queues (disco and other), control
@@ -197,7 +218,7 @@ impl SendQueue {
             inline.flush();
             state = self.lock();
         }
-        if state.closed {
+        if matches!(state.writer, WriterState::Closed) {
             counts.drop(DropReason::GoneDisconnected, kind, len);
             return;
         }
@@ -230,7 +251,7 @@ impl SendQueue {
     /// that pings without reading (or a stalled one) cannot grow the queue.
     pub(crate) fn push_control(&self, control: Control) {
         let mut state = self.lock();
-        if state.closed {
+        if matches!(state.writer, WriterState::Closed) {
             return;
         }
         let queue = &mut state.pending.control;
@@ -249,7 +270,7 @@ impl SendQueue {
     /// Offers a pong; ignored while one is already pending ("pinging too fast").
     pub(crate) fn push_pong(&self, data: [u8; 8], inline: &mut Inline) {
         let mut state = self.lock();
-        if state.closed || state.pending.pong.is_some() {
+        if matches!(state.writer, WriterState::Closed) || state.pending.pong.is_some() {
             return;
         }
         state.pending.pong = Some(data);
@@ -260,19 +281,21 @@ impl SendQueue {
     /// queue is closed and nothing more will come.
     pub(crate) fn take(&self, batch: &mut Batch) -> bool {
         let mut state = self.lock();
-        state.woken = false;
         std::mem::swap(&mut state.pending, batch);
-        // The writer takes again once it has written a batch, so an empty take means the
-        // previous batch is out.
-        state.writing = !batch.is_empty();
-        !state.closed
+        state.taken(batch)
     }
 
     /// Nothing is queued and the writer is not in the middle of a batch: everything queued
     /// so far has been handed to the socket (or the queue is closed).
     pub(crate) fn is_drained(&self) -> bool {
         let state = self.lock();
-        state.closed || (state.pending.is_empty() && !state.writing)
+        match state.writer {
+            WriterState::Closed => true,
+            WriterState::Active { writing: true, .. } => false,
+            WriterState::Active { writing: false, .. } | WriterState::Parked(_) => {
+                state.pending.is_empty()
+            }
+        }
     }
 
     /// Like [`SendQueue::take`], but leaves the packets queued: only control frames and the
@@ -280,11 +303,9 @@ impl SendQueue {
     /// yet, whose packets must wait (see `quic::gate`).
     pub(crate) fn take_control(&self, batch: &mut Batch) -> bool {
         let mut state = self.lock();
-        state.woken = false;
         std::mem::swap(&mut state.pending.control, &mut batch.control);
         batch.pong = state.pending.pong.take();
-        state.writing = !batch.is_empty();
-        !state.closed
+        state.taken(batch)
     }
 
     /// Marks the queue closed: later pushes are dropped as `gone_disconnected`. Returns what
@@ -292,10 +313,11 @@ impl SendQueue {
     /// caller must resume so it can close the socket.
     pub(crate) fn close(&self) -> (Batch, Option<Box<dyn Resume>>) {
         let mut state = self.lock();
-        state.closed = true;
-        state.writing = false;
+        let parked = match std::mem::replace(&mut state.writer, WriterState::Closed) {
+            WriterState::Parked(writer) => Some(writer),
+            WriterState::Active { .. } | WriterState::Closed => None,
+        };
         let rest = std::mem::take(&mut state.pending);
-        let parked = state.parked.take();
         drop(state);
         self.notify.notify_one();
         (rest, parked)
@@ -306,12 +328,11 @@ impl SendQueue {
     /// queue lock, so no enqueue can slip between the check and the park.
     pub(crate) fn park<W: Resume + 'static>(&self, writer: Box<W>) -> Result<(), Box<W>> {
         let mut state = self.lock();
-        if state.closed || !state.pending.is_empty() {
+        if matches!(state.writer, WriterState::Closed) || !state.pending.is_empty() {
             return Err(writer);
         }
         // A writer parks only once what it took is out.
-        state.writing = false;
-        state.parked = Some(writer);
+        state.writer = WriterState::Parked(writer);
         Ok(())
     }
 
@@ -321,7 +342,7 @@ impl SendQueue {
     pub(crate) fn shrink_if_parked(&self) {
         let mut state = self.lock();
         let state = &mut *state;
-        if let Some(writer) = &mut state.parked
+        if let WriterState::Parked(writer) = &mut state.writer
             && state.pending.is_empty()
         {
             state.pending.shrink_idle();
@@ -337,15 +358,12 @@ impl SendQueue {
     /// Like [`SendQueue::wake`], but a parked writer that can write inline is handed to the
     /// sender's `inline` list instead of being started as a task.
     fn wake_inline(&self, mut state: std::sync::MutexGuard<'_, State>, inline: &mut Inline) {
-        if state
-            .parked
-            .as_ref()
-            .is_some_and(|writer| writer.can_write_inline())
-            && let Some(writer) = state.parked.take()
-        {
+        if let WriterState::Parked(writer) = &state.writer
+            && writer.can_write_inline()
             // Taken out under the lock: no other sender can take or start it meanwhile;
             // their packets are queued and go out with this write or the writer's task.
-            state.writing = true;
+            && let Some(writer) = state.unpark(true)
+        {
             drop(state);
             inline.writers.push(writer);
             return;
@@ -353,14 +371,18 @@ impl SendQueue {
         self.wake(state);
     }
 
+    /// Starts a parked writer, or notifies a running one that has not been woken since its
+    /// last take.
     fn wake(&self, mut state: std::sync::MutexGuard<'_, State>) {
-        if let Some(writer) = state.parked.take() {
+        if let Some(writer) = state.unpark(false) {
             drop(state);
             writer.resume();
             return;
         }
-        if !state.woken {
-            state.woken = true;
+        if let WriterState::Active { woken, .. } = &mut state.writer
+            && !*woken
+        {
+            *woken = true;
             drop(state);
             self.notify.notify_one();
         }
@@ -370,6 +392,41 @@ impl SendQueue {
         // A panic while holding this lock cannot leave the queues inconsistent (every critical
         // section is a push, pop or swap), so a poisoned lock is safe to keep using.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl State {
+    /// Takes the parked writer out, if it is parked, and marks it running (`writing`: taken
+    /// along to write what is queued).
+    fn unpark(&mut self, writing: bool) -> Option<Box<dyn Resume>> {
+        if !matches!(self.writer, WriterState::Parked(_)) {
+            return None;
+        }
+        let active = WriterState::Active {
+            writing,
+            woken: false,
+        };
+        match std::mem::replace(&mut self.writer, active) {
+            WriterState::Parked(writer) => Some(writer),
+            WriterState::Active { .. } | WriterState::Closed => None,
+        }
+    }
+
+    /// The writer took `batch`: it is writing if that holds anything, and may be woken again.
+    /// Returns false once the queue is closed.
+    fn taken(&mut self, batch: &Batch) -> bool {
+        match &mut self.writer {
+            WriterState::Closed => false,
+            // Only a running writer takes; a parked one is where it was.
+            WriterState::Parked(_) => true,
+            WriterState::Active { writing, woken } => {
+                // The writer takes again once it has written a batch, so an empty take
+                // means the previous batch is out.
+                *writing = !batch.is_empty();
+                *woken = false;
+                true
+            }
+        }
     }
 }
 

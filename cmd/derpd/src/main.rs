@@ -25,9 +25,18 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
         Err(e) => {
-            // One line, not clap's usage block: operators read these in journald.
+            // One line, not clap's usage block: operators read these in journald. A first
+            // line ending in a colon is followed by what it names (missing arguments).
             let rendered = e.render().to_string();
-            let line = rendered.lines().next().unwrap_or("invalid arguments");
+            let mut lines = rendered.lines();
+            let mut line = lines.next().unwrap_or("invalid arguments").to_owned();
+            if line.ends_with(':') {
+                let named: Vec<&str> = lines
+                    .take_while(|l| l.starts_with(' '))
+                    .map(str::trim)
+                    .collect();
+                line = format!("{line} {}", named.join(", "));
+            }
             eprintln!(
                 "derpd: {} (see derpd --help)",
                 line.trim_start_matches("error: ")

@@ -149,6 +149,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             mesh_config.tls = mesh_tls;
             mesh_config.ping_interval =
                 Some(cli.mesh_ping_interval).filter(|interval| !interval.is_zero());
+            // Siblings take what this node takes: with the PROXY protocol on, a link that
+            // dials one directly must open with a header too.
+            mesh_config.proxy_header = cli.proxy_protocol;
             info!(siblings = %cli.mesh_with, "meshing");
             Some(
                 derp_mesh::Mesh::start(&server, mesh_config, siblings, &registry)

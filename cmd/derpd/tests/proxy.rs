@@ -725,6 +725,32 @@ fn without_a_valid_header_or_from_an_unlisted_peer_a_connection_is_refused_and_c
 }
 
 #[test]
+fn a_region_behind_balancers_meshes_with_links_that_send_a_header() {
+    // Every node takes only PROXY protocol connections from loopback; the siblings' links
+    // dial each other directly and open with a header of their own.
+    let region = support::Region::start(
+        2,
+        &[
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--proxy-protocol",
+            "--proxy-protocol-from",
+            "127.0.0.1/32",
+        ],
+    );
+    region.wait_meshed();
+    for node in &region.nodes {
+        assert_eq!(
+            node.metric(
+                "derp_proxy_protocol_refused",
+                &[("listener", "main"), ("reason", "no_header")]
+            ),
+            Some(0.0)
+        );
+    }
+}
+
+#[test]
 fn derpd_refuses_to_start_with_proxy_protocol_but_no_list() {
     let out = Command::new(DERPD)
         .args(["--dev", "-a", "127.0.0.1:0", "--proxy-protocol"])

@@ -215,7 +215,8 @@ fn check_proxies(cli: &Cli, ip: std::net::IpAddr, tls: bool, quic: bool, r: &mut
         r.ok(
             "proxy",
             format!(
-                "PROXY protocol (v1, v2) required on {listeners}, from {} only; /debug/varz                  is not served there (use --metrics-addr)",
+                "PROXY protocol (v1, v2) required on {listeners}, from {} only; /debug/varz \
+                 is not served there (use --metrics-addr)",
                 crate::cidrs_text(&cli.proxy_protocol_from)
             ),
         );
@@ -245,19 +246,24 @@ fn check_proxies(cli: &Cli, ip: std::net::IpAddr, tls: bool, quic: bool, r: &mut
         UdpReach::Nobody => r.warn(
             "proxy",
             format!(
-                "{udp} listen on {ip}, which no client can reach: a TCP balancer does not                  carry UDP. Listen on all addresses (--addr :PORT; the TCP port still takes                  only the balancers) or a public one, {off}"
+                "{udp} listen on {ip}, which no client can reach: a TCP balancer does not \
+                 carry UDP. Listen on all addresses (--addr :PORT; the TCP port still takes \
+                 only the balancers) or a public one, {off}"
             ),
         ),
         UdpReach::Forwarded => r.warn(
             "proxy",
             format!(
-                "{udp} listen on the private address {ip}, which clients reach only if the                  balancer or a NAT forwards UDP to it as it is (never through the PROXY                  protocol); otherwise listen on a public address, {off}"
+                "{udp} listen on the private address {ip}, which clients reach only if the \
+                 balancer or a NAT forwards UDP to it as it is (never through the PROXY \
+                 protocol); otherwise listen on a public address, {off}"
             ),
         ),
         UdpReach::Direct => r.ok(
             "proxy",
             format!(
-                "{udp} listen on {} directly, not through the balancer: clients need this                  host's public address on UDP",
+                "{udp} listen on {} directly, not through the balancer: clients need this \
+                 host's public address on UDP",
                 ip_text(ip)
             ),
         ),

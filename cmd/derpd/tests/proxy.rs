@@ -760,3 +760,64 @@ fn derpd_refuses_to_start_with_proxy_protocol_but_no_list() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--proxy-protocol-from"), "{err}");
 }
+
+/// `derpd --check` with `args`: its report.
+fn check(args: &[&str]) -> String {
+    let out = Command::new(DERPD)
+        .arg("--check")
+        .args(args)
+        .output()
+        .expect("run derpd --check");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn check_warns_when_stun_or_quic_listen_where_no_client_reaches_them() {
+    let proxied = ["--proxy-protocol", "--proxy-protocol-from", "127.0.0.1/32"];
+    let with = |addr: &str, extra: &[&str]| {
+        let mut a = vec!["--dev", "-a", addr];
+        a.extend_from_slice(&proxied);
+        a.extend_from_slice(extra);
+        check(&a)
+    };
+    // On loopback: nobody else reaches STUN.
+    let out = with("127.0.0.1:8080", &[]);
+    assert!(
+        out.lines().any(|l| l.starts_with("warn  proxy")
+            && l.contains("STUN on 3478/udp listen on 127.0.0.1, which no client can reach")),
+        "{out}"
+    );
+    // On a private address: only through a UDP forward. (TLS, for QUIC: a certificate
+    // for the address would be generated.)
+    let dir = TempDir::new("check-proxy");
+    let certs = dir.path("certs").display().to_string();
+    let tls = [
+        "--quic-port",
+        "0",
+        "--certmode",
+        "manual",
+        "--hostname",
+        "10.1.2.3",
+        "--certdir",
+        &certs,
+    ];
+    let out = with("10.1.2.3:8080", &tls);
+    assert!(
+        out.lines().any(|l| l.starts_with("warn  proxy")
+            && l.contains("STUN on 3478/udp and QUIC listen on the private address 10.1.2.3")),
+        "{out}"
+    );
+    // On all addresses: reachable, said as a note.
+    let out = with(":8080", &[]);
+    assert!(!out.contains("warn  proxy"), "{out}");
+    assert!(
+        out.contains("STUN on 3478/udp listen on [::] directly"),
+        "{out}"
+    );
+    // With STUN off and no QUIC, nothing to say; without --proxy-protocol, nothing either.
+    let out = with("127.0.0.1:8080", &["--stun=false"]);
+    assert!(!out.contains("warn  proxy"), "{out}");
+    let out = check(&["--dev", "-a", "127.0.0.1:8080"]);
+    assert!(!out.contains("proxy"), "{out}");
+}

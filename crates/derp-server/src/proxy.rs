@@ -117,8 +117,9 @@ impl Accepted {
 const LISTENERS: [ProxiedListener; 2] = [ProxiedListener::Main, ProxiedListener::HttpPort];
 
 /// The PROXY protocol on the TCP listeners: who may send a header, reading it, and the
-/// counters. Made by the server from [`ServerConfig::proxy_protocol`]
-/// (crate::ServerConfig::proxy_protocol) and shared with its embedders' listeners
+/// counters. Made by the server from
+/// [`ServerConfig::proxy_protocol`](crate::ServerConfig::proxy_protocol) and shared with its
+/// embedders' listeners
 /// ([`Server::proxy_protocol`](crate::Server::proxy_protocol)). Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ProxyProtocol {

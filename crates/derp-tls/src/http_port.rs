@@ -31,7 +31,7 @@ impl TlsFront {
     /// Serves the port-80 listener until `shutdown`: `/generate_204`, ACME HTTP-01 tokens, and
     /// otherwise a redirect to `https://<hostname>[:https_port]<path>` for GET and HEAD (the
     /// port is left out when it is 443) and 400 "Use HTTPS" for other methods. With
-    /// [`TlsOptions::http_port_proxy_protocol`] set, only its listed proxies may connect and
+    /// [`TlsOptions::http_port_proxy_protocol`](super::TlsOptions::http_port_proxy_protocol) set, only its listed proxies may connect and
     /// each connection opens with a PROXY protocol header, as on the TLS listener.
     ///
     /// The redirect names the configured hostname rather than the request's `Host`, so this

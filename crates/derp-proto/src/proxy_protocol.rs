@@ -468,22 +468,21 @@ pub fn write_v2(
             } else {
                 2
             };
-            match (source.ip(), destination.ip()) {
+            let family = match (source.ip(), destination.ip()) {
                 (IpAddr::V4(s), IpAddr::V4(d)) => {
                     body.extend_from_slice(&s.octets());
                     body.extend_from_slice(&d.octets());
-                    body.extend_from_slice(&source.port().to_be_bytes());
-                    body.extend_from_slice(&destination.port().to_be_bytes());
-                    0x10 | transport
+                    0x10
                 }
                 (s, d) => {
                     body.extend_from_slice(&v6(s).octets());
                     body.extend_from_slice(&v6(d).octets());
-                    body.extend_from_slice(&source.port().to_be_bytes());
-                    body.extend_from_slice(&destination.port().to_be_bytes());
-                    0x20 | transport
+                    0x20
                 }
-            }
+            };
+            body.extend_from_slice(&source.port().to_be_bytes());
+            body.extend_from_slice(&destination.port().to_be_bytes());
+            family | transport
         }
     };
     for (kind, value) in tlvs {

@@ -137,7 +137,7 @@ struct Peer {
 }
 
 /// Whether a connection from `remote` is a trusted HTTP proxy's.
-fn forwarder(shared: &ServerState, remote: SocketAddr) -> bool {
+pub(crate) fn forwarder(shared: &ServerState, remote: SocketAddr) -> bool {
     let trusted = &shared.config.trust_forwarded_from;
     !trusted.is_empty() && trusted.iter().any(|n| n.contains(remote.ip()))
 }

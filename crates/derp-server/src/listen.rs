@@ -239,8 +239,9 @@ impl Gate {
         self.admit_as(remote, false)
     }
 
-    /// [`Gate::admit`] for a connection from a listed proxy, before its header names the
-    /// client: in the budget, but not capped per source ([`UnprovenBudget::admit_proxy`]).
+    /// [`Gate::admit`] for a connection from a proxy (a listed balancer, a trusted HTTP
+    /// proxy), before it names the client: in the budget, but not capped per source
+    /// ([`UnprovenBudget::admit_proxy`]).
     pub(crate) fn admit_proxy(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
         self.admit_as(remote, true)
     }
@@ -323,8 +324,8 @@ impl ConnGuard {
         }
     }
 
-    /// Whether the connection came from a listed proxy (PROXY protocol): whatever its header
-    /// said, it is not a direct connection.
+    /// Whether the connection came from a proxy (a listed PROXY protocol balancer, or a
+    /// trusted HTTP proxy): whatever it says, it is not a direct connection.
     pub fn via_proxy(&self) -> bool {
         self.proxied
     }

@@ -15,7 +15,8 @@
 //! here, as no UDP connection reaches a TCP listener.
 //!
 //! **Forwarded headers** (`forwarded_client`): believed only on connections from the networks
-//! of `--trust-forwarded-from`. The client is the rightmost `X-Forwarded-For` entry that is
+//! of `--trust-forwarded-from`, which, like a balancer's, are not capped per source until a
+//! DERP upgrade names its client. The client is the rightmost `X-Forwarded-For` entry that is
 //! not itself a trusted proxy: each proxy appends the address it saw connecting, so walking
 //! from the right through trusted hops reaches the first address a trusted proxy saw from
 //! outside, and everything left of it was written by parties nobody vouches for. When every

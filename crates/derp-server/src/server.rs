@@ -152,6 +152,11 @@ impl Server {
     /// connection it is ([`ConnGuard::relayed_for`]).
     pub fn admit_connection(&self, remote: SocketAddr) -> Option<ConnGuard> {
         let admitted = match &self.shared.proxy {
+            // A trusted HTTP proxy speaks for many clients too: not capped per source until
+            // a request names one.
+            None if crate::http::forwarder(&self.shared, remote) => {
+                self.shared.gate.admit_proxy(remote)
+            }
             None => self.shared.gate.admit(remote),
             Some(proxy) if proxy.allows(ProxiedListener::Main, remote) => {
                 self.shared.gate.admit_proxy(remote)

@@ -12,6 +12,10 @@
 //!   generator speaking for many clients, not an attacker;
 //! - at most `capacity` in all: when full, a new one evicts the oldest of all.
 //!
+//! A connection from a proxy (PROXY protocol, a trusted HTTP proxy's forwarded headers) counts
+//! as the client's the proxy names, once it has named it, capped whatever the address;
+//! until then a listed proxy's connection is in the budget but not capped per source.
+//!
 //! Nothing is ever refused for want of room, and the newest connections are the last to go.
 //! A flood of stalled handshakes from many addresses therefore does not lock a good client
 //! out: the good client's connection is evicted only if `capacity` newer unproven
@@ -232,6 +236,17 @@ impl Gate {
 
     /// Lets a just-accepted connection from `remote` in, or says why not (and counts it).
     pub(crate) fn admit(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
+        self.admit_as(remote, false)
+    }
+
+    /// [`Gate::admit`] for a connection from a proxy (a listed balancer, a trusted HTTP
+    /// proxy), before it names the client: in the budget, but not capped per source
+    /// ([`UnprovenBudget::admit_proxy`]).
+    pub(crate) fn admit_proxy(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
+        self.admit_as(remote, true)
+    }
+
+    fn admit_as(&self, remote: SocketAddr, proxy: bool) -> Result<ConnGuard, Refusal> {
         if let Some(rate) = &self.rate {
             let ok = rate
                 .lock()
@@ -246,9 +261,15 @@ impl Gate {
             self.metrics.refused_max.inc();
             Refusal::MaxConnections
         })?;
+        let unproven = if proxy {
+            self.budget.admit_proxy()
+        } else {
+            self.budget.admit(remote.ip())
+        };
         Ok(ConnGuard {
-            unproven: Some(self.budget.admit(remote.ip())),
+            unproven: Some(unproven),
             _open: Some(open),
+            proxied: proxy,
         })
     }
 }
@@ -284,6 +305,8 @@ impl Drop for OpenPermit {
 pub struct ConnGuard {
     unproven: Option<Unproven>,
     _open: Option<OpenPermit>,
+    /// Admitted from a listed proxy (PROXY protocol).
+    proxied: bool,
 }
 
 impl ConnGuard {
@@ -298,6 +321,21 @@ impl ConnGuard {
         match &self.unproven {
             Some(u) => u.evicted().await,
             None => std::future::pending().await,
+        }
+    }
+
+    /// Whether the connection came from a proxy (a listed PROXY protocol balancer, or a
+    /// trusted HTTP proxy): whatever it says, it is not a direct connection.
+    pub fn via_proxy(&self) -> bool {
+        self.proxied
+    }
+
+    /// A proxy's header (or a trusted proxy's forwarded headers) named the client: from now
+    /// on the connection counts as `client`'s in the unproven budget
+    /// ([`Unproven::relayed_for`]).
+    pub fn relayed_for(&self, client: IpAddr) {
+        if let Some(u) = &self.unproven {
+            u.relayed_for(client);
         }
     }
 
@@ -385,7 +423,13 @@ struct Member {
 impl BudgetState {
     fn remove(&mut self, seq: u64) -> Option<Member> {
         let member = self.members.remove(&seq)?;
-        if let Some(source) = member.capped
+        self.remove_from_source(seq, member.capped);
+        Some(member)
+    }
+
+    /// Takes `seq` off its source's list, if it is capped.
+    fn remove_from_source(&mut self, seq: u64, capped: Option<IpAddr>) {
+        if let Some(source) = capped
             && let Some(list) = self.by_source.get_mut(&source)
         {
             list.retain(|s| *s != seq);
@@ -393,7 +437,6 @@ impl BudgetState {
                 self.by_source.remove(&source);
             }
         }
-        Some(member)
     }
 }
 
@@ -409,6 +452,45 @@ impl Unproven {
     /// Completes when a newer connection took this one's place.
     pub async fn evicted(&self) {
         self.evict.cancelled().await;
+    }
+
+    /// The connection came through a proxy, which named `client` as whose it is: from now on
+    /// it counts against `client`'s source, capped whatever the address (loopback too: the
+    /// proxy already said who the client is, so it is not a local proxy speaking for many).
+    /// A source at its cap loses its oldest other connection, as on admission. Nothing
+    /// happens to a connection already evicted.
+    pub fn relayed_for(&self, client: IpAddr) {
+        let source = source_of(client);
+        let inner = &self.budget;
+        let mut state = inner.lock();
+        let Some(member) = state.members.get(&self.seq) else {
+            return;
+        };
+        if member.capped == Some(source) {
+            return;
+        }
+        let before = member.capped;
+        state.remove_from_source(self.seq, before);
+        let full = state
+            .by_source
+            .get(&source)
+            .filter(|list| list.len() >= inner.per_source)
+            .and_then(|list| list.front().copied());
+        if let Some(oldest) = full
+            && let Some(victim) = state.remove(oldest)
+        {
+            victim.evict.cancel();
+            inner.metrics.evicted_source.inc();
+            inner.metrics.current.dec();
+        }
+        if let Some(member) = state.members.get_mut(&self.seq) {
+            member.capped = Some(source);
+        }
+        state
+            .by_source
+            .entry(source)
+            .or_default()
+            .push_back(self.seq);
     }
 }
 
@@ -437,8 +519,19 @@ impl UnprovenBudget {
 
     /// Admits a connection from `ip`, evicting an older one if there is no room.
     pub fn admit(&self, ip: IpAddr) -> Unproven {
+        self.admit_source(ip, !ip.to_canonical().is_loopback())
+    }
+
+    /// Admits a connection from a trusted proxy whose header has not named the client yet
+    /// ([`Unproven::relayed_for`] does, once read): it takes a place in the budget, evicting
+    /// the oldest if full, but is not capped per source, since the proxy speaks for many
+    /// clients.
+    pub fn admit_proxy(&self) -> Unproven {
+        self.admit_source(IpAddr::from([0, 0, 0, 0]), false)
+    }
+
+    fn admit_source(&self, ip: IpAddr, capped: bool) -> Unproven {
         let source = source_of(ip);
-        let capped = !ip.to_canonical().is_loopback();
         let inner = &self.inner;
         let mut state = inner.lock();
         let listed = if capped {
@@ -647,6 +740,49 @@ mod tests {
         drop(l1);
         drop(l4);
         drop(l2);
+        let state = b.inner.lock();
+        assert!(state.members.is_empty() && state.by_source.is_empty());
+    }
+
+    #[test]
+    fn a_proxied_connection_counts_as_the_client_it_was_relayed_for() {
+        let (b, r) = budget(10, 2);
+        // Before their headers, a proxy's connections are not capped, even from one address.
+        let p: Vec<Unproven> = (0..4).map(|_| b.admit_proxy()).collect();
+        assert!(!p.iter().any(evicted));
+        // Named: two clients on loopback addresses (a local proxy's clients), each capped on
+        // its own, as a remote source is.
+        p[0].relayed_for(ip("127.0.0.2"));
+        p[1].relayed_for(ip("127.0.0.3"));
+        p[2].relayed_for(ip("127.0.0.2"));
+        assert!(!p.iter().any(evicted));
+        p[3].relayed_for(ip("127.0.0.2"));
+        assert!(evicted(&p[0]), "127.0.0.2's oldest made room");
+        assert!(!evicted(&p[1]) && !evicted(&p[2]) && !evicted(&p[3]));
+        // A direct connection from the same address shares the cap (loopback, as admitted
+        // directly, is not capped, so a remote address here).
+        let q = b.admit_proxy();
+        q.relayed_for(ip("192.0.2.7"));
+        let d1 = b.admit(ip("192.0.2.7"));
+        let d2 = b.admit(ip("192.0.2.7"));
+        assert!(evicted(&q) && !evicted(&d1) && !evicted(&d2));
+        // Naming the same source again changes nothing; an evicted connection stays out.
+        p[3].relayed_for(ip("127.0.0.2"));
+        p[0].relayed_for(ip("127.0.0.9"));
+        {
+            let state = b.inner.lock();
+            let twos = state.by_source.get(&ip("127.0.0.2")).map(VecDeque::len);
+            assert_eq!(twos, Some(2));
+            assert!(!state.by_source.contains_key(&ip("127.0.0.9")));
+        }
+        let gauge = r
+            .gather()
+            .iter()
+            .find(|f| f.name() == "t_unproven_connections")
+            .map(|f| f.get_metric()[0].get_gauge().get_value());
+        assert_eq!(gauge, Some(5.0));
+        drop(p);
+        drop((d1, d2, q));
         let state = b.inner.lock();
         assert!(state.members.is_empty() && state.by_source.is_empty());
     }

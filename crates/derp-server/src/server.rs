@@ -16,6 +16,7 @@ use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
 use crate::listen::{ConnGuard, SocketOptions};
 use crate::metrics::Metrics;
+use crate::proxy::{ProxiedListener, ProxyProtocol};
 use crate::quic::QuicListener;
 use crate::ratelimit::RateLimit;
 use crate::registry::PacketForwarder;
@@ -120,7 +121,14 @@ impl Server {
                 continue;
             };
             options.apply(&stream);
-            self.spawn_tracked(Transport::Tcp(stream), remote, guard);
+            if self.shared.proxy.is_some() {
+                let shared = self.shared.clone();
+                self.shared
+                    .tasks
+                    .spawn(crate::http::serve_proxied(shared, stream, remote, guard));
+            } else {
+                self.spawn_tracked(Transport::Tcp(stream), remote, guard);
+            }
         }
     }
 
@@ -137,8 +145,25 @@ impl Server {
     /// to pass to [`Server::spawn_guarded`] once the caller's own handshake (TLS) is done.
     /// Meanwhile the caller must give up the connection when [`ConnGuard::evicted`]
     /// completes.
+    ///
+    /// With the PROXY protocol on ([`Server::proxy_protocol`]), a peer that is not a listed
+    /// proxy is refused here, and the caller must read the header
+    /// ([`ProxyProtocol::read_header`]) before anything else and tell the guard whose
+    /// connection it is ([`ConnGuard::relayed_for`]).
     pub fn admit_connection(&self, remote: SocketAddr) -> Option<ConnGuard> {
-        match self.shared.gate.admit(remote) {
+        let admitted = match &self.shared.proxy {
+            // A trusted HTTP proxy speaks for many clients too: not capped per source until
+            // a request names one.
+            None if crate::http::forwarder(&self.shared, remote) => {
+                self.shared.gate.admit_proxy(remote)
+            }
+            None => self.shared.gate.admit(remote),
+            Some(proxy) if proxy.allows(ProxiedListener::Main, remote) => {
+                self.shared.gate.admit_proxy(remote)
+            }
+            Some(_) => return None,
+        };
+        match admitted {
             Ok(guard) => Some(guard),
             Err(why) => {
                 debug!(%remote, ?why, "connection refused at accept");
@@ -159,9 +184,20 @@ impl Server {
 
     fn spawn_tracked(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
         let shared = self.shared.clone();
-        self.shared
-            .tasks
-            .spawn(crate::http::serve_conn(shared, transport, remote, guard));
+        self.shared.tasks.spawn(crate::http::serve_conn(
+            shared,
+            transport,
+            remote,
+            guard,
+            bytes::BytesMut::new(),
+        ));
+    }
+
+    /// The PROXY protocol the TCP listeners take, when configured
+    /// ([`ServerConfig::proxy_protocol`]): for listeners the caller runs in front of this
+    /// server (TLS, port 80), which must read the header as [`Server::serve`] does.
+    pub fn proxy_protocol(&self) -> Option<ProxyProtocol> {
+        self.shared.proxy.clone()
     }
 
     /// `derp_accept_errors{listener}`, for an accept loop the caller runs for this server

@@ -234,6 +234,18 @@ impl Gate {
         })
     }
 
+    /// Ends the unproven phase of every connection the gate let in, now and from now on
+    /// ([`UnprovenBudget::close`]).
+    pub(crate) fn close(&self) {
+        self.budget.close();
+    }
+
+    /// How many connections are unproven now.
+    #[cfg(test)]
+    pub(crate) fn unproven(&self) -> usize {
+        self.budget.inner.lock().members.len()
+    }
+
     /// Lets a just-accepted connection from `remote` in, or says why not (and counts it).
     pub(crate) fn admit(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
         self.admit_as(remote, false)
@@ -404,6 +416,8 @@ struct BudgetInner {
 
 #[derive(Debug, Default)]
 struct BudgetState {
+    /// Closed by a shutdown: every member was told to leave, and newcomers leave at once.
+    closed: bool,
     next_seq: u64,
     /// Every member by admission order; the first is the oldest.
     members: BTreeMap<u64, Member>,
@@ -530,10 +544,33 @@ impl UnprovenBudget {
         self.admit_source(IpAddr::from([0, 0, 0, 0]), false)
     }
 
+    /// Tells every unproven connection to leave, as an eviction does but without counting
+    /// one, and every connection admitted from now on at once: a shutdown must not wait for
+    /// handshakes that may take until their deadline.
+    pub fn close(&self) {
+        let mut state = self.inner.lock();
+        state.closed = true;
+        for member in state.members.values() {
+            member.evict.cancel();
+        }
+    }
+
     fn admit_source(&self, ip: IpAddr, capped: bool) -> Unproven {
         let source = source_of(ip);
         let inner = &self.inner;
         let mut state = inner.lock();
+        if state.closed {
+            let evict = CancellationToken::new();
+            evict.cancel();
+            // Never a member, so dropping it removes nothing and the gauge is not moved.
+            let seq = state.next_seq;
+            state.next_seq += 1;
+            return Unproven {
+                budget: inner.clone(),
+                seq,
+                evict,
+            };
+        }
         let listed = if capped {
             state.by_source.get(&source)
         } else {
@@ -673,6 +710,37 @@ mod tests {
         let g = b.admit(ip("192.0.2.6"));
         assert!(evicted(&d));
         assert!(!evicted(&g));
+    }
+
+    #[test]
+    fn a_closed_budget_sends_every_member_away_and_admits_nobody_to_stay() {
+        let (b, r) = budget(3, 10);
+        let a = b.admit(ip("192.0.2.1"));
+        let c = b.admit(ip("127.0.0.1"));
+        b.close();
+        assert!(evicted(&a) && evicted(&c));
+        let late = b.admit(ip("192.0.2.2"));
+        assert!(
+            evicted(&late),
+            "a connection admitted after the close leaves at once"
+        );
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&r.gather())
+            .expect("metrics");
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.starts_with("t_unproven_evicted") && !l.ends_with(" 0")),
+            "a shutdown is not an eviction:\n{text}"
+        );
+        drop((a, c, late));
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&r.gather())
+            .expect("metrics");
+        assert!(
+            text.lines().any(|l| l == "t_unproven_connections 0"),
+            "the members left the gauge, and the late one never joined it:\n{text}"
+        );
     }
 
     #[test]

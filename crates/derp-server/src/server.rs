@@ -315,6 +315,7 @@ impl Server {
     pub async fn shutdown(&self) {
         debug!("shutting down");
         self.shared.shutdown.cancel();
+        self.shared.gate.close();
         self.shared.tasks.close();
         self.shared.tasks.wait().await;
     }
@@ -370,6 +371,45 @@ mod tests {
             .await
             .expect("serve returned");
         assert!(matches!(result, Ok(Ok(()))), "{result:?}");
+    }
+
+    /// A connection still in its handshake holds a shutdown up no longer than it takes to
+    /// close it, however long its deadline: here an hour, which the test's own deadline
+    /// would turn into a failure.
+    #[tokio::test]
+    async fn shutdown_ends_connections_still_in_their_handshake() {
+        let mut config = ServerConfig::new(derp_testkit::server_secret());
+        config.handshake_timeout = Duration::from_secs(3600);
+        let server = Server::new(config, &prometheus::Registry::new()).expect("server");
+        let (listener, addr) = listener().await;
+        let serving = tokio::spawn({
+            let server = server.clone();
+            async move { server.serve(listener).await }
+        });
+        // One connection that never sends its request head, one that stops in the middle of
+        // it: both are unproven, waiting for bytes that will not come.
+        let silent = TcpStream::connect(addr).await.expect("connect");
+        let mut partial = TcpStream::connect(addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut partial, b"GET /derp HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        let registered = async {
+            while server.shared.gate.unproven() < 2 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), registered)
+            .await
+            .expect("both connections were accepted");
+        tokio::time::timeout(Duration::from_secs(10), server.shutdown())
+            .await
+            .expect("the shutdown did not wait for the handshakes' deadline");
+        for mut stream in [silent, partial] {
+            let mut buf = [0u8; 1];
+            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await;
+            assert!(matches!(n, Ok(0) | Err(_)), "closed: {n:?}");
+        }
+        let _ = serving.await;
     }
 
     #[tokio::test]

@@ -54,6 +54,10 @@ pub struct ServerConfig {
     pub rate_limit: Option<RateLimit>,
     /// What [`Server::serve`](crate::Server::serve) (and a TLS front) lets in.
     pub limits: ConnLimits,
+    /// What `/bootstrap-dns` serves; `None` answers with an empty document, as derper does
+    /// with no names configured. The embedder runs its refresh task
+    /// ([`BootstrapDns::run`](crate::BootstrapDns::run)).
+    pub bootstrap_dns: Option<Arc<crate::bootstrap_dns::BootstrapDns>>,
 }
 
 impl ServerConfig {
@@ -75,6 +79,7 @@ impl ServerConfig {
             admission: Vec::new(),
             rate_limit: None,
             limits: ConnLimits::default(),
+            bootstrap_dns: None,
         }
     }
 }

@@ -3,7 +3,8 @@
 //! What it does:
 //! - serves HTTP/1.1 on a listener it is given: `/derp` upgrades (plain `Upgrade: DERP`,
 //!   fast start, and WebSocket with subprotocol `derp`), the probe endpoints, `/generate_204`,
-//!   `/robots.txt` and a home page;
+//!   `/robots.txt`, a home page and `/bootstrap-dns` (names resolved in the background by a
+//!   [`Resolver`] it is given, see [`BootstrapDns`]);
 //! - runs the relay: an authoritative client map under a lock, a lock-free papaya mirror for
 //!   the packet path, bounded per-destination queues with the reference's drop policy, batched
 //!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
@@ -31,6 +32,7 @@
 
 mod accept;
 mod admission;
+mod bootstrap_dns;
 mod config;
 mod conn;
 mod handle;
@@ -49,6 +51,10 @@ mod stun;
 pub use accept::{Accept, Listener};
 pub use admission::{
     Admission, AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict, VerdictFuture,
+};
+pub use bootstrap_dns::{
+    BootstrapDns, BootstrapDnsConfig, LIST_TIMEOUT as BOOTSTRAP_DNS_LIST_TIMEOUT, LookupFuture,
+    REFRESH_INTERVAL as BOOTSTRAP_DNS_REFRESH_INTERVAL, Resolver, address_in_rollout,
 };
 pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,

@@ -168,6 +168,7 @@ fn check(cli: &Cli, r: &mut Report) {
 
     check_mesh(cli, r);
     check_limits(cli, r);
+    check_bootstrap_dns(cli, r);
 
     r.ok(
         "relay",
@@ -194,6 +195,51 @@ fn check(cli: &Cli, r: &mut Report) {
             cli.drain_timeout + crate::CLOSE_GRACE,
         ),
     );
+}
+
+/// The bootstrap DNS lists: nothing in them can be wrong before they are looked up (a name
+/// that does not resolve is left out and retried), so this says what would be served.
+fn check_bootstrap_dns(cli: &Cli, r: &mut Report) {
+    let config = crate::bootstrap::config(cli);
+    if config.published.is_empty() && config.unpublished.is_empty() {
+        r.ok(
+            "bootstrap",
+            "no names: /bootstrap-dns serves an empty document",
+        );
+        return;
+    }
+    let count = |list: &str| {
+        if list.is_empty() {
+            0
+        } else {
+            list.split(',').count()
+        }
+    };
+    r.ok(
+        "bootstrap",
+        format!(
+            "/bootstrap-dns: {} published and {} unpublished name(s), resolved at start and \
+             every 10 minutes (not looked up now)",
+            count(&config.published),
+            count(&config.unpublished)
+        ),
+    );
+    let lists = [config.published.as_str(), config.unpublished.as_str()];
+    for entry in lists
+        .iter()
+        .filter(|l| !l.is_empty())
+        .flat_map(|l| l.split(','))
+    {
+        let name = entry.split_once('/').map_or(entry, |(name, _)| name);
+        if name.is_empty() || name.trim() != name {
+            r.warn(
+                "bootstrap",
+                format!(
+                    "entry {entry:?} is looked up as written (empty or with spaces) and will fail"
+                ),
+            );
+        }
+    }
 }
 
 fn ip_text(ip: std::net::IpAddr) -> String {

@@ -1,5 +1,6 @@
 //! derpd: a DERP relay server that Tailscale clients can use in place of derper.
 
+mod bootstrap;
 mod check;
 mod cli;
 mod duration;
@@ -110,6 +111,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     config.packet_metrics = cli.packet_metrics;
 
     let registry = prometheus::Registry::new();
+    let bootstrap_dns = bootstrap::bootstrap_dns(&cli, &registry)?;
+    config.bootstrap_dns = Some(bootstrap_dns.clone());
     let reloads = limits::configure(&cli.limits, &mut config, &registry)?;
     let server = Server::new(config, &registry).context("creating server")?;
     reloads.spawn(&server);
@@ -151,6 +154,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         });
     }
+    let token = server.shutdown_token();
+    background.spawn(async move {
+        bootstrap_dns.run(token).await;
+        Ok(())
+    });
     if let Some(addr) = cli.metrics_addr {
         let metrics_listener = limits::bind(addr, backlog)
             .with_context(|| format!("listening for metrics on {addr}"))?;

@@ -299,13 +299,14 @@ impl BootstrapDns {
     }
 }
 
-/// `/bootstrap-dns` on the main listener, any method, no access control (as derper).
+/// `/bootstrap-dns` on the main listener, any method, no access control (as derper); with
+/// nothing configured, an empty document.
 pub(crate) fn serve<B>(
-    shared: &crate::state::ServerState,
+    dns: Option<&BootstrapDns>,
     req: &http::Request<B>,
     remote: SocketAddr,
 ) -> Response<Full<Bytes>> {
-    match &shared.config.bootstrap_dns {
+    match dns {
         Some(dns) => dns.respond(&query_value(req.uri().query(), "q"), remote),
         None => json_response(Bytes::new()),
     }

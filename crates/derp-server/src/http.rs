@@ -220,7 +220,11 @@ fn route(
         "/debug/varz" => debug_varz(shared, &req, remote),
         "/generate_204" => generate_204(&req),
         "/robots.txt" => browser_headers(text(StatusCode::OK, "User-agent: *\nDisallow: /\n")),
-        "/bootstrap-dns" => browser_headers(crate::bootstrap_dns::serve(shared, &req, remote)),
+        "/bootstrap-dns" => browser_headers(crate::bootstrap_dns::serve(
+            shared.config.bootstrap_dns.as_deref(),
+            &req,
+            remote,
+        )),
         _ => home(&shared.config.home),
     }
 }

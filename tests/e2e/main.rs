@@ -2,6 +2,7 @@
 
 mod admission;
 mod client;
+mod debug;
 mod harness;
 mod hostile;
 mod layout;

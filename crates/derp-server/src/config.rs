@@ -58,6 +58,13 @@ pub struct ServerConfig {
     /// with no names configured. The embedder runs its refresh task
     /// ([`BootstrapDns::run`](crate::BootstrapDns::run)).
     pub bootstrap_dns: Option<Arc<crate::bootstrap_dns::BootstrapDns>>,
+    /// How often the kernel's smoothed RTT of every client's TCP connection is sampled into
+    /// `derp_tcp_rtt` (10 s, as derper); `None` turns sampling off (derper's
+    /// `TS_DERP_DISABLE_RTT_STATS`). One netlink dump per period, never per packet.
+    pub tcp_rtt_interval: Option<Duration>,
+    /// Extra lines for the `/debug/` page, as (label, value): what the embedder knows and
+    /// the relay does not (its version, the TLS hostname).
+    pub debug_info: Vec<(String, String)>,
 }
 
 impl ServerConfig {
@@ -80,6 +87,8 @@ impl ServerConfig {
             rate_limit: None,
             limits: ConnLimits::default(),
             bootstrap_dns: None,
+            tcp_rtt_interval: Some(TCP_RTT_INTERVAL),
+            debug_info: Vec::new(),
         }
     }
 }
@@ -159,6 +168,8 @@ pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const MESH_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Base keepalive period.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
+/// Default period of `derp_tcp_rtt` sampling.
+pub const TCP_RTT_INTERVAL: Duration = Duration::from_secs(10);
 /// Handshake step deadline.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -3,7 +3,8 @@
 //! What it does:
 //! - serves HTTP/1.1 on a listener it is given: `/derp` upgrades (plain `Upgrade: DERP`,
 //!   fast start, and WebSocket with subprotocol `derp`), the probe endpoints, `/generate_204`,
-//!   `/robots.txt`, a home page and `/bootstrap-dns` (names resolved in the background by a
+//!   `/robots.txt`, a home page, the `/debug/` pages (Prometheus text, a health check,
+//!   live per-connection TCP counters; loopback and configured networks only) and `/bootstrap-dns` (names resolved in the background by a
 //!   [`Resolver`] it is given, see [`BootstrapDns`]);
 //! - runs the relay: an authoritative client map under a lock, a lock-free papaya mirror for
 //!   the packet path, bounded per-destination queues with the reference's drop policy, batched
@@ -35,6 +36,7 @@ mod admission;
 mod bootstrap_dns;
 mod config;
 mod conn;
+mod debug;
 mod handle;
 mod http;
 mod listen;
@@ -47,6 +49,7 @@ mod registry;
 mod server;
 mod state;
 mod stun;
+mod tcpinfo;
 
 pub use accept::{Accept, Listener};
 pub use admission::{
@@ -58,7 +61,7 @@ pub use bootstrap_dns::{
 };
 pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
-    KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
+    KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
 pub use derp_io::{BoxedIo, Transport, tune_socket};
 pub use http::generate_204;

@@ -3,6 +3,7 @@
 mod bootstrap;
 mod check;
 mod cli;
+mod debug_pages;
 mod duration;
 mod keyfile;
 mod limits;
@@ -109,6 +110,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     config.debug_allow = cli.debug_allow_cidr.clone();
     config.packet_metrics = cli.packet_metrics;
+    debug_pages::configure(&cli, tls, &mut config);
 
     let registry = prometheus::Registry::new();
     let bootstrap_dns = bootstrap::bootstrap_dns(&cli, &registry)?;

@@ -423,14 +423,39 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
                 ),
             }
         }
-        CertMode::Letsencrypt => {
-            let config = match crate::tls_setup::acme_config(args, &certdir, listen_port) {
+        CertMode::Letsencrypt | CertMode::Gcp => {
+            let extras = crate::tls_setup::AcmeExtras::from_cli(cli);
+            let config = match crate::tls_setup::acme_config(args, &extras, &certdir, listen_port) {
                 Ok(config) => config,
                 Err(e) => {
                     r.error("tls", e);
                     return;
                 }
             };
+            if let Some(eab) = &config.external_account {
+                r.ok(
+                    "acme",
+                    format!(
+                        "a new account at {} is bound with EAB key ID {:?}",
+                        config.directory_url, eab.key_id
+                    ),
+                );
+            }
+            if extras.ip_certs {
+                r.ok(
+                    "acme",
+                    format!(
+                        "certificates for the node's IP addresses on demand from {} (HTTP-01 \
+                         on the port-80 listener; cached in {})",
+                        config.directory_url,
+                        certdir.display()
+                    ),
+                );
+                if crate::tls_setup::hostname_is_ip(&args.hostname) {
+                    return;
+                }
+            }
+            let directory = config.directory_url.clone();
             let challenges = config
                 .challenges
                 .iter()
@@ -452,10 +477,7 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
                     cert_expiry(&info, &manager.cert_path().display().to_string(), r);
                     r.ok(
                         "acme",
-                        format!(
-                            "renews from {} (challenges {challenges})",
-                            args.acme_directory
-                        ),
+                        format!("renews from {} (challenges {challenges})", directory),
                     );
                 }
                 Ok(None) => r.ok(
@@ -464,7 +486,7 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
                         "no cached certificate in {}: would order one from {} \
                          (challenges {challenges}); not ready until it is issued",
                         certdir.display(),
-                        args.acme_directory
+                        directory
                     ),
                 ),
                 Err(e) => r.warn(

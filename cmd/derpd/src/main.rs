@@ -172,7 +172,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port, backlog).await
+            let extras = tls_setup::AcmeExtras::from_cli(&cli);
+            tls_setup::run_tls(
+                &server, &registry, &cli.tls, &extras, listener, quic_port, backlog,
+            )
+            .await
         } else {
             server.set_ready(true);
             server.serve(listener).await.context("serving")

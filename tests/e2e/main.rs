@@ -1,5 +1,6 @@
 //! End-to-end tests: a real derpd relay on 127.0.0.1 with real sockets.
 
+mod acme;
 mod admission;
 mod client;
 mod debug;

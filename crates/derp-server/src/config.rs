@@ -40,7 +40,8 @@ pub struct ServerConfig {
     pub mesh_key: Option<MeshKey>,
     /// Which destination lookup layers run.
     pub lookup: LookupConfig,
-    /// Networks besides loopback allowed to read `/debug/varz` on the main listener.
+    /// Networks besides loopback allowed to read the `/debug/` pages (`/debug/varz` and the
+    /// others) on the main listener.
     pub debug_allow: Vec<IpCidr>,
     /// Fold per-connection packet counters into the registry. Turning this off leaves the
     /// packet and drop counters at zero; it exists to measure what counting costs.

@@ -354,17 +354,8 @@ impl AcmeManager {
         let mut backoff = config.initial_backoff;
         let mut attempt = 0usize;
         loop {
-            let now = SystemTime::now();
-            let due = current.as_ref().map_or(now, renewal_time);
-            if due > now {
-                let wait = due
-                    .duration_since(now)
-                    .unwrap_or_default()
-                    .min(RECHECK_INTERVAL);
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => continue,
-                }
+            if !renewal_due(current.as_ref(), &shutdown).await {
+                return;
             }
             let kind = config.challenges[attempt % config.challenges.len()];
             let result = tokio::select! {
@@ -403,102 +394,143 @@ impl AcmeManager {
     /// Places one order, answers its challenge with `kind`, installs the certificate and writes
     /// it to the cache.
     pub async fn obtain(&self, kind: ChallengeKind) -> Result<CertInfo, TlsError> {
-        let account = self.client.account().await?;
-        self.client.orders.fetch_add(1, Ordering::Relaxed);
         let identifiers = [Identifier::Dns(self.hostname.clone())];
-        let mut order = account
-            .new_order(&NewOrder::new(&identifiers))
-            .await
-            .map_err(acme_err)?;
-        let mut guard = ChallengeGuard {
-            front: &self.front,
-            http_tokens: Vec::new(),
-            alpn_hosts: Vec::new(),
-        };
-        {
-            let mut authorizations = order.authorizations();
-            while let Some(authz) = authorizations.next().await {
-                let mut authz = authz.map_err(acme_err)?;
-                match authz.status {
-                    AuthorizationStatus::Valid => continue,
-                    AuthorizationStatus::Pending => {}
-                    other => {
-                        return Err(TlsError::Acme(format!("authorization is {other:?}")));
-                    }
-                }
-                let name = authz.identifier().to_string();
-                let challenge_type = match kind {
-                    ChallengeKind::TlsAlpn01 => ChallengeType::TlsAlpn01,
-                    ChallengeKind::Http01 => ChallengeType::Http01,
-                };
-                let mut challenge = authz.challenge(challenge_type).ok_or_else(|| {
-                    TlsError::Acme(format!("server offers no {kind:?} challenge for {name}"))
-                })?;
-                let key_auth = challenge.key_authorization();
-                match kind {
-                    ChallengeKind::Http01 => {
-                        self.front
-                            .set_http01_token(&challenge.token, Some(key_auth.as_str().to_owned()));
-                        guard.http_tokens.push(challenge.token.clone());
-                    }
-                    ChallengeKind::TlsAlpn01 => {
-                        let cert = self.alpn_certificate(&name, key_auth.digest().as_ref())?;
-                        self.front.set_alpn_challenge(&name, Some(cert));
-                        guard.alpn_hosts.push(name.clone());
-                    }
-                }
-                challenge.set_ready().await.map_err(acme_err)?;
-            }
-        }
-        let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
-        drop(guard);
-        if status != OrderStatus::Ready {
-            return Err(TlsError::Acme(format!(
-                "order is {status:?} after the challenge (validation failed)"
-            )));
-        }
-
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
         let mut params = CertificateParams::new(vec![self.hostname.clone()])?;
         params.distinguished_name = DistinguishedName::new();
-        let csr = params.serialize_request(&key)?;
-        order.finalize_csr(csr.der()).await.map_err(acme_err)?;
-        let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
-        let chain = load_certs_pem(chain_pem.as_bytes())?;
-        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        let info = self.front.install(chain, key_der, CertOrigin::AcmeIssued)?;
-        // Key first: a crash between the writes leaves a new key with the old chain, which
-        // fails the key check on load and leads to a fresh order rather than a broken server.
-        // The certificate is in service either way, so a failed cache write is reported, not
-        // treated as a failed order: retrying would order again and burn the rate limit.
-        let cached = write_atomic(&self.key_path(), key.serialize_pem().as_bytes(), true)
-            .and_then(|()| write_atomic(&self.cert_path(), chain_pem.as_bytes(), false));
-        if let Err(e) = cached {
-            warn!(error = %e, dir = %self.client.config.cache_dir.display(), "acme certificate in service but not cached; a restart will order a new one");
-        }
+        let issued = order_certificate(
+            &self.front,
+            &self.client,
+            &NewOrder::new(&identifiers),
+            kind,
+            params,
+        )
+        .await?;
+        let info = self.front.install(
+            issued.chain.clone(),
+            issued.key_der(),
+            CertOrigin::AcmeIssued,
+        )?;
+        issued.cache(&self.key_path(), &self.cert_path());
         Ok(info)
     }
+}
 
-    /// A self-signed certificate for `name` carrying the acmeIdentifier extension (RFC 8737).
-    fn alpn_certificate(&self, name: &str, digest: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
-        let mut params = CertificateParams::new(vec![name.to_owned()])?;
-        params.distinguished_name = DistinguishedName::new();
-        params.custom_extensions = vec![CustomExtension::new_acme_identifier(digest)];
-        let cert = params.self_signed(&key)?;
-        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        let signing_key = self
-            .front
-            .provider()
-            .key_provider
-            .load_private_key(key_der)?;
-        // Not `CertifiedKey::from_der`: its key check parses the certificate with webpki,
-        // which refuses the critical acmeIdentifier extension. The pair is freshly made here.
-        Ok(Arc::new(CertifiedKey::new(
-            vec![cert.der().clone()],
-            signing_key,
-        )))
+/// A certificate an order brought: its chain as the CA sent it and the new key.
+pub(crate) struct Issued {
+    pub(crate) chain_pem: String,
+    pub(crate) chain: Vec<CertificateDer<'static>>,
+    pub(crate) key: KeyPair,
+}
+
+impl Issued {
+    pub(crate) fn key_der(&self) -> PrivateKeyDer<'static> {
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key.serialize_der()))
     }
+
+    /// Writes key and chain to the cache. Key first: a crash between the writes leaves a new
+    /// key with the old chain, which fails the key check on load and leads to a fresh order
+    /// rather than a broken server. The certificate is in service either way, so a failed
+    /// write is reported, not treated as a failed order: retrying would order again and burn
+    /// the rate limit.
+    pub(crate) fn cache(&self, key_path: &std::path::Path, cert_path: &std::path::Path) {
+        let cached = write_atomic(key_path, self.key.serialize_pem().as_bytes(), true)
+            .and_then(|()| write_atomic(cert_path, self.chain_pem.as_bytes(), false));
+        if let Err(e) = cached {
+            warn!(error = %e, cert = %cert_path.display(), "acme certificate in service but not cached; a restart will order a new one");
+        }
+    }
+}
+
+/// Places `new_order` with `client`'s account, answers each pending authorization's `kind`
+/// challenge (withdrawn however the attempt ends), and finalizes with a fresh P-256 key and a
+/// CSR from `params`.
+pub(crate) async fn order_certificate(
+    front: &TlsFront,
+    client: &AcmeClient,
+    new_order: &NewOrder<'_>,
+    kind: ChallengeKind,
+    params: CertificateParams,
+) -> Result<Issued, TlsError> {
+    let account = client.account().await?;
+    client.orders.fetch_add(1, Ordering::Relaxed);
+    let mut order = account.new_order(new_order).await.map_err(acme_err)?;
+    let mut guard = ChallengeGuard {
+        front,
+        http_tokens: Vec::new(),
+        alpn_hosts: Vec::new(),
+    };
+    {
+        let mut authorizations = order.authorizations();
+        while let Some(authz) = authorizations.next().await {
+            let mut authz = authz.map_err(acme_err)?;
+            match authz.status {
+                AuthorizationStatus::Valid => continue,
+                AuthorizationStatus::Pending => {}
+                other => {
+                    return Err(TlsError::Acme(format!("authorization is {other:?}")));
+                }
+            }
+            let name = authz.identifier().to_string();
+            let challenge_type = match kind {
+                ChallengeKind::TlsAlpn01 => ChallengeType::TlsAlpn01,
+                ChallengeKind::Http01 => ChallengeType::Http01,
+            };
+            let mut challenge = authz.challenge(challenge_type).ok_or_else(|| {
+                TlsError::Acme(format!("server offers no {kind:?} challenge for {name}"))
+            })?;
+            let key_auth = challenge.key_authorization();
+            match kind {
+                ChallengeKind::Http01 => {
+                    front.set_http01_token(&challenge.token, Some(key_auth.as_str().to_owned()));
+                    guard.http_tokens.push(challenge.token.clone());
+                }
+                ChallengeKind::TlsAlpn01 => {
+                    let cert = alpn_certificate(front, &name, key_auth.digest().as_ref())?;
+                    front.set_alpn_challenge(&name, Some(cert));
+                    guard.alpn_hosts.push(name.clone());
+                }
+            }
+            challenge.set_ready().await.map_err(acme_err)?;
+        }
+    }
+    let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
+    drop(guard);
+    if status != OrderStatus::Ready {
+        return Err(TlsError::Acme(format!(
+            "order is {status:?} after the challenge (validation failed)"
+        )));
+    }
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let csr = params.serialize_request(&key)?;
+    order.finalize_csr(csr.der()).await.map_err(acme_err)?;
+    let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
+    let chain = load_certs_pem(chain_pem.as_bytes())?;
+    Ok(Issued {
+        chain_pem,
+        chain,
+        key,
+    })
+}
+
+/// A self-signed certificate for `name` carrying the acmeIdentifier extension (RFC 8737).
+fn alpn_certificate(
+    front: &TlsFront,
+    name: &str,
+    digest: &[u8],
+) -> Result<Arc<CertifiedKey>, TlsError> {
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let mut params = CertificateParams::new(vec![name.to_owned()])?;
+    params.distinguished_name = DistinguishedName::new();
+    params.custom_extensions = vec![CustomExtension::new_acme_identifier(digest)];
+    let cert = params.self_signed(&key)?;
+    let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    let signing_key = front.provider().key_provider.load_private_key(key_der)?;
+    // Not `CertifiedKey::from_der`: its key check parses the certificate with webpki, which
+    // refuses the critical acmeIdentifier extension. The pair is freshly made here.
+    Ok(Arc::new(CertifiedKey::new(
+        vec![cert.der().clone()],
+        signing_key,
+    )))
 }
 
 /// When renewal is due: a third of the lifetime before expiry (30 days before for a 90-day
@@ -517,14 +549,33 @@ pub(crate) fn renewal_time(info: &CertInfo) -> SystemTime {
         .unwrap_or(SystemTime::UNIX_EPOCH)
 }
 
+/// Waits until `current` is due for renewal (at once when there is none), looking again at
+/// least every [`RECHECK_INTERVAL`] in case the clock jumped. False when `shutdown` came first.
+pub(crate) async fn renewal_due(current: Option<&CertInfo>, shutdown: &CancellationToken) -> bool {
+    loop {
+        let now = SystemTime::now();
+        let due = current.map_or(now, renewal_time);
+        let Ok(wait) = due.duration_since(now) else {
+            return true;
+        };
+        if wait.is_zero() {
+            return true;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(wait.min(RECHECK_INTERVAL)) => {}
+        }
+    }
+}
+
 /// How long a certificate whose expiry cannot be read is kept before renewing.
 const UNKNOWN_EXPIRY_RENEWAL: Duration = Duration::from_secs(7 * 86400);
 
 /// Withdraws challenge answers when an attempt ends, however it ends.
-pub(crate) struct ChallengeGuard<'a> {
-    pub(crate) front: &'a TlsFront,
-    pub(crate) http_tokens: Vec<String>,
-    pub(crate) alpn_hosts: Vec<String>,
+struct ChallengeGuard<'a> {
+    front: &'a TlsFront,
+    http_tokens: Vec<String>,
+    alpn_hosts: Vec<String>,
 }
 
 impl Drop for ChallengeGuard<'_> {
@@ -543,7 +594,7 @@ pub(crate) fn acme_err(e: instant_acme::Error) -> TlsError {
 }
 
 /// Polling of orders: the first check after 250 ms, then doubling, for up to 90 s.
-pub(crate) const POLL: RetryPolicy = RetryPolicy::new().timeout(Duration::from_secs(90));
+const POLL: RetryPolicy = RetryPolicy::new().timeout(Duration::from_secs(90));
 /// Bound on one whole order, whatever the ACME server does.
 pub(crate) const ORDER_TIMEOUT: Duration = Duration::from_secs(300);
 /// Even with renewal far off, wake up this often (the clock may have jumped).

@@ -16,18 +16,17 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use instant_acme::{AuthorizationStatus, ChallengeType, Identifier, NewOrder, OrderStatus};
-use rcgen::{CertificateParams, DistinguishedName, KeyPair, SanType};
-use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+use instant_acme::{Identifier, NewOrder};
+use rcgen::{CertificateParams, DistinguishedName, SanType};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::TlsError;
 use super::acme::{
-    AcmeClient, AcmeConfig, ChallengeGuard, ORDER_TIMEOUT, POLL, RECHECK_INTERVAL, acme_err,
+    AcmeClient, AcmeConfig, ChallengeKind, ORDER_TIMEOUT, order_certificate, renewal_due,
     renewal_time,
 };
-use super::certs::{load_certs_pem, load_key_pem, write_atomic};
+use super::certs::{load_certs_pem, load_key_pem};
 use super::front::{CertInfo, CertOrigin, TlsFront};
 
 /// The certificate profile asked for when the CA offers it.
@@ -112,17 +111,8 @@ impl IpCertManager {
         let config = &self.client.config;
         let mut backoff = config.initial_backoff;
         loop {
-            let now = SystemTime::now();
-            let due = current.as_ref().map_or(now, renewal_time);
-            if due > now {
-                let wait = due
-                    .duration_since(now)
-                    .unwrap_or_default()
-                    .min(RECHECK_INTERVAL);
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => continue,
-                }
+            if !renewal_due(current.as_ref(), &shutdown).await {
+                return;
             }
             let result = tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -176,67 +166,37 @@ impl IpCertManager {
     /// Places one order for `ip`, answers its HTTP-01 challenge on the port-80 listener,
     /// installs the certificate and caches it.
     pub async fn obtain(&self, ip: IpAddr) -> Result<CertInfo, TlsError> {
-        let account = self.client.account().await?;
-        self.client.orders.fetch_add(1, Ordering::Relaxed);
         let identifiers = [Identifier::Ip(ip)];
         let mut new_order = NewOrder::new(&identifiers);
         // Only when offered: a CA without profiles refuses an order naming one.
-        let short_lived = account.profiles().any(|p| p.name == SHORT_LIVED_PROFILE);
+        let short_lived = self
+            .client
+            .account()
+            .await?
+            .profiles()
+            .any(|p| p.name == SHORT_LIVED_PROFILE);
         if short_lived {
             new_order = new_order.profile(SHORT_LIVED_PROFILE);
         }
-        let mut order = account.new_order(&new_order).await.map_err(acme_err)?;
-        let mut guard = ChallengeGuard {
-            front: &self.front,
-            http_tokens: Vec::new(),
-            alpn_hosts: Vec::new(),
-        };
-        {
-            let mut authorizations = order.authorizations();
-            while let Some(authz) = authorizations.next().await {
-                let mut authz = authz.map_err(acme_err)?;
-                match authz.status {
-                    AuthorizationStatus::Valid => continue,
-                    AuthorizationStatus::Pending => {}
-                    other => return Err(TlsError::Acme(format!("authorization is {other:?}"))),
-                }
-                let mut challenge = authz.challenge(ChallengeType::Http01).ok_or_else(|| {
-                    TlsError::Acme(format!(
-                        "authorization for {ip} offers no http-01 challenge"
-                    ))
-                })?;
-                let key_auth = challenge.key_authorization();
-                self.front
-                    .set_http01_token(&challenge.token, Some(key_auth.as_str().to_owned()));
-                guard.http_tokens.push(challenge.token.clone());
-                challenge.set_ready().await.map_err(acme_err)?;
-            }
-        }
-        let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
-        drop(guard);
-        if status != OrderStatus::Ready {
-            return Err(TlsError::Acme(format!(
-                "order for {ip} is {status:?} after the challenge (validation failed)"
-            )));
-        }
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        // The address as the only name, no common name, as derper asks.
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.subject_alt_names = vec![SanType::IpAddress(ip)];
         params.distinguished_name = DistinguishedName::new();
-        let csr = params.serialize_request(&key)?;
-        order.finalize_csr(csr.der()).await.map_err(acme_err)?;
-        let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
-        let chain = load_certs_pem(chain_pem.as_bytes())?;
-        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        let info = self
-            .front
-            .install_ip(ip, chain, key_der, CertOrigin::AcmeIssued)?;
-        // Key first, as for the hostname's certificate.
-        let cached = write_atomic(&self.key_path(ip), key.serialize_pem().as_bytes(), true)
-            .and_then(|()| write_atomic(&self.cert_path(ip), chain_pem.as_bytes(), false));
-        if let Err(e) = cached {
-            warn!(%ip, error = %e, "IP certificate in service but not cached");
-        }
+        let issued = order_certificate(
+            &self.front,
+            &self.client,
+            &new_order,
+            ChallengeKind::Http01,
+            params,
+        )
+        .await?;
+        let info = self.front.install_ip(
+            ip,
+            issued.chain.clone(),
+            issued.key_der(),
+            CertOrigin::AcmeIssued,
+        )?;
+        issued.cache(&self.key_path(ip), &self.cert_path(ip));
         info!(
             %ip,
             not_after = ?info.not_after,

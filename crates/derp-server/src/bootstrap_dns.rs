@@ -700,33 +700,8 @@ mod tests {
         );
     }
 
-    /// Sends `request` to a relay running with `--derp=false` and reads the whole answer
-    /// (bootstrap DNS closes the connection after it).
     async fn exchange(state: &Arc<crate::state::ServerState>, request: &str) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (client, accepted) =
-            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let (stream, remote) = accepted.expect("accept");
-        let serving = tokio::spawn(crate::http::serve_conn(
-            state.clone(),
-            derp_io::Transport::Tcp(stream),
-            remote,
-            crate::listen::ConnGuard::none(),
-        ));
-        let mut client = client.expect("connect");
-        client.write_all(request.as_bytes()).await.expect("send");
-        let mut answer = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut answer))
-            .await
-            .expect("the server closes the connection")
-            .expect("read");
-        drop(client);
-        serving.await.expect("no panic");
-        String::from_utf8(answer).expect("text")
+        crate::debug::tests::ask(state, "127.0.0.1:5000", request).await
     }
 
     #[tokio::test]

@@ -159,7 +159,7 @@ fn html_escape(s: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -172,7 +172,7 @@ mod tests {
     /// Sends `request` over loopback to the HTTP front, which is told the client is at
     /// `remote`, and returns what comes back (up to the first blank line after the head's
     /// body starts, for the streamed page).
-    async fn ask(state: &Arc<ServerState>, remote: &str, request: &str) -> String {
+    pub(crate) async fn ask(state: &Arc<ServerState>, remote: &str, request: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

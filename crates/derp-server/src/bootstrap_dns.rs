@@ -701,7 +701,7 @@ mod tests {
     }
 
     async fn exchange(state: &Arc<crate::state::ServerState>, request: &str) -> String {
-        crate::debug::tests::ask(state, "127.0.0.1:5000", request).await
+        crate::debug::ask(state, "127.0.0.1:5000", request).await
     }
 
     #[tokio::test]

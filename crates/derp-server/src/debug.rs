@@ -158,8 +158,12 @@ fn html_escape(s: &str) -> String {
     out
 }
 
+/// The HTTP exchange the tests of this and other modules run against the front.
 #[cfg(test)]
-pub(crate) mod tests {
+pub(crate) use tests::ask;
+
+#[cfg(test)]
+mod tests {
     use super::*;
 
     #[test]

@@ -424,7 +424,7 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
             }
         }
         CertMode::Letsencrypt | CertMode::Gcp => {
-            let extras = crate::tls_setup::AcmeExtras::from_cli(cli);
+            let extras = crate::acme_extras(cli);
             let config = match crate::tls_setup::acme_config(args, &extras, &certdir, listen_port) {
                 Ok(config) => config,
                 Err(e) => {

@@ -172,7 +172,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            let extras = tls_setup::AcmeExtras::from_cli(&cli);
+            let extras = acme_extras(&cli);
             tls_setup::run_tls(
                 &server, &registry, &cli.tls, &extras, listener, quic_port, backlog,
             )
@@ -252,6 +252,17 @@ fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u1
         bail!("--quic-port {port} is also the STUN port; they need different UDP ports");
     }
     Ok(Some(port))
+}
+
+/// The ACME flags of the flag block beside the TLS ones, for the TLS setup.
+fn acme_extras(cli: &Cli) -> tls_setup::AcmeExtras {
+    // An empty value is no value, as derper's "" defaults are.
+    let given = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
+    tls_setup::AcmeExtras {
+        eab_kid: given(&cli.acme_eab_kid),
+        eab_key: given(&cli.acme_eab_key),
+        ip_certs: cli.acme_ip_certs,
+    }
 }
 
 /// `--addr`, with --dev's own default.

@@ -42,18 +42,6 @@ pub(crate) struct AcmeExtras {
     pub(crate) ip_certs: bool,
 }
 
-impl AcmeExtras {
-    pub(crate) fn from_cli(cli: &crate::cli::Cli) -> Self {
-        // An empty value is no value, as derper's "" defaults are.
-        let given = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
-        Self {
-            eab_kid: given(&cli.acme_eab_kid),
-            eab_key: given(&cli.acme_eab_key),
-            ip_certs: cli.acme_ip_certs,
-        }
-    }
-}
-
 /// Whether `--hostname` is an IP address (bracketed or not).
 pub(crate) fn hostname_is_ip(hostname: &str) -> bool {
     hostname
@@ -462,7 +450,7 @@ mod tests {
         let cli =
             crate::cli::Cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
                 .map_err(|e| e.to_string())?;
-        let extras = AcmeExtras::from_cli(&cli);
+        let extras = crate::acme_extras(&cli);
         acme_config(&cli.tls, &extras, std::path::Path::new("/tmp/certs"), 443)
             .map_err(|e| format!("{e:#}"))
     }

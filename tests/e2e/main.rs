@@ -1,7 +1,9 @@
 //! End-to-end tests: a real derpd relay on 127.0.0.1 with real sockets.
 
+mod acme;
 mod admission;
 mod client;
+mod debug;
 mod harness;
 mod hostile;
 mod layout;

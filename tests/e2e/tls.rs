@@ -27,19 +27,19 @@ use tokio_rustls::TlsConnector;
 
 use crate::harness::{STEP, connect_from, flood_source, read_until_closed};
 
-const HOST: &str = "derp.test";
+pub(crate) const HOST: &str = "derp.test";
 
-async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+pub(crate) async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(STEP, fut)
         .await
         .unwrap_or_else(|_| panic!("timed out: {what}"))
 }
 
 /// A directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl TempDir {
-    fn new(tag: &str) -> Self {
+    pub(crate) fn new(tag: &str) -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
         let path = std::env::temp_dir().join(format!(
             "derpd-tls-{tag}-{}-{}",
@@ -92,10 +92,10 @@ impl TestCa {
 }
 
 /// A relay behind a [`TlsFront`] on 127.0.0.1, with no certificate until one is installed.
-struct TlsRelay {
-    server: Server,
-    front: TlsFront,
-    addr: SocketAddr,
+pub(crate) struct TlsRelay {
+    pub(crate) server: Server,
+    pub(crate) front: TlsFront,
+    pub(crate) addr: SocketAddr,
     registry: prometheus::Registry,
     task: JoinHandle<()>,
 }
@@ -105,7 +105,7 @@ impl TlsRelay {
         Self::start_with(TlsOptions::new(hostname), None).await
     }
 
-    async fn start_with(options: TlsOptions, listener: Option<TcpListener>) -> Self {
+    pub(crate) async fn start_with(options: TlsOptions, listener: Option<TcpListener>) -> Self {
         Self::start_limited(options, listener, ConnLimits::default()).await
     }
 
@@ -142,7 +142,7 @@ impl TlsRelay {
     }
 
     /// A client config for `https://<host>:<port>/derp` that dials this relay.
-    fn client(&self, host: &str) -> ClientConfig {
+    pub(crate) fn client(&self, host: &str) -> ClientConfig {
         let url = format!("https://{host}:{}/derp", self.addr.port());
         ClientConfig::new(&url, SecretKey::generate(&mut rand::rngs::OsRng))
             .expect("config")
@@ -165,7 +165,7 @@ impl TlsRelay {
             .sum()
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.server.shutdown().await;
         let _ = self.task.await;
     }
@@ -208,7 +208,7 @@ async fn one_way(
     }
 }
 
-async fn connect_pair(relay: &TlsRelay, cfg: impl Fn() -> ClientConfig) {
+pub(crate) async fn connect_pair(relay: &TlsRelay, cfg: impl Fn() -> ClientConfig) {
     let (ca, cb) = (cfg(), cfg());
     let (ka, kb) = (ca.secret_key.public_key(), cb.secret_key.public_key());
     let mut a = connect(&ca).await;
@@ -726,7 +726,7 @@ async fn port_80_listener_redirects_answers_204_and_never_serves_derp() {
 // ACME against Pebble.
 
 /// A free loopback port for TCP and UDP alike (for a DNS server, which wants both).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     loop {
         let tcp = StdTcpListener::bind("127.0.0.1:0").expect("bind");
         let port = tcp.local_addr().expect("addr").port();
@@ -737,7 +737,7 @@ fn free_port() -> u16 {
 }
 
 /// A child process killed on drop.
-struct Proc {
+pub(crate) struct Proc {
     child: Child,
     log: PathBuf,
 }
@@ -755,7 +755,7 @@ impl Proc {
         Self { child, log }
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
@@ -773,8 +773,8 @@ impl Drop for Proc {
 
 /// Pebble plus pebble-challtestsrv (as its DNS server, answering 127.0.0.1 for every name),
 /// all on loopback.
-struct Pebble {
-    pebble: Proc,
+pub(crate) struct Pebble {
+    pub(crate) pebble: Proc,
     _dns: Proc,
     ca: TestCa,
     directory_url: String,
@@ -794,7 +794,7 @@ fn pebble_installed() -> bool {
 }
 
 /// Fails the test unless Pebble is installed: an ACME test that cannot run must not pass.
-fn require_pebble() {
+pub(crate) fn require_pebble() {
     assert!(
         pebble_installed(),
         "pebble and pebble-challtestsrv are not installed: `apt-get install pebble`, or run \
@@ -817,7 +817,17 @@ async fn wait_for_port(addr: SocketAddr, proc: &Proc) {
 
 impl Pebble {
     /// Starts Pebble validating HTTP-01 on `http_port` and TLS-ALPN-01 on `tls_port`.
-    async fn start(dir: &Path, http_port: u16, tls_port: u16) -> Self {
+    pub(crate) async fn start(dir: &Path, http_port: u16, tls_port: u16) -> Self {
+        Self::start_with(dir, http_port, tls_port, serde_json::json!({})).await
+    }
+
+    /// [`Pebble::start`] with more settings for its config (`extra`'s keys are added).
+    pub(crate) async fn start_with(
+        dir: &Path,
+        http_port: u16,
+        tls_port: u16,
+        extra: serde_json::Value,
+    ) -> Self {
         let ca = TestCa::new();
         let (crt, key, _) = ca.issue(&["localhost", "127.0.0.1"]);
         std::fs::write(dir.join("pebble.crt"), crt).expect("write");
@@ -848,6 +858,12 @@ impl Pebble {
                 "externalAccountBindingRequired": false
             }
         });
+        let mut config = config;
+        if let Some(extra) = extra.as_object() {
+            for (k, v) in extra {
+                config["pebble"][k] = v.clone();
+            }
+        }
         std::fs::write(dir.join("pebble.json"), config.to_string()).expect("write");
         let pebble = Proc::spawn(
             Command::new("pebble")
@@ -875,7 +891,7 @@ impl Pebble {
     }
 
     /// The root Pebble issues under (it is new on every start).
-    async fn root(&self) -> CertificateDer<'static> {
+    pub(crate) async fn root(&self) -> CertificateDer<'static> {
         let tls = raw_tls(
             &self.ca.cert,
             &[&rustls::version::TLS13, &rustls::version::TLS12],
@@ -898,7 +914,7 @@ impl Pebble {
             .remove(0)
     }
 
-    fn acme_config(&self, cache_dir: &Path, challenge: ChallengeKind) -> AcmeConfig {
+    pub(crate) fn acme_config(&self, cache_dir: &Path, challenge: ChallengeKind) -> AcmeConfig {
         let mut config = AcmeConfig::new(cache_dir);
         config.directory_url = self.directory_url.clone();
         config.contact_email = Some("ops@derp.test".into());

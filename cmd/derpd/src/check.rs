@@ -172,6 +172,7 @@ fn check(cli: &Cli, r: &mut Report) {
 
     check_mesh(cli, r);
     check_limits(cli, r);
+    check_bootstrap_dns(cli, r);
 
     r.ok(
         "relay",
@@ -302,6 +303,51 @@ fn udp_reach(ip: std::net::IpAddr) -> UdpReach {
         UdpReach::Forwarded
     } else {
         UdpReach::Direct
+    }
+}
+
+/// The bootstrap DNS lists: nothing in them can be wrong before they are looked up (a name
+/// that does not resolve is left out and retried), so this says what would be served.
+fn check_bootstrap_dns(cli: &Cli, r: &mut Report) {
+    let config = crate::bootstrap::config(cli);
+    if config.published.is_empty() && config.unpublished.is_empty() {
+        r.ok(
+            "bootstrap",
+            "no names: /bootstrap-dns serves an empty document",
+        );
+        return;
+    }
+    let count = |list: &str| {
+        if list.is_empty() {
+            0
+        } else {
+            list.split(',').count()
+        }
+    };
+    r.ok(
+        "bootstrap",
+        format!(
+            "/bootstrap-dns: {} published and {} unpublished name(s), resolved at start and \
+             every 10 minutes (not looked up now)",
+            count(&config.published),
+            count(&config.unpublished)
+        ),
+    );
+    let lists = [config.published.as_str(), config.unpublished.as_str()];
+    for entry in lists
+        .iter()
+        .filter(|l| !l.is_empty())
+        .flat_map(|l| l.split(','))
+    {
+        let name = entry.split_once('/').map_or(entry, |(name, _)| name);
+        if name.is_empty() || name.trim() != name {
+            r.warn(
+                "bootstrap",
+                format!(
+                    "entry {entry:?} is looked up as written (empty or with spaces) and will fail"
+                ),
+            );
+        }
     }
 }
 
@@ -486,14 +532,39 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
                 ),
             }
         }
-        CertMode::Letsencrypt => {
-            let config = match crate::tls_setup::acme_config(args, &certdir, listen_port) {
+        CertMode::Letsencrypt | CertMode::Gcp => {
+            let extras = crate::acme_extras(cli);
+            let config = match crate::tls_setup::acme_config(args, &extras, &certdir, listen_port) {
                 Ok(config) => config,
                 Err(e) => {
                     r.error("tls", e);
                     return;
                 }
             };
+            if let Some(eab) = &config.external_account {
+                r.ok(
+                    "acme",
+                    format!(
+                        "a new account at {} is bound with EAB key ID {:?}",
+                        config.directory_url, eab.key_id
+                    ),
+                );
+            }
+            if extras.ip_certs {
+                r.ok(
+                    "acme",
+                    format!(
+                        "certificates for the node's IP addresses on demand from {} (HTTP-01 \
+                         on the port-80 listener; cached in {})",
+                        config.directory_url,
+                        certdir.display()
+                    ),
+                );
+                if crate::tls_setup::hostname_is_ip(&args.hostname) {
+                    return;
+                }
+            }
+            let directory = config.directory_url.clone();
             let challenges = config
                 .challenges
                 .iter()
@@ -515,10 +586,7 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
                     cert_expiry(&info, &manager.cert_path().display().to_string(), r);
                     r.ok(
                         "acme",
-                        format!(
-                            "renews from {} (challenges {challenges})",
-                            args.acme_directory
-                        ),
+                        format!("renews from {} (challenges {challenges})", directory),
                     );
                 }
                 Ok(None) => r.ok(
@@ -527,7 +595,7 @@ fn check_tls(cli: &Cli, key: &SecretKey, listen_port: u16, r: &mut Report) {
                         "no cached certificate in {}: would order one from {} \
                          (challenges {challenges}); not ready until it is issued",
                         certdir.display(),
-                        args.acme_directory
+                        directory
                     ),
                 ),
                 Err(e) => r.warn(

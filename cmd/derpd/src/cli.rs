@@ -173,6 +173,36 @@ pub(crate) struct Cli {
     #[arg(long)]
     pub(crate) check: bool,
 
+    // Bootstrap DNS, ACME account binding and IP certificates (derper's flags of these names).
+    /// Names served at /bootstrap-dns, comma separated: resolved at start and every 10
+    /// minutes, and given to every client as JSON (name to addresses).
+    #[arg(long, default_value = "")]
+    pub(crate) bootstrap_dns_names: String,
+
+    /// Names served at /bootstrap-dns only to a client asking for one with ?q=name, comma
+    /// separated. "name/txt-name" serves name only to the share of clients (0 to 100 per cent,
+    /// chosen by client address) given by the TXT record of txt-name.
+    #[arg(long, default_value = "")]
+    pub(crate) unpublished_bootstrap_dns_names: String,
+
+    /// ACME External Account Binding key ID. Required with --certmode gcp; with letsencrypt,
+    /// binds the account at any --acme-directory that asks for it.
+    #[arg(long)]
+    pub(crate) acme_eab_kid: Option<String>,
+
+    /// ACME External Account Binding HMAC key, base64 (URL alphabet unpadded, or standard
+    /// alphabet padded). Required with --certmode gcp.
+    #[arg(long)]
+    pub(crate) acme_eab_key: Option<String>,
+
+    /// Get ACME certificates for the node's own IP addresses, on demand: a client connecting
+    /// by address (no SNI, or the address as SNI) gets a certificate for the address it
+    /// connected to, validated by HTTP-01 on --http-port. Lets --hostname be an IP address
+    /// with --certmode letsencrypt. The CA's short-lived profile is asked for when offered.
+    #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1,
+          require_equals = true, default_missing_value = "true")]
+    pub(crate) acme_ip_certs: bool,
+
     #[command(flatten)]
     pub(crate) tls: crate::tls_setup::TlsArgs,
 

@@ -1,7 +1,9 @@
 //! derpd: a DERP relay server that Tailscale clients can use in place of derper.
 
+mod bootstrap;
 mod check;
 mod cli;
+mod debug_pages;
 mod duration;
 mod keyfile;
 mod limits;
@@ -131,8 +133,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     config.packet_metrics = cli.packet_metrics;
+    debug_pages::configure(&cli, tls, &mut config);
 
     let registry = prometheus::Registry::new();
+    let bootstrap_dns = bootstrap::bootstrap_dns(&cli, &registry)?;
+    config.bootstrap_dns = Some(bootstrap_dns.clone());
     let reloads = limits::configure(&cli.limits, &mut config, &registry)?;
     let server = Server::new(config, &registry).context("creating server")?;
     reloads.spawn(&server);
@@ -177,6 +182,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         });
     }
+    let token = server.shutdown_token();
+    background.spawn(async move {
+        bootstrap_dns.run(token).await;
+        Ok(())
+    });
     if let Some(addr) = cli.metrics_addr {
         let metrics_listener = limits::bind(addr, backlog)
             .with_context(|| format!("listening for metrics on {addr}"))?;
@@ -188,7 +198,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port, backlog).await
+            let extras = acme_extras(&cli);
+            tls_setup::run_tls(
+                &server, &registry, &cli.tls, &extras, listener, quic_port, backlog,
+            )
+            .await
         } else {
             server.set_ready(true);
             server.serve(listener).await.context("serving")
@@ -272,6 +286,17 @@ fn cidrs_text(nets: &[derp_server::IpCidr]) -> String {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// The ACME flags of the flag block beside the TLS ones, for the TLS setup.
+fn acme_extras(cli: &Cli) -> tls_setup::AcmeExtras {
+    // An empty value is no value, as derper's "" defaults are.
+    let given = |v: &Option<String>| v.clone().filter(|v| !v.is_empty());
+    tls_setup::AcmeExtras {
+        eab_kid: given(&cli.acme_eab_kid),
+        eab_key: given(&cli.acme_eab_key),
+        ip_certs: cli.acme_ip_certs,
+    }
 }
 
 /// `--addr`, with --dev's own default.

@@ -12,8 +12,8 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use derp_server::Server;
 use derp_tls::{
-    AcmeConfig, AcmeManager, ChallengeKind, LETS_ENCRYPT_PRODUCTION, ManualCerts, TlsFront,
-    TlsOptions, load_certs_pem,
+    AcmeConfig, AcmeManager, ChallengeKind, ExternalAccount, GOOGLE_TRUST_SERVICES, IpCertManager,
+    LETS_ENCRYPT_PRODUCTION, ManualCerts, TlsFront, TlsOptions, load_certs_pem,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -28,6 +28,27 @@ pub(crate) enum CertMode {
     Letsencrypt,
     /// From <certdir>/<hostname>.crt and .key, reloaded when they change or on SIGHUP.
     Manual,
+    /// From Google Trust Services' ACME server; needs --acme-eab-kid, --acme-eab-key and
+    /// --acme-email.
+    Gcp,
+}
+
+/// The ACME flags declared beside the others in `cli.rs`: External Account Binding and IP
+/// certificates.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AcmeExtras {
+    pub(crate) eab_kid: Option<String>,
+    pub(crate) eab_key: Option<String>,
+    pub(crate) ip_certs: bool,
+}
+
+/// Whether `--hostname` is an IP address (bracketed or not).
+pub(crate) fn hostname_is_ip(hostname: &str) -> bool {
+    hostname
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+        .is_ok()
 }
 
 /// Which ACME challenge to answer.
@@ -120,14 +141,21 @@ pub(crate) async fn run_tls(
     server: &Server,
     registry: &prometheus::Registry,
     args: &TlsArgs,
+    extras: &AcmeExtras,
     listener: TcpListener,
     quic_port: Option<u16>,
     backlog: Option<u32>,
 ) -> anyhow::Result<()> {
     let listen = listener.local_addr()?;
-    let mut options = TlsOptions::new(args.hostname.clone());
-    options.http_port_proxy_protocol = server.proxy_protocol();
+    let options = TlsOptions {
+        ip_certs: extras.ip_certs,
+        http_port_proxy_protocol: server.proxy_protocol(),
+        ..TlsOptions::new(args.hostname.clone())
+    };
     let front = TlsFront::new(&server.public_key(), options, registry).context("setting up tls")?;
+    // An IP-only node has no hostname certificate to wait for: its certificates come on
+    // demand, one per address clients connect to.
+    let ip_only = extras.ip_certs && hostname_is_ip(&args.hostname);
     let certdir = args.certdir()?;
     let shutdown = server.shutdown_token();
     let mut tasks = tokio::task::JoinSet::new();
@@ -157,17 +185,32 @@ pub(crate) async fn run_tls(
             }
             tasks.spawn(reload_on_sighup(manual, shutdown.clone()));
         }
-        CertMode::Letsencrypt => {
-            let config = acme_config(args, &certdir, listen.port())?;
-            let manager = AcmeManager::new(front.clone(), config).context("acme")?;
+        CertMode::Letsencrypt | CertMode::Gcp => {
+            let config = acme_config(args, extras, &certdir, listen.port())?;
             info!(
                 hostname = %args.hostname,
-                directory = %args.acme_directory,
+                directory = %config.directory_url,
                 cache = %certdir.display(),
+                external_account = config.external_account.is_some(),
+                ip_certs = extras.ip_certs,
                 "getting certificates by ACME"
             );
-            let s = shutdown.clone();
-            tasks.spawn(async move { manager.run(s).await });
+            let ip_manager = if ip_only {
+                Some(IpCertManager::new(front.clone(), config).context("acme")?)
+            } else {
+                let manager = AcmeManager::new(front.clone(), config).context("acme")?;
+                let ip_manager = match extras.ip_certs {
+                    true => Some(manager.ip_cert_manager().context("acme")?),
+                    false => None,
+                };
+                let s = shutdown.clone();
+                tasks.spawn(async move { manager.run(s).await });
+                ip_manager
+            };
+            if let Some(ip_manager) = ip_manager {
+                let s = shutdown.clone();
+                tasks.spawn(async move { ip_manager.run(s).await });
+            }
         }
     }
 
@@ -203,7 +246,7 @@ pub(crate) async fn run_tls(
     let mut certs = front.cert_updates();
     let (ready, s) = (server.clone(), shutdown.clone());
     tasks.spawn(async move {
-        while certs.borrow_and_update().generation == 0 {
+        while !ip_only && certs.borrow_and_update().generation == 0 {
             tokio::select! {
                 _ = s.cancelled() => return,
                 changed = certs.changed() => if changed.is_err() { return },
@@ -219,15 +262,59 @@ pub(crate) async fn run_tls(
     result
 }
 
-/// The ACME settings the flags ask for, with the extra CA file read.
+/// The ACME settings the flags ask for (letsencrypt or gcp mode), with the extra CA file
+/// read and the EAB key decoded; refuses what derper refuses, with its reasons.
 pub(crate) fn acme_config(
     args: &TlsArgs,
+    extras: &AcmeExtras,
     certdir: &std::path::Path,
     listen_port: u16,
 ) -> anyhow::Result<AcmeConfig> {
+    let ip_hostname = hostname_is_ip(&args.hostname);
+    if extras.ip_certs && args.certmode != CertMode::Letsencrypt {
+        bail!("--acme-ip-certs requires --certmode=letsencrypt");
+    }
+    if ip_hostname && args.certmode == CertMode::Gcp {
+        bail!("--certmode=gcp requires --hostname to be a DNS name, not an IP address");
+    }
+    if ip_hostname && !extras.ip_certs {
+        bail!(
+            "--hostname is an IP address; use --certmode=manual for a self-signed cert, or set \
+             --acme-ip-certs to get ACME certificates for the node's IP addresses"
+        );
+    }
+    if extras.ip_certs && args.http_port < 0 {
+        bail!(
+            "--acme-ip-certs needs the port-80 listener, where the CA validates each address \
+             (HTTP-01); --http-port is -1"
+        );
+    }
     let mut config = AcmeConfig::new(certdir);
     config.directory_url = args.acme_directory.clone();
-    config.contact_email = args.acme_email.clone();
+    config.contact_email = args.acme_email.clone().filter(|e| !e.is_empty());
+    if args.certmode == CertMode::Gcp {
+        if extras.eab_kid.is_none() || extras.eab_key.is_none() {
+            bail!("--certmode=gcp requires --acme-eab-kid and --acme-eab-key flags");
+        }
+        if config.contact_email.is_none() {
+            bail!("--certmode=gcp requires --acme-email flag");
+        }
+        if args.acme_directory != LETS_ENCRYPT_PRODUCTION {
+            bail!(
+                "--certmode=gcp uses Google Trust Services' directory; --acme-directory is for \
+                 --certmode=letsencrypt (which binds an account with --acme-eab-kid/-key too)"
+            );
+        }
+        config.directory_url = GOOGLE_TRUST_SERVICES.to_owned();
+    }
+    config.external_account = match (&extras.eab_kid, &extras.eab_key) {
+        (Some(kid), Some(key)) => Some(
+            ExternalAccount::decode(kid, key)
+                .map_err(|e| anyhow::anyhow!("--acme-eab-key: {e}"))?,
+        ),
+        (None, None) => None,
+        _ => bail!("--acme-eab-kid and --acme-eab-key are given together or not at all"),
+    };
     if let Some(path) = &args.acme_ca_cert {
         let pem = std::fs::read(path)
             .with_context(|| format!("reading --acme-ca-cert {}", path.display()))?;
@@ -356,7 +443,116 @@ mod tests {
         assert_eq!(cli.tls.cert_reload_interval, Duration::from_secs(60));
         assert!(crate::cli::Cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
         assert!(crate::cli::Cli::try_parse_from(["derpd", "--http-port", "-2"]).is_err());
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--certmode", "gcp"]).is_err());
+        assert!(crate::cli::Cli::try_parse_from(["derpd", "--certmode", "bogus"]).is_err());
+    }
+
+    /// `acme_config` for a command line, or its error text.
+    fn acme(args: &[&str]) -> Result<AcmeConfig, String> {
+        let cli =
+            crate::cli::Cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())?;
+        let extras = crate::acme_extras(&cli);
+        acme_config(&cli.tls, &extras, std::path::Path::new("/tmp/certs"), 443)
+            .map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn gcp_mode_needs_derpers_flags_and_uses_googles_directory() {
+        let gcp = ["--certmode", "gcp", "--hostname", "derp.example.com"];
+        let with = |more: &[&'static str]| {
+            let mut v = gcp.to_vec();
+            v.extend_from_slice(more);
+            acme(&v)
+        };
+        assert_eq!(
+            with(&[]).expect_err("no eab"),
+            "--certmode=gcp requires --acme-eab-kid and --acme-eab-key flags"
+        );
+        assert_eq!(
+            with(&[
+                "--acme-eab-kid",
+                "kid-1",
+                "--acme-eab-key",
+                "zWNDZM6eQGHWpSRTPal5eIUYFTu7EajVIoguysqZ9wG44nMEtx3MUAsUDkMTQ12W"
+            ])
+            .expect_err("no email"),
+            "--certmode=gcp requires --acme-email flag"
+        );
+        let config = with(&[
+            "--acme-eab-kid",
+            "kid-1",
+            "--acme-eab-key",
+            "zWNDZM6eQGHWpSRTPal5eIUYFTu7EajVIoguysqZ9wG44nMEtx3MUAsUDkMTQ12W",
+            "--acme-email",
+            "ops@example.com",
+        ])
+        .expect("complete");
+        assert_eq!(config.directory_url, GOOGLE_TRUST_SERVICES);
+        assert_eq!(config.external_account.expect("eab").hmac_key.len(), 48);
+        assert!(
+            with(&[
+                "--acme-eab-kid",
+                "k",
+                "--acme-eab-key",
+                "!!",
+                "--acme-email",
+                "a@b"
+            ])
+            .expect_err("bad key")
+            .contains("invalid base64 encoding for EAB key")
+        );
+        let ip = acme(&["--certmode", "gcp", "--hostname", "192.0.2.1"]).expect_err("ip");
+        assert_eq!(
+            ip,
+            "--certmode=gcp requires --hostname to be a DNS name, not an IP address"
+        );
+    }
+
+    #[test]
+    fn eab_binds_any_directory_and_ip_certs_follow_derpers_rules() {
+        let config = acme(&[
+            "--hostname",
+            "derp.example.com",
+            "--acme-directory",
+            "https://ca.example/dir",
+            "--acme-eab-kid=k",
+            // Standard alphabet, padded: the second form derper accepts.
+            "--acme-eab-key=c2VjcmV0LWtleQ==",
+        ])
+        .expect("eab with any directory");
+        assert_eq!(
+            config.external_account.expect("eab").hmac_key,
+            b"secret-key"
+        );
+        assert!(
+            acme(&["--hostname", "d.example", "--acme-eab-kid", "k"])
+                .expect_err("half")
+                .contains("together")
+        );
+        assert!(
+            acme(&["--hostname", "192.0.2.1"])
+                .expect_err("ip without ip certs")
+                .starts_with("--hostname is an IP address; use --certmode=manual")
+        );
+        assert!(acme(&["--hostname", "192.0.2.1", "--acme-ip-certs"]).is_ok());
+        assert!(acme(&["--hostname", "d.example", "--acme-ip-certs=true"]).is_ok());
+        assert_eq!(
+            acme(&[
+                "--hostname",
+                "d.example",
+                "--acme-ip-certs",
+                "--http-port",
+                "-1"
+            ])
+            .expect_err("no port 80")
+            .split(',')
+            .next(),
+            Some("--acme-ip-certs needs the port-80 listener")
+        );
+        assert_eq!(
+            acme(&["--certmode", "gcp", "--acme-ip-certs"]).expect_err("gcp"),
+            "--acme-ip-certs requires --certmode=letsencrypt"
+        );
     }
 
     #[test]

@@ -297,7 +297,7 @@ fn check_fails_on_every_error_a_start_would_hit() {
         ),
         (
             vec!["-a", "127.0.0.1:443", "--hostname", "192.0.2.1"],
-            "ACME certificates need a DNS name",
+            "--hostname is an IP address; use --certmode=manual",
         ),
     ];
     for (extra, want) in cases {

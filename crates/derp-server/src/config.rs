@@ -40,7 +40,8 @@ pub struct ServerConfig {
     pub mesh_key: Option<MeshKey>,
     /// Which destination lookup layers run.
     pub lookup: LookupConfig,
-    /// Networks besides loopback allowed to read `/debug/varz` on the main listener.
+    /// Networks besides loopback allowed to read the `/debug/` pages (`/debug/varz` and the
+    /// others) on the main listener.
     pub debug_allow: Vec<IpCidr>,
     /// Fold per-connection packet counters into the registry. Turning this off leaves the
     /// packet and drop counters at zero; it exists to measure what counting costs.
@@ -63,6 +64,17 @@ pub struct ServerConfig {
     /// protocol) whose `X-Forwarded-For` / `X-Real-IP` headers name the client of a DERP
     /// upgrade. From anyone else those headers are ignored for addressing.
     pub trust_forwarded_from: Vec<IpCidr>,
+    /// What `/bootstrap-dns` serves; `None` answers with an empty document, as derper does
+    /// with no names configured. The embedder runs its refresh task
+    /// ([`BootstrapDns::run`](crate::BootstrapDns::run)).
+    pub bootstrap_dns: Option<Arc<crate::bootstrap_dns::BootstrapDns>>,
+    /// How often the kernel's smoothed RTT of every client's TCP connection is sampled into
+    /// `derp_tcp_rtt` (10 s, as derper); `None` turns sampling off (derper's
+    /// `TS_DERP_DISABLE_RTT_STATS`). One netlink dump per period, never per packet.
+    pub tcp_rtt_interval: Option<Duration>,
+    /// Extra lines for the `/debug/` page, as (label, value): what the embedder knows and
+    /// the relay does not (its version, the TLS hostname).
+    pub debug_info: Vec<(String, String)>,
 }
 
 impl ServerConfig {
@@ -86,6 +98,9 @@ impl ServerConfig {
             limits: ConnLimits::default(),
             proxy_protocol: None,
             trust_forwarded_from: Vec::new(),
+            bootstrap_dns: None,
+            tcp_rtt_interval: Some(TCP_RTT_INTERVAL),
+            debug_info: Vec::new(),
         }
     }
 }
@@ -171,6 +186,8 @@ pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const MESH_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Base keepalive period.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(60);
+/// Default period of `derp_tcp_rtt` sampling.
+pub const TCP_RTT_INTERVAL: Duration = Duration::from_secs(10);
 /// Handshake step deadline.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 

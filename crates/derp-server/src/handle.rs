@@ -2,6 +2,7 @@
 //! switch that ends it, and its send queue.
 
 use std::net::SocketAddr;
+use std::num::NonZeroU64;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::task::Waker;
@@ -33,6 +34,9 @@ pub(crate) struct ConnHandle {
     pub(crate) cancel: Cancel,
     /// What other connections queue for this one to write.
     pub(crate) queue: SendQueue,
+    /// The cookie of the connection's TCP socket, for reading the kernel's statistics
+    /// (`tcpinfo`); `None` for WebSocket, QUIC and streams the relay does not hold as TCP.
+    pub(crate) socket_cookie: Option<NonZeroU64>,
 }
 
 impl ConnHandle {
@@ -56,7 +60,14 @@ impl ConnHandle {
             ws_close_code: AtomicU16::new(ws::close_code::INTERNAL_ERROR),
             cancel: Cancel::default(),
             queue: SendQueue::new(depth),
+            socket_cookie: None,
         }
+    }
+
+    /// Records the connection's TCP socket cookie (see [`ConnHandle::socket_cookie`]).
+    pub(crate) fn with_socket_cookie(mut self, cookie: Option<u64>) -> Self {
+        self.socket_cookie = cookie.and_then(NonZeroU64::new);
+        self
     }
 
     /// Ends the connection: closes its queue (later pushes are dropped as

@@ -17,7 +17,8 @@ use std::task::{Context, Poll};
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::channel::Channel;
+use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -262,7 +263,7 @@ where
     let service = hyper::service::service_fn(move |req| {
         let shared = shared.clone();
         let guard = guard.clone();
-        async move { Ok::<_, Infallible>(route(&shared, req, peer, &guard)) }
+        async move { Ok::<_, Infallible>(respond(&shared, req, peer, &guard)) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -284,6 +285,58 @@ where
 
 type Body = Full<Bytes>;
 
+/// What hyper sends: a whole body, or `/debug/traffic`'s stream.
+type AnyBody = Either<Body, Channel<Bytes>>;
+
+/// One request that reached hyper: the `/debug` pages, or [`route`].
+fn respond(
+    shared: &Arc<ServerState>,
+    req: Request<Incoming>,
+    peer: Peer,
+    guard: &GuardCell,
+) -> Response<AnyBody> {
+    let path = req.uri().path();
+    if path != "/debug" && !path.starts_with("/debug/") {
+        return route(shared, req, peer, guard).map(Either::Left);
+    }
+    if path == "/debug" {
+        // As Go's ServeMux answers, before any access check.
+        let mut resp = Response::new(Body::default());
+        *resp.status_mut() = StatusCode::TEMPORARY_REDIRECT;
+        resp.headers_mut()
+            .insert(header::LOCATION, HeaderValue::from_static("/debug/"));
+        return resp.map(Either::Left);
+    }
+    if peer.proxied || !debug_allowed(shared, &req, peer.remote) {
+        return text(StatusCode::FORBIDDEN, "debug access denied\n").map(Either::Left);
+    }
+    let resp = match path {
+        "/debug/" => {
+            let mut resp = Response::new(Body::from(crate::debug::index(shared)));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/html; charset=utf-8"),
+            );
+            browser_headers(resp)
+        }
+        "/debug/varz" => prometheus_text(shared),
+        "/debug/check" => match crate::debug::check(shared) {
+            Ok(()) => text(StatusCode::OK, crate::debug::CHECK_OK),
+            Err(e) => text_owned(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+        },
+        "/debug/traffic" => {
+            let mut resp = Response::new(crate::debug::traffic(shared));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            );
+            return resp.map(Either::Right);
+        }
+        _ => text(StatusCode::NOT_FOUND, "404 page not found\n"),
+    };
+    resp.map(Either::Left)
+}
+
 fn route(
     shared: &Arc<ServerState>,
     req: Request<Incoming>,
@@ -303,20 +356,23 @@ fn route(
         return derp_via_hyper(shared, req, remote, forwarded, guard);
     }
     match path {
-        "/debug/varz" if peer.proxied => text(StatusCode::FORBIDDEN, "debug access denied\n"),
-        "/debug/varz" => debug_varz(shared, &req, peer.remote),
         "/generate_204" => generate_204(&req),
         "/robots.txt" => browser_headers(text(StatusCode::OK, "User-agent: *\nDisallow: /\n")),
+        "/bootstrap-dns" => browser_headers(crate::bootstrap_dns::serve(
+            shared.config.bootstrap_dns.as_deref(),
+            &req,
+            peer.remote,
+        )),
         _ => home(&shared.config.home),
     }
 }
 
-/// Prometheus text on the main listener, for loopback and the configured networks only.
-/// A request that came through a proxy is refused whatever its source, since the proxy's
-/// address says nothing about the client's (see [`names_a_proxy`]); so is every request on a
-/// connection from a PROXY protocol balancer or a trusted HTTP proxy (see `route`), whatever
-/// client address they name.
-fn debug_varz(shared: &ServerState, req: &Request<Incoming>, remote: SocketAddr) -> Response<Body> {
+/// Whether a request may see the `/debug/` pages (Prometheus text and the others): from
+/// loopback and the configured networks only. A request that came through a proxy is
+/// refused whatever its source, since the proxy's address says nothing about the client's
+/// (see [`names_a_proxy`]); so is every request on a connection from a PROXY protocol
+/// balancer or a trusted HTTP proxy (see `respond`), whatever client address they name.
+fn debug_allowed(shared: &ServerState, req: &Request<Incoming>, remote: SocketAddr) -> bool {
     let ip = remote.ip();
     let ip = match ip {
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
@@ -326,12 +382,7 @@ fn debug_varz(shared: &ServerState, req: &Request<Incoming>, remote: SocketAddr)
         .headers()
         .keys()
         .any(|name| names_a_proxy(name.as_str()));
-    let allowed =
-        !proxied && (ip.is_loopback() || shared.config.debug_allow.iter().any(|n| n.contains(ip)));
-    if !allowed {
-        return text(StatusCode::FORBIDDEN, "debug access denied\n");
-    }
-    prometheus_text(shared)
+    !proxied && (ip.is_loopback() || shared.config.debug_allow.iter().any(|n| n.contains(ip)))
 }
 
 /// Whether a request header (name in lower case, as `http` stores it) is one that a proxy,
@@ -611,6 +662,16 @@ fn html(body: &'static str) -> Response<Body> {
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<Body> {
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+fn text_owned(status: StatusCode, body: String) -> Response<Body> {
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = status;
     resp.headers_mut().insert(

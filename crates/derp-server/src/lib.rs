@@ -3,7 +3,9 @@
 //! What it does:
 //! - serves HTTP/1.1 on a listener it is given: `/derp` upgrades (plain `Upgrade: DERP`,
 //!   fast start, and WebSocket with subprotocol `derp`), the probe endpoints, `/generate_204`,
-//!   `/robots.txt` and a home page;
+//!   `/robots.txt`, a home page, the `/debug/` pages (Prometheus text, a health check,
+//!   live per-connection TCP counters; loopback and configured networks only) and `/bootstrap-dns` (names resolved in the background by a
+//!   [`Resolver`] it is given, see [`BootstrapDns`]);
 //! - runs the relay: an authoritative client map under a lock, a lock-free papaya mirror for
 //!   the packet path, bounded per-destination queues with the reference's drop policy, batched
 //!   vectored writes, keepalives, write deadlines, PeerGone notifications, duplicate-key
@@ -35,8 +37,10 @@
 
 mod accept;
 mod admission;
+mod bootstrap_dns;
 mod config;
 mod conn;
+mod debug;
 mod handle;
 mod http;
 mod listen;
@@ -50,14 +54,19 @@ mod registry;
 mod server;
 mod state;
 mod stun;
+mod tcpinfo;
 
 pub use accept::{Accept, Listener};
 pub use admission::{
     Admission, AdmissionRequest, REFUSED_TIMEOUT, Refused, Verdict, VerdictFuture,
 };
+pub use bootstrap_dns::{
+    BootstrapDns, BootstrapDnsConfig, LIST_TIMEOUT as BOOTSTRAP_DNS_LIST_TIMEOUT, LookupFuture,
+    REFRESH_INTERVAL as BOOTSTRAP_DNS_REFRESH_INTERVAL, Resolver, address_in_rollout,
+};
 pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
-    KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
+    KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
 pub use derp_io::{BoxedIo, Transport, tune_socket};
 pub use http::{Rewind, generate_204};

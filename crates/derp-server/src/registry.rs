@@ -144,6 +144,14 @@ impl State {
     }
 }
 
+/// A registered connection, as [`Registry::summaries`] lists it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnSummary {
+    pub(crate) id: u64,
+    pub(crate) key: PublicKey,
+    pub(crate) socket_cookie: Option<std::num::NonZeroU64>,
+}
+
 /// The server's client registry.
 #[derive(Debug)]
 pub(crate) struct Registry {
@@ -448,6 +456,70 @@ impl Registry {
         self.lock().conns().all(|member| member.queue.is_drained())
     }
 
+    /// Every registered connection (duplicates included) with what the kernel statistics and
+    /// `/debug/traffic` need: one pass under the lock, off the packet path.
+    pub(crate) fn summaries(&self) -> Vec<ConnSummary> {
+        self.lock()
+            .conns()
+            .map(|c| ConnSummary {
+                id: c.id,
+                key: c.key,
+                socket_cookie: c.socket_cookie,
+            })
+            .collect()
+    }
+
+    /// Checks that the client map, its lock-free mirror and the gauges agree, as
+    /// `/debug/check` reports it (derper's `ConsistencyCheck`, for derpd's structures).
+    /// Returns what disagrees, empty when all is well.
+    pub(crate) fn consistency_check(&self) -> Vec<String> {
+        let state = self.lock();
+        let mirror = self.mirror.pin();
+        let mut errs = Vec::new();
+        let stale_active = state
+            .clients
+            .iter()
+            .filter(|(key, entry)| match (&entry.active, mirror.get(*key)) {
+                (Some(active), Some(published)) => {
+                    !Arc::ptr_eq(active, published) || !active.active.load(Ordering::Acquire)
+                }
+                (None, None) => false,
+                _ => true,
+            })
+            .count();
+        if stale_active != 0 {
+            errs.push(format!(
+                "{stale_active} client map keys whose mirror entry is not their active connection"
+            ));
+        }
+        let orphans = mirror
+            .iter()
+            .filter(|(key, _)| !state.clients.contains_key(*key))
+            .count();
+        if orphans != 0 {
+            errs.push(format!("{orphans} mirror keys not in the client map"));
+        }
+        let conns = state.conns().count();
+        let gauge = self.metrics.current_connections.get();
+        if i64::try_from(conns).ok() != Some(gauge) {
+            errs.push(format!(
+                "derp_current_connections = {gauge} != client map says {conns}"
+            ));
+        }
+        let dup_keys = state
+            .clients
+            .values()
+            .filter(|e| matches!(e.members, Members::Dup(_)))
+            .count();
+        let gauge = self.metrics.current_dup_client_keys.get();
+        if i64::try_from(dup_keys).ok() != Some(gauge) {
+            errs.push(format!(
+                "derp_current_dup_client_keys = {gauge} != client map says {dup_keys}"
+            ));
+        }
+        errs
+    }
+
     /// Cancels every registered connection (the server is shutting down).
     pub(crate) fn cancel_all(&self) {
         self.lock()
@@ -632,5 +704,31 @@ mod tests {
         reg.unregister(&b);
         assert!(a.active.load(Ordering::Acquire));
         assert!(!b.active.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn the_consistency_check_passes_then_names_what_disagrees() {
+        let metrics = Metrics::new(&prometheus::Registry::new()).expect("metrics");
+        let reg = Registry::new(metrics.clone(), PublicKey::from_bytes([0; 32]));
+        let (a, b, c) = (conn(1), conn(2), ConnHandle::for_tests(3, 6));
+        reg.register(&a);
+        reg.register(&b);
+        reg.register(&c);
+        assert_eq!(reg.consistency_check(), Vec::<String>::new());
+        assert_eq!(reg.summaries().len(), 3);
+        reg.unregister(&c);
+        assert_eq!(reg.consistency_check(), Vec::<String>::new());
+
+        metrics.current_connections.inc();
+        reg.mirror.pin().insert(c.key, c.clone());
+        reg.mirror.pin().insert(a.key, a.clone());
+        assert_eq!(
+            reg.consistency_check(),
+            [
+                "1 client map keys whose mirror entry is not their active connection",
+                "1 mirror keys not in the client map",
+                "derp_current_connections = 3 != client map says 2",
+            ]
+        );
     }
 }

@@ -48,6 +48,10 @@ pub(crate) struct ServerState {
     pub(crate) proxy: Option<ProxyProtocol>,
     /// `derp_admission_refused{reason}`.
     pub(crate) admission_refused: prometheus::IntCounterVec,
+    /// `derp_tcp_rtt{le}`: derper's per-connection RTT samples (see `tcpinfo::RttSampler`).
+    pub(crate) tcp_rtt: prometheus::IntCounterVec,
+    /// When the relay was created, for `/debug/`'s uptime.
+    pub(crate) started: std::time::Instant,
     /// The task that ends connections on shutdown was started.
     watching: AtomicBool,
     /// Cancelled when this state is dropped, so that task also ends for a server dropped
@@ -82,11 +86,24 @@ impl ServerState {
             Some(from) => Some(ProxyProtocol::new(from.clone(), prometheus)?),
             None => None,
         };
+        // Not a Prometheus histogram: derper counts each sample under one `le` label only
+        // (no cumulative buckets, no sum), as a counter family; its labels are kept.
+        let tcp_rtt = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "derp_tcp_rtt",
+                "samples of client TCP connections' smoothed RTT, every 10 s per connection, \
+                 by upper bound (non-tcp: not sampled; error: no kernel statistics)",
+            ),
+            &["le"],
+        )?;
+        prometheus.register(Box::new(tcp_rtt.clone()))?;
         Ok(Self {
             proxy,
             gate: Gate::new(&config.limits, prometheus)?,
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             admission_refused,
+            tcp_rtt,
+            started: std::time::Instant::now(),
             registry: Registry::new(metrics.clone(), public_key),
             keys,
             derp_response_head: Bytes::from(derp_proto::upgrade::derp_response_head(&public_key)),
@@ -118,12 +135,23 @@ impl ServerState {
         }
         let state = Arc::downgrade(self);
         let tokens = [&self.draining, &self.shutdown, &self.dropped].map(|t| t.clone());
+        let sampling = self
+            .config
+            .tcp_rtt_interval
+            .map(|every| sample_tcp_rtt(state.clone(), self.tcp_rtt.clone(), every));
         self.tasks.spawn(async move {
             let [draining, shutdown, dropped] = tokens;
+            let sampling = async {
+                match sampling {
+                    Some(s) => s.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 _ = dropped.cancelled() => {}
                 _ = carry_lifecycle(state, draining, shutdown) => {}
+                () = sampling => {}
             }
         });
     }
@@ -145,6 +173,36 @@ impl ServerState {
     pub(crate) fn for_tests() -> Arc<Self> {
         let config = ServerConfig::new(derp_proto::SecretKey::from_bytes([1; 32]));
         Arc::new(Self::new(config, &prometheus::Registry::new()).expect("state"))
+    }
+}
+
+/// Samples the kernel's RTT of every registered connection into `derp_tcp_rtt` every
+/// `every`, while the relay lives (it is held weakly). Nothing per packet: one registry pass
+/// and one netlink dump, off the runtime's workers, per period.
+async fn sample_tcp_rtt(
+    state: Weak<ServerState>,
+    metric: prometheus::IntCounterVec,
+    every: std::time::Duration,
+) {
+    let mut sampler = crate::tcpinfo::RttSampler::new(metric);
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let conns = match state.upgrade() {
+            Some(state) => state.registry.summaries(),
+            None => return,
+        };
+        if conns.is_empty() {
+            continue;
+        }
+        let sockets = tokio::task::spawn_blocking(crate::tcpinfo::dump)
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        if let Err(e) = &sockets {
+            tracing::debug!(error = %e, "reading TCP statistics");
+        }
+        sampler.tick(&conns, sockets.as_ref());
     }
 }
 

@@ -19,7 +19,7 @@ use http::header::{self, HeaderValue};
 use hyper_util::rt::TokioIo;
 use instant_acme::{
     Account, AccountCredentials, AuthorizationStatus, BodyWrapper, BytesResponse, ChallengeType,
-    HttpClient, Identifier, NewAccount, NewOrder, OrderStatus, RetryPolicy,
+    ExternalAccountKey, HttpClient, Identifier, NewAccount, NewOrder, OrderStatus, RetryPolicy,
 };
 use rcgen::{CertificateParams, CustomExtension, DistinguishedName, KeyPair};
 use rustls::RootCertStore;
@@ -37,6 +37,51 @@ use super::x509::Host;
 
 /// Let's Encrypt's production directory, the default ACME server.
 pub const LETS_ENCRYPT_PRODUCTION: &str = "https://acme-v02.api.letsencrypt.org/directory";
+/// Google Trust Services' directory (derper's `--certmode gcp`), which requires External
+/// Account Binding.
+pub const GOOGLE_TRUST_SERVICES: &str = "https://dv.acme-v02.api.pki.goog/directory";
+
+/// External Account Binding (RFC 8555 §7.3.4): the key ID and HMAC key a CA issues so that
+/// a new ACME account is tied to an account with the CA.
+#[derive(Clone)]
+pub struct ExternalAccount {
+    /// The key ID (`--acme-eab-kid`).
+    pub key_id: String,
+    /// The HMAC-SHA256 key, decoded.
+    pub hmac_key: Vec<u8>,
+}
+
+impl fmt::Debug for ExternalAccount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExternalAccount")
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExternalAccount {
+    /// A binding from the key ID and the key as CAs hand it out, base64: the URL alphabet
+    /// without padding first (Google's and Pebble's form), then the standard alphabet with
+    /// padding, as derper decodes `--acme-eab-key`.
+    pub fn decode(key_id: &str, key: &str) -> Result<Self, TlsError> {
+        use base64::Engine as _;
+        use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+        if key_id.is_empty() {
+            return Err(TlsError::Acme("the EAB key ID is empty".into()));
+        }
+        let hmac_key = URL_SAFE_NO_PAD
+            .decode(key)
+            .or_else(|_| STANDARD.decode(key))
+            .map_err(|_| TlsError::Acme("invalid base64 encoding for EAB key".into()))?;
+        if hmac_key.is_empty() {
+            return Err(TlsError::Acme("the EAB key is empty".into()));
+        }
+        Ok(Self {
+            key_id: key_id.to_owned(),
+            hmac_key,
+        })
+    }
+}
 
 /// An ACME challenge type this server can answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +112,9 @@ pub struct AcmeConfig {
     pub initial_backoff: Duration,
     /// Longest wait between failed attempts.
     pub max_backoff: Duration,
+    /// External Account Binding for a new account, for CAs that require it (Google Trust
+    /// Services, many commercial CAs). Unused once the account is cached.
+    pub external_account: Option<ExternalAccount>,
 }
 
 impl AcmeConfig {
@@ -81,26 +129,142 @@ impl AcmeConfig {
             challenges: vec![ChallengeKind::TlsAlpn01, ChallengeKind::Http01],
             initial_backoff: Duration::from_secs(60),
             max_backoff: Duration::from_secs(3600),
+            external_account: None,
         }
+    }
+}
+
+/// What every order from one ACME server shares: the settings, the HTTPS client and the
+/// account (registered once, cached in the cert directory).
+pub(crate) struct AcmeClient {
+    pub(crate) config: AcmeConfig,
+    http: AcmeHttp,
+    account: tokio::sync::Mutex<Option<Account>>,
+    pub(crate) orders: AtomicU64,
+}
+
+impl fmt::Debug for AcmeClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AcmeClient")
+            .field("config", &self.config)
+            .field("orders", &self.orders)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AcmeClient {
+    pub(crate) fn new(front: &TlsFront, config: AcmeConfig) -> Result<Self, TlsError> {
+        let http = AcmeHttp::new(front.provider().clone(), &config.extra_roots)?;
+        Ok(Self {
+            config,
+            http,
+            account: tokio::sync::Mutex::new(None),
+            orders: AtomicU64::new(0),
+        })
+    }
+
+    /// A cache file for `name`, tagged with the directory URL, so switching ACME servers
+    /// (say from staging to production) never serves the other server's certificate.
+    pub(crate) fn cache_file(&self, name: &str, ext: &str) -> PathBuf {
+        self.config.cache_dir.join(format!(
+            "{}.acme-{}.{ext}",
+            sanitize_hostname(name),
+            self.directory_tag()
+        ))
+    }
+
+    fn account_path(&self) -> PathBuf {
+        self.config
+            .cache_dir
+            .join(format!("acme-account-{}.json", self.directory_tag()))
+    }
+
+    fn directory_tag(&self) -> String {
+        hex::encode(&Sha256::digest(self.config.directory_url.as_bytes())[..8])
+    }
+
+    /// The account: from the cache file, or registered (with the External Account Binding,
+    /// if configured) and then cached.
+    pub(crate) async fn account(&self) -> Result<Account, TlsError> {
+        let mut slot = self.account.lock().await;
+        if let Some(account) = slot.as_ref() {
+            return Ok(account.clone());
+        }
+        let path = self.account_path();
+        let builder = || Account::builder_with_http(Box::new(self.http.clone()));
+        let cached = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<AccountCredentials>(&b).ok());
+        let account = match cached {
+            Some(credentials) => builder()
+                .from_credentials(credentials)
+                .await
+                .map_err(acme_err)?,
+            None => {
+                let contact = self
+                    .config
+                    .contact_email
+                    .as_ref()
+                    .map(|e| format!("mailto:{e}"));
+                let contacts: Vec<&str> = contact.iter().map(String::as_str).collect();
+                let eab = self
+                    .config
+                    .external_account
+                    .as_ref()
+                    .map(|e| ExternalAccountKey::new(e.key_id.clone(), &e.hmac_key));
+                let (account, credentials) = builder()
+                    .create(
+                        &NewAccount {
+                            contact: &contacts,
+                            terms_of_service_agreed: true,
+                            only_return_existing: false,
+                        },
+                        self.config.directory_url.clone(),
+                        eab.as_ref(),
+                    )
+                    .await
+                    .map_err(|e| match &self.config.external_account {
+                        Some(eab) => TlsError::Acme(format!(
+                            "registering an account at {} with external account binding key \
+                             ID {:?} (check --acme-eab-kid and --acme-eab-key): {e}",
+                            self.config.directory_url, eab.key_id
+                        )),
+                        None => TlsError::Acme(format!(
+                            "registering an account at {}: {e}",
+                            self.config.directory_url
+                        )),
+                    })?;
+                // Kept in memory even if it cannot be cached, so retries reuse the account
+                // instead of registering new ones.
+                match serde_json::to_vec_pretty(&credentials) {
+                    Ok(json) => {
+                        if let Err(e) = write_atomic(&path, &json, true) {
+                            warn!(error = %e, path = %path.display(), "acme account not cached");
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "encoding acme account"),
+                }
+                info!(account = account.id(), path = %path.display(), "acme account registered");
+                account
+            }
+        };
+        *slot = Some(account.clone());
+        Ok(account)
     }
 }
 
 /// Gets, caches and renews the certificate of a [`TlsFront`] from an ACME server.
 pub struct AcmeManager {
     front: TlsFront,
-    config: AcmeConfig,
+    client: Arc<AcmeClient>,
     hostname: String,
-    http: AcmeHttp,
-    account: tokio::sync::Mutex<Option<Account>>,
-    orders: AtomicU64,
 }
 
 impl fmt::Debug for AcmeManager {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AcmeManager")
             .field("hostname", &self.hostname)
-            .field("config", &self.config)
-            .field("orders", &self.orders)
+            .field("client", &self.client)
             .finish_non_exhaustive()
     }
 }
@@ -119,20 +283,25 @@ impl AcmeManager {
         if config.challenges.is_empty() {
             return Err(TlsError::Acme("no challenge type enabled".into()));
         }
-        let http = AcmeHttp::new(front.provider().clone(), &config.extra_roots)?;
+        let client = Arc::new(AcmeClient::new(&front, config)?);
         Ok(Self {
             front,
-            config,
+            client,
             hostname,
-            http,
-            account: tokio::sync::Mutex::new(None),
-            orders: AtomicU64::new(0),
         })
     }
 
-    /// Orders placed with the ACME server by this manager.
+    /// Orders placed with the ACME server by this manager (and the IP certificate manager
+    /// sharing its account, if any).
     pub fn orders_placed(&self) -> u64 {
-        self.orders.load(Ordering::Relaxed)
+        self.client.orders.load(Ordering::Relaxed)
+    }
+
+    /// Certificates for the node's IP addresses from the same ACME server and account (see
+    /// [`IpCertManager`](crate::IpCertManager)); `front` must have been made with
+    /// [`TlsOptions::ip_certs`](crate::TlsOptions::ip_certs).
+    pub fn ip_cert_manager(&self) -> Result<crate::IpCertManager, TlsError> {
+        crate::IpCertManager::with_client(self.front.clone(), self.client.clone())
     }
 
     /// The cached certificate chain file.
@@ -145,24 +314,8 @@ impl AcmeManager {
         self.cache_file("key")
     }
 
-    /// Cache files are named after the hostname and the directory URL, so switching ACME
-    /// servers (say from staging to production) never serves the other server's certificate.
     fn cache_file(&self, ext: &str) -> PathBuf {
-        self.config.cache_dir.join(format!(
-            "{}.acme-{}.{ext}",
-            sanitize_hostname(&self.hostname),
-            self.directory_tag()
-        ))
-    }
-
-    fn account_path(&self) -> PathBuf {
-        self.config
-            .cache_dir
-            .join(format!("acme-account-{}.json", self.directory_tag()))
-    }
-
-    fn directory_tag(&self) -> String {
-        hex::encode(&Sha256::digest(self.config.directory_url.as_bytes())[..8])
+        self.client.cache_file(&self.hostname, ext)
     }
 
     /// Installs the cached certificate if there is one that is valid for the hostname and not
@@ -197,22 +350,14 @@ impl AcmeManager {
                 None
             }
         };
-        let mut backoff = self.config.initial_backoff;
+        let config = &self.client.config;
+        let mut backoff = config.initial_backoff;
         let mut attempt = 0usize;
         loop {
-            let now = SystemTime::now();
-            let due = current.as_ref().map_or(now, renewal_time);
-            if due > now {
-                let wait = due
-                    .duration_since(now)
-                    .unwrap_or_default()
-                    .min(RECHECK_INTERVAL);
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => continue,
-                }
+            if !renewal_due(current.as_ref(), &shutdown).await {
+                return;
             }
-            let kind = self.config.challenges[attempt % self.config.challenges.len()];
+            let kind = config.challenges[attempt % config.challenges.len()];
             let result = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 r = tokio::time::timeout(ORDER_TIMEOUT, self.obtain(kind)) => r,
@@ -223,7 +368,7 @@ impl AcmeManager {
                     let already_due = renewal_time(&info) <= SystemTime::now();
                     current = Some(info);
                     if !already_due {
-                        backoff = self.config.initial_backoff;
+                        backoff = config.initial_backoff;
                         attempt = 0;
                         continue;
                     }
@@ -242,167 +387,155 @@ impl AcmeManager {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(backoff) => {}
             }
-            backoff = (backoff * 2).min(self.config.max_backoff);
+            backoff = (backoff * 2).min(config.max_backoff);
         }
     }
 
     /// Places one order, answers its challenge with `kind`, installs the certificate and writes
     /// it to the cache.
     pub async fn obtain(&self, kind: ChallengeKind) -> Result<CertInfo, TlsError> {
-        let account = self.account().await?;
-        self.orders.fetch_add(1, Ordering::Relaxed);
         let identifiers = [Identifier::Dns(self.hostname.clone())];
-        let mut order = account
-            .new_order(&NewOrder::new(&identifiers))
-            .await
-            .map_err(acme_err)?;
-        let mut guard = ChallengeGuard {
-            front: &self.front,
-            http_tokens: Vec::new(),
-            alpn_hosts: Vec::new(),
-        };
-        {
-            let mut authorizations = order.authorizations();
-            while let Some(authz) = authorizations.next().await {
-                let mut authz = authz.map_err(acme_err)?;
-                match authz.status {
-                    AuthorizationStatus::Valid => continue,
-                    AuthorizationStatus::Pending => {}
-                    other => {
-                        return Err(TlsError::Acme(format!("authorization is {other:?}")));
-                    }
-                }
-                let name = authz.identifier().to_string();
-                let challenge_type = match kind {
-                    ChallengeKind::TlsAlpn01 => ChallengeType::TlsAlpn01,
-                    ChallengeKind::Http01 => ChallengeType::Http01,
-                };
-                let mut challenge = authz.challenge(challenge_type).ok_or_else(|| {
-                    TlsError::Acme(format!("server offers no {kind:?} challenge for {name}"))
-                })?;
-                let key_auth = challenge.key_authorization();
-                match kind {
-                    ChallengeKind::Http01 => {
-                        self.front
-                            .set_http01_token(&challenge.token, Some(key_auth.as_str().to_owned()));
-                        guard.http_tokens.push(challenge.token.clone());
-                    }
-                    ChallengeKind::TlsAlpn01 => {
-                        let cert = self.alpn_certificate(&name, key_auth.digest().as_ref())?;
-                        self.front.set_alpn_challenge(&name, Some(cert));
-                        guard.alpn_hosts.push(name.clone());
-                    }
-                }
-                challenge.set_ready().await.map_err(acme_err)?;
-            }
-        }
-        let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
-        drop(guard);
-        if status != OrderStatus::Ready {
-            return Err(TlsError::Acme(format!(
-                "order is {status:?} after the challenge (validation failed)"
-            )));
-        }
-
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
         let mut params = CertificateParams::new(vec![self.hostname.clone()])?;
         params.distinguished_name = DistinguishedName::new();
-        let csr = params.serialize_request(&key)?;
-        order.finalize_csr(csr.der()).await.map_err(acme_err)?;
-        let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
-        let chain = load_certs_pem(chain_pem.as_bytes())?;
-        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        let info = self.front.install(chain, key_der, CertOrigin::AcmeIssued)?;
-        // Key first: a crash between the writes leaves a new key with the old chain, which
-        // fails the key check on load and leads to a fresh order rather than a broken server.
-        // The certificate is in service either way, so a failed cache write is reported, not
-        // treated as a failed order: retrying would order again and burn the rate limit.
-        let cached = write_atomic(&self.key_path(), key.serialize_pem().as_bytes(), true)
-            .and_then(|()| write_atomic(&self.cert_path(), chain_pem.as_bytes(), false));
-        if let Err(e) = cached {
-            warn!(error = %e, dir = %self.config.cache_dir.display(), "acme certificate in service but not cached; a restart will order a new one");
-        }
+        let issued = order_certificate(
+            &self.front,
+            &self.client,
+            &NewOrder::new(&identifiers),
+            kind,
+            params,
+        )
+        .await?;
+        let info = self.front.install(
+            issued.chain.clone(),
+            issued.key_der(),
+            CertOrigin::AcmeIssued,
+        )?;
+        issued.cache(&self.key_path(), &self.cert_path());
         Ok(info)
     }
+}
 
-    /// The account: from the cache file, or registered and then cached.
-    async fn account(&self) -> Result<Account, TlsError> {
-        let mut slot = self.account.lock().await;
-        if let Some(account) = slot.as_ref() {
-            return Ok(account.clone());
+/// A certificate an order brought: its chain as the CA sent it and the new key.
+pub(crate) struct Issued {
+    pub(crate) chain_pem: String,
+    pub(crate) chain: Vec<CertificateDer<'static>>,
+    pub(crate) key: KeyPair,
+}
+
+impl Issued {
+    pub(crate) fn key_der(&self) -> PrivateKeyDer<'static> {
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key.serialize_der()))
+    }
+
+    /// Writes key and chain to the cache. Key first: a crash between the writes leaves a new
+    /// key with the old chain, which fails the key check on load and leads to a fresh order
+    /// rather than a broken server. The certificate is in service either way, so a failed
+    /// write is reported, not treated as a failed order: retrying would order again and burn
+    /// the rate limit.
+    pub(crate) fn cache(&self, key_path: &std::path::Path, cert_path: &std::path::Path) {
+        let cached = write_atomic(key_path, self.key.serialize_pem().as_bytes(), true)
+            .and_then(|()| write_atomic(cert_path, self.chain_pem.as_bytes(), false));
+        if let Err(e) = cached {
+            warn!(error = %e, cert = %cert_path.display(), "acme certificate in service but not cached; a restart will order a new one");
         }
-        let path = self.account_path();
-        let builder = || Account::builder_with_http(Box::new(self.http.clone()));
-        let cached = std::fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<AccountCredentials>(&b).ok());
-        let account = match cached {
-            Some(credentials) => builder()
-                .from_credentials(credentials)
-                .await
-                .map_err(acme_err)?,
-            None => {
-                let contact = self
-                    .config
-                    .contact_email
-                    .as_ref()
-                    .map(|e| format!("mailto:{e}"));
-                let contacts: Vec<&str> = contact.iter().map(String::as_str).collect();
-                let (account, credentials) = builder()
-                    .create(
-                        &NewAccount {
-                            contact: &contacts,
-                            terms_of_service_agreed: true,
-                            only_return_existing: false,
-                        },
-                        self.config.directory_url.clone(),
-                        None,
-                    )
-                    .await
-                    .map_err(acme_err)?;
-                // Kept in memory even if it cannot be cached, so retries reuse the account
-                // instead of registering new ones.
-                match serde_json::to_vec_pretty(&credentials) {
-                    Ok(json) => {
-                        if let Err(e) = write_atomic(&path, &json, true) {
-                            warn!(error = %e, path = %path.display(), "acme account not cached");
-                        }
-                    }
-                    Err(e) => warn!(error = %e, "encoding acme account"),
-                }
-                info!(account = account.id(), path = %path.display(), "acme account registered");
-                account
-            }
-        };
-        *slot = Some(account.clone());
-        Ok(account)
     }
+}
 
-    /// A self-signed certificate for `name` carrying the acmeIdentifier extension (RFC 8737).
-    fn alpn_certificate(&self, name: &str, digest: &[u8]) -> Result<Arc<CertifiedKey>, TlsError> {
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
-        let mut params = CertificateParams::new(vec![name.to_owned()])?;
-        params.distinguished_name = DistinguishedName::new();
-        params.custom_extensions = vec![CustomExtension::new_acme_identifier(digest)];
-        let cert = params.self_signed(&key)?;
-        let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-        let signing_key = self
-            .front
-            .provider()
-            .key_provider
-            .load_private_key(key_der)?;
-        // Not `CertifiedKey::from_der`: its key check parses the certificate with webpki,
-        // which refuses the critical acmeIdentifier extension. The pair is freshly made here.
-        Ok(Arc::new(CertifiedKey::new(
-            vec![cert.der().clone()],
-            signing_key,
-        )))
+/// Places `new_order` with `client`'s account, answers each pending authorization's `kind`
+/// challenge (withdrawn however the attempt ends), and finalizes with a fresh P-256 key and a
+/// CSR from `params`.
+pub(crate) async fn order_certificate(
+    front: &TlsFront,
+    client: &AcmeClient,
+    new_order: &NewOrder<'_>,
+    kind: ChallengeKind,
+    params: CertificateParams,
+) -> Result<Issued, TlsError> {
+    let account = client.account().await?;
+    client.orders.fetch_add(1, Ordering::Relaxed);
+    let mut order = account.new_order(new_order).await.map_err(acme_err)?;
+    let mut guard = ChallengeGuard {
+        front,
+        http_tokens: Vec::new(),
+        alpn_hosts: Vec::new(),
+    };
+    {
+        let mut authorizations = order.authorizations();
+        while let Some(authz) = authorizations.next().await {
+            let mut authz = authz.map_err(acme_err)?;
+            match authz.status {
+                AuthorizationStatus::Valid => continue,
+                AuthorizationStatus::Pending => {}
+                other => {
+                    return Err(TlsError::Acme(format!("authorization is {other:?}")));
+                }
+            }
+            let name = authz.identifier().to_string();
+            let challenge_type = match kind {
+                ChallengeKind::TlsAlpn01 => ChallengeType::TlsAlpn01,
+                ChallengeKind::Http01 => ChallengeType::Http01,
+            };
+            let mut challenge = authz.challenge(challenge_type).ok_or_else(|| {
+                TlsError::Acme(format!("server offers no {kind:?} challenge for {name}"))
+            })?;
+            let key_auth = challenge.key_authorization();
+            match kind {
+                ChallengeKind::Http01 => {
+                    front.set_http01_token(&challenge.token, Some(key_auth.as_str().to_owned()));
+                    guard.http_tokens.push(challenge.token.clone());
+                }
+                ChallengeKind::TlsAlpn01 => {
+                    let cert = alpn_certificate(front, &name, key_auth.digest().as_ref())?;
+                    front.set_alpn_challenge(&name, Some(cert));
+                    guard.alpn_hosts.push(name.clone());
+                }
+            }
+            challenge.set_ready().await.map_err(acme_err)?;
+        }
     }
+    let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
+    drop(guard);
+    if status != OrderStatus::Ready {
+        return Err(TlsError::Acme(format!(
+            "order is {status:?} after the challenge (validation failed)"
+        )));
+    }
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let csr = params.serialize_request(&key)?;
+    order.finalize_csr(csr.der()).await.map_err(acme_err)?;
+    let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
+    let chain = load_certs_pem(chain_pem.as_bytes())?;
+    Ok(Issued {
+        chain_pem,
+        chain,
+        key,
+    })
+}
+
+/// A self-signed certificate for `name` carrying the acmeIdentifier extension (RFC 8737).
+fn alpn_certificate(
+    front: &TlsFront,
+    name: &str,
+    digest: &[u8],
+) -> Result<Arc<CertifiedKey>, TlsError> {
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let mut params = CertificateParams::new(vec![name.to_owned()])?;
+    params.distinguished_name = DistinguishedName::new();
+    params.custom_extensions = vec![CustomExtension::new_acme_identifier(digest)];
+    let cert = params.self_signed(&key)?;
+    let key_der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    let signing_key = front.provider().key_provider.load_private_key(key_der)?;
+    // Not `CertifiedKey::from_der`: its key check parses the certificate with webpki, which
+    // refuses the critical acmeIdentifier extension. The pair is freshly made here.
+    Ok(Arc::new(CertifiedKey::new(
+        vec![cert.der().clone()],
+        signing_key,
+    )))
 }
 
 /// When renewal is due: a third of the lifetime before expiry (30 days before for a 90-day
 /// certificate), or 30 days before when the start is unknown.
-fn renewal_time(info: &CertInfo) -> SystemTime {
+pub(crate) fn renewal_time(info: &CertInfo) -> SystemTime {
     let Some(not_after) = info.not_after else {
         // Unknown expiry: renew on a fixed schedule rather than at once.
         return SystemTime::now() + UNKNOWN_EXPIRY_RENEWAL;
@@ -414,6 +547,25 @@ fn renewal_time(info: &CertInfo) -> SystemTime {
     not_after
         .checked_sub(lifetime / 3)
         .unwrap_or(SystemTime::UNIX_EPOCH)
+}
+
+/// Waits until `current` is due for renewal (at once when there is none), looking again at
+/// least every [`RECHECK_INTERVAL`] in case the clock jumped. False when `shutdown` came first.
+pub(crate) async fn renewal_due(current: Option<&CertInfo>, shutdown: &CancellationToken) -> bool {
+    loop {
+        let now = SystemTime::now();
+        let due = current.map_or(now, renewal_time);
+        let Ok(wait) = due.duration_since(now) else {
+            return true;
+        };
+        if wait.is_zero() {
+            return true;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(wait.min(RECHECK_INTERVAL)) => {}
+        }
+    }
 }
 
 /// How long a certificate whose expiry cannot be read is kept before renewing.
@@ -437,16 +589,16 @@ impl Drop for ChallengeGuard<'_> {
     }
 }
 
-fn acme_err(e: instant_acme::Error) -> TlsError {
+pub(crate) fn acme_err(e: instant_acme::Error) -> TlsError {
     TlsError::Acme(e.to_string())
 }
 
 /// Polling of orders: the first check after 250 ms, then doubling, for up to 90 s.
 const POLL: RetryPolicy = RetryPolicy::new().timeout(Duration::from_secs(90));
 /// Bound on one whole order, whatever the ACME server does.
-const ORDER_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const ORDER_TIMEOUT: Duration = Duration::from_secs(300);
 /// Even with renewal far off, wake up this often (the clock may have jumped).
-const RECHECK_INTERVAL: Duration = Duration::from_secs(12 * 3600);
+pub(crate) const RECHECK_INTERVAL: Duration = Duration::from_secs(12 * 3600);
 /// Bound on one HTTP request to the ACME server.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -558,6 +710,33 @@ mod tests {
             not_before: Some(SystemTime::UNIX_EPOCH + Duration::from_secs(not_before)),
             not_after: Some(SystemTime::UNIX_EPOCH + Duration::from_secs(not_after)),
         }
+    }
+
+    #[test]
+    fn eab_keys_decode_as_derper_decodes_them() {
+        let raw = b"\xfb\xff\x00key";
+        assert_eq!(
+            ExternalAccount::decode("k", "-_8Aa2V5")
+                .expect("url")
+                .hmac_key,
+            raw
+        );
+        assert_eq!(
+            ExternalAccount::decode("k", "+/8Aa2V5")
+                .expect("std")
+                .hmac_key,
+            raw
+        );
+        // Padded URL alphabet and unpadded standard alphabet of a length that needs padding
+        // are refused, as by Go's decoders.
+        assert!(ExternalAccount::decode("k", "-_8Aa2U=").is_err());
+        assert!(ExternalAccount::decode("k", "+/8Aa2U").is_err());
+        assert!(ExternalAccount::decode("", "-_8Aa2V5").is_err());
+        let debug = format!(
+            "{:?}",
+            ExternalAccount::decode("k", "-_8Aa2V5").expect("ok")
+        );
+        assert!(!debug.contains("fb"), "the key stays out of logs: {debug}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -23,6 +24,7 @@ use tokio_rustls::StartHandshake;
 use tracing::{debug, warn};
 
 use super::TlsError;
+use super::ip_slots::{IpSlot, IpSlots, IpStatus};
 use super::meta::meta_certificate;
 use super::x509::{Host, check_valid_for, validity};
 use derp_io::Transport;
@@ -67,6 +69,12 @@ pub struct TlsOptions {
     /// [`Server::proxy_protocol`]), when it sits behind the same balancer as the TLS
     /// listener, which takes the server's own.
     pub http_port_proxy_protocol: Option<ProxyProtocol>,
+    /// Serve certificates for the node's own IP addresses, obtained on demand by an
+    /// [`IpCertManager`](crate::IpCertManager): a client that sends no SNI (or the address
+    /// as SNI) gets the certificate of the address it connected to, and its handshake waits
+    /// for the first one to be issued. Clients naming the hostname get the hostname's
+    /// certificate as before.
+    pub ip_certs: bool,
 }
 
 impl TlsOptions {
@@ -78,6 +86,7 @@ impl TlsOptions {
             client_hello_timeout: DEFAULT_CLIENT_HELLO_TIMEOUT,
             http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
             http_port_proxy_protocol: None,
+            ip_certs: false,
         }
     }
 }
@@ -134,6 +143,9 @@ struct Resolver {
     /// Answer TLS-ALPN-01 validation handshakes (the TCP listener only: ACME validates over
     /// TCP, and QUIC's ALPN is `derp` alone).
     acme: bool,
+    /// For connections to one of the node's addresses, with IP certificates on: that
+    /// address and its certificate, served to clients that name no host (or the address).
+    ip: Option<(IpAddr, Arc<ArcSwapOption<CertifiedKey>>)>,
 }
 
 impl ResolvesServerCert for Resolver {
@@ -147,6 +159,24 @@ impl ResolvesServerCert for Resolver {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             return challenges.get(&name).cloned();
+        }
+        if let Some((ip, cert)) = &self.ip {
+            match sni.map(|name| name.trim_start_matches('[').trim_end_matches(']')) {
+                None => return cert.load_full(),
+                Some(name) => match name.parse::<IpAddr>() {
+                    Ok(named) if unmap(named) == *ip => return cert.load_full(),
+                    Ok(named) => {
+                        debug!(%named, %ip, "refusing a certificate for another address");
+                        return None;
+                    }
+                    // A DNS name: the hostname's certificate, if there is one.
+                    Err(_) if matches!(self.certs.host, Host::Ip(_)) => {
+                        debug!(sni, "this node has IP address certificates only");
+                        return None;
+                    }
+                    Err(_) => {}
+                },
+            }
         }
         if !self.certs.host.accepts_sni(sni) {
             debug!(sni, "refusing tls handshake for another name");
@@ -237,6 +267,8 @@ struct Inner {
     /// For DERP over QUIC: TLS 1.3 only, ALPN `derp`, no ACME answers.
     config_quic: Arc<ServerConfig>,
     http01_tokens: Mutex<HashMap<String, String>>,
+    /// With [`TlsOptions::ip_certs`]: a certificate slot per local address.
+    ip_slots: Option<IpSlots>,
     generation: AtomicU64,
     updates: watch::Sender<CertInfo>,
     options: TlsOptions,
@@ -268,23 +300,13 @@ impl TlsFront {
             current: ArcSwapOption::empty(),
             alpn_challenges: Mutex::new(HashMap::new()),
         });
-        let build = |alpn: &[&[u8]], quic: bool| -> Result<Arc<ServerConfig>, TlsError> {
-            let versions: &[&rustls::SupportedProtocolVersion] = if quic {
-                &[&rustls::version::TLS13]
-            } else {
-                &[&rustls::version::TLS13, &rustls::version::TLS12]
+        let build = |alpn: &[&[u8]], quic: bool| {
+            let resolver = Resolver {
+                certs: certs.clone(),
+                acme: !quic,
+                ip: None,
             };
-            let mut config = ServerConfig::builder_with_provider(provider.clone())
-                .with_protocol_versions(versions)?
-                .with_no_client_auth()
-                .with_cert_resolver(Arc::new(Resolver {
-                    certs: certs.clone(),
-                    acme: !quic,
-                }));
-            config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-            // TLS 1.3 connections hand their traffic keys to derpd's record layer.
-            config.enable_secret_extraction = !quic;
-            Ok(Arc::new(config))
+            server_config(&provider, resolver, alpn, quic)
         };
         let config = |alpn: &[&[u8]]| build(alpn, false);
         let (updates, _) = watch::channel(CertInfo {
@@ -304,6 +326,7 @@ impl TlsFront {
                 certs,
                 provider,
                 http01_tokens: Mutex::new(HashMap::new()),
+                ip_slots: options.ip_certs.then(IpSlots::new),
                 generation: AtomicU64::new(0),
                 updates,
                 metrics: TlsMetrics::new(registry)?,
@@ -358,6 +381,111 @@ impl TlsFront {
         self.inner.metrics.not_after.set(expiry);
         self.inner.updates.send_replace(info.clone());
         Ok(info)
+    }
+
+    /// Puts a certificate for the node's address `ip` into service for new handshakes to
+    /// that address ([`TlsOptions::ip_certs`]). The leaf must be valid for `ip` and match
+    /// the key; the meta certificate is appended as for the hostname's.
+    pub fn install_ip(
+        &self,
+        ip: IpAddr,
+        chain: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        origin: CertOrigin,
+    ) -> Result<CertInfo, TlsError> {
+        let ip = unmap(ip);
+        let slot = self.ip_slot(ip)?;
+        let Some(leaf) = chain.first().cloned() else {
+            return Err(TlsError::Pem("empty certificate chain".into()));
+        };
+        check_valid_for(&leaf, &Host::Ip(ip))?;
+        let mut served = chain;
+        served.push(self.inner.meta.clone());
+        let certified = CertifiedKey::from_der(served, key, &self.inner.provider)?;
+        let (not_before, not_after) =
+            validity(&leaf).map_or((None, None), |(a, b)| (Some(a), Some(b)));
+        slot.cert.store(Some(Arc::new(certified)));
+        let mut info = CertInfo {
+            generation: 0,
+            origin,
+            leaf_sha256: Sha256::digest(leaf.as_ref()).into(),
+            not_before,
+            not_after,
+        };
+        slot.status.send_modify(|s| {
+            s.installs += 1;
+            s.retry_at = None;
+            info.generation = s.installs;
+        });
+        Ok(info)
+    }
+
+    /// The slots of IP certificates on demand, when the front has them.
+    pub(crate) fn ip_slots(&self) -> Option<&IpSlots> {
+        self.inner.ip_slots.as_ref()
+    }
+
+    /// The slot of the node's address `ip`, made on first use (which asks the manager for a
+    /// certificate).
+    pub(crate) fn ip_slot(&self, ip: IpAddr) -> Result<Arc<IpSlot>, TlsError> {
+        let Some(slots) = &self.inner.ip_slots else {
+            return Err(TlsError::Acme(
+                "IP address certificates are not enabled on this front".into(),
+            ));
+        };
+        slots.get_or_create(ip, || {
+            let cert = Arc::new(ArcSwapOption::empty());
+            let config = |alpn: &[&[u8]]| {
+                let resolver = Resolver {
+                    certs: self.inner.certs.clone(),
+                    acme: false,
+                    ip: Some((ip, cert.clone())),
+                };
+                server_config(&self.inner.provider, resolver, alpn, false)
+            };
+            Ok(IpSlot {
+                plain: config(&[])?,
+                http11: config(&[HTTP11_ALPN])?,
+                cert,
+                status: watch::Sender::new(IpStatus::default()),
+            })
+        })
+    }
+
+    /// With IP certificates on, the config for a connection to `local`: its address's, once
+    /// that has a certificate (or the client named a DNS host), after waiting for the first
+    /// issuance when the client wants the address's certificate. `sni` is asked for only
+    /// while the address has none. `None` when IP certificates are off.
+    async fn ip_config(
+        &self,
+        local: IpAddr,
+        sni: impl FnOnce() -> Option<String>,
+        http11: bool,
+    ) -> io::Result<Option<Arc<ServerConfig>>> {
+        if self.inner.ip_slots.is_none() {
+            return Ok(None);
+        }
+        let local = unmap(local);
+        let slot = self.ip_slot(local).map_err(io::Error::other)?;
+        if slot.cert.load().is_none() {
+            let sni = sni();
+            let wants_ip = match sni.as_deref() {
+                None => true,
+                Some(name) => name
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse::<IpAddr>()
+                    .is_ok_and(|named| unmap(named) == local),
+            };
+            if wants_ip {
+                wait_for_ip_cert(&slot, local).await?;
+            }
+        }
+        Ok(Some(if http11 {
+            slot.http11.clone()
+        } else {
+            slot.plain.clone()
+        }))
     }
 
     /// The rustls config for DERP over QUIC
@@ -535,6 +663,7 @@ impl TlsFront {
         mut tcp: TcpStream,
         mut received: Vec<u8>,
     ) -> io::Result<Option<(Transport, &'static str)>> {
+        let local = tcp.local_addr()?.ip();
         let hello = tokio::time::timeout(self.inner.options.client_hello_timeout, async {
             match read_client_hello(&mut tcp, &mut received).await? {
                 derp_io::tls::ClientHello::Hello { tls13: true, alpn } => {
@@ -550,7 +679,12 @@ impl TlsFront {
         match hello? {
             Hello::Tls13(alpn) => {
                 let offers = |p: &[u8]| alpn.iter().any(|a| a == p);
-                let config = self.config_for(offers(ACME_TLS_ALPN), offers(HTTP11_ALPN));
+                let (acme, http11) = (offers(ACME_TLS_ALPN), offers(HTTP11_ALPN));
+                let for_ip = match acme {
+                    true => None,
+                    false => self.ip_config(local, || sni_of(&received), http11).await?,
+                };
+                let config = for_ip.unwrap_or_else(|| self.config_for(acme, http11));
                 let done = derp_io::tls::accept(tcp, received, config)
                     .await
                     .map_err(io::Error::other)?;
@@ -561,10 +695,16 @@ impl TlsFront {
             }
             Hello::Rustls(accepted) => {
                 let hello = accepted.client_hello();
-                let config = self.config_for(
+                let (acme, http11) = (
                     offers_alpn(&hello, ACME_TLS_ALPN),
                     offers_alpn(&hello, HTTP11_ALPN),
                 );
+                let sni = hello.server_name().map(str::to_owned);
+                let for_ip = match acme {
+                    true => None,
+                    false => self.ip_config(local, || sni, http11).await?,
+                };
+                let config = for_ip.unwrap_or_else(|| self.config_for(acme, http11));
                 let stream = StartHandshake::from_parts(*accepted, tcp)
                     .into_stream(config)
                     .await?;
@@ -591,6 +731,77 @@ impl TlsFront {
         } else {
             self.inner.config_plain.clone()
         }
+    }
+}
+
+/// A rustls server config with `resolver` choosing the certificate.
+fn server_config(
+    provider: &Arc<CryptoProvider>,
+    resolver: Resolver,
+    alpn: &[&[u8]],
+    quic: bool,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let versions: &[&rustls::SupportedProtocolVersion] = if quic {
+        &[&rustls::version::TLS13]
+    } else {
+        &[&rustls::version::TLS13, &rustls::version::TLS12]
+    };
+    let mut config = ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(versions)?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(resolver));
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    // TLS 1.3 connections hand their traffic keys to derpd's record layer.
+    config.enable_secret_extraction = !quic;
+    Ok(Arc::new(config))
+}
+
+/// Waits for the first certificate of `ip` (or the failure of the attempt under way). Fails
+/// at once while issuance is backing off after a failure, as derper does.
+async fn wait_for_ip_cert(slot: &IpSlot, ip: IpAddr) -> io::Result<()> {
+    let mut status = slot.status.subscribe();
+    let start = *status.borrow_and_update();
+    if slot.cert.load().is_some() {
+        return Ok(());
+    }
+    if let Some(at) = start.retry_at.filter(|at| *at > SystemTime::now()) {
+        return Err(io::Error::other(format!(
+            "cert issuance for {ip} failed recently; next attempt in {:?}",
+            at.duration_since(SystemTime::now()).unwrap_or_default()
+        )));
+    }
+    loop {
+        if status.changed().await.is_err() {
+            return Err(io::Error::other("the front is gone"));
+        }
+        let now = *status.borrow_and_update();
+        if now.installs > start.installs {
+            return Ok(());
+        }
+        if now.failures > start.failures {
+            return Err(io::Error::other(format!("cert issuance for {ip} failed")));
+        }
+    }
+}
+
+/// The server name a ClientHello asks for, read by rustls's acceptor from a copy of the
+/// bytes (derp-io's reader does not keep it). `None` when there is none or it cannot be
+/// read.
+fn sni_of(received: &[u8]) -> Option<String> {
+    let mut acceptor = Acceptor::default();
+    let mut rest = received;
+    while !rest.is_empty() {
+        acceptor.read_tls(&mut rest).ok()?;
+    }
+    let accepted = acceptor.accept().ok()??;
+    accepted.client_hello().server_name().map(str::to_owned)
+}
+
+/// An IPv4-mapped IPv6 address as the IPv4 address it is.
+pub(crate) fn unmap(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
     }
 }
 

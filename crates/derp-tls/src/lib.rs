@@ -17,8 +17,14 @@
 //!   IP-address hostname with no files generates a self-signed certificate and reports the
 //!   `sha256-raw:` pin clients need.
 //! - [`AcmeManager`] gets and renews certificates from any RFC 8555 server (Let's Encrypt by
-//!   default), answering TLS-ALPN-01 on the TLS listener and HTTP-01 on the port-80 listener,
-//!   caching account and certificate in the cert directory and backing off on failure.
+//!   default; Google Trust Services and other CAs with External Account Binding,
+//!   [`ExternalAccount`]), answering TLS-ALPN-01 on the TLS listener and HTTP-01 on the
+//!   port-80 listener, caching account and certificate in the cert directory and backing off
+//!   on failure.
+//! - [`IpCertManager`] gets certificates for the node's own IP addresses on demand (RFC 8738
+//!   identifiers, HTTP-01, the CA's short-lived profile when offered): a client connecting to
+//!   an address without a hostname gets that address's certificate
+//!   ([`TlsOptions::ip_certs`]).
 //! - [`TlsFront::quic_server_config`] gives the same certificates to DERP over QUIC (TLS 1.3,
 //!   ALPN `derp`, no TLS-ALPN-01 answers) for `derp_server::QuicListener`.
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
@@ -30,20 +36,25 @@
 //!
 //! What it does not do: parse flags, bind sockets or install signal handlers (derpd does),
 //! serve DERP itself (it hands decrypted streams to a [`derp_server::Server`]), or DNS-01
-//! challenges, External Account Binding and on-demand IP certificates.
+//! challenges.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod acme;
 mod certs;
 mod front;
 mod http_port;
+mod ip_slots;
+mod ipcert;
 mod meta;
 mod temp_files;
 mod x509;
 
 use std::path::PathBuf;
 
-pub use acme::{AcmeConfig, AcmeManager, ChallengeKind, LETS_ENCRYPT_PRODUCTION};
+pub use acme::{
+    AcmeConfig, AcmeManager, ChallengeKind, ExternalAccount, GOOGLE_TRUST_SERVICES,
+    LETS_ENCRYPT_PRODUCTION,
+};
 pub use certs::{
     ManualCerts, ManualCheck, SelfSigned, cert_pin, generate_self_signed, load_certs_pem,
     load_key_pem, sanitize_hostname,
@@ -52,6 +63,7 @@ pub use front::{
     CertInfo, CertOrigin, DEFAULT_CLIENT_HELLO_TIMEOUT, DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
     DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront, TlsOptions,
 };
+pub use ipcert::{IpCertManager, SHORT_LIVED_PROFILE};
 pub use meta::meta_certificate;
 pub use temp_files::{remove_stale_temps, temp_path};
 

@@ -125,6 +125,10 @@ async fn run(
         guard,
         detach,
     } = accepted;
+    // derper samples plain and TLS TCP connections only; WebSocket ones count as non-TCP.
+    let socket_cookie = (framing == Framing::Raw && quic.is_none())
+        .then(|| crate::tcpinfo::cookie(&transport))
+        .flatten();
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
     let config = &shared.config;
@@ -181,14 +185,17 @@ async fn run(
     };
     drop(preamble);
     let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
-    let handle = Arc::new(ConnHandle::new(
-        id,
-        client_key,
-        remote,
-        flags,
-        can_mesh,
-        config.send_queue_depth,
-    ));
+    let handle = Arc::new(
+        ConnHandle::new(
+            id,
+            client_key,
+            remote,
+            flags,
+            can_mesh,
+            config.send_queue_depth,
+        )
+        .with_socket_cookie(socket_cookie),
+    );
 
     if let Some(link) = &quic {
         let early = reader.attach_quic(link.clone());

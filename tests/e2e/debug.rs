@@ -1,0 +1,90 @@
+//! The `/debug/` pages and `derp_tcp_rtt` with real clients on loopback.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use derp_server::ServerConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::harness::{RawClient, STEP, TestServer};
+use crate::metrics::http_get;
+
+/// The RTT labels derper counts samples under.
+const RTT_LABELS: [&str; 8] = [
+    "10ms", "20ms", "50ms", "100ms", "150ms", "250ms", "500ms", "inf",
+];
+
+fn rtt_samples(srv: &TestServer, label: &str) -> f64 {
+    srv.metric_or_zero("derp_tcp_rtt", &[("le", label)])
+}
+
+#[tokio::test]
+async fn live_connections_are_sampled_into_derp_tcp_rtt_and_listed_by_debug_traffic() {
+    let srv = TestServer::start(ServerConfig {
+        tcp_rtt_interval: Some(Duration::from_millis(50)),
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let mut a = RawClient::connect(srv.addr).await;
+    let mut b = RawClient::connect(srv.addr).await;
+    a.send_packet(b.key, b"hello").await;
+    assert_eq!(b.recv_packet().await, (a.key, b"hello".to_vec()));
+
+    // Each connection is checked once, then sampled every period.
+    srv.eventually("two samples of each connection", |s| {
+        RTT_LABELS.iter().map(|l| rtt_samples(s, l)).sum::<f64>() >= 4.0
+    })
+    .await;
+    assert_eq!(rtt_samples(&srv, "error"), 0.0, "the kernel had statistics");
+    assert_eq!(rtt_samples(&srv, "non-tcp"), 0.0, "both are TCP clients");
+    // Loopback round trips are far below half a second, even on a loaded machine.
+    assert_eq!(rtt_samples(&srv, "inf"), 0.0);
+    let scrape = http_get(srv.addr, "/debug/varz", "").await.1;
+    assert!(scrape.contains("# TYPE derp_tcp_rtt counter"), "{scrape}");
+    assert!(scrape.contains("derp_tcp_rtt{le=\""), "{scrape}");
+
+    // /debug/traffic: a line per connection with the kernel's byte counts, keyed by client.
+    let mut s = TcpStream::connect(srv.addr).await.expect("connect");
+    s.write_all(b"GET /debug/traffic HTTP/1.1\r\nHost: derp\r\n\r\n")
+        .await
+        .expect("request");
+    let mut seen: HashMap<String, (u64, u64)> = HashMap::new();
+    let mut text = String::new();
+    let mut buf = [0u8; 4096];
+    while seen.len() < 2 {
+        let n = tokio::time::timeout(STEP, s.read(&mut buf))
+            .await
+            .expect("a report in time")
+            .expect("read");
+        assert!(n > 0, "stream ended: {text}");
+        text.push_str(&String::from_utf8_lossy(&buf[..n]));
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line.trim()) else {
+                continue;
+            };
+            let key = v["Key"].as_str().expect("Key").to_owned();
+            let counts = (
+                v["Sent"].as_u64().expect("Sent"),
+                v["Recv"].as_u64().expect("Recv"),
+            );
+            seen.insert(key, counts);
+        }
+    }
+    assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+    for client in [&a, &b] {
+        let (sent, recv) = seen[&client.key.to_string()];
+        // Every client got at least the ServerKey and ServerInfo frames, and sent its
+        // ClientInfo.
+        assert!(sent > 40 && recv > 40, "{}: {sent} {recv}", client.key);
+    }
+    drop(s);
+
+    let (status, body) = http_get(srv.addr, "/debug/check", "").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, "derp.Server ConsistencyCheck okay")
+    );
+    drop((a, b));
+    srv.stop().await;
+}

@@ -2,8 +2,7 @@
 //! from the socket, until it hands over the traffic keys.
 
 use std::io;
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use rustls::ProtocolVersion;
 use rustls::server::{ServerConfig, UnbufferedServerConnection};
@@ -11,8 +10,8 @@ use rustls::unbuffered::{ConnectionState, EncodeError, InsufficientSizeError, Un
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::record::{HEADER_LEN, KEY_UPDATE_AFTER, Keys, Shared};
-use super::stream::{TlsRead, TlsStream, TlsWrite};
+use super::record::{HEADER_LEN, KEY_UPDATE_AFTER, Keys, Schedule, Shared};
+use super::stream::{ReadState, TlsRead, TlsStream, TlsWrite};
 
 /// Why a TLS 1.3 handshake did not yield a stream.
 #[derive(Debug, thiserror::Error)]
@@ -141,24 +140,14 @@ pub async fn accept(
     let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
     let rx = Keys::new(secrets.rx).ok_or(AcceptError::UnsupportedSuite)?;
     let tx = Keys::new(secrets.tx).ok_or(AcceptError::UnsupportedSuite)?;
-    let shared = Arc::new(Shared {
-        kernel: Mutex::new(kernel),
-        update_requested: AtomicBool::new(false),
-    });
+    let shared = Arc::new(Shared::new(Schedule::Rustls(kernel)));
     let (r, w) = tcp.into_split();
     Ok(Accepted {
         stream: TlsStream {
             read: TlsRead {
                 half: r,
-                keys: rx,
                 // Records after the Finished, if any, are the record layer's to open.
-                buf: received,
-                pos: 0,
-                plain: 0..0,
-                closed: false,
-                error: None,
-                idle_records: 0,
-                shared: shared.clone(),
+                state: ReadState::new(rx, received, shared.clone()),
             },
             write: TlsWrite {
                 half: w,

@@ -13,7 +13,7 @@ use rustls::ConnectionTrafficSecrets;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
 
-use super::stream::{TlsRead, TlsWrite};
+use super::stream::{ReadState, TlsWrite};
 
 /// Record content types (RFC 8446, section 5.1).
 pub(super) const CONTENT_ALERT: u8 = 21;
@@ -38,8 +38,48 @@ pub(super) const MAX_IDLE_RECORDS: u8 = 32;
 /// What both halves share: the key schedule (touched only on key updates) and whether the
 /// peer asked for a key update the sending half has yet to answer.
 pub(super) struct Shared {
-    pub(super) kernel: Mutex<KernelConnection<ServerConnectionData>>,
+    pub(super) schedule: Mutex<Schedule>,
     pub(super) update_requested: AtomicBool,
+}
+
+impl Shared {
+    pub(super) fn new(schedule: Schedule) -> Self {
+        Self {
+            schedule: Mutex::new(schedule),
+            update_requested: AtomicBool::new(false),
+        }
+    }
+
+    fn schedule(&self) -> std::sync::MutexGuard<'_, Schedule> {
+        self.schedule.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Where the next traffic keys come from when a key is updated.
+pub(super) enum Schedule {
+    /// rustls's key schedule, handed over with the traffic keys after the handshake.
+    Rustls(KernelConnection<ServerConnectionData>),
+}
+
+impl Schedule {
+    /// The peer's next key, after its KeyUpdate.
+    fn next_rx(&mut self) -> io::Result<Keys> {
+        match self {
+            Self::Rustls(kernel) => keys_for(kernel.update_rx_secret()),
+        }
+    }
+
+    /// This side's next key, after its KeyUpdate.
+    fn next_tx(&mut self) -> io::Result<Keys> {
+        match self {
+            Self::Rustls(kernel) => keys_for(kernel.update_tx_secret()),
+        }
+    }
+}
+
+fn keys_for(update: Result<(u64, ConnectionTrafficSecrets), rustls::Error>) -> io::Result<Keys> {
+    Keys::new(update.map_err(protocol_error)?)
+        .ok_or_else(|| protocol_error("tls key update for another suite"))
 }
 
 impl std::fmt::Debug for Shared {
@@ -64,6 +104,7 @@ impl std::fmt::Debug for Keys {
 }
 
 impl Keys {
+    /// The keys rustls handed over, if their AEAD is one this layer implements.
     pub(super) fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> Option<Self> {
         let (alg, key, iv) = match &secrets {
             ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
@@ -103,7 +144,7 @@ pub(super) enum Opened {
     NeedMore(usize),
 }
 
-impl TlsRead {
+impl ReadState {
     /// Opens the record at `pos`, if it is all here.
     pub(super) fn open_next(&mut self) -> io::Result<Opened> {
         let avail = &self.buf[self.pos..];
@@ -184,15 +225,7 @@ impl TlsRead {
     fn handshake_message(&mut self, range: Range<usize>) -> io::Result<()> {
         match self.buf[range] {
             [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request @ (0 | 1)] => {
-                let update = self
-                    .shared
-                    .kernel
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .update_rx_secret()
-                    .map_err(protocol_error)?;
-                self.keys = Keys::new(update)
-                    .ok_or_else(|| protocol_error("tls key update for another suite"))?;
+                self.keys = self.shared.schedule().next_rx()?;
                 if request == 1 {
                     self.shared.update_requested.store(true, Ordering::Release);
                 }
@@ -278,15 +311,7 @@ impl TlsWrite {
             0,
             message.len(),
         )?;
-        let update = self
-            .shared
-            .kernel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .update_tx_secret()
-            .map_err(protocol_error)?;
-        self.keys =
-            Keys::new(update).ok_or_else(|| protocol_error("tls key update for another suite"))?;
+        self.keys = self.shared.schedule().next_tx()?;
         Ok(())
     }
 }

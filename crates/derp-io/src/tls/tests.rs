@@ -241,13 +241,27 @@ async fn a_clients_key_update_is_followed_and_answered() {
         .await
         .expect("read under the new key");
     assert_eq!(&buf, b"after");
-    assert!(server.read.shared.update_requested.load(Ordering::Acquire));
+    assert!(
+        server
+            .read
+            .state
+            .shared
+            .update_requested
+            .load(Ordering::Acquire)
+    );
 
     server.write_all(b"answer").await.expect("write");
     server.flush().await.expect("flush");
     // The KeyUpdate went out under the old key, the answer under the new one.
     assert_eq!(server.write.keys.seq, 1);
-    assert!(!server.read.shared.update_requested.load(Ordering::Acquire));
+    assert!(
+        !server
+            .read
+            .state
+            .shared
+            .update_requested
+            .load(Ordering::Acquire)
+    );
     let mut buf = [0u8; 6];
     client.read_exact(&mut buf).await.expect("client reads");
     assert_eq!(&buf, b"answer");
@@ -352,11 +366,11 @@ async fn an_idle_connection_holds_no_record_buffers() {
     w.write_all(&pattern(50_000)).await.expect("write");
     w.flush().await.expect("flush");
     // A burst leaves both buffers allocated.
-    assert!(r.buf.capacity() > 0);
+    assert!(r.state.buf.capacity() > 0);
     assert!(w.out.capacity() > 0);
     r.release_idle();
     w.shrink_idle();
-    assert_eq!(r.buf.capacity(), 0);
+    assert_eq!(r.state.buf.capacity(), 0);
     assert_eq!(w.out.capacity(), 0);
 
     // Nothing buffered and nothing sent: not ready. Then the client writes, and it is.

@@ -28,6 +28,7 @@ mod stream;
 
 pub use handshake::{AcceptError, Accepted, accept};
 pub use hello::{ClientHello, MAX_CLIENT_HELLO};
+pub use record::{SUPPORTED_SUITES, supports};
 pub use stream::{TlsRead, TlsStream, TlsWrite};
 
 #[cfg(test)]

@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use ring::aead::{
     AES_128_GCM, AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
 };
-use rustls::ConnectionTrafficSecrets;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
+use rustls::{CipherSuite, ConnectionTrafficSecrets};
 
 use super::stream::{ReadState, TlsWrite};
 
@@ -29,11 +29,40 @@ pub(super) const TAG_LEN: usize = 16;
 pub(super) const MAX_FRAGMENT: usize = 16 * 1024;
 /// Largest ciphertext a peer may send per record (2^14 + 256).
 pub(super) const MAX_CIPHERTEXT: usize = MAX_FRAGMENT + 256;
-/// Records sealed under one key before the sender updates it: well below AES-GCM's
-/// confidentiality limit of 2^24.5 full-size records (RFC 8446, section 5.5).
-pub(super) const KEY_UPDATE_AFTER: u64 = 1 << 23;
-/// Records in a row without application data (empty records, key updates) a peer may send.
+/// Records sealed under one key at most, whatever the suite allows: short of where sequence
+/// numbers would wrap (rustls stops at the same point).
+const MAX_RECORDS_PER_KEY: u64 = 0xffff_ffff_ffff_0000;
+/// Records in a row without application data (empty records, key updates) a peer may send. Each costs work and gives nothing, a KeyUpdate the most (a key
+/// derivation and a new AEAD key); a peer has no reason to send more than a few in a row.
+/// 32 is BoringSSL's bound on KeyUpdates between application data (`kMaxKeyUpdates`) and
+/// rustls's on KeyUpdates and on empty records alike, so no client those libraries serve
+/// is refused here.
 pub(super) const MAX_IDLE_RECORDS: u8 = 32;
+
+/// The TLS 1.3 suites this record layer seals and opens: the three AEADs rustls hands keys
+/// over for (AES-GCM with 128- and 256-bit keys, ChaCha20-Poly1305), all with a 12-byte
+/// nonce and a 16-byte tag. A server config must offer no other TLS 1.3 suite.
+pub const SUPPORTED_SUITES: [CipherSuite; 3] = [
+    CipherSuite::TLS13_AES_128_GCM_SHA256,
+    CipherSuite::TLS13_AES_256_GCM_SHA384,
+    CipherSuite::TLS13_CHACHA20_POLY1305_SHA256,
+];
+
+/// Whether the record layer seals and opens records of `suite` (see [`SUPPORTED_SUITES`]).
+pub fn supports(suite: CipherSuite) -> bool {
+    SUPPORTED_SUITES.contains(&suite)
+}
+
+/// The sequence number at which the sending side seals a KeyUpdate, given how many records
+/// one key may seal (a suite's confidentiality limit, RFC 8446 section 5.5, as rustls gives
+/// it): the KeyUpdate is the last record under the old key, so every key seals at most
+/// `records_per_key` records. At least one record of data goes under each key.
+pub(super) fn key_update_at(records_per_key: u64) -> u64 {
+    records_per_key
+        .min(MAX_RECORDS_PER_KEY)
+        .saturating_sub(1)
+        .max(1)
+}
 
 /// What both halves share: the key schedule (touched only on key updates) and whether the
 /// peer asked for a key update the sending half has yet to answer.
@@ -295,12 +324,13 @@ impl TlsWrite {
     }
 
     /// Sends a KeyUpdate and moves to the next key when the peer asked for one or this key
-    /// has sealed enough records.
+    /// has sealed all the records but the KeyUpdate that it may. Called before every record
+    /// of data.
     pub(super) fn update_key_if_due(&mut self) -> io::Result<()> {
         // A load first: the flag is shared with the reading half, and almost always clear.
         let requested = self.shared.update_requested.load(Ordering::Acquire)
             && self.shared.update_requested.swap(false, Ordering::AcqRel);
-        if !requested && self.keys.seq < self.update_after {
+        if !requested && self.keys.seq < self.update_at {
             return Ok(());
         }
         // update_not_requested: this side's update needs no answer.

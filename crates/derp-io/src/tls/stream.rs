@@ -270,8 +270,8 @@ pub struct TlsWrite {
     pub(super) out: Vec<u8>,
     pub(super) sent: usize,
     pub(super) shared: Arc<Shared>,
-    /// Records sealed under one key before this side updates it.
-    pub(super) update_after: u64,
+    /// The sequence number at which this side seals a KeyUpdate and moves to a new key.
+    pub(super) update_at: u64,
     pub(super) close_sent: bool,
 }
 
@@ -336,9 +336,9 @@ impl AsyncWrite for TlsWrite {
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
-        this.update_key_if_due()?;
         let mut taken = 0;
         while taken < total {
+            this.update_key_if_due()?;
             let len = (total - taken).min(MAX_FRAGMENT);
             this.seal(CONTENT_APPLICATION_DATA, bufs, taken, len)?;
             taken += len;
@@ -365,6 +365,7 @@ impl AsyncWrite for TlsWrite {
         let this = self.get_mut();
         if !this.close_sent {
             ready!(this.poll_drain(cx))?;
+            this.update_key_if_due()?;
             // Level warning, description close_notify.
             let alert = [1, 0];
             this.seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())?;

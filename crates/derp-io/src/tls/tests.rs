@@ -270,7 +270,7 @@ async fn a_clients_key_update_is_followed_and_answered() {
 #[tokio::test]
 async fn the_server_updates_its_key_before_the_limit() {
     let (mut server, mut client) = pair().await;
-    server.write.update_after = 3;
+    server.write.update_at = 3;
     let sent = pattern(10 * MAX_FRAGMENT);
     for chunk in sent.chunks(MAX_FRAGMENT) {
         server.write_all(chunk).await.expect("write");

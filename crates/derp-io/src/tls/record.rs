@@ -19,6 +19,11 @@ use super::stream::{ReadState, TlsWrite};
 pub(super) const CONTENT_ALERT: u8 = 21;
 pub(super) const CONTENT_HANDSHAKE: u8 = 22;
 pub(super) const CONTENT_APPLICATION_DATA: u8 = 23;
+/// Alert levels and the closure alerts (RFC 8446, section 6).
+const ALERT_WARNING: u8 = 1;
+const ALERT_FATAL: u8 = 2;
+const ALERT_CLOSE_NOTIFY: u8 = 0;
+const ALERT_USER_CANCELED: u8 = 90;
 /// The handshake message type of KeyUpdate, the only one a TLS 1.3 server takes after the
 /// handshake.
 pub(super) const HANDSHAKE_KEY_UPDATE: u8 = 24;
@@ -32,7 +37,8 @@ pub(super) const MAX_CIPHERTEXT: usize = MAX_FRAGMENT + 256;
 /// Records sealed under one key at most, whatever the suite allows: short of where sequence
 /// numbers would wrap (rustls stops at the same point).
 const MAX_RECORDS_PER_KEY: u64 = 0xffff_ffff_ffff_0000;
-/// Records in a row without application data (empty records, key updates) a peer may send. Each costs work and gives nothing, a KeyUpdate the most (a key
+/// Records in a row without application data (empty records, key updates, user_canceled
+/// warnings) a peer may send. Each costs work and gives nothing, a KeyUpdate the most (a key
 /// derivation and a new AEAD key); a peer has no reason to send more than a few in a row.
 /// 32 is BoringSSL's bound on KeyUpdates between application data (`kMaxKeyUpdates`) and
 /// rustls's on KeyUpdates and on empty records alike, so no client those libraries serve
@@ -229,8 +235,12 @@ impl ReadState {
         match content[last] {
             CONTENT_APPLICATION_DATA => self.plain = start..start + last,
             CONTENT_ALERT => match content[..last] {
-                // close_notify, at whatever level the peer gave it.
-                [_, 0] => self.closed = true,
+                // close_notify, at either level.
+                [ALERT_WARNING | ALERT_FATAL, ALERT_CLOSE_NOTIFY] => self.closed = true,
+                // A closure alert that close_notify should follow (RFC 8446, section 6.1),
+                // sent as a warning by some clients before close_notify: passed over, as
+                // rustls does, and counted with the records that carry no data.
+                [ALERT_WARNING, ALERT_USER_CANCELED] => {}
                 [_, description] => {
                     return Err(io::Error::new(
                         io::ErrorKind::ConnectionAborted,

@@ -585,3 +585,27 @@ async fn records_a_client_library_would_not_send_are_refused() {
     let e = read_error(&mut server).await;
     assert!(e.to_string().contains("handshake message"), "{e}");
 }
+
+#[tokio::test]
+async fn closure_alerts_end_the_stream_or_pass_as_rustls_has_them() {
+    const ALERT: u8 = 21;
+    // user_canceled as a warning, then data, then close_notify: the data, then a clean end.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut records = seal_raw(&mut keys, &[1, 90, ALERT]);
+    records.extend(seal_raw(&mut keys, b"still here\x17"));
+    records.extend(seal_raw(&mut keys, &[2, 0, ALERT]));
+    tcp.write_all(&records).await.expect("write");
+    let mut got = Vec::new();
+    server.read_to_end(&mut got).await.expect("a clean end");
+    assert_eq!(got, b"still here");
+
+    // user_canceled as a fatal alert, any other warning, and close_notify at a level that
+    // does not exist, are errors.
+    for alert in [[2, 90, ALERT], [1, 40, ALERT], [3, 0, ALERT]] {
+        let (mut server, mut tcp, mut keys) = sealing_pair().await;
+        tcp.write_all(&seal_raw(&mut keys, &alert))
+            .await
+            .expect("write");
+        read_error(&mut server).await;
+    }
+}

@@ -21,8 +21,12 @@
 //! the handshake: a failed handshake sends the alert rustls chose, but a connection that
 //! breaks the protocol later is closed, the error returned to the caller.
 
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 mod handshake;
 mod hello;
+#[cfg(any(test, feature = "fuzzing"))]
+mod known;
 mod record;
 mod stream;
 

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use ring::aead::{
-    AES_128_GCM, AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
+    AES_128_GCM, AES_256_GCM, Aad, Algorithm, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
 };
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
@@ -91,9 +91,16 @@ impl Shared {
 }
 
 /// Where the next traffic keys come from when a key is updated.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "only tests and fuzzing have a second variant; it lives in the shared allocation"
+)]
 pub(super) enum Schedule {
     /// rustls's key schedule, handed over with the traffic keys after the handshake.
     Rustls(KernelConnection<ServerConnectionData>),
+    /// RFC 8446's key schedule run here from known traffic secrets (tests and fuzzing).
+    #[cfg(any(test, feature = "fuzzing"))]
+    Known(super::known::KnownSchedule),
 }
 
 impl Schedule {
@@ -101,6 +108,8 @@ impl Schedule {
     fn next_rx(&mut self) -> io::Result<Keys> {
         match self {
             Self::Rustls(kernel) => keys_for(kernel.update_rx_secret()),
+            #[cfg(any(test, feature = "fuzzing"))]
+            Self::Known(known) => Ok(known.next_rx()),
         }
     }
 
@@ -108,6 +117,8 @@ impl Schedule {
     fn next_tx(&mut self) -> io::Result<Keys> {
         match self {
             Self::Rustls(kernel) => keys_for(kernel.update_tx_secret()),
+            #[cfg(any(test, feature = "fuzzing"))]
+            Self::Known(known) => Ok(known.next_tx()),
         }
     }
 }
@@ -147,9 +158,19 @@ impl Keys {
             ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
             _ => return None,
         };
+        Self::from_parts(alg, key.as_ref(), iv.as_ref(), seq)
+    }
+
+    /// Keys for `alg` from raw key and IV bytes; `None` if their lengths are wrong.
+    pub(super) fn from_parts(
+        alg: &'static Algorithm,
+        key: &[u8],
+        iv: &[u8],
+        seq: u64,
+    ) -> Option<Self> {
         Some(Self {
-            key: LessSafeKey::new(UnboundKey::new(alg, key.as_ref()).ok()?),
-            iv: iv.as_ref().try_into().ok()?,
+            key: LessSafeKey::new(UnboundKey::new(alg, key).ok()?),
+            iv: iv.try_into().ok()?,
             seq,
         })
     }

@@ -1,6 +1,11 @@
+//! The record layer's tests: against rustls's client here and in `suites` (every suite),
+//! against OpenSSL's in `openssl`, and beside rustls's own server in `differential`.
+
+mod suites;
+
 use std::io::{self, Read as _, Write as _};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Waker};
 
 use ring::aead::Aad;
@@ -12,10 +17,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream as ClientStream;
 
+use super::fuzzing::{Suite, TrafficSecret};
 use super::hello::MAX_HELLO_RECORDS;
 use super::record::{
-    CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN, Keys,
-    MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
+    CONTENT_ALERT, CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN,
+    Keys, MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
 };
 use super::*;
 
@@ -69,6 +75,16 @@ async fn pair() -> (TlsStream, ClientStream<TcpStream>) {
 
 /// A handshake between a tokio-rustls client with `config` and [`accept`] under `pki`.
 async fn handshake(pki: &Pki, config: Arc<ClientConfig>) -> (TlsStream, ClientStream<TcpStream>) {
+    handshake_with(pki, config, None).await
+}
+
+/// [`handshake`], with the server's sending key updated after `records_per_key` records
+/// instead of the suite's limit.
+async fn handshake_with(
+    pki: &Pki,
+    config: Arc<ClientConfig>,
+    records_per_key: Option<u64>,
+) -> (TlsStream, ClientStream<TcpStream>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let connector = TlsConnector::from(config);
@@ -82,12 +98,191 @@ async fn handshake(pki: &Pki, config: Arc<ClientConfig>) -> (TlsStream, ClientSt
         },
         async {
             let (tcp, _) = listener.accept().await.expect("accept");
-            accept(tcp, Vec::new(), pki.server.clone())
+            handshake::accept_with(tcp, Vec::new(), pki.server.clone(), records_per_key)
                 .await
                 .expect("server handshake")
         }
     );
     (server.stream, client)
+}
+
+/// A TLS 1.3 client that offers `suite` alone, logging its traffic secrets to `log`.
+fn suite_client(pki: &Pki, suite: Suite, log: Arc<SecretLog>) -> Arc<ClientConfig> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .retain(|s| s.suite() == suite.cipher_suite());
+    assert_eq!(
+        provider.cipher_suites.len(),
+        1,
+        "{suite:?} in ring's provider"
+    );
+    let mut roots = RootCertStore::empty();
+    roots.add(pki.root.clone()).expect("root");
+    let mut config = ClientConfig::builder_with_provider(Arc::new(provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.key_log = log;
+    Arc::new(config)
+}
+
+/// The traffic secrets a client logged (the SSLKEYLOGFILE labels).
+#[derive(Debug, Default)]
+struct SecretLog(Mutex<Vec<(String, Vec<u8>)>>);
+
+impl rustls::KeyLog for SecretLog {
+    fn log(&self, label: &str, _client_random: &[u8], secret: &[u8]) {
+        let mut log = self.0.lock().expect("log");
+        log.push((label.to_owned(), secret.to_vec()));
+    }
+}
+
+impl SecretLog {
+    fn secret(&self, suite: Suite, label: &str) -> TrafficSecret {
+        let log = self.0.lock().expect("log");
+        let (_, bytes) = log
+            .iter()
+            .find(|(l, _)| l == label)
+            .unwrap_or_else(|| panic!("no {label} logged"));
+        TrafficSecret::new(suite, bytes).expect("secret length")
+    }
+}
+
+/// A client's raw socket after a rustls client's handshake, and the traffic secrets it
+/// logged, to send records no TLS library would and to read the server's records as sent.
+struct Peer {
+    tcp: TcpStream,
+    tx: TrafficSecret,
+    tx_keys: Keys,
+    rx: TrafficSecret,
+    rx_keys: Keys,
+    /// The server's key before its last KeyUpdate, as it ended (its `seq` the records it
+    /// sealed).
+    rx_keys_before: Keys,
+    received: Vec<u8>,
+}
+
+/// What the server sent, record by record (session tickets left out).
+#[derive(Debug, PartialEq, Eq)]
+enum Sent {
+    Data(Vec<u8>),
+    /// A KeyUpdate, and whether it asked for one back; the peer now opens under the next key.
+    KeyUpdate(bool),
+    Alert(u8, u8),
+    /// The end of the stream.
+    End,
+}
+
+/// A handshake in `suite` between a rustls client and the server, which then hands the
+/// client's socket and secrets over as a [`Peer`].
+async fn peer_pair(pki: &Pki, suite: Suite, records_per_key: Option<u64>) -> (TlsStream, Peer) {
+    let log = Arc::new(SecretLog::default());
+    let config = suite_client(pki, suite, log.clone());
+    let (server, client) = handshake_with(pki, config, records_per_key).await;
+    // The client stopped reading with its Finished; everything the server sent after it,
+    // session tickets first, is still in the socket.
+    let (tcp, _) = client.into_inner();
+    let tx = log.secret(suite, "CLIENT_TRAFFIC_SECRET_0");
+    let rx = log.secret(suite, "SERVER_TRAFFIC_SECRET_0");
+    let peer = Peer {
+        tcp,
+        tx_keys: tx.keys(0),
+        tx,
+        rx_keys: rx.keys(0),
+        rx_keys_before: rx.keys(0),
+        rx,
+        received: Vec::new(),
+    };
+    (server, peer)
+}
+
+impl Peer {
+    /// A record whose inner plaintext is `inner` (content, type, padding).
+    fn seal(&mut self, inner: &[u8]) -> Vec<u8> {
+        seal_raw(&mut self.tx_keys, inner)
+    }
+
+    /// A record of application data followed by `padding` zeros.
+    fn data(&mut self, data: &[u8], padding: usize) -> Vec<u8> {
+        let mut inner = data.to_vec();
+        inner.push(CONTENT_APPLICATION_DATA);
+        inner.resize(inner.len() + padding, 0);
+        self.seal(&inner)
+    }
+
+    /// A KeyUpdate, after which this side seals under its next key.
+    fn key_update(&mut self, requested: bool) -> Vec<u8> {
+        let record = self.seal(&[
+            HANDSHAKE_KEY_UPDATE,
+            0,
+            0,
+            1,
+            u8::from(requested),
+            CONTENT_HANDSHAKE,
+        ]);
+        self.tx = self.tx.next();
+        self.tx_keys = self.tx.keys(0);
+        record
+    }
+
+    /// A close_notify alert.
+    fn close_notify(&mut self) -> Vec<u8> {
+        self.seal(&[1, 0, CONTENT_ALERT])
+    }
+
+    async fn send(&mut self, records: &[u8]) {
+        self.tcp.write_all(records).await.expect("peer write");
+    }
+
+    /// The server's next record, opened; follows the server's KeyUpdates.
+    async fn recv(&mut self) -> Sent {
+        const NEW_SESSION_TICKET: u8 = 4;
+        loop {
+            while self.received.len() < HEADER_LEN
+                || self.received.len()
+                    < HEADER_LEN
+                        + usize::from(u16::from_be_bytes([self.received[3], self.received[4]]))
+            {
+                let mut chunk = [0u8; 4096];
+                let n = self.tcp.read(&mut chunk).await.expect("peer read");
+                if n == 0 {
+                    assert!(self.received.is_empty(), "the server cut a record short");
+                    return Sent::End;
+                }
+                self.received.extend_from_slice(&chunk[..n]);
+            }
+            let len = usize::from(u16::from_be_bytes([self.received[3], self.received[4]]));
+            let mut record: Vec<u8> = self.received.drain(..HEADER_LEN + len).collect();
+            let header: [u8; HEADER_LEN] = record[..HEADER_LEN].try_into().expect("header");
+            assert_eq!(
+                header[..3],
+                [CONTENT_APPLICATION_DATA, 3, 3],
+                "outer header"
+            );
+            let nonce = self.rx_keys.nonce();
+            let inner = self
+                .rx_keys
+                .key
+                .open_in_place(nonce, Aad::from(header), &mut record[HEADER_LEN..])
+                .expect("the server's record opens")
+                .to_vec();
+            self.rx_keys.seq += 1;
+            let (&ty, content) = inner.split_last().expect("a content type");
+            match (ty, content) {
+                (CONTENT_APPLICATION_DATA, data) => return Sent::Data(data.to_vec()),
+                (CONTENT_HANDSHAKE, [NEW_SESSION_TICKET, ..]) => continue,
+                (CONTENT_HANDSHAKE, [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request]) => {
+                    self.rx = self.rx.next();
+                    self.rx_keys_before = std::mem::replace(&mut self.rx_keys, self.rx.keys(0));
+                    return Sent::KeyUpdate(*request == 1);
+                }
+                (CONTENT_ALERT, [level, description]) => return Sent::Alert(*level, *description),
+                other => panic!("unexpected record from the server: {other:?}"),
+            }
+        }
+    }
 }
 
 fn pattern(len: usize) -> Vec<u8> {

@@ -244,10 +244,16 @@ impl ReadState {
             return Err(protocol_error("tls record without a content type"));
         };
         // Records that carry no data (empty ones, key updates) cost work and give nothing:
-        // a run of them is cut off, as rustls does.
+        // a run of them is cut off, as rustls does. close_notify ends the stream whatever
+        // came before it.
+        let close_notify = content[last] == CONTENT_ALERT
+            && matches!(
+                content[..last],
+                [ALERT_WARNING | ALERT_FATAL, ALERT_CLOSE_NOTIFY]
+            );
         if content[last] == CONTENT_APPLICATION_DATA && last > 0 {
             self.idle_records = 0;
-        } else {
+        } else if !close_notify {
             self.idle_records += 1;
             if self.idle_records > MAX_IDLE_RECORDS {
                 return Err(protocol_error("too many tls records without data"));
@@ -256,8 +262,7 @@ impl ReadState {
         match content[last] {
             CONTENT_APPLICATION_DATA => self.plain = start..start + last,
             CONTENT_ALERT => match content[..last] {
-                // close_notify, at either level.
-                [ALERT_WARNING | ALERT_FATAL, ALERT_CLOSE_NOTIFY] => self.closed = true,
+                _ if close_notify => self.closed = true,
                 // A closure alert that close_notify should follow (RFC 8446, section 6.1),
                 // sent as a warning by some clients before close_notify: passed over, as
                 // rustls does, and counted with the records that carry no data.

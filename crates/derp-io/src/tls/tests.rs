@@ -794,6 +794,17 @@ async fn closure_alerts_end_the_stream_or_pass_as_rustls_has_them() {
     server.read_to_end(&mut got).await.expect("a clean end");
     assert_eq!(got, b"still here");
 
+    // close_notify ends the stream cleanly after as many records without data as are
+    // allowed.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut records = Vec::new();
+    for _ in 0..MAX_IDLE_RECORDS {
+        records.extend(seal_raw(&mut keys, &[CONTENT_APPLICATION_DATA]));
+    }
+    records.extend(seal_raw(&mut keys, &[1, 0, ALERT]));
+    tcp.write_all(&records).await.expect("write");
+    assert_eq!(server.read_to_end(&mut got).await.expect("a clean end"), 0);
+
     // user_canceled as a fatal alert, any other warning, and close_notify at a level that
     // does not exist, are errors.
     for alert in [[2, 90, ALERT], [1, 40, ALERT], [3, 0, ALERT]] {

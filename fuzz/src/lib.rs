@@ -1,4 +1,4 @@
-//! Fuzz target bodies, in one place: derp-proto's parsers, derp-io's ClientHello check, and
+//! Fuzz target bodies, in one place: derp-proto's parsers, derp-io's ClientHello check and TLS record layer, and
 //! (in [`relay`]) a live derp-server fed a hostile connection's bytes.
 //!
 //! Each target is a plain `fn(&[u8])` that panics when an invariant breaks. The libFuzzer
@@ -17,6 +17,7 @@ pub mod handshake;
 pub mod info;
 pub mod keys;
 pub mod rate_config;
+pub mod records;
 pub mod relay;
 pub mod stun;
 pub mod tls;
@@ -43,6 +44,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ws_client", ws::ws_client),
     ("server_stream", relay::server_stream),
     ("tls_client_hello", tls::tls_client_hello),
+    ("tls_records", records::tls_records),
+    ("tls_records_sealed", records::tls_records_sealed),
 ];
 
 /// Looks a target up by name.

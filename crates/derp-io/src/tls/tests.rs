@@ -1,6 +1,7 @@
 //! The record layer's tests: against rustls's client here and in `suites` (every suite),
 //! against OpenSSL's in `openssl`, and beside rustls's own server in `differential`.
 
+mod openssl;
 mod suites;
 
 use std::io::{self, Read as _, Write as _};

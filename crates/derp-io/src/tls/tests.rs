@@ -529,6 +529,8 @@ async fn records_that_break_the_protocol_are_refused() {
         (vec![22, 3, 3, 0, 4, 24, 0, 0, 1], "record type"),
         // Longer than any record may be.
         (vec![23, 3, 3, 0x48, 0x01], "overflow"),
+        // A version other than TLS 1.2's in the header.
+        (vec![23, 3, 1, 0, 17], "version"),
         // Too short to hold a tag.
         (vec![23, 3, 3, 0, 3, 1, 2, 3], "too short"),
     ] {

@@ -77,7 +77,7 @@ impl SClient {
             }
             // The sender dropped: end of input.
         });
-        let pipe = |mut from: Box<dyn std::io::Read + Send>| {
+        let pipe = |mut from: Box<dyn io::Read + Send>| {
             let (tx, rx) = mpsc::unbounded_channel();
             std::thread::spawn(move || {
                 let mut buf = vec![0u8; 64 * 1024];

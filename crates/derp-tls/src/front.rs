@@ -251,7 +251,7 @@ impl TlsFront {
         registry: &Registry,
     ) -> Result<Self, TlsError> {
         let host = Host::parse(&options.hostname)?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = Arc::new(serving_provider(rustls::crypto::ring::default_provider()));
         let certs = Arc::new(CertState {
             host,
             current: ArcSwapOption::empty(),
@@ -550,6 +550,16 @@ impl TlsFront {
     }
 }
 
+/// `base` with only the TLS 1.3 suites derpd's record layer seals and opens
+/// ([`derp_io::tls::SUPPORTED_SUITES`]): another provider, or a new suite in this one, cannot
+/// make a handshake settle on a suite whose records nothing here can open. TLS 1.2 suites
+/// are rustls's to serve and stay as they are.
+fn serving_provider(mut base: CryptoProvider) -> CryptoProvider {
+    base.cipher_suites
+        .retain(|s| s.tls13().is_none() || derp_io::tls::supports(s.suite()));
+    base
+}
+
 /// Which handshake a ClientHello gets.
 enum Hello {
     /// TLS 1.3, with the ALPN protocols offered.
@@ -622,6 +632,85 @@ struct Evicted;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every config a front serves offers exactly the TLS 1.3 suites derpd's record layer
+    /// implements.
+    #[test]
+    fn the_served_configs_offer_the_record_layers_suites() {
+        let key = derp_testkit::server_secret().public_key();
+        {
+            let options = TlsOptions::new("derp.test");
+            let front = TlsFront::new(&key, options, &Registry::new()).expect("front");
+            let inner = &front.inner;
+            for (config, tcp) in [
+                (&inner.config_http11, true),
+                (&inner.config_plain, true),
+                (&inner.config_acme, true),
+                (&inner.config_quic, false),
+            ] {
+                let offered: Vec<_> = config
+                    .crypto_provider()
+                    .cipher_suites
+                    .iter()
+                    .filter(|s| s.tls13().is_some())
+                    .map(|s| s.suite())
+                    .collect();
+                assert_eq!(offered.len(), derp_io::tls::SUPPORTED_SUITES.len());
+                assert!(
+                    offered.iter().all(|s| derp_io::tls::supports(*s)),
+                    "{offered:?}"
+                );
+                assert_eq!(config.enable_secret_extraction, tcp);
+            }
+        }
+    }
+
+    /// A TLS 1.3 suite the record layer does not implement, added to the provider, is
+    /// left out of what is served; TLS 1.2 suites stay.
+    #[test]
+    fn a_tls13_suite_the_record_layer_lacks_is_never_offered() {
+        let mut provider = rustls::crypto::ring::default_provider();
+        let tls12 = provider
+            .cipher_suites
+            .iter()
+            .filter(|s| s.tls13().is_none())
+            .count();
+        let base = rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256
+            .tls13()
+            .expect("a TLS 1.3 suite");
+        let ccm = rustls::Tls13CipherSuite {
+            common: rustls::CipherSuiteCommon {
+                suite: rustls::CipherSuite::TLS13_AES_128_CCM_SHA256,
+                hash_provider: base.common.hash_provider,
+                confidentiality_limit: base.common.confidentiality_limit,
+            },
+            hkdf_provider: base.hkdf_provider,
+            aead_alg: base.aead_alg,
+            quic: base.quic,
+        };
+        provider.cipher_suites.insert(
+            0,
+            rustls::SupportedCipherSuite::Tls13(Box::leak(Box::new(ccm))),
+        );
+        let served = serving_provider(provider);
+        let tls13: Vec<_> = served
+            .cipher_suites
+            .iter()
+            .filter(|s| s.tls13().is_some())
+            .map(|s| s.suite())
+            .collect();
+        assert_eq!(tls13.len(), 3, "{tls13:?}");
+        assert!(
+            tls13.iter().all(|s| derp_io::tls::supports(*s)),
+            "{tls13:?}"
+        );
+        let kept = served
+            .cipher_suites
+            .iter()
+            .filter(|s| s.tls13().is_none())
+            .count();
+        assert_eq!(kept, tls12);
+    }
 
     #[test]
     fn hosts_parse_and_match_sni() {

@@ -58,6 +58,31 @@ pub struct TlsOptions {
     /// The port-80 listener's connections are all unproven and held in a budget of this size
     /// (16 at most from one source); when full, the oldest is closed to admit a new one.
     pub http_port_max_connections: usize,
+    /// Who seals and opens the records of TLS 1.3 connections; see [`TlsRecords`].
+    pub records: TlsRecords,
+}
+
+/// Who seals and opens the records of TLS 1.3 connections once rustls has run the
+/// handshake. TLS 1.2 connections are always rustls's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TlsRecords {
+    /// derpd's own record layer ([`derp_io::tls`]): no record buffer in an idle connection,
+    /// halves split without a lock.
+    #[default]
+    Derpd,
+    /// rustls's buffered connection, as TLS 1.2 connections are served: the way back for an
+    /// operator who meets a client the record layer does not get along with.
+    Rustls,
+}
+
+impl TlsRecords {
+    /// The name of the `derp_tls_connections_by_record_layer` label and of derpd's flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Derpd => "derpd",
+            Self::Rustls => "rustls",
+        }
+    }
 }
 
 impl TlsOptions {
@@ -67,6 +92,7 @@ impl TlsOptions {
             hostname: hostname.into(),
             handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
             http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
+            records: TlsRecords::default(),
         }
     }
 }
@@ -155,6 +181,7 @@ fn offers_alpn(hello: &ClientHello<'_>, proto: &[u8]) -> bool {
 struct TlsMetrics {
     handshakes: IntCounterVec,
     versions: IntCounterVec,
+    record_layers: IntCounterVec,
     in_flight: IntGauge,
     not_after: IntGauge,
     http_port_accept_errors: IntCounter,
@@ -178,6 +205,17 @@ impl TlsMetrics {
             ),
             &["version"],
         )?;
+        let record_layers = IntCounterVec::new(
+            Opts::new(
+                "derp_tls_connections_by_record_layer",
+                "Completed TLS handshakes by who seals and opens their records: derpd (TLS 1.3) \
+                 or rustls (TLS 1.2, and TLS 1.3 with --tls-records rustls)",
+            ),
+            &["layer"],
+        )?;
+        for layer in [TlsRecords::Derpd, TlsRecords::Rustls] {
+            record_layers.with_label_values(&[layer.name()]);
+        }
         let in_flight = IntGauge::new(
             "derp_tls_handshakes_in_flight",
             "TLS handshakes in progress",
@@ -197,12 +235,14 @@ impl TlsMetrics {
         )?;
         registry.register(Box::new(handshakes.clone()))?;
         registry.register(Box::new(versions.clone()))?;
+        registry.register(Box::new(record_layers.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(not_after.clone()))?;
         registry.register(Box::new(http_port_accept_errors.clone()))?;
         Ok(Self {
             handshakes,
             versions,
+            record_layers,
             in_flight,
             not_after,
             http_port_accept_errors,
@@ -272,7 +312,7 @@ impl TlsFront {
                 }));
             config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
             // TLS 1.3 connections hand their traffic keys to derpd's record layer.
-            config.enable_secret_extraction = !quic;
+            config.enable_secret_extraction = !quic && options.records == TlsRecords::Derpd;
             Ok(Arc::new(config))
         };
         let config = |alpn: &[&[u8]]| build(alpn, false);
@@ -463,6 +503,14 @@ impl TlsFront {
                     Some(Ok(Ok(Ok(None)))) => "acme_validation",
                     Some(Ok(Ok(Ok(Some((transport, version)))))) => {
                         metrics.versions.with_label_values(&[version]).inc();
+                        let layer = match transport {
+                            Transport::Tls(_) => TlsRecords::Derpd,
+                            _ => TlsRecords::Rustls,
+                        };
+                        metrics
+                            .record_layers
+                            .with_label_values(&[layer.name()])
+                            .inc();
                         server.spawn_guarded(transport, remote, guard);
                         "ok"
                     }
@@ -487,13 +535,15 @@ impl TlsFront {
     /// A client that offers TLS 1.3 gets derpd's own record layer after rustls's handshake
     /// ([`derp_io::tls`]): no rustls buffers or connection state per connection, no lock
     /// between the halves, and a reader that can wait for the socket holding nothing. Any
-    /// other client (and any hello derpd's reader does not follow) is served by rustls's
-    /// buffered connection.
+    /// other client (and any hello derpd's reader does not follow), and every client with
+    /// [`TlsRecords::Rustls`], is served by rustls's buffered connection.
     async fn handshake(&self, mut tcp: TcpStream) -> io::Result<Option<(Transport, &'static str)>> {
         let mut received = Vec::new();
         let hello = tokio::time::timeout(CLIENT_HELLO_TIMEOUT, async {
             match read_client_hello(&mut tcp, &mut received).await? {
-                derp_io::tls::ClientHello::Hello { tls13: true, alpn } => {
+                derp_io::tls::ClientHello::Hello { tls13: true, alpn }
+                    if self.inner.options.records == TlsRecords::Derpd =>
+                {
                     Ok::<_, io::Error>(Hello::Tls13(alpn))
                 }
                 _ => Ok(Hello::Rustls(Box::new(
@@ -634,12 +684,15 @@ mod tests {
     use super::*;
 
     /// Every config a front serves offers exactly the TLS 1.3 suites derpd's record layer
-    /// implements.
+    /// implements, and hands the keys over only when the record layer is to take them.
     #[test]
     fn the_served_configs_offer_the_record_layers_suites() {
         let key = derp_testkit::server_secret().public_key();
-        {
-            let options = TlsOptions::new("derp.test");
+        for records in [TlsRecords::Derpd, TlsRecords::Rustls] {
+            let options = TlsOptions {
+                records,
+                ..TlsOptions::new("derp.test")
+            };
             let front = TlsFront::new(&key, options, &Registry::new()).expect("front");
             let inner = &front.inner;
             for (config, tcp) in [
@@ -660,7 +713,10 @@ mod tests {
                     offered.iter().all(|s| derp_io::tls::supports(*s)),
                     "{offered:?}"
                 );
-                assert_eq!(config.enable_secret_extraction, tcp);
+                assert_eq!(
+                    config.enable_secret_extraction,
+                    tcp && records == TlsRecords::Derpd
+                );
             }
         }
     }

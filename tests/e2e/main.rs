@@ -11,4 +11,5 @@ mod metrics;
 mod quic;
 mod relay;
 mod tls;
+mod tls_records;
 mod vectors;

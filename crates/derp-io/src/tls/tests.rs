@@ -294,6 +294,16 @@ impl Peer {
     }
 }
 
+/// Whether the peer asked for a KeyUpdate the server has yet to send.
+fn update_requested(server: &TlsStream) -> bool {
+    server
+        .read
+        .state
+        .shared
+        .update_requested
+        .load(Ordering::Acquire)
+}
+
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
 }
@@ -445,27 +455,13 @@ async fn a_clients_key_update_is_followed_and_answered() {
         .await
         .expect("read under the new key");
     assert_eq!(&buf, b"after");
-    assert!(
-        server
-            .read
-            .state
-            .shared
-            .update_requested
-            .load(Ordering::Acquire)
-    );
+    assert!(update_requested(&server));
 
     server.write_all(b"answer").await.expect("write");
     server.flush().await.expect("flush");
     // The KeyUpdate went out under the old key, the answer under the new one.
     assert_eq!(server.write.keys.seq, 1);
-    assert!(
-        !server
-            .read
-            .state
-            .shared
-            .update_requested
-            .load(Ordering::Acquire)
-    );
+    assert!(!update_requested(&server));
     let mut buf = [0u8; 6];
     client.read_exact(&mut buf).await.expect("client reads");
     assert_eq!(&buf, b"answer");

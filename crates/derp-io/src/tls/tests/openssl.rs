@@ -131,37 +131,35 @@ impl SClient {
 
     /// Reads stdout until `needle` appears, dropping everything up to its end.
     async fn stdout_until(&mut self, needle: &[u8]) {
-        loop {
-            if let Some(i) = self.out.windows(needle.len()).position(|w| w == needle) {
-                self.out.drain(..i + needle.len());
-                return;
-            }
-            match self.stdout.recv().await {
-                Some(bytes) => self.out.extend_from_slice(&bytes),
-                None => panic!(
-                    "s_client ended before printing {:?}; stdout: {}",
-                    String::from_utf8_lossy(needle),
-                    String::from_utf8_lossy(&self.out)
-                ),
-            }
-        }
+        read_until(&mut self.out, &mut self.stdout, needle, "stdout").await;
     }
 
     /// Reads stderr until `needle` appears, dropping everything up to its end.
     async fn stderr_until(&mut self, needle: &[u8]) {
-        loop {
-            if let Some(i) = self.err.windows(needle.len()).position(|w| w == needle) {
-                self.err.drain(..i + needle.len());
-                return;
-            }
-            match self.stderr.recv().await {
-                Some(bytes) => self.err.extend_from_slice(&bytes),
-                None => panic!(
-                    "s_client ended before printing {:?} to stderr: {}",
-                    String::from_utf8_lossy(needle),
-                    String::from_utf8_lossy(&self.err)
-                ),
-            }
+        read_until(&mut self.err, &mut self.stderr, needle, "stderr").await;
+    }
+}
+
+/// Takes output from `from` into `buf` until `needle` appears, and drops everything up to its
+/// end.
+async fn read_until(
+    buf: &mut Vec<u8>,
+    from: &mut mpsc::UnboundedReceiver<Vec<u8>>,
+    needle: &[u8],
+    what: &str,
+) {
+    loop {
+        if let Some(i) = buf.windows(needle.len()).position(|w| w == needle) {
+            buf.drain(..i + needle.len());
+            return;
+        }
+        match from.recv().await {
+            Some(bytes) => buf.extend_from_slice(&bytes),
+            None => panic!(
+                "s_client ended before printing {:?} to {what}: {}",
+                String::from_utf8_lossy(needle),
+                String::from_utf8_lossy(buf)
+            ),
         }
     }
 }
@@ -171,6 +169,18 @@ impl Drop for SClient {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The server's stream once its handshake with OpenSSL is done.
+async fn accepted_stream(
+    accepted: tokio::task::JoinHandle<Result<Accepted, AcceptError>>,
+    name: &str,
+) -> TlsStream {
+    accepted
+        .await
+        .expect("server task")
+        .unwrap_or_else(|e| panic!("{name}: handshake: {e}"))
+        .stream
 }
 
 /// A listener and the server side of the next connection it takes.
@@ -204,11 +214,7 @@ async fn both_ways(suite: usize) {
             extra.extend(["-record_padding", block]);
         }
         let mut client = SClient::start(addr, name, &extra);
-        let mut server = accepted
-            .await
-            .expect("server task")
-            .unwrap_or_else(|e| panic!("{name}: handshake: {e}"))
-            .stream;
+        let mut server = accepted_stream(accepted, name).await;
         // Reads of one byte to more than a record, as the pipe hands them to s_client.
         let sent = pattern(300_000);
         let mut at = 0;
@@ -236,11 +242,7 @@ async fn both_ways(suite: usize) {
 
     let (addr, accepted) = server_for(&pki, Some(5)).await;
     let mut client = SClient::start(addr, name, &["-quiet"]);
-    let server = accepted
-        .await
-        .expect("server task")
-        .unwrap_or_else(|e| panic!("{name}: handshake: {e}"))
-        .stream;
+    let server = accepted_stream(accepted, name).await;
     let (_r, mut w) = server.into_split();
     let sizes = 1..=MAX_FRAGMENT;
     let total: usize = sizes.clone().sum();
@@ -285,51 +287,24 @@ async fn openssl_key_updates_and_close_notify_in_every_suite() {
         let (addr, accepted) = server_for(&pki, Some(4)).await;
         // Interactive, so that s_client takes its command letters.
         let mut client = SClient::start(addr, name, &[]);
-        let mut server = accepted
-            .await
-            .expect("server task")
-            .unwrap_or_else(|e| panic!("{name}: handshake: {e}"))
-            .stream;
+        let mut server = accepted_stream(accepted, name).await;
         client.send(b"one\n");
         let mut got = [0u8; 4];
         server.read_exact(&mut got).await.expect("read");
         assert_eq!(&got, b"one\n");
 
-        client.send(b"k\n");
-        client.stderr_until(b"KEYUPDATE").await;
-        client.send(b"two\n");
-        server
-            .read_exact(&mut got)
-            .await
-            .expect("read under the next key");
-        assert_eq!(&got, b"two\n", "{name}");
-        assert!(
-            !server
-                .read
-                .state
-                .shared
-                .update_requested
-                .load(Ordering::Acquire),
-            "{name}"
-        );
-
-        client.send(b"K\n");
-        client.stderr_until(b"KEYUPDATE").await;
-        client.send(b"six\n");
-        server
-            .read_exact(&mut got)
-            .await
-            .expect("read under the next key");
-        assert_eq!(&got, b"six\n", "{name}");
-        assert!(
+        // `k` asks for no KeyUpdate back, `K` does; the command itself is not sent.
+        for (command, requested, after) in [(b"k\n", false, b"two\n"), (b"K\n", true, b"six\n")] {
+            client.send(command);
+            client.stderr_until(b"KEYUPDATE").await;
+            client.send(after);
             server
-                .read
-                .state
-                .shared
-                .update_requested
-                .load(Ordering::Acquire),
-            "{name}"
-        );
+                .read_exact(&mut got)
+                .await
+                .expect("read under the next key");
+            assert_eq!(&got, after, "{name}");
+            assert_eq!(update_requested(&server), requested, "{name}");
+        }
         // The answer, then lines under keys the server updates every three records.
         for i in 0..10 {
             server
@@ -341,15 +316,7 @@ async fn openssl_key_updates_and_close_notify_in_every_suite() {
                 .stdout_until(format!("answer {i}\n").as_bytes())
                 .await;
         }
-        assert!(
-            !server
-                .read
-                .state
-                .shared
-                .update_requested
-                .load(Ordering::Acquire),
-            "{name}"
-        );
+        assert!(!update_requested(&server), "{name}");
 
         // s_client ends with close_notify when its input does: one more record opened,
         // then the end.

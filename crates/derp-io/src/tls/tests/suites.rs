@@ -290,14 +290,7 @@ async fn peer_key_updates_with_and_without_a_request_in_every_suite() {
         let mut got = [0u8; 6];
         server.read_exact(&mut got).await.expect("read");
         assert_eq!(&got, b"onetwo");
-        assert!(
-            !server
-                .read
-                .state
-                .shared
-                .update_requested
-                .load(Ordering::Acquire)
-        );
+        assert!(!update_requested(&server), "{suite:?}");
         server.write_all(b"a").await.expect("write");
         server.flush().await.expect("flush");
         assert_eq!(peer.recv().await, Sent::Data(b"a".to_vec()), "{suite:?}");

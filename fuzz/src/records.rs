@@ -225,6 +225,13 @@ fn meaning(inner: &[u8]) -> Meaning {
     }
 }
 
+/// Whether a record's header (RFC 8446, section 5.2) lets the reader wait for the rest of it:
+/// application data, TLS 1.2, room for a tag and a content type, at most 2^14 + 256 bytes.
+fn header_fits(record: &[u8]) -> bool {
+    let len = usize::from(u16::from_be_bytes([record[3], record[4]]));
+    record[..3] == [APPLICATION_DATA, 3, 3] && (17..=(1 << 14) + 256).contains(&len)
+}
+
 /// Big-endian fields off the front of the program; zeros once it runs out.
 struct Program<'a>(&'a [u8]);
 
@@ -347,11 +354,13 @@ pub fn tls_records_sealed(data: &[u8]) {
     let mut at = 0;
     for (i, (record, meaning)) in records.iter().enumerate() {
         if at + record.len() > cut {
-            // Cut inside this record (a cut between records ends the stream cleanly).
+            // Cut inside this record (a cut between records ends the stream cleanly). A
+            // header that is in and refuses the record by itself refuses it at once.
             if at < cut {
-                // Tampered, its header may also ask for more than the record had.
                 end = Some(if tampered[i] {
                     &[InvalidData, UnexpectedEof]
+                } else if at + 5 <= cut && !header_fits(record) {
+                    &[InvalidData]
                 } else {
                     &[UnexpectedEof]
                 });

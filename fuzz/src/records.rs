@@ -187,11 +187,19 @@ pub fn tls_records(data: &[u8]) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Meaning {
     Data(Vec<u8>),
-    /// No data: an empty record, a KeyUpdate (with its request), a user_canceled warning.
-    Idle {
-        key_update: Option<bool>,
-    },
+    /// close_notify: the end of the stream.
     Close,
+    /// Over the size limit, or no content type: refused before anything else is read.
+    Unreadable,
+    /// A record without data: counted towards the bound on those, then taken for what it is.
+    NoData(NoData),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum NoData {
+    /// Nothing to do: an empty record, a KeyUpdate (with its request), a user_canceled
+    /// warning.
+    Idle { key_update: Option<bool> },
     /// A fatal alert (the connection aborted by the peer).
     Aborted,
     /// A record that breaks the protocol.
@@ -203,26 +211,26 @@ enum Meaning {
 /// server takes application data, alerts (close_notify at either level ends the stream,
 /// user_canceled as a warning is passed over as rustls does, anything else is fatal: 6) and
 /// of handshake messages only a whole KeyUpdate whose request is 0 or 1, alone in its record
-/// (4.6.3, 5.1).
+/// (4.6.3, 5.1). Records without data count towards derpd's bound before anything else.
 fn meaning(inner: &[u8]) -> Meaning {
     if inner.len() > MAX_INNER {
-        return Meaning::Refused;
+        return Meaning::Unreadable;
     }
     let Some(end) = inner.iter().rposition(|&b| b != 0) else {
-        return Meaning::Refused;
+        return Meaning::Unreadable;
     };
     let (content, ty) = (&inner[..end], inner[end]);
-    match (ty, content) {
-        (APPLICATION_DATA, []) => Meaning::Idle { key_update: None },
-        (APPLICATION_DATA, data) => Meaning::Data(data.to_vec()),
-        (ALERT, [1 | 2, 0]) => Meaning::Close,
-        (ALERT, [1, 90]) => Meaning::Idle { key_update: None },
-        (ALERT, [_, _]) => Meaning::Aborted,
-        (HANDSHAKE, [KEY_UPDATE, 0, 0, 1, request @ (0 | 1)]) => Meaning::Idle {
+    Meaning::NoData(match (ty, content) {
+        (APPLICATION_DATA, []) => NoData::Idle { key_update: None },
+        (APPLICATION_DATA, data) => return Meaning::Data(data.to_vec()),
+        (ALERT, [1 | 2, 0]) => return Meaning::Close,
+        (ALERT, [1, 90]) => NoData::Idle { key_update: None },
+        (ALERT, [_, _]) => NoData::Aborted,
+        (HANDSHAKE, [KEY_UPDATE, 0, 0, 1, request @ (0 | 1)]) => NoData::Idle {
             key_update: Some(*request == 1),
         },
-        _ => Meaning::Refused,
-    }
+        _ => NoData::Refused,
+    })
 }
 
 /// Whether a record's header (RFC 8446, section 5.2) lets the reader wait for the rest of it:
@@ -378,22 +386,28 @@ pub fn tls_records_sealed(data: &[u8]) {
                 idle = 0;
                 expected.extend_from_slice(data);
             }
-            Meaning::Idle { key_update } => {
+            Meaning::Close => break,
+            Meaning::Unreadable => {
+                end = Some(&[InvalidData]);
+                break;
+            }
+            Meaning::NoData(what) => {
                 idle += 1;
                 if idle > MAX_IDLE {
                     end = Some(&[InvalidData]);
                     break;
                 }
-                requested |= *key_update == Some(true);
-            }
-            Meaning::Close => break,
-            Meaning::Aborted => {
-                end = Some(&[ConnectionAborted]);
-                break;
-            }
-            Meaning::Refused => {
-                end = Some(&[InvalidData]);
-                break;
+                match what {
+                    NoData::Idle { key_update } => requested |= *key_update == Some(true),
+                    NoData::Aborted => {
+                        end = Some(&[ConnectionAborted]);
+                        break;
+                    }
+                    NoData::Refused => {
+                        end = Some(&[InvalidData]);
+                        break;
+                    }
+                }
             }
         }
     }

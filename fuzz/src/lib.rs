@@ -1,5 +1,5 @@
 //! Fuzz target bodies, in one place: derp-proto's parsers (the PROXY protocol's among them),
-//! derp-io's ClientHello check, and
+//! derp-io's ClientHello check and TLS record layer, and
 //! (in [`relay`]) a live derp-server fed a hostile connection's bytes.
 //!
 //! Each target is a plain `fn(&[u8])` that panics when an invariant breaks. The libFuzzer
@@ -19,6 +19,7 @@ pub mod info;
 pub mod keys;
 pub mod proxy;
 pub mod rate_config;
+pub mod records;
 pub mod relay;
 pub mod stun;
 pub mod tls;
@@ -46,6 +47,8 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("server_stream", relay::server_stream),
     ("tls_client_hello", tls::tls_client_hello),
     ("proxy_protocol", proxy::proxy_protocol),
+    ("tls_records", records::tls_records),
+    ("tls_records_sealed", records::tls_records_sealed),
 ];
 
 /// Looks a target up by name.

@@ -13,4 +13,5 @@ mod metrics;
 mod quic;
 mod relay;
 mod tls;
+mod tls_records;
 mod vectors;

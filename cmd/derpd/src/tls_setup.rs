@@ -13,7 +13,7 @@ use clap::{Args, ValueEnum};
 use derp_server::Server;
 use derp_tls::{
     AcmeConfig, AcmeManager, ChallengeKind, ExternalAccount, GOOGLE_TRUST_SERVICES, IpCertManager,
-    LETS_ENCRYPT_PRODUCTION, ManualCerts, TlsFront, TlsOptions, load_certs_pem,
+    LETS_ENCRYPT_PRODUCTION, ManualCerts, TlsFront, TlsOptions, TlsRecords, load_certs_pem,
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +64,24 @@ pub(crate) enum AcmeChallenge {
     Http01,
 }
 
+/// Who seals and opens TLS 1.3 records after rustls's handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum TlsRecordsArg {
+    /// derpd's own record layer: the least memory per idle connection and CPU per packet.
+    Derpd,
+    /// rustls's buffered connection, as TLS 1.2 is served.
+    Rustls,
+}
+
+impl From<TlsRecordsArg> for TlsRecords {
+    fn from(arg: TlsRecordsArg) -> Self {
+        match arg {
+            TlsRecordsArg::Derpd => Self::Derpd,
+            TlsRecordsArg::Rustls => Self::Rustls,
+        }
+    }
+}
+
 /// TLS flags, flattened into the main command line.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "TLS (served when --addr's port is 443 or --certmode is manual)")]
@@ -111,6 +129,13 @@ pub(crate) struct TlsArgs {
     /// reloads). 0 disables the check.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub(crate) cert_reload_interval: Duration,
+
+    /// Who seals and opens the records of TLS 1.3 connections after rustls's handshake:
+    /// derpd's own record layer, or rustls's buffered connection (as TLS 1.2 is served; more
+    /// memory per idle connection and CPU per packet). rustls is the way out for a client
+    /// that does not get along with derpd's record layer, without a rebuild.
+    #[arg(long, value_enum, default_value_t = TlsRecordsArg::Derpd)]
+    pub(crate) tls_records: TlsRecordsArg,
 }
 
 impl TlsArgs {
@@ -150,8 +175,12 @@ pub(crate) async fn run_tls(
     let options = TlsOptions {
         ip_certs: extras.ip_certs,
         http_port_proxy_protocol: server.proxy_protocol(),
+        records: args.tls_records.into(),
         ..TlsOptions::new(args.hostname.clone())
     };
+    if options.records == TlsRecords::Rustls {
+        info!("TLS 1.3 records sealed and opened by rustls (--tls-records rustls)");
+    }
     let front = TlsFront::new(&server.public_key(), options, registry).context("setting up tls")?;
     // An IP-only node has no hostname certificate to wait for: its certificates come on
     // demand, one per address clients connect to.
@@ -414,6 +443,7 @@ mod tests {
             acme_challenge: AcmeChallenge::Auto,
             http_port: 80,
             cert_reload_interval: Duration::from_secs(10),
+            tls_records: TlsRecordsArg::Derpd,
         };
         assert!(args.tls_enabled(443));
         assert!(!args.tls_enabled(3340));
@@ -553,6 +583,29 @@ mod tests {
             acme(&["--certmode", "gcp", "--acme-ip-certs"]).expect_err("gcp"),
             "--acme-ip-certs requires --certmode=letsencrypt"
         );
+    }
+
+    #[test]
+    fn the_tls_records_flag_picks_the_record_layer() {
+        let parse = |args: &[&str]| {
+            crate::cli::Cli::try_parse_from([&["derpd"], args].concat())
+                .map(|cli| TlsRecords::from(cli.tls.tls_records))
+        };
+        assert_eq!(parse(&[]).expect("default"), TlsRecords::Derpd);
+        assert_eq!(
+            parse(&["--tls-records", "derpd"]).expect("derpd"),
+            TlsRecords::Derpd
+        );
+        assert_eq!(
+            parse(&["--tls-records", "rustls"]).expect("rustls"),
+            TlsRecords::Rustls
+        );
+        assert!(parse(&["--tls-records", "openssl"]).is_err());
+        // derper's one-dash style reaches it too.
+        let args = ["derpd", "-tls-records=rustls"].map(std::ffi::OsString::from);
+        let cli =
+            crate::cli::Cli::try_parse_from(crate::cli::derper_style_args(args)).expect("parses");
+        assert_eq!(cli.tls.tls_records, TlsRecordsArg::Rustls);
     }
 
     #[test]

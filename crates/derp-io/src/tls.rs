@@ -13,21 +13,35 @@
 //! connection holds no record buffer in either direction ([`TlsRead::release_idle`],
 //! [`TlsWrite::shrink_idle`]), and its reader can wait for the socket to become readable
 //! without reading. Key updates work both ways: a peer's KeyUpdate is followed (and answered
-//! when it asks), and the sending side updates its own key long before the AEAD's
-//! confidentiality limit.
+//! before the next data when it asks), and the sending side updates its own key before the
+//! negotiated suite's confidentiality limit, as rustls gives it. The three TLS 1.3 suites
+//! rustls offers are implemented ([`SUPPORTED_SUITES`]); a server config must offer no
+//! other. A peer's records are held to RFC 8446 as rustls holds them: a run of more than
+//! 32 records without data is refused, a user_canceled warning is passed over, close_notify
+//! ends the stream (as does the end of the stream between records).
 //!
 //! What it does not do: TLS 1.2 (a client that cannot speak TLS 1.3 is served by rustls's
-//! buffered connection instead), early data (not enabled), the client side, or alerts after
-//! the handshake: a failed handshake sends the alert rustls chose, but a connection that
-//! breaks the protocol later is closed, the error returned to the caller.
+//! buffered connection instead), early data (not enabled), the client side, handshake
+//! messages split over records after the handshake (a KeyUpdate must come whole, as every
+//! library sends it), or alerts after the handshake: a failed handshake sends the alert
+//! rustls chose, but a connection that breaks the protocol later is closed, the error
+//! returned to the caller.
+//!
+//! With the cargo feature `fuzzing`, the module `fuzzing` opens records under known secrets without a
+//! socket, for the fuzz targets; nothing that serves enables it.
 
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 mod handshake;
 mod hello;
+#[cfg(any(test, feature = "fuzzing"))]
+mod known;
 mod record;
 mod stream;
 
 pub use handshake::{AcceptError, Accepted, accept};
 pub use hello::{ClientHello, MAX_CLIENT_HELLO};
+pub use record::{SUPPORTED_SUITES, supports};
 pub use stream::{TlsRead, TlsStream, TlsWrite};
 
 #[cfg(test)]

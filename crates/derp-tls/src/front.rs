@@ -75,6 +75,31 @@ pub struct TlsOptions {
     /// for the first one to be issued. Clients naming the hostname get the hostname's
     /// certificate as before.
     pub ip_certs: bool,
+    /// Who seals and opens the records of TLS 1.3 connections; see [`TlsRecords`].
+    pub records: TlsRecords,
+}
+
+/// Who seals and opens the records of TLS 1.3 connections once rustls has run the
+/// handshake. TLS 1.2 connections are always rustls's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TlsRecords {
+    /// derpd's own record layer ([`derp_io::tls`]): no record buffer in an idle connection,
+    /// halves split without a lock.
+    #[default]
+    Derpd,
+    /// rustls's buffered connection, as TLS 1.2 connections are served: the way back for an
+    /// operator who meets a client the record layer does not get along with.
+    Rustls,
+}
+
+impl TlsRecords {
+    /// The name of the `derp_tls_connections_by_record_layer` label and of derpd's flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Derpd => "derpd",
+            Self::Rustls => "rustls",
+        }
+    }
 }
 
 impl TlsOptions {
@@ -87,6 +112,7 @@ impl TlsOptions {
             http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
             http_port_proxy_protocol: None,
             ip_certs: false,
+            records: TlsRecords::default(),
         }
     }
 }
@@ -196,6 +222,7 @@ fn offers_alpn(hello: &ClientHello<'_>, proto: &[u8]) -> bool {
 struct TlsMetrics {
     handshakes: IntCounterVec,
     versions: IntCounterVec,
+    record_layers: IntCounterVec,
     in_flight: IntGauge,
     not_after: IntGauge,
     http_port_accept_errors: IntCounter,
@@ -219,6 +246,17 @@ impl TlsMetrics {
             ),
             &["version"],
         )?;
+        let record_layers = IntCounterVec::new(
+            Opts::new(
+                "derp_tls_connections_by_record_layer",
+                "Completed TLS handshakes by who seals and opens their records: derpd (TLS 1.3) \
+                 or rustls (TLS 1.2, and TLS 1.3 with --tls-records rustls)",
+            ),
+            &["layer"],
+        )?;
+        for layer in [TlsRecords::Derpd, TlsRecords::Rustls] {
+            record_layers.with_label_values(&[layer.name()]);
+        }
         let in_flight = IntGauge::new(
             "derp_tls_handshakes_in_flight",
             "TLS handshakes in progress",
@@ -238,12 +276,14 @@ impl TlsMetrics {
         )?;
         registry.register(Box::new(handshakes.clone()))?;
         registry.register(Box::new(versions.clone()))?;
+        registry.register(Box::new(record_layers.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(not_after.clone()))?;
         registry.register(Box::new(http_port_accept_errors.clone()))?;
         Ok(Self {
             handshakes,
             versions,
+            record_layers,
             in_flight,
             not_after,
             http_port_accept_errors,
@@ -294,7 +334,7 @@ impl TlsFront {
         registry: &Registry,
     ) -> Result<Self, TlsError> {
         let host = Host::parse(&options.hostname)?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = Arc::new(serving_provider(rustls::crypto::ring::default_provider()));
         let certs = Arc::new(CertState {
             host,
             current: ArcSwapOption::empty(),
@@ -306,7 +346,7 @@ impl TlsFront {
                 acme: !quic,
                 ip: None,
             };
-            server_config(&provider, resolver, alpn, quic)
+            server_config(&provider, resolver, alpn, quic, options.records)
         };
         let config = |alpn: &[&[u8]]| build(alpn, false);
         let (updates, _) = watch::channel(CertInfo {
@@ -441,7 +481,13 @@ impl TlsFront {
                     acme: false,
                     ip: Some((ip, cert.clone())),
                 };
-                server_config(&self.inner.provider, resolver, alpn, false)
+                server_config(
+                    &self.inner.provider,
+                    resolver,
+                    alpn,
+                    false,
+                    self.inner.options.records,
+                )
             };
             Ok(IpSlot {
                 plain: config(&[])?,
@@ -631,6 +677,14 @@ impl TlsFront {
                     Some(Ok(Ok(Ok(None)))) => "acme_validation",
                     Some(Ok(Ok(Ok(Some((transport, version)))))) => {
                         metrics.versions.with_label_values(&[version]).inc();
+                        let layer = match transport {
+                            Transport::Tls(_) => TlsRecords::Derpd,
+                            _ => TlsRecords::Rustls,
+                        };
+                        metrics
+                            .record_layers
+                            .with_label_values(&[layer.name()])
+                            .inc();
                         server.spawn_guarded(transport, remote, guard);
                         "ok"
                     }
@@ -656,8 +710,8 @@ impl TlsFront {
     /// A client that offers TLS 1.3 gets derpd's own record layer after rustls's handshake
     /// ([`derp_io::tls`]): no rustls buffers or connection state per connection, no lock
     /// between the halves, and a reader that can wait for the socket holding nothing. Any
-    /// other client (and any hello derpd's reader does not follow) is served by rustls's
-    /// buffered connection.
+    /// other client (and any hello derpd's reader does not follow), and every client with
+    /// [`TlsRecords::Rustls`], is served by rustls's buffered connection.
     async fn handshake(
         &self,
         mut tcp: TcpStream,
@@ -666,7 +720,9 @@ impl TlsFront {
         let local = tcp.local_addr()?.ip();
         let hello = tokio::time::timeout(self.inner.options.client_hello_timeout, async {
             match read_client_hello(&mut tcp, &mut received).await? {
-                derp_io::tls::ClientHello::Hello { tls13: true, alpn } => {
+                derp_io::tls::ClientHello::Hello { tls13: true, alpn }
+                    if self.inner.options.records == TlsRecords::Derpd =>
+                {
                     Ok::<_, io::Error>(Hello::Tls13(alpn))
                 }
                 _ => Ok(Hello::Rustls(Box::new(
@@ -740,6 +796,7 @@ fn server_config(
     resolver: Resolver,
     alpn: &[&[u8]],
     quic: bool,
+    records: TlsRecords,
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let versions: &[&rustls::SupportedProtocolVersion] = if quic {
         &[&rustls::version::TLS13]
@@ -752,7 +809,7 @@ fn server_config(
         .with_cert_resolver(Arc::new(resolver));
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     // TLS 1.3 connections hand their traffic keys to derpd's record layer.
-    config.enable_secret_extraction = !quic;
+    config.enable_secret_extraction = !quic && records == TlsRecords::Derpd;
     Ok(Arc::new(config))
 }
 
@@ -803,6 +860,16 @@ pub(crate) fn unmap(ip: IpAddr) -> IpAddr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
     }
+}
+
+/// `base` with only the TLS 1.3 suites derpd's record layer seals and opens
+/// ([`derp_io::tls::SUPPORTED_SUITES`]): another provider, or a new suite in this one, cannot
+/// make a handshake settle on a suite whose records nothing here can open. TLS 1.2 suites
+/// are rustls's to serve and stay as they are.
+fn serving_provider(mut base: CryptoProvider) -> CryptoProvider {
+    base.cipher_suites
+        .retain(|s| s.tls13().is_none() || derp_io::tls::supports(s.suite()));
+    base
 }
 
 /// Which handshake a ClientHello gets.
@@ -877,6 +944,91 @@ struct Evicted;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every config a front serves offers exactly the TLS 1.3 suites derpd's record layer
+    /// implements, and hands the keys over only when the record layer is to take them.
+    #[test]
+    fn the_served_configs_offer_the_record_layers_suites() {
+        let key = derp_testkit::server_secret().public_key();
+        for records in [TlsRecords::Derpd, TlsRecords::Rustls] {
+            let options = TlsOptions {
+                records,
+                ..TlsOptions::new("derp.test")
+            };
+            let front = TlsFront::new(&key, options, &Registry::new()).expect("front");
+            let inner = &front.inner;
+            for (config, tcp) in [
+                (&inner.config_http11, true),
+                (&inner.config_plain, true),
+                (&inner.config_acme, true),
+                (&inner.config_quic, false),
+            ] {
+                let offered: Vec<_> = config
+                    .crypto_provider()
+                    .cipher_suites
+                    .iter()
+                    .filter(|s| s.tls13().is_some())
+                    .map(|s| s.suite())
+                    .collect();
+                assert_eq!(offered.len(), derp_io::tls::SUPPORTED_SUITES.len());
+                assert!(
+                    offered.iter().all(|s| derp_io::tls::supports(*s)),
+                    "{offered:?}"
+                );
+                assert_eq!(
+                    config.enable_secret_extraction,
+                    tcp && records == TlsRecords::Derpd
+                );
+            }
+        }
+    }
+
+    /// A TLS 1.3 suite the record layer does not implement, added to the provider, is
+    /// left out of what is served; TLS 1.2 suites stay.
+    #[test]
+    fn a_tls13_suite_the_record_layer_lacks_is_never_offered() {
+        let mut provider = rustls::crypto::ring::default_provider();
+        let tls12 = provider
+            .cipher_suites
+            .iter()
+            .filter(|s| s.tls13().is_none())
+            .count();
+        let base = rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256
+            .tls13()
+            .expect("a TLS 1.3 suite");
+        let ccm = rustls::Tls13CipherSuite {
+            common: rustls::CipherSuiteCommon {
+                suite: rustls::CipherSuite::TLS13_AES_128_CCM_SHA256,
+                hash_provider: base.common.hash_provider,
+                confidentiality_limit: base.common.confidentiality_limit,
+            },
+            hkdf_provider: base.hkdf_provider,
+            aead_alg: base.aead_alg,
+            quic: base.quic,
+        };
+        provider.cipher_suites.insert(
+            0,
+            rustls::SupportedCipherSuite::Tls13(Box::leak(Box::new(ccm))),
+        );
+        let served = serving_provider(provider);
+        let tls13: Vec<_> = served
+            .cipher_suites
+            .iter()
+            .filter(|s| s.tls13().is_some())
+            .map(|s| s.suite())
+            .collect();
+        assert_eq!(tls13.len(), 3, "{tls13:?}");
+        assert!(
+            tls13.iter().all(|s| derp_io::tls::supports(*s)),
+            "{tls13:?}"
+        );
+        let kept = served
+            .cipher_suites
+            .iter()
+            .filter(|s| s.tls13().is_none())
+            .count();
+        assert_eq!(kept, tls12);
+    }
 
     #[test]
     fn hosts_parse_and_match_sni() {

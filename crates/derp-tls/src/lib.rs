@@ -8,8 +8,9 @@
 //!   one's header first), runs the rustls handshake (TLS 1.2 minimum) with a deadline,
 //!   and hands the decrypted stream to
 //!   [`Server::spawn_guarded`](derp_server::Server::spawn_guarded): for a TLS 1.3 client,
-//!   derp-io's record layer on the keys rustls negotiated; for a TLS 1.2 client, rustls's
-//!   buffered stream. Every served
+//!   derp-io's record layer on the keys rustls negotiated (offering only the suites it
+//!   implements); for a TLS 1.2 client, and for every client with [`TlsRecords::Rustls`],
+//!   rustls's buffered stream. Every served
 //!   chain ends with the DERP meta certificate ([`meta_certificate`]) so Tailscale clients on
 //!   TLS 1.3 can use fast start.
 //! - [`ManualCerts`] serves `<certdir>/<hostname>.crt|.key`, reloads them when they change
@@ -61,7 +62,7 @@ pub use certs::{
 };
 pub use front::{
     CertInfo, CertOrigin, DEFAULT_CLIENT_HELLO_TIMEOUT, DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
-    DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront, TlsOptions,
+    DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront, TlsOptions, TlsRecords,
 };
 pub use ipcert::{IpCertManager, SHORT_LIVED_PROFILE};
 pub use meta::meta_certificate;

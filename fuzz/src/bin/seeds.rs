@@ -584,6 +584,82 @@ fn main() {
     v1.extend_from_slice(b"GET /derp HTTP/1.1\r\nUpgrade: DERP\r\n\r\n");
     add("proxy_protocol", "hand-v1-then-upgrade".into(), v1);
 
+    // The record layer: `suite | chunk seed (8) | ...`, one seed of each kind per suite.
+    for suite_byte in 0..3u8 {
+        use derp_fuzz::records::{Sealer, peer_secret, suite};
+        let suite = suite(suite_byte);
+        let name = format!("{suite:?}").to_lowercase();
+        let prefix = [suite_byte, 1, 2, 3, 4, 5, 6, 7, 8];
+        // Raw records: data of several sizes (empty and padded too), a KeyUpdate asking for
+        // one back, data under the next key, close_notify.
+        let mut sealer = Sealer::new(peer_secret(suite));
+        let mut stream = Vec::new();
+        for (len, padding) in [(0, 0), (1, 0), (100, 7), (1 << 14, 0), (0, 40)] {
+            stream.extend(sealer.data(&vec![b'd'; len], padding));
+        }
+        stream.extend(sealer.key_update(1));
+        stream.extend(sealer.data(b"under the next key", 0));
+        stream.extend(sealer.alert(1, 0));
+        add(
+            "tls_records",
+            format!("hand-{name}-records"),
+            with_prefix(&prefix, &stream),
+        );
+        // The same, cut inside the big record and with a byte of the third record changed.
+        let mut cut = stream[..2000].to_vec();
+        cut[140] ^= 0x20;
+        add(
+            "tls_records",
+            format!("hand-{name}-tampered-cut"),
+            with_prefix(&prefix, &cut),
+        );
+        // A run of 33 empty records.
+        let mut sealer = Sealer::new(peer_secret(suite));
+        let flood: Vec<u8> = (0..33).flat_map(|_| sealer.data(b"", 0)).collect();
+        add(
+            "tls_records",
+            format!("hand-{name}-empty-flood"),
+            with_prefix(&prefix, &flood),
+        );
+
+        // Programs (fuzz/src/records.rs): data (len, padding bytes), empty, KeyUpdate
+        // (request), alert (level, description), raw inner plaintext, tamper (record,
+        // offset, XOR), cut.
+        let program: &[u8] = &[
+            0, 0, 10, 3, 1, // 10 bytes, 3 of padding
+            2, 5, // an empty record, 5 of padding
+            3, 1, // KeyUpdate, update_requested
+            0, 0x40, 0x00, 0, 0, // 2^14 bytes
+            5, 3, b'h', b'i', 23, // raw: "hi", application data
+            4, 1, 90, // user_canceled warning
+            0, 0, 3, 0, 0, // 3 bytes
+            4, 1, 0, // close_notify
+        ];
+        add(
+            "tls_records_sealed",
+            format!("hand-{name}-program"),
+            with_prefix(&prefix, program),
+        );
+        let tampered = [program, &[6, 2, 0, 9, 0x80]].concat(); // the KeyUpdate's body
+        add(
+            "tls_records_sealed",
+            format!("hand-{name}-program-tampered"),
+            with_prefix(&prefix, &tampered),
+        );
+        let cut = [program, &[7, 0, 10]].concat(); // cut at byte 40
+        add(
+            "tls_records_sealed",
+            format!("hand-{name}-program-cut"),
+            with_prefix(&prefix, &cut),
+        );
+        let refused: &[u8] = &[3, 0, 3, 2, 0, 0, 1, 0, 0]; // a KeyUpdate with request 2
+        add(
+            "tls_records_sealed",
+            format!("hand-{name}-bad-key-update"),
+            with_prefix(&prefix, refused),
+        );
+    }
+
     let corpus = root.join("corpus");
     let mut total = 0;
     for (target, files) in &seeds {
@@ -599,7 +675,12 @@ fn main() {
         }
     }
     for (name, _) in derp_fuzz::TARGETS {
-        assert!(seeds.contains_key(name), "no seeds for target {name}");
+        // tls_client_hello's seeds are OpenSSL's ClientHellos, captured once and committed.
+        let committed = fs::read_dir(corpus.join(name)).is_ok_and(|mut d| d.next().is_some());
+        assert!(
+            seeds.contains_key(name) || committed,
+            "no seeds for target {name}"
+        );
     }
     println!("wrote {total} seeds under {}", corpus.display());
 }

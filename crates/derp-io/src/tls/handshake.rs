@@ -2,8 +2,7 @@
 //! from the socket, until it hands over the traffic keys.
 
 use std::io;
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use rustls::ProtocolVersion;
 use rustls::server::{ServerConfig, UnbufferedServerConnection};
@@ -11,8 +10,8 @@ use rustls::unbuffered::{ConnectionState, EncodeError, InsufficientSizeError, Un
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::record::{HEADER_LEN, KEY_UPDATE_AFTER, Keys, Shared};
-use super::stream::{TlsRead, TlsStream, TlsWrite};
+use super::record::{HEADER_LEN, Keys, Schedule, Shared, key_update_at, supports};
+use super::stream::{ReadState, TlsRead, TlsStream, TlsWrite};
 
 /// Why a TLS 1.3 handshake did not yield a stream.
 #[derive(Debug, thiserror::Error)]
@@ -52,13 +51,26 @@ pub struct Accepted {
 const MAX_HANDSHAKE_BUFFER: usize = 64 * 1024;
 
 /// Runs a TLS 1.3 server handshake on `tcp` under `config`, whose ClientHello (and whatever
-/// followed it) was read already into `received`. `config` must enable secret extraction.
+/// followed it) was read already into `received`. `config` must enable secret extraction,
+/// and should offer no TLS 1.3 suite outside [`SUPPORTED_SUITES`](super::SUPPORTED_SUITES).
 ///
 /// Application data the client sent with its last flight is kept for the stream to return.
+/// The stream updates its sending key before the negotiated suite's confidentiality limit.
 pub async fn accept(
+    tcp: TcpStream,
+    received: Vec<u8>,
+    config: Arc<ServerConfig>,
+) -> Result<Accepted, AcceptError> {
+    accept_with(tcp, received, config, None).await
+}
+
+/// [`accept`], with the records sealed under one sending key set to `records_per_key`
+/// instead of the suite's confidentiality limit (tests lower it to watch key updates).
+pub(super) async fn accept_with(
     mut tcp: TcpStream,
     mut received: Vec<u8>,
     config: Arc<ServerConfig>,
+    records_per_key: Option<u64>,
 ) -> Result<Accepted, AcceptError> {
     let mut conn = UnbufferedServerConnection::new(config)?;
     let mut outgoing: Vec<u8> = Vec::new();
@@ -139,26 +151,21 @@ pub async fn accept(
     }
     let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
     let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
+    let suite = kernel.negotiated_cipher_suite();
+    let limit = match suite.tls13() {
+        Some(tls13) if supports(suite.suite()) => tls13.common.confidentiality_limit,
+        _ => return Err(AcceptError::UnsupportedSuite),
+    };
     let rx = Keys::new(secrets.rx).ok_or(AcceptError::UnsupportedSuite)?;
     let tx = Keys::new(secrets.tx).ok_or(AcceptError::UnsupportedSuite)?;
-    let shared = Arc::new(Shared {
-        kernel: Mutex::new(kernel),
-        update_requested: AtomicBool::new(false),
-    });
+    let shared = Arc::new(Shared::new(Schedule::Rustls(kernel)));
     let (r, w) = tcp.into_split();
     Ok(Accepted {
         stream: TlsStream {
             read: TlsRead {
                 half: r,
-                keys: rx,
                 // Records after the Finished, if any, are the record layer's to open.
-                buf: received,
-                pos: 0,
-                plain: 0..0,
-                closed: false,
-                error: None,
-                idle_records: 0,
-                shared: shared.clone(),
+                state: ReadState::new(rx, received, shared.clone()),
             },
             write: TlsWrite {
                 half: w,
@@ -166,7 +173,7 @@ pub async fn accept(
                 out: Vec::new(),
                 sent: 0,
                 shared,
-                update_after: KEY_UPDATE_AFTER,
+                update_at: key_update_at(records_per_key.unwrap_or(limit)),
                 close_sent: false,
             },
         },

@@ -7,18 +7,23 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use ring::aead::{
-    AES_128_GCM, AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
+    AES_128_GCM, AES_256_GCM, Aad, Algorithm, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
 };
-use rustls::ConnectionTrafficSecrets;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
+use rustls::{CipherSuite, ConnectionTrafficSecrets};
 
-use super::stream::{TlsRead, TlsWrite};
+use super::stream::{ReadState, TlsWrite};
 
 /// Record content types (RFC 8446, section 5.1).
 pub(super) const CONTENT_ALERT: u8 = 21;
 pub(super) const CONTENT_HANDSHAKE: u8 = 22;
 pub(super) const CONTENT_APPLICATION_DATA: u8 = 23;
+/// Alert levels and the closure alerts (RFC 8446, section 6).
+const ALERT_WARNING: u8 = 1;
+const ALERT_FATAL: u8 = 2;
+const ALERT_CLOSE_NOTIFY: u8 = 0;
+const ALERT_USER_CANCELED: u8 = 90;
 /// The handshake message type of KeyUpdate, the only one a TLS 1.3 server takes after the
 /// handshake.
 pub(super) const HANDSHAKE_KEY_UPDATE: u8 = 24;
@@ -29,17 +34,98 @@ pub(super) const TAG_LEN: usize = 16;
 pub(super) const MAX_FRAGMENT: usize = 16 * 1024;
 /// Largest ciphertext a peer may send per record (2^14 + 256).
 pub(super) const MAX_CIPHERTEXT: usize = MAX_FRAGMENT + 256;
-/// Records sealed under one key before the sender updates it: well below AES-GCM's
-/// confidentiality limit of 2^24.5 full-size records (RFC 8446, section 5.5).
-pub(super) const KEY_UPDATE_AFTER: u64 = 1 << 23;
-/// Records in a row without application data (empty records, key updates) a peer may send.
+/// Records sealed under one key at most, whatever the suite allows: short of where sequence
+/// numbers would wrap (rustls stops at the same point).
+const MAX_RECORDS_PER_KEY: u64 = 0xffff_ffff_ffff_0000;
+/// Records in a row without application data (empty records, key updates, user_canceled
+/// warnings) a peer may send. Each costs work and gives nothing, a KeyUpdate the most (a key
+/// derivation and a new AEAD key); a peer has no reason to send more than a few in a row.
+/// 32 is BoringSSL's bound on KeyUpdates between application data (`kMaxKeyUpdates`) and
+/// rustls's on KeyUpdates and on empty records alike, so no client those libraries serve
+/// is refused here.
 pub(super) const MAX_IDLE_RECORDS: u8 = 32;
+
+/// The TLS 1.3 suites this record layer seals and opens: the three AEADs rustls hands keys
+/// over for (AES-GCM with 128- and 256-bit keys, ChaCha20-Poly1305), all with a 12-byte
+/// nonce and a 16-byte tag. A server config must offer no other TLS 1.3 suite.
+pub const SUPPORTED_SUITES: [CipherSuite; 3] = [
+    CipherSuite::TLS13_AES_128_GCM_SHA256,
+    CipherSuite::TLS13_AES_256_GCM_SHA384,
+    CipherSuite::TLS13_CHACHA20_POLY1305_SHA256,
+];
+
+/// Whether the record layer seals and opens records of `suite` (see [`SUPPORTED_SUITES`]).
+pub fn supports(suite: CipherSuite) -> bool {
+    SUPPORTED_SUITES.contains(&suite)
+}
+
+/// The sequence number at which the sending side seals a KeyUpdate, given how many records
+/// one key may seal (a suite's confidentiality limit, RFC 8446 section 5.5, as rustls gives
+/// it): the KeyUpdate is the last record under the old key, so every key seals at most
+/// `records_per_key` records. At least one record of data goes under each key.
+pub(super) fn key_update_at(records_per_key: u64) -> u64 {
+    records_per_key
+        .min(MAX_RECORDS_PER_KEY)
+        .saturating_sub(1)
+        .max(1)
+}
 
 /// What both halves share: the key schedule (touched only on key updates) and whether the
 /// peer asked for a key update the sending half has yet to answer.
 pub(super) struct Shared {
-    pub(super) kernel: Mutex<KernelConnection<ServerConnectionData>>,
+    pub(super) schedule: Mutex<Schedule>,
     pub(super) update_requested: AtomicBool,
+}
+
+impl Shared {
+    pub(super) fn new(schedule: Schedule) -> Self {
+        Self {
+            schedule: Mutex::new(schedule),
+            update_requested: AtomicBool::new(false),
+        }
+    }
+
+    fn schedule(&self) -> std::sync::MutexGuard<'_, Schedule> {
+        self.schedule.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Where the next traffic keys come from when a key is updated.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "only tests and fuzzing have a second variant; it lives in the shared allocation"
+)]
+pub(super) enum Schedule {
+    /// rustls's key schedule, handed over with the traffic keys after the handshake.
+    Rustls(KernelConnection<ServerConnectionData>),
+    /// RFC 8446's key schedule run here from known traffic secrets (tests and fuzzing).
+    #[cfg(any(test, feature = "fuzzing"))]
+    Known(super::known::KnownSchedule),
+}
+
+impl Schedule {
+    /// The peer's next key, after its KeyUpdate.
+    fn next_rx(&mut self) -> io::Result<Keys> {
+        match self {
+            Self::Rustls(kernel) => keys_for(kernel.update_rx_secret()),
+            #[cfg(any(test, feature = "fuzzing"))]
+            Self::Known(known) => Ok(known.next_rx()),
+        }
+    }
+
+    /// This side's next key, after its KeyUpdate.
+    fn next_tx(&mut self) -> io::Result<Keys> {
+        match self {
+            Self::Rustls(kernel) => keys_for(kernel.update_tx_secret()),
+            #[cfg(any(test, feature = "fuzzing"))]
+            Self::Known(known) => Ok(known.next_tx()),
+        }
+    }
+}
+
+fn keys_for(update: Result<(u64, ConnectionTrafficSecrets), rustls::Error>) -> io::Result<Keys> {
+    Keys::new(update.map_err(protocol_error)?)
+        .ok_or_else(|| protocol_error("tls key update for another suite"))
 }
 
 impl std::fmt::Debug for Shared {
@@ -64,6 +150,7 @@ impl std::fmt::Debug for Keys {
 }
 
 impl Keys {
+    /// The keys rustls handed over, if their AEAD is one this layer implements.
     pub(super) fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> Option<Self> {
         let (alg, key, iv) = match &secrets {
             ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
@@ -71,9 +158,19 @@ impl Keys {
             ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
             _ => return None,
         };
+        Self::from_parts(alg, key.as_ref(), iv.as_ref(), seq)
+    }
+
+    /// Keys for `alg` from raw key and IV bytes; `None` if their lengths are wrong.
+    pub(super) fn from_parts(
+        alg: &'static Algorithm,
+        key: &[u8],
+        iv: &[u8],
+        seq: u64,
+    ) -> Option<Self> {
         Some(Self {
-            key: LessSafeKey::new(UnboundKey::new(alg, key.as_ref()).ok()?),
-            iv: iv.as_ref().try_into().ok()?,
+            key: LessSafeKey::new(UnboundKey::new(alg, key).ok()?),
+            iv: iv.try_into().ok()?,
             seq,
         })
     }
@@ -103,7 +200,7 @@ pub(super) enum Opened {
     NeedMore(usize),
 }
 
-impl TlsRead {
+impl ReadState {
     /// Opens the record at `pos`, if it is all here.
     pub(super) fn open_next(&mut self) -> io::Result<Opened> {
         let avail = &self.buf[self.pos..];
@@ -117,6 +214,11 @@ impl TlsRead {
                 "unexpected tls record type {} after the handshake",
                 header[0]
             )));
+        }
+        // Every TLS 1.3 record after the ClientHello says TLS 1.2 (RFC 8446, section 5.1);
+        // rustls and OpenSSL refuse any other.
+        if header[1..3] != [3, 3] {
+            return Err(protocol_error("unexpected tls record version"));
         }
         if len > MAX_CIPHERTEXT {
             return Err(protocol_error("tls record overflow"));
@@ -147,10 +249,16 @@ impl TlsRead {
             return Err(protocol_error("tls record without a content type"));
         };
         // Records that carry no data (empty ones, key updates) cost work and give nothing:
-        // a run of them is cut off, as rustls does.
+        // a run of them is cut off, as rustls does. close_notify ends the stream whatever
+        // came before it.
+        let close_notify = content[last] == CONTENT_ALERT
+            && matches!(
+                content[..last],
+                [ALERT_WARNING | ALERT_FATAL, ALERT_CLOSE_NOTIFY]
+            );
         if content[last] == CONTENT_APPLICATION_DATA && last > 0 {
             self.idle_records = 0;
-        } else {
+        } else if !close_notify {
             self.idle_records += 1;
             if self.idle_records > MAX_IDLE_RECORDS {
                 return Err(protocol_error("too many tls records without data"));
@@ -159,8 +267,11 @@ impl TlsRead {
         match content[last] {
             CONTENT_APPLICATION_DATA => self.plain = start..start + last,
             CONTENT_ALERT => match content[..last] {
-                // close_notify, at whatever level the peer gave it.
-                [_, 0] => self.closed = true,
+                _ if close_notify => self.closed = true,
+                // A closure alert that close_notify should follow (RFC 8446, section 6.1),
+                // sent as a warning by some clients before close_notify: passed over, as
+                // rustls does, and counted with the records that carry no data.
+                [ALERT_WARNING, ALERT_USER_CANCELED] => {}
                 [_, description] => {
                     return Err(io::Error::new(
                         io::ErrorKind::ConnectionAborted,
@@ -184,15 +295,7 @@ impl TlsRead {
     fn handshake_message(&mut self, range: Range<usize>) -> io::Result<()> {
         match self.buf[range] {
             [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request @ (0 | 1)] => {
-                let update = self
-                    .shared
-                    .kernel
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .update_rx_secret()
-                    .map_err(protocol_error)?;
-                self.keys = Keys::new(update)
-                    .ok_or_else(|| protocol_error("tls key update for another suite"))?;
+                self.keys = self.shared.schedule().next_rx()?;
                 if request == 1 {
                     self.shared.update_requested.store(true, Ordering::Release);
                 }
@@ -262,12 +365,13 @@ impl TlsWrite {
     }
 
     /// Sends a KeyUpdate and moves to the next key when the peer asked for one or this key
-    /// has sealed enough records.
+    /// has sealed all the records but the KeyUpdate that it may. Called before every record
+    /// of data.
     pub(super) fn update_key_if_due(&mut self) -> io::Result<()> {
         // A load first: the flag is shared with the reading half, and almost always clear.
         let requested = self.shared.update_requested.load(Ordering::Acquire)
             && self.shared.update_requested.swap(false, Ordering::AcqRel);
-        if !requested && self.keys.seq < self.update_after {
+        if !requested && self.keys.seq < self.update_at {
             return Ok(());
         }
         // update_not_requested: this side's update needs no answer.
@@ -278,15 +382,7 @@ impl TlsWrite {
             0,
             message.len(),
         )?;
-        let update = self
-            .shared
-            .kernel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .update_tx_secret()
-            .map_err(protocol_error)?;
-        self.keys =
-            Keys::new(update).ok_or_else(|| protocol_error("tls key update for another suite"))?;
+        self.keys = self.shared.schedule().next_tx()?;
         Ok(())
     }
 }

@@ -83,6 +83,13 @@ impl AsyncWrite for TlsStream {
 /// The receiving half: opens records in place in its buffer and hands their plaintext over.
 pub struct TlsRead {
     pub(super) half: OwnedReadHalf,
+    pub(super) state: ReadState,
+}
+
+/// The receiving half without its socket: the record buffer, the peer's key and what the
+/// peer's records said so far. Reads go through [`ReadState::poll_read_with`], whose caller
+/// supplies the socket read.
+pub(super) struct ReadState {
     pub(super) keys: Keys,
     /// Bytes from the socket; before `pos`, records already opened (their plaintext in
     /// place), from `pos`, records not opened yet.
@@ -90,7 +97,7 @@ pub struct TlsRead {
     pub(super) pos: usize,
     /// The part of `buf` holding plaintext not handed over yet.
     pub(super) plain: Range<usize>,
-    /// The peer sent close_notify.
+    /// The peer sent close_notify, or ended the stream between records.
     pub(super) closed: bool,
     /// A record failed after earlier records' plaintext was handed over; the next read
     /// returns it.
@@ -103,6 +110,12 @@ pub struct TlsRead {
 // Lengths only: the buffers hold plaintext.
 impl std::fmt::Debug for TlsRead {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.state.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for ReadState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TlsRead")
             .field("buffered", &(self.buf.len() - self.pos))
             .field("plaintext", &self.plain.len())
@@ -113,6 +126,45 @@ impl std::fmt::Debug for TlsRead {
 }
 
 impl TlsRead {
+    /// Ready when a read would make progress: something is buffered, or the socket is
+    /// readable. Holds no state of its own while it waits.
+    pub fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.state.has_buffered() {
+            return Poll::Ready(Ok(()));
+        }
+        let stream: &TcpStream = self.half.as_ref();
+        stream.poll_read_ready(cx)
+    }
+
+    /// [`TlsRead::poll_ready`], with the socket's readiness checked by a peek (see
+    /// [`crate::ReadHalf::poll_readable`]).
+    pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.state.has_buffered() {
+            return Poll::Ready(Ok(()));
+        }
+        crate::poll_peek_one(self.half.as_ref(), cx)
+    }
+
+    /// Gives back the record buffer when nothing is in it, so an idle connection holds none.
+    pub fn release_idle(&mut self) {
+        self.state.release_idle();
+    }
+}
+
+impl ReadState {
+    pub(super) fn new(keys: Keys, buf: Vec<u8>, shared: Arc<Shared>) -> Self {
+        Self {
+            keys,
+            buf,
+            pos: 0,
+            plain: 0..0,
+            closed: false,
+            error: None,
+            idle_records: 0,
+            shared,
+        }
+    }
+
     /// Whether a read would return without touching the socket.
     fn has_buffered(&self) -> bool {
         if !self.plain.is_empty() || self.closed || self.error.is_some() {
@@ -123,69 +175,47 @@ impl TlsRead {
             && avail.len() >= HEADER_LEN + usize::from(u16::from_be_bytes([avail[3], avail[4]]))
     }
 
-    /// Ready when a read would make progress: something is buffered, or the socket is
-    /// readable. Holds no state of its own while it waits.
-    pub fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.has_buffered() {
-            return Poll::Ready(Ok(()));
-        }
-        let stream: &TcpStream = self.half.as_ref();
-        stream.poll_read_ready(cx)
-    }
-
-    /// [`TlsRead::poll_ready`], with the socket's readiness checked by a peek (see
-    /// [`crate::ReadHalf::poll_readable`]).
-    pub fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.has_buffered() {
-            return Poll::Ready(Ok(()));
-        }
-        crate::poll_peek_one(self.half.as_ref(), cx)
-    }
-
-    /// Gives back the record buffer when nothing is in it, so an idle connection holds none.
-    pub fn release_idle(&mut self) {
+    pub(super) fn release_idle(&mut self) {
         if self.plain.is_empty() && self.pos == self.buf.len() && self.buf.capacity() > 0 {
             self.buf = Vec::new();
             self.pos = 0;
             self.plain = 0..0;
         }
     }
-}
 
-impl AsyncRead for TlsRead {
-    /// Hands over the plaintext of as many buffered records as fit, reading from the socket
-    /// only when none is buffered: a sender's records, each often one small frame, reach the
-    /// caller together, as they would from a plain socket.
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
+    /// Hands over the plaintext of as many buffered records as fit, calling `fill` (one
+    /// read from the socket into the buffer's spare capacity, returning the bytes read, 0 at
+    /// the end of the stream) only when none is buffered: a sender's records, each often one
+    /// small frame, reach the caller together, as they would from a plain socket.
+    pub(super) fn poll_read_with(
+        &mut self,
         out: &mut ReadBuf<'_>,
+        mut fill: impl FnMut(&mut Vec<u8>) -> Poll<io::Result<usize>>,
     ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if let Some(e) = this.error.take() {
+        if let Some(e) = self.error.take() {
             return Poll::Ready(Err(e));
         }
         let mut copied = false;
         loop {
-            if !this.plain.is_empty() {
-                let n = this.plain.len().min(out.remaining());
-                out.put_slice(&this.buf[this.plain.start..this.plain.start + n]);
-                this.plain.start += n;
+            if !self.plain.is_empty() {
+                let n = self.plain.len().min(out.remaining());
+                out.put_slice(&self.buf[self.plain.start..self.plain.start + n]);
+                self.plain.start += n;
                 copied = true;
                 if out.remaining() == 0 {
                     return Poll::Ready(Ok(()));
                 }
                 continue;
             }
-            if this.closed {
+            if self.closed {
                 return Poll::Ready(Ok(()));
             }
-            let need = match this.open_next() {
+            let need = match self.open_next() {
                 Ok(Opened::Record) => continue,
                 Ok(Opened::NeedMore(need)) => need,
                 // What was handed over stands; the error comes with the next read.
                 Err(e) if copied => {
-                    this.error = Some(e);
+                    self.error = Some(e);
                     return Poll::Ready(Ok(()));
                 }
                 Err(e) => return Poll::Ready(Err(e)),
@@ -194,24 +224,20 @@ impl AsyncRead for TlsRead {
                 return Poll::Ready(Ok(()));
             }
             // Everything before `pos` is handed over: make room at the front.
-            if this.pos > 0 {
-                this.buf.drain(..this.pos);
-                this.pos = 0;
-                this.plain = 0..0;
+            if self.pos > 0 {
+                self.buf.drain(..self.pos);
+                self.pos = 0;
+                self.plain = 0..0;
             }
-            let missing = need - this.buf.len();
-            if this.buf.capacity() - this.buf.len() < missing.max(READ_CHUNK / 8) {
-                this.buf.reserve(missing.max(READ_CHUNK));
+            let missing = need - self.buf.len();
+            if self.buf.capacity() - self.buf.len() < missing.max(READ_CHUNK / 8) {
+                self.buf.reserve(missing.max(READ_CHUNK));
             }
-            let n = ready!(tokio_util::io::poll_read_buf(
-                Pin::new(&mut this.half),
-                cx,
-                &mut this.buf
-            ))?;
+            let n = ready!(fill(&mut self.buf))?;
             if n == 0 {
-                if this.buf.is_empty() {
+                if self.buf.is_empty() {
                     // The peer closed without close_notify; nothing was cut short.
-                    this.closed = true;
+                    self.closed = true;
                     return Poll::Ready(Ok(()));
                 }
                 return Poll::Ready(Err(io::Error::new(
@@ -223,6 +249,19 @@ impl AsyncRead for TlsRead {
     }
 }
 
+impl AsyncRead for TlsRead {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let Self { half, state } = self.get_mut();
+        state.poll_read_with(out, |buf| {
+            tokio_util::io::poll_read_buf(Pin::new(&mut *half), cx, buf)
+        })
+    }
+}
+
 /// The sending half: seals what it is given into records in its buffer and writes them.
 pub struct TlsWrite {
     pub(super) half: OwnedWriteHalf,
@@ -231,8 +270,8 @@ pub struct TlsWrite {
     pub(super) out: Vec<u8>,
     pub(super) sent: usize,
     pub(super) shared: Arc<Shared>,
-    /// Records sealed under one key before this side updates it.
-    pub(super) update_after: u64,
+    /// The sequence number at which this side seals a KeyUpdate and moves to a new key.
+    pub(super) update_at: u64,
     pub(super) close_sent: bool,
 }
 
@@ -297,9 +336,9 @@ impl AsyncWrite for TlsWrite {
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
-        this.update_key_if_due()?;
         let mut taken = 0;
         while taken < total {
+            this.update_key_if_due()?;
             let len = (total - taken).min(MAX_FRAGMENT);
             this.seal(CONTENT_APPLICATION_DATA, bufs, taken, len)?;
             taken += len;
@@ -326,6 +365,7 @@ impl AsyncWrite for TlsWrite {
         let this = self.get_mut();
         if !this.close_sent {
             ready!(this.poll_drain(cx))?;
+            this.update_key_if_due()?;
             // Level warning, description close_notify.
             let alert = [1, 0];
             this.seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())?;

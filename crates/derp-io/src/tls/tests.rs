@@ -1,6 +1,13 @@
+//! The record layer's tests: against rustls's client here and in `suites` (every suite),
+//! against OpenSSL's in `openssl`, and beside rustls's own server in `differential`.
+
+mod differential;
+mod openssl;
+mod suites;
+
 use std::io::{self, Read as _, Write as _};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Waker};
 
 use ring::aead::Aad;
@@ -12,10 +19,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream as ClientStream;
 
+use super::fuzzing::{Suite, TrafficSecret};
 use super::hello::MAX_HELLO_RECORDS;
 use super::record::{
-    CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN, Keys,
-    MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
+    CONTENT_ALERT, CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN,
+    Keys, MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
 };
 use super::*;
 
@@ -69,6 +77,16 @@ async fn pair() -> (TlsStream, ClientStream<TcpStream>) {
 
 /// A handshake between a tokio-rustls client with `config` and [`accept`] under `pki`.
 async fn handshake(pki: &Pki, config: Arc<ClientConfig>) -> (TlsStream, ClientStream<TcpStream>) {
+    handshake_with(pki, config, None).await
+}
+
+/// [`handshake`], with the server's sending key updated after `records_per_key` records
+/// instead of the suite's limit.
+async fn handshake_with(
+    pki: &Pki,
+    config: Arc<ClientConfig>,
+    records_per_key: Option<u64>,
+) -> (TlsStream, ClientStream<TcpStream>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let connector = TlsConnector::from(config);
@@ -82,12 +100,208 @@ async fn handshake(pki: &Pki, config: Arc<ClientConfig>) -> (TlsStream, ClientSt
         },
         async {
             let (tcp, _) = listener.accept().await.expect("accept");
-            accept(tcp, Vec::new(), pki.server.clone())
+            handshake::accept_with(tcp, Vec::new(), pki.server.clone(), records_per_key)
                 .await
                 .expect("server handshake")
         }
     );
     (server.stream, client)
+}
+
+/// A TLS 1.3 client that offers `suite` alone, logging its traffic secrets to `log`.
+fn suite_client(pki: &Pki, suite: Suite, log: Arc<SecretLog>) -> Arc<ClientConfig> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .retain(|s| s.suite() == suite.cipher_suite());
+    assert_eq!(
+        provider.cipher_suites.len(),
+        1,
+        "{suite:?} in ring's provider"
+    );
+    let mut roots = RootCertStore::empty();
+    roots.add(pki.root.clone()).expect("root");
+    let mut config = ClientConfig::builder_with_provider(Arc::new(provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.key_log = log;
+    Arc::new(config)
+}
+
+/// The traffic secrets a client logged (the SSLKEYLOGFILE labels).
+#[derive(Debug, Default)]
+struct SecretLog(Mutex<Vec<(String, Vec<u8>)>>);
+
+impl rustls::KeyLog for SecretLog {
+    fn log(&self, label: &str, _client_random: &[u8], secret: &[u8]) {
+        let mut log = self.0.lock().expect("log");
+        log.push((label.to_owned(), secret.to_vec()));
+    }
+}
+
+impl SecretLog {
+    fn secret(&self, suite: Suite, label: &str) -> TrafficSecret {
+        let log = self.0.lock().expect("log");
+        let (_, bytes) = log
+            .iter()
+            .find(|(l, _)| l == label)
+            .unwrap_or_else(|| panic!("no {label} logged"));
+        TrafficSecret::new(suite, bytes).expect("secret length")
+    }
+}
+
+/// A client's raw socket after a rustls client's handshake, and the traffic secrets it
+/// logged, to send records no TLS library would and to read the server's records as sent.
+struct Peer {
+    tcp: TcpStream,
+    tx: TrafficSecret,
+    tx_keys: Keys,
+    rx: TrafficSecret,
+    rx_keys: Keys,
+    /// The server's key before its last KeyUpdate, as it ended (its `seq` the records it
+    /// sealed).
+    rx_keys_before: Keys,
+    received: Vec<u8>,
+}
+
+/// What the server sent, record by record (session tickets left out).
+#[derive(Debug, PartialEq, Eq)]
+enum Sent {
+    Data(Vec<u8>),
+    /// A KeyUpdate, and whether it asked for one back; the peer now opens under the next key.
+    KeyUpdate(bool),
+    Alert(u8, u8),
+    /// The end of the stream.
+    End,
+}
+
+/// A handshake in `suite` between a rustls client and the server, which then hands the
+/// client's socket and secrets over as a [`Peer`].
+async fn peer_pair(pki: &Pki, suite: Suite, records_per_key: Option<u64>) -> (TlsStream, Peer) {
+    let log = Arc::new(SecretLog::default());
+    let config = suite_client(pki, suite, log.clone());
+    let (server, client) = handshake_with(pki, config, records_per_key).await;
+    (server, Peer::from_client(client, &log, suite))
+}
+
+impl Peer {
+    /// The raw side of a rustls client that has just finished its handshake in `suite`.
+    fn from_client(client: ClientStream<TcpStream>, log: &SecretLog, suite: Suite) -> Self {
+        // The client stopped reading with its Finished; everything the server sent after
+        // it, session tickets first, is still in the socket.
+        let (tcp, _) = client.into_inner();
+        let tx = log.secret(suite, "CLIENT_TRAFFIC_SECRET_0");
+        let rx = log.secret(suite, "SERVER_TRAFFIC_SECRET_0");
+        Self {
+            tcp,
+            tx_keys: tx.keys(0),
+            tx,
+            rx_keys: rx.keys(0),
+            rx_keys_before: rx.keys(0),
+            rx,
+            received: Vec::new(),
+        }
+    }
+}
+
+impl Peer {
+    /// A record whose inner plaintext is `inner` (content, type, padding).
+    fn seal(&mut self, inner: &[u8]) -> Vec<u8> {
+        seal_raw(&mut self.tx_keys, inner)
+    }
+
+    /// A record of application data followed by `padding` zeros.
+    fn data(&mut self, data: &[u8], padding: usize) -> Vec<u8> {
+        let mut inner = data.to_vec();
+        inner.push(CONTENT_APPLICATION_DATA);
+        inner.resize(inner.len() + padding, 0);
+        self.seal(&inner)
+    }
+
+    /// A KeyUpdate, after which this side seals under its next key.
+    fn key_update(&mut self, requested: bool) -> Vec<u8> {
+        let record = self.seal(&[
+            HANDSHAKE_KEY_UPDATE,
+            0,
+            0,
+            1,
+            u8::from(requested),
+            CONTENT_HANDSHAKE,
+        ]);
+        self.tx = self.tx.next();
+        self.tx_keys = self.tx.keys(0);
+        record
+    }
+
+    /// A close_notify alert.
+    fn close_notify(&mut self) -> Vec<u8> {
+        self.seal(&[1, 0, CONTENT_ALERT])
+    }
+
+    async fn send(&mut self, records: &[u8]) {
+        self.tcp.write_all(records).await.expect("peer write");
+    }
+
+    /// The server's next record, opened; follows the server's KeyUpdates.
+    async fn recv(&mut self) -> Sent {
+        const NEW_SESSION_TICKET: u8 = 4;
+        loop {
+            while self.received.len() < HEADER_LEN
+                || self.received.len()
+                    < HEADER_LEN
+                        + usize::from(u16::from_be_bytes([self.received[3], self.received[4]]))
+            {
+                let mut chunk = [0u8; 4096];
+                // A reset (the server closed with bytes unread) ends the stream too.
+                let n = self.tcp.read(&mut chunk).await.unwrap_or(0);
+                if n == 0 {
+                    assert!(self.received.is_empty(), "the server cut a record short");
+                    return Sent::End;
+                }
+                self.received.extend_from_slice(&chunk[..n]);
+            }
+            let len = usize::from(u16::from_be_bytes([self.received[3], self.received[4]]));
+            let mut record: Vec<u8> = self.received.drain(..HEADER_LEN + len).collect();
+            let header: [u8; HEADER_LEN] = record[..HEADER_LEN].try_into().expect("header");
+            assert_eq!(
+                header[..3],
+                [CONTENT_APPLICATION_DATA, 3, 3],
+                "outer header"
+            );
+            let nonce = self.rx_keys.nonce();
+            let inner = self
+                .rx_keys
+                .key
+                .open_in_place(nonce, Aad::from(header), &mut record[HEADER_LEN..])
+                .expect("the server's record opens")
+                .to_vec();
+            self.rx_keys.seq += 1;
+            let (&ty, content) = inner.split_last().expect("a content type");
+            match (ty, content) {
+                (CONTENT_APPLICATION_DATA, data) => return Sent::Data(data.to_vec()),
+                (CONTENT_HANDSHAKE, [NEW_SESSION_TICKET, ..]) => continue,
+                (CONTENT_HANDSHAKE, [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request]) => {
+                    self.rx = self.rx.next();
+                    self.rx_keys_before = std::mem::replace(&mut self.rx_keys, self.rx.keys(0));
+                    return Sent::KeyUpdate(*request == 1);
+                }
+                (CONTENT_ALERT, [level, description]) => return Sent::Alert(*level, *description),
+                other => panic!("unexpected record from the server: {other:?}"),
+            }
+        }
+    }
+}
+
+/// Whether the peer asked for a KeyUpdate the server has yet to send.
+fn update_requested(server: &TlsStream) -> bool {
+    server
+        .read
+        .state
+        .shared
+        .update_requested
+        .load(Ordering::Acquire)
 }
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -241,13 +455,13 @@ async fn a_clients_key_update_is_followed_and_answered() {
         .await
         .expect("read under the new key");
     assert_eq!(&buf, b"after");
-    assert!(server.read.shared.update_requested.load(Ordering::Acquire));
+    assert!(update_requested(&server));
 
     server.write_all(b"answer").await.expect("write");
     server.flush().await.expect("flush");
     // The KeyUpdate went out under the old key, the answer under the new one.
     assert_eq!(server.write.keys.seq, 1);
-    assert!(!server.read.shared.update_requested.load(Ordering::Acquire));
+    assert!(!update_requested(&server));
     let mut buf = [0u8; 6];
     client.read_exact(&mut buf).await.expect("client reads");
     assert_eq!(&buf, b"answer");
@@ -256,7 +470,7 @@ async fn a_clients_key_update_is_followed_and_answered() {
 #[tokio::test]
 async fn the_server_updates_its_key_before_the_limit() {
     let (mut server, mut client) = pair().await;
-    server.write.update_after = 3;
+    server.write.update_at = 3;
     let sent = pattern(10 * MAX_FRAGMENT);
     for chunk in sent.chunks(MAX_FRAGMENT) {
         server.write_all(chunk).await.expect("write");
@@ -319,6 +533,8 @@ async fn records_that_break_the_protocol_are_refused() {
         (vec![22, 3, 3, 0, 4, 24, 0, 0, 1], "record type"),
         // Longer than any record may be.
         (vec![23, 3, 3, 0x48, 0x01], "overflow"),
+        // A version other than TLS 1.2's in the header.
+        (vec![23, 3, 1, 0, 17], "version"),
         // Too short to hold a tag.
         (vec![23, 3, 3, 0, 3, 1, 2, 3], "too short"),
     ] {
@@ -352,11 +568,11 @@ async fn an_idle_connection_holds_no_record_buffers() {
     w.write_all(&pattern(50_000)).await.expect("write");
     w.flush().await.expect("flush");
     // A burst leaves both buffers allocated.
-    assert!(r.buf.capacity() > 0);
+    assert!(r.state.buf.capacity() > 0);
     assert!(w.out.capacity() > 0);
     r.release_idle();
     w.shrink_idle();
-    assert_eq!(r.buf.capacity(), 0);
+    assert_eq!(r.state.buf.capacity(), 0);
     assert_eq!(w.out.capacity(), 0);
 
     // Nothing buffered and nothing sent: not ready. Then the client writes, and it is.
@@ -570,4 +786,39 @@ async fn records_a_client_library_would_not_send_are_refused() {
         .expect("write");
     let e = read_error(&mut server).await;
     assert!(e.to_string().contains("handshake message"), "{e}");
+}
+
+#[tokio::test]
+async fn closure_alerts_end_the_stream_or_pass_as_rustls_has_them() {
+    const ALERT: u8 = 21;
+    // user_canceled as a warning, then data, then close_notify: the data, then a clean end.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut records = seal_raw(&mut keys, &[1, 90, ALERT]);
+    records.extend(seal_raw(&mut keys, b"still here\x17"));
+    records.extend(seal_raw(&mut keys, &[2, 0, ALERT]));
+    tcp.write_all(&records).await.expect("write");
+    let mut got = Vec::new();
+    server.read_to_end(&mut got).await.expect("a clean end");
+    assert_eq!(got, b"still here");
+
+    // close_notify ends the stream cleanly after as many records without data as are
+    // allowed.
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut records = Vec::new();
+    for _ in 0..MAX_IDLE_RECORDS {
+        records.extend(seal_raw(&mut keys, &[CONTENT_APPLICATION_DATA]));
+    }
+    records.extend(seal_raw(&mut keys, &[1, 0, ALERT]));
+    tcp.write_all(&records).await.expect("write");
+    assert_eq!(server.read_to_end(&mut got).await.expect("a clean end"), 0);
+
+    // user_canceled as a fatal alert, any other warning, and close_notify at a level that
+    // does not exist, are errors.
+    for alert in [[2, 90, ALERT], [1, 40, ALERT], [3, 0, ALERT]] {
+        let (mut server, mut tcp, mut keys) = sealing_pair().await;
+        tcp.write_all(&seal_raw(&mut keys, &alert))
+            .await
+            .expect("write");
+        read_error(&mut server).await;
+    }
 }

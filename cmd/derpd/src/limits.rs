@@ -307,10 +307,7 @@ const FALLBACK_BACKLOG: u32 = 4096;
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
-    use crate::cli::Cli;
 
     #[test]
     fn rate_config_reads_like_derper() {
@@ -336,7 +333,7 @@ mod tests {
 
     #[test]
     fn flags_parse_and_conflict() {
-        let cli = Cli::try_parse_from([
+        let cli = crate::cli::try_parse_from([
             "derpd",
             "--verify-client-url",
             "https://hs.example.com/verify",
@@ -368,8 +365,8 @@ mod tests {
             })
         );
         assert_eq!(config.limits.max_connections, Some(10_000));
-        let cli =
-            Cli::try_parse_from(["derpd", "--verify-client-url-fail-open=false"]).expect("ok");
+        let cli = crate::cli::try_parse_from(["derpd", "--verify-client-url-fail-open=false"])
+            .expect("ok");
         assert!(!cli.limits.verify_client_url_fail_open);
         for bad in [
             &["--rate-config", "/x", "--per-client-rate-limit", "5"][..],
@@ -381,7 +378,7 @@ mod tests {
             &["--listen-backlog", "0"],
         ] {
             let args = std::iter::once("derpd").chain(bad.iter().copied());
-            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+            assert!(crate::cli::try_parse_from(args).is_err(), "{bad:?}");
         }
     }
 

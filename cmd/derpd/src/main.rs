@@ -3,6 +3,7 @@
 mod check;
 mod cli;
 mod duration;
+mod goflags;
 mod keyfile;
 mod limits;
 mod tls_setup;
@@ -12,7 +13,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use clap::Parser as _;
 use derp_proto::{MeshKey, SecretKey};
 use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig};
 use tokio::net::TcpListener;
@@ -21,20 +21,22 @@ use tracing::info;
 use crate::cli::{Cli, LogFormat};
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse_from(cli::derper_style_args(std::env::args_os())) {
-        Ok(cli) => cli,
-        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
-        Err(e) => {
-            // One line, not clap's usage block: operators read these in journald.
-            let rendered = e.render().to_string();
-            let line = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!(
-                "derpd: {} (see derpd --help)",
-                line.trim_start_matches("error: ")
-            );
+    let cli = match cli::parse(std::env::args_os()) {
+        Ok(cli::Invocation::Run(cli)) => *cli,
+        Ok(cli::Invocation::Help(text)) => {
+            print!("{text}");
+            return ExitCode::SUCCESS;
+        }
+        Err(line) => {
+            // One line, not a usage block: operators read these in journald.
+            eprintln!("derpd: {line} (see derpd --help)");
             return ExitCode::from(2);
         }
     };
+    if cli.version {
+        println!("derpd {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
     if cli.check {
         return check::run(&cli);
     }
@@ -521,7 +523,7 @@ mod tests {
     #[test]
     fn quic_port_defaults_to_the_tls_port_and_needs_tls() {
         let cli = |args: &[&str]| {
-            Cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
+            cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
                 .expect("parses")
         };
         assert_eq!(quic_port(&cli(&[]), true, 443).expect("ok"), Some(443));
@@ -537,7 +539,7 @@ mod tests {
         assert_eq!(quic_port(&cli(&[]), false, 3340).expect("ok"), None);
         assert!(quic_port(&cli(&["--quic-port", "4433"]), false, 3340).is_err());
         assert!(quic_port(&cli(&["--quic-port", "3478"]), true, 443).is_err());
-        assert!(Cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());
+        assert!(cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());
     }
 
     #[test]

@@ -314,8 +314,6 @@ async fn reload_on_sighup(manual: Arc<ManualCerts>, shutdown: CancellationToken)
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
 
     #[test]
@@ -339,7 +337,7 @@ mod tests {
 
     #[test]
     fn flags_parse() {
-        let cli = crate::cli::Cli::try_parse_from([
+        let cli = crate::cli::try_parse_from([
             "derpd",
             "--certmode",
             "manual",
@@ -357,9 +355,9 @@ mod tests {
         assert_eq!(cli.tls.acme_challenge, AcmeChallenge::TlsAlpn01);
         assert_eq!(cli.tls.http_port, -1);
         assert_eq!(cli.tls.cert_reload_interval, Duration::from_secs(60));
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--http-port", "-2"]).is_err());
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--certmode", "gcp"]).is_err());
+        assert!(crate::cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
+        assert!(crate::cli::try_parse_from(["derpd", "--http-port", "-2"]).is_err());
+        assert!(crate::cli::try_parse_from(["derpd", "--certmode", "gcp"]).is_err());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use derp_io::TcpOptions;
 use derp_proto::{MeshKey, SecretKey};
 
 use crate::admission::Admission;
@@ -54,6 +55,9 @@ pub struct ServerConfig {
     pub rate_limit: Option<RateLimit>,
     /// What [`Server::serve`](crate::Server::serve) (and a TLS front) lets in.
     pub limits: ConnLimits,
+    /// TCP keepalive and user timeout of every client connection the server's listeners (and
+    /// a TLS front) accept.
+    pub tcp: TcpOptions,
 }
 
 impl ServerConfig {
@@ -75,6 +79,7 @@ impl ServerConfig {
             admission: Vec::new(),
             rate_limit: None,
             limits: ConnLimits::default(),
+            tcp: TcpOptions::default(),
         }
     }
 }

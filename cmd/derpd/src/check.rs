@@ -183,6 +183,21 @@ fn check(cli: &Cli, r: &mut Report) {
             if cli.peer_mirror { "on" } else { "off" },
         ),
     );
+    let tcp = cli.tcp_options();
+    r.ok(
+        "tcp",
+        format!(
+            "client connections: keepalive {}, user timeout {}",
+            match tcp.keepalive_idle {
+                Some(idle) => format!("after {idle:?} idle (then every 15s, 9 probes)"),
+                None => "off (--tcp-keepalive-time < 0)".to_owned(),
+            },
+            match tcp.user_timeout {
+                Some(t) => format!("{t:?}"),
+                None => "the kernel's (none)".to_owned(),
+            }
+        ),
+    );
     r.ok(
         "shutdown",
         format!(

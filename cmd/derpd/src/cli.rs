@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, ValueEnum};
 
-use crate::duration::parse_duration;
+use crate::duration::{SignedDuration, parse_duration, parse_signed_duration};
 use crate::goflags::{self, Translated};
 
 /// DERP relay server, wire-compatible with Tailscale's derper.
@@ -65,6 +65,16 @@ pub(crate) struct Cli {
     /// Deadline for each write to a client (e.g. "2s", "500ms"); 0 disables it.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub(crate) tcp_write_timeout: Duration,
+
+    /// Idle time before TCP keepalive probes start on client connections (then every 15 s,
+    /// 9 in all, as derper's). 0 means 15s; a negative value turns TCP keepalive off.
+    #[arg(long, default_value = "10m", value_parser = parse_signed_duration)]
+    pub(crate) tcp_keepalive_time: SignedDuration,
+
+    /// How long data sent to a client may go unacknowledged before the kernel drops the
+    /// connection (TCP_USER_TIMEOUT, Linux). 0 leaves the kernel's default (no limit).
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub(crate) tcp_user_timeout: Duration,
 
     /// Depth of each per-client send queue (disco and other).
     #[arg(long, default_value_t = derp_server::DEFAULT_SEND_QUEUE_DEPTH as u32,
@@ -174,6 +184,22 @@ pub(crate) struct Cli {
 const GO_SYNTAX: &str = "Flags are read as derper reads them (Go's flag package): one dash or \
 two (-hostname, --hostname), the value after \"=\" or as the next argument, booleans as -flag or \
 -flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins.";
+
+impl Cli {
+    /// The TCP options of client connections, from the flags as derper reads them.
+    pub(crate) fn tcp_options(&self) -> derp_server::TcpOptions {
+        derp_server::TcpOptions {
+            keepalive_idle: self
+                .tcp_keepalive_time
+                .non_negative()
+                .map(|d| if d.is_zero() { GO_DEFAULT_KEEPALIVE } else { d }),
+            user_timeout: Some(self.tcp_user_timeout).filter(|d| !d.is_zero()),
+        }
+    }
+}
+
+/// Go's keepalive idle time when a listener asks for 0.
+const GO_DEFAULT_KEEPALIVE: Duration = Duration::from_secs(15);
 
 /// What a command line asks for.
 #[derive(Debug)]
@@ -375,6 +401,36 @@ mod tests {
         }
         // Every flag is read before the version is printed.
         assert!(try_parse_from(["derpd", "-version", "-nosuch"]).is_err());
+    }
+
+    #[test]
+    fn tcp_flags_mean_what_derpers_mean() {
+        let options = |args: &[&str]| {
+            let cli = try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
+                .expect("parses");
+            cli.tcp_options()
+        };
+        let secs = |s| Some(Duration::from_secs(s));
+        assert_eq!(options(&[]), derp_server::TcpOptions::default());
+        assert_eq!(options(&[]).keepalive_idle, secs(600));
+        assert_eq!(options(&[]).user_timeout, secs(15));
+        assert_eq!(options(&["-tcp-keepalive-time=0"]).keepalive_idle, secs(15));
+        assert_eq!(
+            options(&["-tcp-keepalive-time", "-1s"]).keepalive_idle,
+            None
+        );
+        assert_eq!(
+            options(&["--tcp-keepalive-time=2m"]).keepalive_idle,
+            secs(120)
+        );
+        assert_eq!(options(&["-tcp-user-timeout", "0"]).user_timeout, None);
+        assert_eq!(
+            options(&["-tcp-user-timeout=1.5s"]).user_timeout,
+            Some(Duration::from_millis(1500))
+        );
+        // derper fails to listen with a negative user timeout; derpd says why at once.
+        let err = try_parse_from(["derpd", "-tcp-user-timeout=-1s"]).unwrap_err();
+        assert!(err.contains("negative"), "{err}");
     }
 
     #[test]

@@ -138,6 +138,35 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|_| format!("{s:?} is negative; this flag takes a duration of 0 or more"))
 }
 
+/// A Go duration with its sign kept, for flags where a negative value means something (as
+/// derper's `-tcp-keepalive-time`, where it turns keepalives off).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SignedDuration {
+    /// Nanoseconds, as Go's `time.Duration`.
+    pub(crate) nanos: i64,
+}
+
+impl SignedDuration {
+    /// The duration if it is not negative.
+    pub(crate) fn non_negative(self) -> Option<Duration> {
+        u64::try_from(self.nanos).ok().map(Duration::from_nanos)
+    }
+}
+
+impl std::fmt::Display for SignedDuration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.non_negative() {
+            Some(d) => write!(f, "{d:?}"),
+            None => write!(f, "-{:?}", Duration::from_nanos(self.nanos.unsigned_abs())),
+        }
+    }
+}
+
+/// [`parse_go_duration`] for clap.
+pub(crate) fn parse_signed_duration(s: &str) -> Result<SignedDuration, String> {
+    parse_go_duration(s).map(|nanos| SignedDuration { nanos })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,5 +271,12 @@ mod tests {
         assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("-0"), Ok(Duration::ZERO));
         assert!(parse_duration("-5m").unwrap_err().contains("negative"));
+        let d = parse_signed_duration("-1s").expect("ok");
+        assert_eq!(d.non_negative(), None);
+        assert_eq!(d.to_string(), "-1s");
+        assert_eq!(
+            parse_signed_duration("10m").expect("ok").non_negative(),
+            Some(Duration::from_secs(600))
+        );
     }
 }

@@ -100,6 +100,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     config.derp_enabled = cli.derp;
     config.send_queue_depth = cli.send_queue_depth as usize;
     config.write_timeout = (!cli.tcp_write_timeout.is_zero()).then_some(cli.tcp_write_timeout);
+    config.tcp = cli.tcp_options();
     config.mesh_key = mesh_key;
     config.lookup = LookupConfig {
         mirror: cli.peer_mirror,

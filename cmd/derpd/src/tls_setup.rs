@@ -178,6 +178,9 @@ pub(crate) async fn run_tls(
         let addr = SocketAddr::new(listen.ip(), port);
         let http = crate::limits::bind(addr, backlog)
             .with_context(|| format!("listening on {addr} (--http-port; -1 disables it)"))?;
+        // As derper's: the same keepalive and user timeout as the main listener. Set on the
+        // listener, which passes them on to each connection (on Linux).
+        derp_server::tune_listener(&http, server.tcp_options());
         info!(addr = %http.local_addr()?, "port-80 listener (generate_204, acme, redirects)");
         let (f, s) = (front.clone(), shutdown.clone());
         tasks.spawn(async move {

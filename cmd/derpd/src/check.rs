@@ -126,15 +126,16 @@ fn check(cli: &Cli, r: &mut Report) {
             r.ok("stun", "off (--stun=false)");
         }
         if tls {
-            match u16::try_from(cli.tls.http_port) {
-                Ok(port) => r.ok(
+            match cli.tls.http_port() {
+                Ok(Some(port)) => r.ok(
                     "http",
                     format!(
                         "{}:{port}/tcp: /generate_204, ACME HTTP-01, redirects, would bind",
                         ip_text(addr.ip())
                     ),
                 ),
-                Err(_) => r.ok("http", "port-80 listener off (--http-port -1)"),
+                Ok(None) => r.ok("http", "port-80 listener off (--http-port -1)"),
+                Err(e) => r.error("http", e),
             }
         }
     }
@@ -168,6 +169,12 @@ fn check(cli: &Cli, r: &mut Report) {
 
     check_mesh(cli, r);
     check_limits(cli, r);
+    for e in cli.compat.errors(cli.dev) {
+        r.error("derper", e);
+    }
+    for note in cli.compat.ignored(cli.dev) {
+        r.ok("derper", note);
+    }
 
     r.ok(
         "relay",
@@ -519,7 +526,7 @@ fn check_limits(cli: &Cli, r: &mut Report) {
     if args.verify_clients {
         checks.push(format!(
             "peers of the local tailscaled ({})",
-            args.socket.display()
+            args.socket().display()
         ));
     }
     if let Some(url) = &args.verify_client_url {
@@ -556,6 +563,12 @@ fn check_limits(cli: &Cli, r: &mut Report) {
         limits.push(format!("at most {n} connections"));
     }
     r.ok("limits", limits.join("; "));
+    if config.limits.accept_rate.is_none() && args.accept_connection_burst.is_some() {
+        r.warn(
+            "limits",
+            "--accept-connection-burst has no effect without --accept-connection-limit",
+        );
+    }
 }
 
 fn check_mesh(cli: &Cli, r: &mut Report) {

@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::TypedValueParser;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 use crate::duration::{SignedDuration, parse_duration, parse_signed_duration};
@@ -28,7 +29,7 @@ pub(crate) struct Cli {
 
     /// Config file holding the server's private key, in derper's JSON format. Created with
     /// mode 0600 when missing. Defaults to /var/lib/derper/derper.key when running as root.
-    #[arg(short = 'c', long = "config")]
+    #[arg(short = 'c', long = "config", value_parser = go_path())]
     pub(crate) config: Option<PathBuf>,
 
     /// Home page: "" for the default page, "blank" for an empty page, or an http(s):// URL to
@@ -116,8 +117,8 @@ pub(crate) struct Cli {
     /// File holding the 64-hex-digit mesh pre-shared key (surrounding whitespace is
     /// trimmed). Default, as derper's: /home/derp/keys/derp-mesh.key or
     /// $HOME/keys/derp-mesh.key, whichever exists. In --dev mode the key comes only from
-    /// the TAILSCALE_DERPER_MESH_KEY environment variable.
-    #[arg(long)]
+    /// the TAILSCALE_DERPER_MESH_KEY environment variable. "" means no mesh key.
+    #[arg(long, value_parser = go_path())]
     pub(crate) mesh_psk_file: Option<PathBuf>,
 
     /// Siblings of this node's region to mesh with, comma separated. "host" dials
@@ -178,6 +179,9 @@ pub(crate) struct Cli {
 
     #[command(flatten)]
     pub(crate) limits: crate::limits::LimitArgs,
+
+    #[command(flatten)]
+    pub(crate) compat: crate::compat::CompatArgs,
 }
 
 /// How flags are written, under the help text.
@@ -185,7 +189,27 @@ const GO_SYNTAX: &str = "Flags are read as derper reads them (Go's flag package)
 two (-hostname, --hostname), the value after \"=\" or as the next argument, booleans as -flag or \
 -flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins.";
 
+/// A path flag's value parser that, as Go's string flags, takes "" too: what "" means is
+/// each flag's own (see [`Cli::unset_empty`]).
+pub(crate) fn go_path() -> impl TypedValueParser<Value = PathBuf> {
+    clap::builder::OsStringValueParser::new().map(PathBuf::from)
+}
+
 impl Cli {
+    /// Where derper reads an empty value as "not given" (`-c=`, `-rate-config=`,
+    /// `-verify-client-url=`, `-acme-email=`), so does derpd.
+    fn unset_empty(&mut self) {
+        fn clear<T: AsRef<std::ffi::OsStr>>(v: &mut Option<T>) {
+            if v.as_ref().is_some_and(|v| v.as_ref().is_empty()) {
+                *v = None;
+            }
+        }
+        clear(&mut self.config);
+        clear(&mut self.limits.rate_config);
+        clear(&mut self.limits.verify_client_url);
+        clear(&mut self.tls.acme_email);
+    }
+
     /// The TCP options of client connections, from the flags as derper reads them.
     pub(crate) fn tcp_options(&self) -> derp_server::TcpOptions {
         derp_server::TcpOptions {
@@ -231,9 +255,9 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocati
         )),
         Translated::Args(args) => {
             let matches = cmd.try_get_matches_from_mut(args).map_err(one_line)?;
-            Cli::from_arg_matches(&matches)
-                .map(|cli| Invocation::Run(Box::new(cli)))
-                .map_err(one_line)
+            let mut cli = Cli::from_arg_matches(&matches).map_err(one_line)?;
+            cli.unset_empty();
+            Ok(Invocation::Run(Box::new(cli)))
         }
     }
 }

@@ -2,6 +2,7 @@
 
 mod check;
 mod cli;
+mod compat;
 mod duration;
 mod goflags;
 mod keyfile;
@@ -77,6 +78,12 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     ignore_sighup_by_default();
+    if let Some(e) = cli.compat.errors(cli.dev).into_iter().next() {
+        bail!("{e}");
+    }
+    for note in cli.compat.ignored(cli.dev) {
+        info!("{note}");
+    }
     let addrs = parse_listen_addr(&listen_addr_text(&cli))?;
     let tls = cli.tls.tls_enabled(addrs[0].port());
     let quic_port = quic_port(&cli, tls, addrs[0].port())?;
@@ -339,6 +346,8 @@ fn mesh_key(cli: &Cli) -> anyhow::Result<Option<MeshKey>> {
         };
     }
     let path = match &cli.mesh_psk_file {
+        // As derper: an empty -mesh-psk-file means no key file, not the default ones.
+        Some(p) if p.as_os_str().is_empty() => return Ok(None),
         Some(p) => p.clone(),
         None => {
             let mut candidates = vec![PathBuf::from(DEFAULT_MESH_KEY_FILE)];

@@ -55,7 +55,7 @@ pub(crate) struct TlsArgs {
     /// Certificate directory. Manual mode reads <hostname>.crt and <hostname>.key here (and
     /// writes a self-signed pair for an IP hostname); letsencrypt mode caches its account and
     /// certificates here. Default: $XDG_CACHE_HOME or ~/.cache, then tailscale/derper-certs.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::cli::go_path())]
     pub(crate) certdir: Option<PathBuf>,
 
     /// The server's hostname: the certificate's name, and the only SNI accepted. May be an IP
@@ -81,10 +81,9 @@ pub(crate) struct TlsArgs {
     pub(crate) acme_challenge: AcmeChallenge,
 
     /// Plain-HTTP port, only in TLS mode, on the same IP as --addr: /generate_204, ACME HTTP-01
-    /// and redirects to HTTPS (never DERP). -1 disables it.
-    #[arg(long, default_value_t = 80, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(i32).range(-1..=65535))]
-    pub(crate) http_port: i32,
+    /// and redirects to HTTPS (never DERP). -1 (any negative value) disables it.
+    #[arg(long, default_value_t = 80, allow_negative_numbers = true)]
+    pub(crate) http_port: i64,
 
     /// Manual mode: how often to check the certificate files for changes (SIGHUP also
     /// reloads). 0 disables the check.
@@ -98,8 +97,27 @@ impl TlsArgs {
         listen_port == 443 || self.certmode == CertMode::Manual
     }
 
+    /// The port-80 listener's port, or `None` when any negative --http-port turns it off
+    /// (derper's test is `> -1`).
+    pub(crate) fn http_port(&self) -> anyhow::Result<Option<u16>> {
+        if self.http_port < 0 {
+            return Ok(None);
+        }
+        u16::try_from(self.http_port).map(Some).map_err(|_| {
+            anyhow::anyhow!(
+                "--http-port {}: not a port (0 to 65535, or -1 to turn the listener off)",
+                self.http_port
+            )
+        })
+    }
+
     pub(crate) fn certdir(&self) -> anyhow::Result<PathBuf> {
         if let Some(dir) = &self.certdir {
+            if dir.as_os_str().is_empty() {
+                bail!(
+                    "--certdir is empty: name a directory, or leave the flag out for the default"
+                );
+            }
             return Ok(dir.clone());
         }
         let cache = std::env::var_os("XDG_CACHE_HOME")
@@ -174,7 +192,7 @@ pub(crate) async fn run_tls(
         }
     }
 
-    if let Ok(port) = u16::try_from(args.http_port) {
+    if let Some(port) = args.http_port()? {
         let addr = SocketAddr::new(listen.ip(), port);
         let http = crate::limits::bind(addr, backlog)
             .with_context(|| format!("listening on {addr} (--http-port; -1 disables it)"))?;
@@ -359,7 +377,10 @@ mod tests {
         assert_eq!(cli.tls.http_port, -1);
         assert_eq!(cli.tls.cert_reload_interval, Duration::from_secs(60));
         assert!(crate::cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
-        assert!(crate::cli::try_parse_from(["derpd", "--http-port", "-2"]).is_err());
+        let off = crate::cli::try_parse_from(["derpd", "--http-port", "-2"]).expect("parses");
+        assert_eq!(off.tls.http_port().expect("ok"), None);
+        let big = crate::cli::try_parse_from(["derpd", "--http-port", "65536"]).expect("parses");
+        assert!(big.tls.http_port().is_err());
         assert!(crate::cli::try_parse_from(["derpd", "--certmode", "gcp"]).is_err());
     }
 

@@ -3,7 +3,8 @@
 //! Each step calls the same functions the start does (listen address, home page, key file,
 //! certificates, mesh key and siblings, CA files), stopping short of their side effects: no
 //! socket is bound, no file is written (a missing key file or self-signed certificate is
-//! reported as "would create"), and nothing is contacted (no DNS lookup, no ACME order).
+//! reported as "would create"), and nothing is contacted (no ACME order) but the system's
+//! resolver, for a host name in `-a`, as a start would.
 //! Every problem is reported, not only the first, and any one makes the exit status 1.
 
 use std::path::Path;
@@ -86,17 +87,24 @@ fn check(cli: &Cli, r: &mut Report) {
         );
     }
 
-    // The listeners.
+    // The listeners: a host name is looked up, as a start would.
     let addr_text = crate::listen_addr_text(cli);
-    let listen = match crate::parse_listen_addr(&addr_text) {
-        Ok(addrs) => Some(addrs[0]),
+    let listen = match crate::listen::ListenAddr::parse(&addr_text) {
+        Ok(listen) => Some(listen),
         Err(e) => {
-            r.error("listen", e);
+            r.error("listen", format!("{e:#}"));
             None
         }
     };
-    let tls = listen.is_some_and(|a| cli.tls.tls_enabled(a.port()));
-    if let Some(addr) = listen {
+    let tls = listen.as_ref().is_some_and(|l| cli.tls.tls_enabled(l));
+    let bind = listen.as_ref().and_then(|l| match l.resolve() {
+        Ok(ip) => Some((ip, l.port)),
+        Err(e) => {
+            r.error("listen", format!("{e:#}"));
+            None
+        }
+    });
+    if let Some((ip, port)) = bind {
         let proto = if tls {
             format!("TLS for {}", cli.tls.hostname)
         } else {
@@ -104,15 +112,15 @@ fn check(cli: &Cli, r: &mut Report) {
         };
         r.ok(
             "listen",
-            format!("{addr}/tcp ({proto}; --addr {addr_text}), would bind"),
+            format!(
+                "{}/tcp ({proto}; --addr {addr_text}), would bind",
+                ip.describe(port)
+            ),
         );
-        match crate::quic_port(cli, tls, addr.port()) {
+        match crate::quic_port(cli, tls, port) {
             Ok(Some(port)) => r.ok(
                 "quic",
-                format!(
-                    "{}:{port}/udp (DERP over QUIC), would bind",
-                    ip_text(addr.ip())
-                ),
+                format!("{}/udp (DERP over QUIC), would bind", ip.describe(port)),
             ),
             Ok(None) => r.ok("quic", "off"),
             Err(e) => r.error("quic", e),
@@ -120,7 +128,7 @@ fn check(cli: &Cli, r: &mut Report) {
         if cli.stun {
             r.ok(
                 "stun",
-                format!("{}:{}/udp, would bind", ip_text(addr.ip()), cli.stun_port),
+                format!("{}/udp, would bind", ip.describe(cli.stun_port)),
             );
         } else {
             r.ok("stun", "off (--stun=false)");
@@ -130,8 +138,8 @@ fn check(cli: &Cli, r: &mut Report) {
                 Ok(Some(port)) => r.ok(
                     "http",
                     format!(
-                        "{}:{port}/tcp: /generate_204, ACME HTTP-01, redirects, would bind",
-                        ip_text(addr.ip())
+                        "{}/tcp: /generate_204, ACME HTTP-01, redirects, would bind",
+                        ip.describe(port)
                     ),
                 ),
                 Ok(None) => r.ok("http", "port-80 listener off (--http-port -1)"),
@@ -157,13 +165,13 @@ fn check(cli: &Cli, r: &mut Report) {
     let key = check_key(cli, r);
 
     if tls {
-        check_tls(cli, &key, listen.map_or(443, |a| a.port()), r);
+        check_tls(cli, &key, listen.as_ref().map_or(443, |l| l.port), r);
     } else if cli.tls.certmode == CertMode::Manual {
         // tls_enabled is true for manual mode; only a bad --addr gets here.
     } else {
         r.ok(
             "tls",
-            "off: the port is not 443 and --certmode is not manual",
+            "off: the port is not written 443 or https and --certmode is not manual",
         );
     }
 
@@ -216,13 +224,6 @@ fn check(cli: &Cli, r: &mut Report) {
             cli.drain_timeout + crate::CLOSE_GRACE,
         ),
     );
-}
-
-fn ip_text(ip: std::net::IpAddr) -> String {
-    match ip {
-        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
-        v4 => v4.to_string(),
-    }
 }
 
 /// Reads the key file as a start would, without creating it. Returns the key to check the

@@ -165,8 +165,8 @@ pub(crate) struct Cli {
     pub(crate) log_format: LogFormat,
 
     /// Check the configuration and exit: parse the flags, read the key file, certificates,
-    /// mesh key and CA files, print what would run, and exit 1 on any error. Binds no socket,
-    /// writes no file and contacts nobody.
+    /// mesh key and CA files, look up a host name in --addr, print what would run, and exit 1
+    /// on any error. Binds no socket, writes no file and contacts nobody else.
     #[arg(long)]
     pub(crate) check: bool,
 

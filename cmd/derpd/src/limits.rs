@@ -299,17 +299,26 @@ fn parse_rate_config(text: &str) -> anyhow::Result<RateLimit> {
     Ok(RateLimit::new(c.bytes_per_sec, c.burst_bytes))
 }
 
-/// Binds a TCP listener on `addr` with the given backlog (default: the system's cap).
+/// Binds a TCP listener on `addr` with the given backlog (default: the system's cap). An
+/// IPv6 socket takes IPv4 too (`IPV6_V6ONLY` off, whatever the system's default), as Go's do.
 pub(crate) fn bind(addr: SocketAddr, backlog: Option<u32>) -> std::io::Result<TcpListener> {
+    let socket = tcp_socket(addr)?;
+    socket.bind(addr)?;
+    socket.listen(backlog.unwrap_or_else(default_backlog))
+}
+
+/// The unbound socket [`bind`] binds.
+pub(crate) fn tcp_socket(addr: SocketAddr) -> std::io::Result<TcpSocket> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
-        TcpSocket::new_v6()?
+        let socket = TcpSocket::new_v6()?;
+        socket2::SockRef::from(&socket).set_only_v6(false)?;
+        socket
     };
     // As std and tokio do: a restarted server can bind while old connections linger.
     socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(backlog.unwrap_or_else(default_backlog))
+    Ok(socket)
 }
 
 /// The kernel's cap on listen backlogs; asking for more is silently cut to it anyway.

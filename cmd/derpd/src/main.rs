@@ -7,16 +7,16 @@ mod duration;
 mod goflags;
 mod keyfile;
 mod limits;
+mod listen;
 mod tls_setup;
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use derp_proto::{MeshKey, SecretKey};
 use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig};
-use tokio::net::TcpListener;
 use tracing::info;
 
 use crate::cli::{Cli, LogFormat};
@@ -84,9 +84,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     for note in cli.compat.ignored(cli.dev) {
         info!("{note}");
     }
-    let addrs = parse_listen_addr(&listen_addr_text(&cli))?;
-    let tls = cli.tls.tls_enabled(addrs[0].port());
-    let quic_port = quic_port(&cli, tls, addrs[0].port())?;
+    let listen = listen::ListenAddr::parse(&listen_addr_text(&cli))?;
+    let tls = cli.tls.tls_enabled(&listen);
+    let quic_port = quic_port(&cli, tls, listen.port)?;
+    let bind_ip = listen.resolve()?;
     let home = parse_home(&cli.home)?;
     let mesh_key = mesh_key(&cli)?;
     let own_hostname = Some(cli.tls.hostname.as_str());
@@ -124,7 +125,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let server = Server::new(config, &registry).context("creating server")?;
     reloads.spawn(&server);
     let backlog = cli.limits.listen_backlog;
-    let listener = bind_tcp(&addrs, backlog)?;
+    let listener = listen::bind_main(bind_ip, listen.port, backlog)?;
     let local = listener.local_addr()?;
     if !tls {
         info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
@@ -147,7 +148,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 
     let mut background = tokio::task::JoinSet::new();
     if cli.stun {
-        let stun_addr = SocketAddr::new(local.ip(), cli.stun_port);
+        let stun_addr = with_port(local, cli.stun_port);
         let socket = derp_server::bind_stun(stun_addr)
             .with_context(|| format!("binding STUN on {stun_addr}"))?;
         info!(addr = %socket.local_addr()?, "STUN listening");
@@ -270,36 +271,11 @@ fn mesh_link_key(cli: &Cli, mesh_key: Option<&MeshKey>) -> anyhow::Result<Option
     })
 }
 
-/// Parses derper-style listen addresses. ":port" means every address; IPv6's unspecified
-/// address is tried first because on Linux it also accepts IPv4.
-fn parse_listen_addr(s: &str) -> anyhow::Result<Vec<SocketAddr>> {
-    if let Some(port) = s.strip_prefix(':') {
-        let port: u16 = port
-            .parse()
-            .with_context(|| format!("invalid port in --addr {s:?}"))?;
-        return Ok(vec![
-            SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)),
-            SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
-        ]);
-    }
-    let addr: SocketAddr = s
-        .parse()
-        .with_context(|| format!("invalid --addr {s:?}: want :port, ip:port or [ip]:port"))?;
-    Ok(vec![addr])
-}
-
-fn bind_tcp(addrs: &[SocketAddr], backlog: Option<u32>) -> anyhow::Result<TcpListener> {
-    let mut last_err = None;
-    for addr in addrs {
-        match limits::bind(*addr, backlog) {
-            Ok(l) => return Ok(l),
-            Err(e) => last_err = Some((addr, e)),
-        }
-    }
-    match last_err {
-        Some((addr, e)) => Err(e).with_context(|| format!("listening on {addr}")),
-        None => bail!("no listen address"),
-    }
+/// The listener's address with another port: the STUN, port-80 and QUIC listeners bind the
+/// main listener's address (keeping an IPv6 scope).
+pub(crate) fn with_port(mut addr: SocketAddr, port: u16) -> SocketAddr {
+    addr.set_port(port);
+    addr
 }
 
 fn parse_home(home: &str) -> anyhow::Result<HomePage> {
@@ -517,18 +493,6 @@ const DEFAULT_ROOT_CONFIG: &str = "/var/lib/derper/derper.key";
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn listen_addresses_parse_like_derper() {
-        assert_eq!(parse_listen_addr(":3340").expect("ok").len(), 2);
-        assert_eq!(
-            parse_listen_addr("127.0.0.1:3340").expect("ok"),
-            vec!["127.0.0.1:3340".parse().expect("addr")]
-        );
-        assert!(parse_listen_addr("[::1]:80").is_ok());
-        assert!(parse_listen_addr("nonsense").is_err());
-        assert!(parse_listen_addr(":99999").is_err());
-    }
 
     #[test]
     fn quic_port_defaults_to_the_tls_port_and_needs_tls() {

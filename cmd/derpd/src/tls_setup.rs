@@ -3,7 +3,6 @@
 //! As in derper, TLS is served when the listen port is 443 or `--certmode manual` is given;
 //! otherwise the main listener speaks plain HTTP and none of this runs.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,9 +91,10 @@ pub(crate) struct TlsArgs {
 }
 
 impl TlsArgs {
-    /// Whether the main listener serves TLS, by derper's rule.
-    pub(crate) fn tls_enabled(&self, listen_port: u16) -> bool {
-        listen_port == 443 || self.certmode == CertMode::Manual
+    /// Whether the main listener serves TLS, by derper's rule: the port is written "443" or
+    /// "https", or the mode is manual.
+    pub(crate) fn tls_enabled(&self, listen: &crate::listen::ListenAddr) -> bool {
+        listen.is_https_port() || self.certmode == CertMode::Manual
     }
 
     /// The port-80 listener's port, or `None` when any negative --http-port turns it off
@@ -193,7 +193,7 @@ pub(crate) async fn run_tls(
     }
 
     if let Some(port) = args.http_port()? {
-        let addr = SocketAddr::new(listen.ip(), port);
+        let addr = crate::with_port(listen, port);
         let http = crate::limits::bind(addr, backlog)
             .with_context(|| format!("listening on {addr} (--http-port; -1 disables it)"))?;
         // As derper's: the same keepalive and user timeout as the main listener. Set on the
@@ -209,7 +209,7 @@ pub(crate) async fn run_tls(
     }
 
     if let Some(port) = quic_port {
-        let addr = SocketAddr::new(listen.ip(), port);
+        let addr = crate::with_port(listen, port);
         let socket = derp_server::quic::bind_udp(addr)
             .with_context(|| format!("binding QUIC on {addr}/udp (--quic-port; -1 disables it)"))?;
         let quic = derp_server::QuicListener::bind(
@@ -350,10 +350,12 @@ mod tests {
             http_port: 80,
             cert_reload_interval: Duration::from_secs(10),
         };
-        assert!(args.tls_enabled(443));
-        assert!(!args.tls_enabled(3340));
+        let at = |a: &str| crate::listen::ListenAddr::parse(a).expect("addr");
+        assert!(args.tls_enabled(&at(":443")));
+        assert!(args.tls_enabled(&at("127.0.0.1:https")));
+        assert!(!args.tls_enabled(&at(":3340")));
         args.certmode = CertMode::Manual;
-        assert!(args.tls_enabled(3340));
+        assert!(args.tls_enabled(&at(":3340")));
     }
 
     #[test]

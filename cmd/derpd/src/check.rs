@@ -581,8 +581,7 @@ fn check_mesh(cli: &Cli, r: &mut Report) {
         }
     };
     let link_key = crate::mesh_link_key(cli, mesh_key.as_ref());
-    let siblings = match derp_mesh::parse_mesh_with(&cli.mesh_with, Some(cli.tls.hostname.as_str()))
-    {
+    let siblings = match derp_mesh::parse_mesh_with(&cli.mesh_with) {
         Ok(s) => s,
         Err(e) => {
             r.error("mesh", format!("--mesh-with: {e}"));
@@ -593,12 +592,7 @@ fn check_mesh(cli: &Cli, r: &mut Report) {
         r.error("mesh", e);
         return;
     }
-    let entries = cli
-        .mesh_with
-        .split(',')
-        .filter(|e| !e.trim().is_empty())
-        .count();
-    if entries == 0 {
+    if siblings.is_empty() {
         r.ok(
             "mesh",
             match mesh_key {
@@ -618,9 +612,9 @@ fn check_mesh(cli: &Cli, r: &mut Report) {
         r.ok(
             "mesh",
             format!(
-                "{} sibling(s) ({} entry skipped as this node's --hostname): {list}",
+                "{} entries, each dialed (an entry that turns out to be this node, by the key \
+                 that answers, is dropped): {list}",
                 siblings.len(),
-                entries - siblings.len()
             ),
         );
     }

@@ -124,8 +124,9 @@ pub(crate) struct Cli {
     /// Siblings of this node's region to mesh with, comma separated. "host" dials
     /// https://host/derp; "host/dialhost" connects to dialhost instead, keeping host as the
     /// URL and TLS name; a full http:// or https:// URL is used as is, and quic://host:port
-    /// links over DERP over QUIC. This node's own name may be listed (it is skipped). Needs
-    /// a mesh key.
+    /// links over DERP over QUIC. Every entry is dialed; the one that is this node (its own
+    /// key answers) is dropped, so one list can serve every node of a region. Needs a mesh
+    /// key.
     #[arg(long, default_value = "")]
     pub(crate) mesh_with: String,
 

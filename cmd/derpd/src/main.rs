@@ -90,8 +90,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let bind_ip = listen.resolve()?;
     let home = parse_home(&cli.home)?;
     let mesh_key = mesh_key(&cli)?;
-    let own_hostname = Some(cli.tls.hostname.as_str());
-    let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with, own_hostname)
+    let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with)
         .map_err(|e| anyhow::anyhow!("--mesh-with: {e}"))?;
     let mesh_key_for_links = mesh_link_key(&cli, mesh_key.as_ref())?;
     let mesh_tls = match &cli.mesh_ca_file {

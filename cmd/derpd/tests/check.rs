@@ -90,7 +90,7 @@ fn check_binds_nothing_writes_nothing_and_says_what_would_run() {
     assert!(out.contains(&format!("{metrics_addr}/tcp")), "{out}");
     assert!(out.contains("would create it with a new key"), "{out}");
     assert!(
-        out.contains("2 sibling(s) (1 entry skipped as this node's --hostname)"),
+        out.contains("3 entries, each dialed (an entry that turns out to be this node"),
         "{out}"
     );
     assert!(

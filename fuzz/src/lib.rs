@@ -1,4 +1,5 @@
-//! Fuzz target bodies, in one place: derp-proto's parsers, derp-io's ClientHello check, and
+//! Fuzz target bodies, in one place: derp-proto's parsers (the PROXY protocol's among them),
+//! derp-io's ClientHello check, and
 //! (in [`relay`]) a live derp-server fed a hostile connection's bytes.
 //!
 //! Each target is a plain `fn(&[u8])` that panics when an invariant breaks. The libFuzzer
@@ -16,6 +17,7 @@ pub mod frames;
 pub mod handshake;
 pub mod info;
 pub mod keys;
+pub mod proxy;
 pub mod rate_config;
 pub mod relay;
 pub mod stun;
@@ -43,6 +45,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("ws_client", ws::ws_client),
     ("server_stream", relay::server_stream),
     ("tls_client_hello", tls::tls_client_hello),
+    ("proxy_protocol", proxy::proxy_protocol),
 ];
 
 /// Looks a target up by name.

@@ -147,6 +147,10 @@ fn check(cli: &Cli, r: &mut Report) {
             }
         }
     }
+    if let Some((ip, port)) = bind {
+        let quic = matches!(crate::quic_port(cli, tls, port), Ok(Some(_)));
+        check_proxies(cli, ip.ip(), tls, quic, r);
+    }
     match cli.metrics_addr {
         Some(addr) => r.ok(
             "metrics",
@@ -224,6 +228,118 @@ fn check(cli: &Cli, r: &mut Report) {
             cli.drain_timeout + crate::CLOSE_GRACE,
         ),
     );
+}
+
+/// The PROXY protocol and forwarded headers; and STUN and QUIC, which a TCP balancer does not
+/// carry: they listen on --addr's IP, so with the PROXY protocol on, that IP must be one
+/// clients reach over UDP themselves. Loopback never is (a warning); a private address is
+/// only where something forwards UDP to it (a warning that says so); all addresses or a
+/// public one is (a note of how clients must reach them).
+fn check_proxies(cli: &Cli, ip: std::net::IpAddr, tls: bool, quic: bool, r: &mut Report) {
+    if cli.proxy_protocol {
+        let listeners = if tls && cli.tls.http_port >= 0 {
+            "--addr and --http-port"
+        } else {
+            "--addr"
+        };
+        r.ok(
+            "proxy",
+            format!(
+                "PROXY protocol (v1, v2) required on {listeners}, from {} only; /debug/varz \
+                 is not served there (use --metrics-addr)",
+                crate::cidrs_text(&cli.proxy_protocol_from)
+            ),
+        );
+    }
+    if !cli.trust_forwarded_from.is_empty() {
+        r.ok(
+            "proxy",
+            format!(
+                "X-Forwarded-For / X-Real-IP name DERP clients on connections from {}",
+                crate::cidrs_text(&cli.trust_forwarded_from)
+            ),
+        );
+    }
+    let mut udp = Vec::new();
+    if cli.stun {
+        udp.push(format!("STUN on {}/udp", cli.stun_port));
+    }
+    if quic {
+        udp.push("QUIC".to_owned());
+    }
+    if !cli.proxy_protocol || udp.is_empty() {
+        return;
+    }
+    let udp = udp.join(" and ");
+    let off = "or turn them off (--stun=false, --quic-port=-1)";
+    match udp_reach(ip) {
+        UdpReach::Nobody => r.warn(
+            "proxy",
+            format!(
+                "{udp} listen on {ip}, which no client can reach: a TCP balancer does not \
+                 carry UDP. Listen on all addresses (--addr :PORT; the TCP port still takes \
+                 only the balancers) or a public one, {off}"
+            ),
+        ),
+        UdpReach::Forwarded => r.warn(
+            "proxy",
+            format!(
+                "{udp} listen on the private address {ip}, which clients reach only if the \
+                 balancer or a NAT forwards UDP to it as it is (never through the PROXY \
+                 protocol); otherwise listen on a public address, {off}"
+            ),
+        ),
+        UdpReach::Direct => r.ok(
+            "proxy",
+            format!(
+                "{udp} listen on {} directly, not through the balancer: clients need this \
+                 host's public address on UDP",
+                ip_text(ip)
+            ),
+        ),
+    }
+}
+
+/// Who can send UDP to an address derpd listens on.
+#[derive(Debug, PartialEq, Eq)]
+enum UdpReach {
+    /// Only this host (loopback).
+    Nobody,
+    /// Clients on the internet only through a forward (a private, shared or link-local
+    /// address).
+    Forwarded,
+    /// Clients directly (all addresses, or a public one).
+    Direct,
+}
+
+fn udp_reach(ip: std::net::IpAddr) -> UdpReach {
+    use std::net::IpAddr;
+    let ip = ip.to_canonical();
+    if ip.is_loopback() {
+        return UdpReach::Nobody;
+    }
+    let forwarded = match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, ..] = v4.octets();
+            v4.is_private() || v4.is_link_local() || (a == 100 && (64..128).contains(&b))
+        }
+        IpAddr::V6(v6) => {
+            let first = v6.segments()[0];
+            (first & 0xfe00) == 0xfc00 || (first & 0xffc0) == 0xfe80
+        }
+    };
+    if forwarded {
+        UdpReach::Forwarded
+    } else {
+        UdpReach::Direct
+    }
+}
+
+fn ip_text(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        v4 => v4.to_string(),
+    }
 }
 
 /// Reads the key file as a start would, without creating it. Returns the key to check the
@@ -673,6 +789,29 @@ mod tests {
         assert_eq!(at(951_782_400), "2000-02-29");
         assert_eq!(at(1_798_761_599), "2026-12-31");
         assert_eq!(at(4_102_444_800), "2100-01-01");
+    }
+
+    #[test]
+    fn udp_behind_a_balancer_is_reachable_on_all_or_public_addresses_only() {
+        let reach = |s: &str| udp_reach(s.parse().expect("ip"));
+        for s in ["127.0.0.1", "::1", "::ffff:127.0.0.1"] {
+            assert_eq!(reach(s), UdpReach::Nobody, "{s}");
+        }
+        for s in [
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "100.64.0.1",
+            "169.254.1.1",
+        ] {
+            assert_eq!(reach(s), UdpReach::Forwarded, "{s}");
+        }
+        for s in ["fd00::1", "fe80::1"] {
+            assert_eq!(reach(s), UdpReach::Forwarded, "{s}");
+        }
+        for s in ["0.0.0.0", "::", "203.0.113.1", "2001:db8::1", "100.128.0.1"] {
+            assert_eq!(reach(s), UdpReach::Direct, "{s}");
+        }
     }
 
     #[test]

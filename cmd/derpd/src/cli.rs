@@ -104,6 +104,24 @@ pub(crate) struct Cli {
     #[arg(long, value_delimiter = ',')]
     pub(crate) debug_allow_cidr: Vec<derp_server::IpCidr>,
 
+    /// Behind a TCP load balancer: every connection on the TCP listeners (--addr and
+    /// --http-port) must open with a PROXY protocol header (version 1 or 2), whose client
+    /// address is the one limits, logs and admission see. Needs --proxy-protocol-from.
+    /// STUN and QUIC (UDP) cannot come through it; see docs/operations.md.
+    #[arg(long, requires = "proxy_protocol_from")]
+    pub(crate) proxy_protocol: bool,
+
+    /// The load balancers (CIDR) allowed to send PROXY protocol headers; connections from
+    /// anywhere else are refused. Repeat or comma-separate. Only with --proxy-protocol.
+    #[arg(long, value_delimiter = ',', requires = "proxy_protocol")]
+    pub(crate) proxy_protocol_from: Vec<derp_server::IpCidr>,
+
+    /// HTTP reverse proxies (CIDR) whose X-Forwarded-For / X-Real-IP headers name a DERP
+    /// client's address (nginx's http module, which cannot send PROXY protocol); from
+    /// anyone else those headers are ignored. Repeat or comma-separate.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) trust_forwarded_from: Vec<derp_server::IpCidr>,
+
     /// Also serve Prometheus metrics at /metrics on this address (e.g. 127.0.0.1:9090),
     /// without access control.
     #[arg(long)]
@@ -272,10 +290,19 @@ pub(crate) fn try_parse_from<'a>(args: impl IntoIterator<Item = &'a str>) -> Res
     }
 }
 
-/// The first line of clap's message, without its "error: " prefix.
+/// The first line of clap's message, without its "error: " prefix. A first line ending in a
+/// colon is followed by what it names (missing arguments), which joins it.
 fn one_line(e: clap::Error) -> String {
     let rendered = e.render().to_string();
-    let line = rendered.lines().next().unwrap_or("invalid arguments");
+    let mut lines = rendered.lines();
+    let mut line = lines.next().unwrap_or("invalid arguments").to_owned();
+    if line.ends_with(':') {
+        let named: Vec<&str> = lines
+            .take_while(|l| l.starts_with(' '))
+            .map(str::trim)
+            .collect();
+        line = format!("{line} {}", named.join(", "));
+    }
     line.trim_start_matches("error: ").to_owned()
 }
 
@@ -355,6 +382,33 @@ mod tests {
         );
         assert_eq!(cli.debug_allow_cidr.len(), 2, "repeated lists still add up");
         assert!(try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
+    }
+
+    #[test]
+    fn proxy_flags_parse_and_need_each_other() {
+        let cli = Cli::try_parse_from([
+            "derpd",
+            "--proxy-protocol",
+            "--proxy-protocol-from",
+            "10.0.0.0/8,127.0.0.1",
+            "--trust-forwarded-from",
+            "127.0.0.1",
+        ])
+        .expect("parses");
+        assert!(cli.proxy_protocol);
+        assert_eq!(cli.proxy_protocol_from.len(), 2);
+        assert_eq!(cli.trust_forwarded_from.len(), 1);
+        for bad in [
+            &["--proxy-protocol"][..],
+            &["--proxy-protocol-from", "10.0.0.0/8"],
+            &["--proxy-protocol", "--proxy-protocol-from", "10.0.0.0/40"],
+            &["--trust-forwarded-from", "nonsense"],
+        ] {
+            let args = std::iter::once("derpd").chain(bad.iter().copied());
+            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+        }
+        let defaults = Cli::try_parse_from(["derpd"]).expect("parses");
+        assert!(!defaults.proxy_protocol && defaults.trust_forwarded_from.is_empty());
     }
 
     #[test]

@@ -91,6 +91,11 @@ impl BindIp {
         }
     }
 
+    /// The address itself: every interface as IPv6's unspecified address.
+    pub(crate) fn ip(self) -> IpAddr {
+        self.with_port(0).ip()
+    }
+
     /// How `--check` shows it.
     pub(crate) fn describe(self, port: u16) -> String {
         match self {

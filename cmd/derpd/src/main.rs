@@ -117,6 +117,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         ),
     };
     config.debug_allow = cli.debug_allow_cidr.clone();
+    config.proxy_protocol = cli.proxy_protocol.then(|| cli.proxy_protocol_from.clone());
+    config.trust_forwarded_from = cli.trust_forwarded_from.clone();
+    if cli.proxy_protocol {
+        info!(
+            from = %cidrs_text(&cli.proxy_protocol_from),
+            "PROXY protocol: every TCP connection opens with a header from these balancers only"
+        );
+    }
+    if !cli.trust_forwarded_from.is_empty() {
+        info!(
+            from = %cidrs_text(&cli.trust_forwarded_from),
+            "X-Forwarded-For and X-Real-IP name DERP clients on connections from these proxies"
+        );
+    }
     config.packet_metrics = cli.packet_metrics;
 
     let registry = prometheus::Registry::new();
@@ -136,6 +150,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             mesh_config.tls = mesh_tls;
             mesh_config.ping_interval =
                 Some(cli.mesh_ping_interval).filter(|interval| !interval.is_zero());
+            // Siblings take what this node takes: with the PROXY protocol on, a link that
+            // dials one directly must open with a header too.
+            mesh_config.proxy_header = cli.proxy_protocol;
             info!(siblings = %cli.mesh_with, "meshing");
             Some(
                 derp_mesh::Mesh::start(&server, mesh_config, siblings, &registry)
@@ -248,6 +265,14 @@ fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u1
         bail!("--quic-port {port} is also the STUN port; they need different UDP ports");
     }
     Ok(Some(port))
+}
+
+/// Networks as a comma-separated list, as the flags take them.
+fn cidrs_text(nets: &[derp_server::IpCidr]) -> String {
+    nets.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// `--addr`, with --dev's own default.

@@ -143,12 +143,9 @@ pub(crate) async fn run_tls(
     backlog: Option<u32>,
 ) -> anyhow::Result<()> {
     let listen = listener.local_addr()?;
-    let front = TlsFront::new(
-        &server.public_key(),
-        TlsOptions::new(args.hostname.clone()),
-        registry,
-    )
-    .context("setting up tls")?;
+    let mut options = TlsOptions::new(args.hostname.clone());
+    options.http_port_proxy_protocol = server.proxy_protocol();
+    let front = TlsFront::new(&server.public_key(), options, registry).context("setting up tls")?;
     let certdir = args.certdir()?;
     let shutdown = server.shutdown_token();
     let mut tasks = tokio::task::JoinSet::new();

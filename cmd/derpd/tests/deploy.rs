@@ -771,6 +771,12 @@ fn every_region_hangs_together_and_its_pods_arguments_pass_derpd_check() {
                 )),
                 "{what}:\n{out}"
             );
+            if kustomization.ends_with("proxy-protocol") {
+                assert!(
+                    out.contains("PROXY protocol (v1, v2) required on --addr and --http-port"),
+                    "{what}:\n{out}"
+                );
+            }
         }
     }
     // The DERP map for the base region lists exactly its nodes.

@@ -84,6 +84,10 @@ pub struct ClientConfig {
     /// QUIC only: accept and send packets in QUIC datagrams (on by default). Off, every
     /// packet travels on the stream, reliably and in order.
     pub quic_datagrams: bool,
+    /// TCP only: open the connection with a PROXY protocol v2 header that names its own two
+    /// ends, for a server that takes connections only from PROXY protocol senders (a derpd
+    /// with `--proxy-protocol`, dialled directly by a sibling of its region). Off by default.
+    pub proxy_header: bool,
 }
 
 impl ClientConfig {
@@ -118,7 +122,14 @@ impl ClientConfig {
             tls_config: None,
             quic_port: None,
             quic_datagrams: true,
+            proxy_header: false,
         }
+    }
+
+    /// Sets [`ClientConfig::proxy_header`].
+    pub fn with_proxy_header(mut self, on: bool) -> Self {
+        self.proxy_header = on;
+        self
     }
 
     /// Sets [`ClientConfig::quic_port`].

@@ -32,8 +32,11 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
         None
     };
     with_budget(config, async {
-        let tcp = dial(config).await?;
+        let mut tcp = dial(config).await?;
         let local = tcp.local_addr().ok();
+        if config.proxy_header {
+            write_proxy_header(&mut tcp).await?;
+        }
         let Some(tls) = tls else {
             return establish(config, Transport::Tcp(tcp), local, Opening::Http).await;
         };
@@ -151,6 +154,20 @@ async fn dial(config: &ClientConfig) -> Result<TcpStream, ConnectError> {
         },
         ConnectError::Io,
     ))
+}
+
+/// A PROXY protocol v2 header naming the connection's own ends, as a proxy's health check
+/// would: the server sees this client's real address.
+async fn write_proxy_header(tcp: &mut TcpStream) -> io::Result<()> {
+    use derp_proto::proxy_protocol::{Addresses, Command, write_v2};
+    use tokio::io::AsyncWriteExt;
+    let addresses = Addresses::Tcp {
+        source: tcp.local_addr()?,
+        destination: tcp.peer_addr()?,
+    };
+    let mut header = Vec::new();
+    write_v2(Command::Proxy, &addresses, &[], &mut header).map_err(io::Error::other)?;
+    tcp.write_all(&header).await
 }
 
 async fn dial_one(addr: SocketAddr, local: Option<SocketAddr>) -> io::Result<TcpStream> {

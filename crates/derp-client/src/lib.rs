@@ -2,7 +2,9 @@
 //!
 //! What it does:
 //! - **Dial**: resolves the server URL (`http://host:port/derp`, or `ws://` for WebSocket),
-//!   connects over TCP within a time budget, optionally from a chosen local address.
+//!   connects over TCP within a time budget, optionally from a chosen local address, and
+//!   optionally opens with a PROXY protocol header naming its own ends
+//!   ([`ClientConfig::proxy_header`]).
 //! - **DERP over QUIC** for `quic://host:port` URLs (or an `https://` URL with
 //!   [`ClientConfig::quic_port`]): TLS 1.3 with the same verification options as https, ALPN
 //!   `derp`, the DERP stream opened with its preamble, packets in QUIC datagrams when they

@@ -74,6 +74,10 @@ pub struct MeshConfig {
     pub connect_timeout: Duration,
     /// Reconnect delays.
     pub backoff: BackoffConfig,
+    /// Open each link with a PROXY protocol header naming its own ends, for siblings that
+    /// take connections only from PROXY protocol senders (`--proxy-protocol`; a region's
+    /// nodes share the setting, and list each other in `--proxy-protocol-from`).
+    pub proxy_header: bool,
 }
 
 impl MeshConfig {
@@ -90,6 +94,7 @@ impl MeshConfig {
             ping_interval: Some(DEFAULT_PING_INTERVAL),
             connect_timeout: Duration::from_secs(10),
             backoff: BackoffConfig::default(),
+            proxy_header: false,
         }
     }
 }

@@ -244,7 +244,8 @@ async fn connect(sibling: &Sibling, config: &MeshConfig) -> Result<Client, LinkE
         .with_mesh_key(config.mesh_key)
         .with_can_ack_pings(false)
         .with_connect_timeout(config.connect_timeout)
-        .with_read_timeout(config.read_timeout);
+        .with_read_timeout(config.read_timeout)
+        .with_proxy_header(config.proxy_header);
     if let Some(tls) = &config.tls {
         client = client.with_tls_config(tls.clone());
     }

@@ -7,7 +7,9 @@
 //! incremental decoders for each direction that apply the reference implementation's size
 //! rules; handshake state machines for both sides; the HTTP upgrade that opens a connection
 //! ([`upgrade`]) and the WebSocket framing DERP can travel in ([`ws`]), for both sides; and a
-//! STUN codec ([`stun`]); derper's rate configuration file ([`rate_config`]).
+//! STUN codec ([`stun`]); derper's rate configuration file ([`rate_config`]); the PROXY
+//! protocol a TCP proxy or load balancer puts in front of a connection it passes on
+//! ([`proxy_protocol`]), both versions, both sides.
 //!
 //! Cryptography: x25519-dalek and `crypto_secretbox`, except a server's per-handshake X25519
 //! ([`KeyPair`]), which runs on aws-lc for speed and gives the same bytes.
@@ -33,6 +35,7 @@ pub mod frame;
 pub mod handshake;
 pub mod info;
 pub mod keys;
+pub mod proxy_protocol;
 pub mod rate_config;
 pub mod stun;
 pub mod upgrade;

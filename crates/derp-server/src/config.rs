@@ -58,6 +58,15 @@ pub struct ServerConfig {
     /// TCP keepalive and user timeout of every client connection the server's listeners (and
     /// a TLS front) accept.
     pub tcp: TcpOptions,
+    /// The PROXY protocol on the TCP listeners: `Some(networks)` makes every connection open
+    /// with a header (version 1 or 2) and accepts connections only from peers in these
+    /// networks, the load balancers; `None` (the default) reads no header. See
+    /// [`ProxyProtocol`](crate::ProxyProtocol).
+    pub proxy_protocol: Option<Vec<IpCidr>>,
+    /// Networks of HTTP reverse proxies (nginx's `http` module, which cannot send PROXY
+    /// protocol) whose `X-Forwarded-For` / `X-Real-IP` headers name the client of a DERP
+    /// upgrade. From anyone else those headers are ignored for addressing.
+    pub trust_forwarded_from: Vec<IpCidr>,
 }
 
 impl ServerConfig {
@@ -80,6 +89,8 @@ impl ServerConfig {
             rate_limit: None,
             limits: ConnLimits::default(),
             tcp: TcpOptions::default(),
+            proxy_protocol: None,
+            trust_forwarded_from: Vec::new(),
         }
     }
 }
@@ -113,6 +124,12 @@ impl IpCidr {
             }
             _ => false,
         }
+    }
+}
+
+impl std::fmt::Display for IpCidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
     }
 }
 
@@ -180,6 +197,8 @@ mod tests {
         let host: IpCidr = "10.1.2.3".parse().expect("parses");
         assert!(host.contains("10.1.2.3".parse().expect("ip")));
         assert!(!host.contains("10.1.2.4".parse().expect("ip")));
+        assert_eq!(host.to_string(), "10.1.2.3/32");
+        assert_eq!(v6.to_string(), "fd7a:115c:a1e0::/48");
         assert!("10.0.0.0/33".parse::<IpCidr>().is_err());
         assert!("nonsense/8".parse::<IpCidr>().is_err());
     }

@@ -30,19 +30,53 @@ use derp_proto::ws;
 use crate::config::HomePage;
 use crate::conn::{self, Accepted, Framing};
 use crate::listen::ConnGuard;
+use crate::proxy::ProxiedListener;
 use crate::state::ServerState;
 
-/// Serves one accepted connection (plain TCP, or TLS after its handshake).
+/// Serves one connection accepted from a listed proxy on the main plain-HTTP listener: reads
+/// its PROXY protocol header (within the handshake deadline, while it may be evicted as any
+/// unproven connection), then serves it as the client's the header names.
+pub(crate) async fn serve_proxied(
+    shared: Arc<ServerState>,
+    mut stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    guard: ConnGuard,
+) {
+    let Some(proxy) = shared.proxy.clone() else {
+        return;
+    };
+    let mut buf = BytesMut::new();
+    let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
+    let header = tokio::select! {
+        _ = guard.evicted() => {
+            debug!(%peer, "evicted while sending its proxy header");
+            return;
+        }
+        h = proxy.read_header(ProxiedListener::Main, &mut stream, peer, deadline, &mut buf) => h,
+    };
+    let remote = match header {
+        Ok(Some(client)) => {
+            guard.relayed_for(client.ip());
+            client
+        }
+        Ok(None) => peer,
+        Err(_) => return,
+    };
+    serve_conn(shared, Transport::Tcp(stream), remote, guard, buf).await;
+}
+
+/// Serves one accepted connection (plain TCP, or TLS after its handshake). `buf` holds bytes
+/// already read from it (after a PROXY protocol header), usually none.
 ///
 /// Until its DERP client is registered, the connection may be evicted from the unproven
 /// budget (see `listen.rs`); `guard` says when, and is held until the connection ends.
 pub(crate) async fn serve_conn(
     shared: Arc<ServerState>,
     mut stream: Transport,
-    remote: SocketAddr,
+    mut remote: SocketAddr,
     guard: ConnGuard,
+    mut buf: BytesMut,
 ) {
-    let mut buf = BytesMut::with_capacity(1024);
     let head = tokio::select! {
         _ = guard.evicted() => {
             debug!(%remote, "evicted while sending its request head");
@@ -69,15 +103,61 @@ pub(crate) async fn serve_conn(
             return;
         }
     };
+    let forwarder = forwarder(&shared, remote);
+    let proxied = guard.via_proxy() || forwarder;
     match upgrade::classify_request(&buf[..head_len], shared.config.derp_enabled) {
         upgrade::Request::Upgrade(up) => {
+            if forwarder && let Some(client) = forwarded_in_head(&shared, &buf[..head_len]) {
+                guard.relayed_for(client);
+                remote = SocketAddr::new(client, 0);
+            }
             buf.advance(head_len);
             take_over(shared, stream, buf, remote, up, guard).await;
         }
         upgrade::Request::Other => {
-            serve_hyper(shared, Rewind::new(buf.freeze(), stream), remote, guard).await;
+            let peer = Peer {
+                remote,
+                proxied,
+                forwarder,
+            };
+            serve_hyper(shared, Rewind::new(buf.freeze(), stream), peer, guard).await;
         }
     }
+}
+
+/// Where a connection handed to hyper comes from.
+#[derive(Clone, Copy, Debug)]
+struct Peer {
+    /// The client's address as known at accept (a PROXY protocol header's, or the socket's).
+    remote: SocketAddr,
+    /// It came through a proxy: `/debug` is never served on it.
+    proxied: bool,
+    /// Its peer is a trusted HTTP proxy, whose forwarded headers name each request's client.
+    forwarder: bool,
+}
+
+/// Whether a connection from `remote` is a trusted HTTP proxy's.
+pub(crate) fn forwarder(shared: &ServerState, remote: SocketAddr) -> bool {
+    let trusted = &shared.config.trust_forwarded_from;
+    !trusted.is_empty() && trusted.iter().any(|n| n.contains(remote.ip()))
+}
+
+/// The client a trusted proxy names in a request head (see `proxy.rs` for the rule).
+fn forwarded_in_head(shared: &ServerState, head: &[u8]) -> Option<std::net::IpAddr> {
+    let mut headers = [httparse::EMPTY_HEADER; upgrade::MAX_REQUEST_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    req.parse(head).ok()?;
+    let pairs = req.headers.iter().map(|h| (h.name, h.value));
+    crate::proxy::forwarded_client(pairs, &shared.config.trust_forwarded_from)
+}
+
+/// [`forwarded_in_head`] for a request hyper parsed.
+fn forwarded_in_request<B>(shared: &ServerState, req: &Request<B>) -> Option<std::net::IpAddr> {
+    let pairs = req
+        .headers()
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_bytes()));
+    crate::proxy::forwarded_client(pairs, &shared.config.trust_forwarded_from)
 }
 
 /// Runs DERP on an upgraded stream: answers the upgrade (unless the client asked for fast
@@ -169,7 +249,7 @@ async fn read_head(stream: &mut Transport, buf: &mut BytesMut) -> io::Result<Opt
 /// takes it along to its DERP task.
 type GuardCell = Arc<Mutex<Option<ConnGuard>>>;
 
-async fn serve_hyper<S>(shared: Arc<ServerState>, io: S, remote: SocketAddr, guard: ConnGuard)
+async fn serve_hyper<S>(shared: Arc<ServerState>, io: S, peer: Peer, guard: ConnGuard)
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
@@ -182,13 +262,14 @@ where
     let service = hyper::service::service_fn(move |req| {
         let shared = shared.clone();
         let guard = guard.clone();
-        async move { Ok::<_, Infallible>(route(&shared, req, remote, &guard)) }
+        async move { Ok::<_, Infallible>(route(&shared, req, peer, &guard)) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
+    let remote = peer.remote;
     let result = tokio::select! {
         _ = evicted.cancelled() => {
             debug!(%remote, "http connection evicted");
@@ -206,7 +287,7 @@ type Body = Full<Bytes>;
 fn route(
     shared: &Arc<ServerState>,
     req: Request<Incoming>,
-    remote: SocketAddr,
+    peer: Peer,
     guard: &GuardCell,
 ) -> Response<Body> {
     let path = req.uri().path();
@@ -214,10 +295,16 @@ fn route(
         return probe(req.method());
     }
     if upgrade::is_derp_path(path) {
-        return derp_via_hyper(shared, req, remote, guard);
+        let forwarded = peer
+            .forwarder
+            .then(|| forwarded_in_request(shared, &req))
+            .flatten();
+        let remote = forwarded.map_or(peer.remote, |ip| SocketAddr::new(ip, 0));
+        return derp_via_hyper(shared, req, remote, forwarded, guard);
     }
     match path {
-        "/debug/varz" => debug_varz(shared, &req, remote),
+        "/debug/varz" if peer.proxied => text(StatusCode::FORBIDDEN, "debug access denied\n"),
+        "/debug/varz" => debug_varz(shared, &req, peer.remote),
         "/generate_204" => generate_204(&req),
         "/robots.txt" => browser_headers(text(StatusCode::OK, "User-agent: *\nDisallow: /\n")),
         _ => home(&shared.config.home),
@@ -226,7 +313,9 @@ fn route(
 
 /// Prometheus text on the main listener, for loopback and the configured networks only.
 /// A request that came through a proxy is refused whatever its source, since the proxy's
-/// address says nothing about the client's (see [`names_a_proxy`]).
+/// address says nothing about the client's (see [`names_a_proxy`]); so is every request on a
+/// connection from a PROXY protocol balancer or a trusted HTTP proxy (see `route`), whatever
+/// client address they name.
 fn debug_varz(shared: &ServerState, req: &Request<Incoming>, remote: SocketAddr) -> Response<Body> {
     let ip = remote.ip();
     let ip = match ip {
@@ -370,6 +459,7 @@ fn derp_via_hyper(
     shared: &Arc<ServerState>,
     mut req: Request<Incoming>,
     remote: SocketAddr,
+    forwarded: Option<std::net::IpAddr>,
     guard: &GuardCell,
 ) -> Response<Body> {
     if !shared.config.derp_enabled {
@@ -435,6 +525,9 @@ fn derp_via_hyper(
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .unwrap_or_default();
+    if let Some(client) = forwarded {
+        guard.relayed_for(client);
+    }
     tracker.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) if refuse => {
@@ -549,14 +642,17 @@ fn browser_headers(mut resp: Response<Body>) -> Response<Body> {
     resp
 }
 
-/// A stream that yields already-read bytes before reading from the socket again.
-struct Rewind<S> {
+/// A stream that yields already-read bytes before reading from the socket again: for a
+/// listener that read past a PROXY protocol header (or an HTTP head) and hands the stream on.
+#[derive(Debug)]
+pub struct Rewind<S> {
     prefix: Bytes,
     inner: S,
 }
 
 impl<S> Rewind<S> {
-    fn new(prefix: Bytes, inner: S) -> Self {
+    /// `inner`, with `prefix` read first.
+    pub fn new(prefix: Bytes, inner: S) -> Self {
         Self { prefix, inner }
     }
 }
@@ -648,6 +744,7 @@ mod tests {
             Transport::Tcp(stream),
             remote,
             ConnGuard::none(),
+            BytesMut::new(),
         ));
         (client.expect("connect"), serving)
     }

@@ -15,6 +15,10 @@
 //! - takes connections off every listener, its own and its embedders', through [`Listener`],
 //!   which retries an accept that failed for one connection at once and backs off while
 //!   accept fails for want of file descriptors or memory;
+//! - takes the client's address from a load balancer's PROXY protocol header (versions 1 and
+//!   2, from listed peers only, [`ProxyProtocol`]) or a trusted HTTP proxy's
+//!   `X-Forwarded-For`, so per-source limits, logs and admission see the client, not the
+//!   proxy;
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
 //! - answers STUN binding requests on a UDP socket it is given;
 //! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
@@ -38,6 +42,7 @@ mod http;
 mod listen;
 mod lookup;
 mod metrics;
+mod proxy;
 mod queue;
 pub mod quic;
 mod ratelimit;
@@ -55,7 +60,7 @@ pub use config::{
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig,
 };
 pub use derp_io::{BoxedIo, TcpOptions, Transport, tune_listener, tune_socket};
-pub use http::generate_204;
+pub use http::{Rewind, generate_204};
 pub use listen::{
     AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,
     DEFAULT_MAX_UNPROVEN_PER_SOURCE, Refusal, Unproven, UnprovenBudget,
@@ -67,6 +72,7 @@ pub use lookup::{
     DEFAULT_PEER_CACHE_MAX_ENTRIES, DEFAULT_PEER_CACHE_MAX_IDLE, LookupConfig, PeerCacheConfig,
 };
 pub use metrics::{DropReason, FallbackReason, Metrics, PacketKind, TransportLabel};
+pub use proxy::{ProxiedListener, ProxyProtocol, ProxyRefusal};
 pub use quic::{QuicConfig, QuicError, QuicListener};
 pub use ratelimit::{MIN_RATE_BURST, RateLimit};
 pub use registry::PacketForwarder;

@@ -12,6 +12,10 @@
 //!   generator speaking for many clients, not an attacker;
 //! - at most `capacity` in all: when full, a new one evicts the oldest of all.
 //!
+//! A connection from a proxy (PROXY protocol, a trusted HTTP proxy's forwarded headers) counts
+//! as the client's the proxy names, once it has named it, capped whatever the address;
+//! until then a listed proxy's connection is in the budget but not capped per source.
+//!
 //! Nothing is ever refused for want of room, and the newest connections are the last to go.
 //! A flood of stalled handshakes from many addresses therefore does not lock a good client
 //! out: the good client's connection is evicted only if `capacity` newer unproven
@@ -243,8 +247,31 @@ impl Gate {
         })
     }
 
+    /// Ends the unproven phase of every connection the gate let in, now and from now on
+    /// ([`UnprovenBudget::close`]).
+    pub(crate) fn close(&self) {
+        self.budget.close();
+    }
+
+    /// How many connections are unproven now.
+    #[cfg(test)]
+    pub(crate) fn unproven(&self) -> usize {
+        self.budget.inner.lock().members.len()
+    }
+
     /// Lets a just-accepted connection from `remote` in, or says why not (and counts it).
     pub(crate) fn admit(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
+        self.admit_as(remote, false)
+    }
+
+    /// [`Gate::admit`] for a connection from a proxy (a listed balancer, a trusted HTTP
+    /// proxy), before it names the client: in the budget, but not capped per source
+    /// ([`UnprovenBudget::admit_proxy`]).
+    pub(crate) fn admit_proxy(&self, remote: SocketAddr) -> Result<ConnGuard, Refusal> {
+        self.admit_as(remote, true)
+    }
+
+    fn admit_as(&self, remote: SocketAddr, proxy: bool) -> Result<ConnGuard, Refusal> {
         if let Some(rate) = &self.rate {
             let ok = rate
                 .lock()
@@ -259,9 +286,15 @@ impl Gate {
             self.metrics.refused_max.inc();
             Refusal::MaxConnections
         })?;
+        let unproven = if proxy {
+            self.budget.admit_proxy()
+        } else {
+            self.budget.admit(remote.ip())
+        };
         Ok(ConnGuard {
-            unproven: Some(self.budget.admit(remote.ip())),
+            unproven: Some(unproven),
             _open: Some(open),
+            proxied: proxy,
         })
     }
 }
@@ -297,6 +330,8 @@ impl Drop for OpenPermit {
 pub struct ConnGuard {
     unproven: Option<Unproven>,
     _open: Option<OpenPermit>,
+    /// Admitted from a listed proxy (PROXY protocol).
+    proxied: bool,
 }
 
 impl ConnGuard {
@@ -311,6 +346,21 @@ impl ConnGuard {
         match &self.unproven {
             Some(u) => u.evicted().await,
             None => std::future::pending().await,
+        }
+    }
+
+    /// Whether the connection came from a proxy (a listed PROXY protocol balancer, or a
+    /// trusted HTTP proxy): whatever it says, it is not a direct connection.
+    pub fn via_proxy(&self) -> bool {
+        self.proxied
+    }
+
+    /// A proxy's header (or a trusted proxy's forwarded headers) named the client: from now
+    /// on the connection counts as `client`'s in the unproven budget
+    /// ([`Unproven::relayed_for`]).
+    pub fn relayed_for(&self, client: IpAddr) {
+        if let Some(u) = &self.unproven {
+            u.relayed_for(client);
         }
     }
 
@@ -379,6 +429,8 @@ struct BudgetInner {
 
 #[derive(Debug, Default)]
 struct BudgetState {
+    /// Closed by a shutdown: every member was told to leave, and newcomers leave at once.
+    closed: bool,
     next_seq: u64,
     /// Every member by admission order; the first is the oldest.
     members: BTreeMap<u64, Member>,
@@ -398,7 +450,13 @@ struct Member {
 impl BudgetState {
     fn remove(&mut self, seq: u64) -> Option<Member> {
         let member = self.members.remove(&seq)?;
-        if let Some(source) = member.capped
+        self.remove_from_source(seq, member.capped);
+        Some(member)
+    }
+
+    /// Takes `seq` off its source's list, if it is capped.
+    fn remove_from_source(&mut self, seq: u64, capped: Option<IpAddr>) {
+        if let Some(source) = capped
             && let Some(list) = self.by_source.get_mut(&source)
         {
             list.retain(|s| *s != seq);
@@ -406,7 +464,6 @@ impl BudgetState {
                 self.by_source.remove(&source);
             }
         }
-        Some(member)
     }
 }
 
@@ -422,6 +479,45 @@ impl Unproven {
     /// Completes when a newer connection took this one's place.
     pub async fn evicted(&self) {
         self.evict.cancelled().await;
+    }
+
+    /// The connection came through a proxy, which named `client` as whose it is: from now on
+    /// it counts against `client`'s source, capped whatever the address (loopback too: the
+    /// proxy already said who the client is, so it is not a local proxy speaking for many).
+    /// A source at its cap loses its oldest other connection, as on admission. Nothing
+    /// happens to a connection already evicted.
+    pub fn relayed_for(&self, client: IpAddr) {
+        let source = source_of(client);
+        let inner = &self.budget;
+        let mut state = inner.lock();
+        let Some(member) = state.members.get(&self.seq) else {
+            return;
+        };
+        if member.capped == Some(source) {
+            return;
+        }
+        let before = member.capped;
+        state.remove_from_source(self.seq, before);
+        let full = state
+            .by_source
+            .get(&source)
+            .filter(|list| list.len() >= inner.per_source)
+            .and_then(|list| list.front().copied());
+        if let Some(oldest) = full
+            && let Some(victim) = state.remove(oldest)
+        {
+            victim.evict.cancel();
+            inner.metrics.evicted_source.inc();
+            inner.metrics.current.dec();
+        }
+        if let Some(member) = state.members.get_mut(&self.seq) {
+            member.capped = Some(source);
+        }
+        state
+            .by_source
+            .entry(source)
+            .or_default()
+            .push_back(self.seq);
     }
 }
 
@@ -450,10 +546,44 @@ impl UnprovenBudget {
 
     /// Admits a connection from `ip`, evicting an older one if there is no room.
     pub fn admit(&self, ip: IpAddr) -> Unproven {
+        self.admit_source(ip, !ip.to_canonical().is_loopback())
+    }
+
+    /// Admits a connection from a trusted proxy whose header has not named the client yet
+    /// ([`Unproven::relayed_for`] does, once read): it takes a place in the budget, evicting
+    /// the oldest if full, but is not capped per source, since the proxy speaks for many
+    /// clients.
+    pub fn admit_proxy(&self) -> Unproven {
+        self.admit_source(IpAddr::from([0, 0, 0, 0]), false)
+    }
+
+    /// Tells every unproven connection to leave, as an eviction does but without counting
+    /// one, and every connection admitted from now on at once: a shutdown must not wait for
+    /// handshakes that may take until their deadline.
+    pub fn close(&self) {
+        let mut state = self.inner.lock();
+        state.closed = true;
+        for member in state.members.values() {
+            member.evict.cancel();
+        }
+    }
+
+    fn admit_source(&self, ip: IpAddr, capped: bool) -> Unproven {
         let source = source_of(ip);
-        let capped = !ip.to_canonical().is_loopback();
         let inner = &self.inner;
         let mut state = inner.lock();
+        if state.closed {
+            let evict = CancellationToken::new();
+            evict.cancel();
+            // Never a member, so dropping it removes nothing and the gauge is not moved.
+            let seq = state.next_seq;
+            state.next_seq += 1;
+            return Unproven {
+                budget: inner.clone(),
+                seq,
+                evict,
+            };
+        }
         let listed = if capped {
             state.by_source.get(&source)
         } else {
@@ -603,6 +733,37 @@ mod tests {
     }
 
     #[test]
+    fn a_closed_budget_sends_every_member_away_and_admits_nobody_to_stay() {
+        let (b, r) = budget(3, 10);
+        let a = b.admit(ip("192.0.2.1"));
+        let c = b.admit(ip("127.0.0.1"));
+        b.close();
+        assert!(evicted(&a) && evicted(&c));
+        let late = b.admit(ip("192.0.2.2"));
+        assert!(
+            evicted(&late),
+            "a connection admitted after the close leaves at once"
+        );
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&r.gather())
+            .expect("metrics");
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.starts_with("t_unproven_evicted") && !l.ends_with(" 0")),
+            "a shutdown is not an eviction:\n{text}"
+        );
+        drop((a, c, late));
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&r.gather())
+            .expect("metrics");
+        assert!(
+            text.lines().any(|l| l == "t_unproven_connections 0"),
+            "the members left the gauge, and the late one never joined it:\n{text}"
+        );
+    }
+
+    #[test]
     fn a_source_at_its_cap_evicts_only_its_own() {
         let (b, r) = budget(100, 2);
         let other = b.admit(ip("198.51.100.7"));
@@ -667,6 +828,49 @@ mod tests {
         drop(l1);
         drop(l4);
         drop(l2);
+        let state = b.inner.lock();
+        assert!(state.members.is_empty() && state.by_source.is_empty());
+    }
+
+    #[test]
+    fn a_proxied_connection_counts_as_the_client_it_was_relayed_for() {
+        let (b, r) = budget(10, 2);
+        // Before their headers, a proxy's connections are not capped, even from one address.
+        let p: Vec<Unproven> = (0..4).map(|_| b.admit_proxy()).collect();
+        assert!(!p.iter().any(evicted));
+        // Named: two clients on loopback addresses (a local proxy's clients), each capped on
+        // its own, as a remote source is.
+        p[0].relayed_for(ip("127.0.0.2"));
+        p[1].relayed_for(ip("127.0.0.3"));
+        p[2].relayed_for(ip("127.0.0.2"));
+        assert!(!p.iter().any(evicted));
+        p[3].relayed_for(ip("127.0.0.2"));
+        assert!(evicted(&p[0]), "127.0.0.2's oldest made room");
+        assert!(!evicted(&p[1]) && !evicted(&p[2]) && !evicted(&p[3]));
+        // A direct connection from the same address shares the cap (loopback, as admitted
+        // directly, is not capped, so a remote address here).
+        let q = b.admit_proxy();
+        q.relayed_for(ip("192.0.2.7"));
+        let d1 = b.admit(ip("192.0.2.7"));
+        let d2 = b.admit(ip("192.0.2.7"));
+        assert!(evicted(&q) && !evicted(&d1) && !evicted(&d2));
+        // Naming the same source again changes nothing; an evicted connection stays out.
+        p[3].relayed_for(ip("127.0.0.2"));
+        p[0].relayed_for(ip("127.0.0.9"));
+        {
+            let state = b.inner.lock();
+            let twos = state.by_source.get(&ip("127.0.0.2")).map(VecDeque::len);
+            assert_eq!(twos, Some(2));
+            assert!(!state.by_source.contains_key(&ip("127.0.0.9")));
+        }
+        let gauge = r
+            .gather()
+            .iter()
+            .find(|f| f.name() == "t_unproven_connections")
+            .map(|f| f.get_metric()[0].get_gauge().get_value());
+        assert_eq!(gauge, Some(5.0));
+        drop(p);
+        drop((d1, d2, q));
         let state = b.inner.lock();
         assert!(state.members.is_empty() && state.by_source.is_empty());
     }

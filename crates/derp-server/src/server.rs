@@ -16,6 +16,7 @@ use crate::config::ServerConfig;
 use crate::conn::{self, Accepted};
 use crate::listen::{ConnGuard, SocketOptions};
 use crate::metrics::Metrics;
+use crate::proxy::{ProxiedListener, ProxyProtocol};
 use crate::quic::QuicListener;
 use crate::ratelimit::RateLimit;
 use crate::registry::PacketForwarder;
@@ -125,7 +126,14 @@ impl Server {
                 continue;
             };
             options.apply(&stream);
-            self.spawn_tracked(Transport::Tcp(stream), remote, guard);
+            if self.shared.proxy.is_some() {
+                let shared = self.shared.clone();
+                self.shared
+                    .tasks
+                    .spawn(crate::http::serve_proxied(shared, stream, remote, guard));
+            } else {
+                self.spawn_tracked(Transport::Tcp(stream), remote, guard);
+            }
         }
     }
 
@@ -142,8 +150,25 @@ impl Server {
     /// to pass to [`Server::spawn_guarded`] once the caller's own handshake (TLS) is done.
     /// Meanwhile the caller must give up the connection when [`ConnGuard::evicted`]
     /// completes.
+    ///
+    /// With the PROXY protocol on ([`Server::proxy_protocol`]), a peer that is not a listed
+    /// proxy is refused here, and the caller must read the header
+    /// ([`ProxyProtocol::read_header`]) before anything else and tell the guard whose
+    /// connection it is ([`ConnGuard::relayed_for`]).
     pub fn admit_connection(&self, remote: SocketAddr) -> Option<ConnGuard> {
-        match self.shared.gate.admit(remote) {
+        let admitted = match &self.shared.proxy {
+            // A trusted HTTP proxy speaks for many clients too: not capped per source until
+            // a request names one.
+            None if crate::http::forwarder(&self.shared, remote) => {
+                self.shared.gate.admit_proxy(remote)
+            }
+            None => self.shared.gate.admit(remote),
+            Some(proxy) if proxy.allows(ProxiedListener::Main, remote) => {
+                self.shared.gate.admit_proxy(remote)
+            }
+            Some(_) => return None,
+        };
+        match admitted {
             Ok(guard) => Some(guard),
             Err(why) => {
                 debug!(%remote, ?why, "connection refused at accept");
@@ -164,9 +189,20 @@ impl Server {
 
     fn spawn_tracked(&self, transport: Transport, remote: SocketAddr, guard: ConnGuard) {
         let shared = self.shared.clone();
-        self.shared
-            .tasks
-            .spawn(crate::http::serve_conn(shared, transport, remote, guard));
+        self.shared.tasks.spawn(crate::http::serve_conn(
+            shared,
+            transport,
+            remote,
+            guard,
+            bytes::BytesMut::new(),
+        ));
+    }
+
+    /// The PROXY protocol the TCP listeners take, when configured
+    /// ([`ServerConfig::proxy_protocol`]): for listeners the caller runs in front of this
+    /// server (TLS, port 80), which must read the header as [`Server::serve`] does.
+    pub fn proxy_protocol(&self) -> Option<ProxyProtocol> {
+        self.shared.proxy.clone()
     }
 
     /// `derp_accept_errors{listener}`, for an accept loop the caller runs for this server
@@ -284,6 +320,7 @@ impl Server {
     pub async fn shutdown(&self) {
         debug!("shutting down");
         self.shared.shutdown.cancel();
+        self.shared.gate.close();
         self.shared.tasks.close();
         self.shared.tasks.wait().await;
     }
@@ -339,6 +376,45 @@ mod tests {
             .await
             .expect("serve returned");
         assert!(matches!(result, Ok(Ok(()))), "{result:?}");
+    }
+
+    /// A connection still in its handshake holds a shutdown up no longer than it takes to
+    /// close it, however long its deadline: here an hour, which the test's own deadline
+    /// would turn into a failure.
+    #[tokio::test]
+    async fn shutdown_ends_connections_still_in_their_handshake() {
+        let mut config = ServerConfig::new(derp_testkit::server_secret());
+        config.handshake_timeout = Duration::from_secs(3600);
+        let server = Server::new(config, &prometheus::Registry::new()).expect("server");
+        let (listener, addr) = listener().await;
+        let serving = tokio::spawn({
+            let server = server.clone();
+            async move { server.serve(listener).await }
+        });
+        // One connection that never sends its request head, one that stops in the middle of
+        // it: both are unproven, waiting for bytes that will not come.
+        let silent = TcpStream::connect(addr).await.expect("connect");
+        let mut partial = TcpStream::connect(addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut partial, b"GET /derp HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        let registered = async {
+            while server.shared.gate.unproven() < 2 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), registered)
+            .await
+            .expect("both connections were accepted");
+        tokio::time::timeout(Duration::from_secs(10), server.shutdown())
+            .await
+            .expect("the shutdown did not wait for the handshakes' deadline");
+        for mut stream in [silent, partial] {
+            let mut buf = [0u8; 1];
+            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut buf).await;
+            assert!(matches!(n, Ok(0) | Err(_)), "closed: {n:?}");
+        }
+        let _ = serving.await;
     }
 
     #[tokio::test]

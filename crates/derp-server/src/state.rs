@@ -13,6 +13,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::ServerConfig;
 use crate::listen::Gate;
 use crate::metrics::{Metrics, ReaderCounts};
+use crate::proxy::ProxyProtocol;
 use crate::ratelimit::RateLimits;
 use crate::registry::Registry;
 
@@ -43,6 +44,8 @@ pub(crate) struct ServerState {
     pub(crate) gate: Gate,
     /// The per-client receive limit in force.
     pub(crate) rate_limits: RateLimits,
+    /// The PROXY protocol on the TCP listeners, when configured.
+    pub(crate) proxy: Option<ProxyProtocol>,
     /// `derp_admission_refused{reason}`.
     pub(crate) admission_refused: prometheus::IntCounterVec,
     /// The task that ends connections on shutdown was started.
@@ -75,7 +78,12 @@ impl ServerState {
             &["reason"],
         )?;
         prometheus.register(Box::new(admission_refused.clone()))?;
+        let proxy = match &config.proxy_protocol {
+            Some(from) => Some(ProxyProtocol::new(from.clone(), prometheus)?),
+            None => None,
+        };
         Ok(Self {
+            proxy,
             gate: Gate::new(&config.limits, prometheus)?,
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             admission_refused,

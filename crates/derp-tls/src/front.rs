@@ -26,7 +26,9 @@ use super::TlsError;
 use super::meta::meta_certificate;
 use super::x509::{Host, check_valid_for, validity};
 use derp_io::Transport;
-use derp_server::{BudgetMetrics, Listener, Server, UnprovenBudget};
+use derp_server::{
+    BudgetMetrics, Listener, ProxiedListener, ProxyProtocol, Server, UnprovenBudget,
+};
 
 /// Default deadline for a whole TLS handshake, from accept to the first application byte.
 pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -61,6 +63,10 @@ pub struct TlsOptions {
     /// The port-80 listener's connections are all unproven and held in a budget of this size
     /// (16 at most from one source); when full, the oldest is closed to admit a new one.
     pub http_port_max_connections: usize,
+    /// The PROXY protocol the port-80 listener takes (the server's,
+    /// [`Server::proxy_protocol`]), when it sits behind the same balancer as the TLS
+    /// listener, which takes the server's own.
+    pub http_port_proxy_protocol: Option<ProxyProtocol>,
 }
 
 impl TlsOptions {
@@ -71,6 +77,7 @@ impl TlsOptions {
             handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
             client_hello_timeout: DEFAULT_CLIENT_HELLO_TIMEOUT,
             http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
+            http_port_proxy_protocol: None,
         }
     }
 }
@@ -420,6 +427,10 @@ impl TlsFront {
         )
     }
 
+    pub(crate) fn http_port_proxy_protocol(&self) -> Option<ProxyProtocol> {
+        self.inner.options.http_port_proxy_protocol.clone()
+    }
+
     pub(crate) fn provider(&self) -> &Arc<CryptoProvider> {
         &self.inner.provider
     }
@@ -430,9 +441,12 @@ impl TlsFront {
     /// evicted from the budget (to admit a newer connection) is abandoned. Each handshake
     /// runs in its own task under a deadline; a finished one is served by `server`'s HTTP
     /// front exactly like a plain connection. Failures of accept are counted and waited out
-    /// as [`Listener`] does for every listener.
+    /// as [`Listener`] does for every listener. With the server's PROXY protocol on, each
+    /// connection's header is read first, within the same deadline, and the connection is
+    /// the client's it names from then on.
     pub async fn serve(&self, server: &Server, listener: TcpListener) -> io::Result<()> {
         let shutdown = server.shutdown_token();
+        let proxy = server.proxy_protocol();
         let mut listener = Listener::new(listener, "main", server.accept_error_counter("main"));
         loop {
             let (tcp, remote) = tokio::select! {
@@ -448,13 +462,35 @@ impl TlsFront {
             let this = self.clone();
             let server = server.clone();
             let shutdown = shutdown.clone();
+            let proxy = proxy.clone();
             tokio::spawn(async move {
+                let deadline = tokio::time::Instant::now() + this.inner.options.handshake_timeout;
+                let (tcp, remote, received) = match proxy {
+                    None => (tcp, remote, Vec::new()),
+                    Some(proxy) => {
+                        let mut tcp = tcp;
+                        let mut buf = bytes::BytesMut::new();
+                        let header = tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = guard.evicted() => {
+                                debug!(%remote, "evicted while sending its proxy header");
+                                return;
+                            }
+                            h = proxy.read_header(ProxiedListener::Main, &mut tcp, remote, deadline, &mut buf) => h,
+                        };
+                        let Ok(client) = header else { return };
+                        if let Some(client) = client {
+                            guard.relayed_for(client.ip());
+                        }
+                        (tcp, client.unwrap_or(remote), buf.to_vec())
+                    }
+                };
                 let metrics = &this.inner.metrics;
                 metrics.in_flight.inc();
                 let result = tokio::select! {
                     _ = shutdown.cancelled() => None,
                     _ = guard.evicted() => Some(Err(Evicted)),
-                    r = tokio::time::timeout(this.inner.options.handshake_timeout, this.handshake(tcp)) => Some(Ok(r)),
+                    r = tokio::time::timeout_at(deadline, this.handshake(tcp, received)) => Some(Ok(r)),
                 };
                 metrics.in_flight.dec();
                 let outcome = match result {
@@ -484,17 +520,21 @@ impl TlsFront {
         }
     }
 
-    /// Reads the ClientHello, picks the config for its ALPN offer, and finishes the handshake,
-    /// returning the stream and the TLS version's metric label. `None` for a TLS-ALPN-01
-    /// validation connection, which carries no HTTP.
+    /// Reads the ClientHello (`received` holds what was already read of it), picks the config
+    /// for its ALPN offer, and finishes the handshake, returning the stream and the TLS
+    /// version's metric label. `None` for a TLS-ALPN-01 validation connection, which carries
+    /// no HTTP.
     ///
     /// A client that offers TLS 1.3 gets derpd's own record layer after rustls's handshake
     /// ([`derp_io::tls`]): no rustls buffers or connection state per connection, no lock
     /// between the halves, and a reader that can wait for the socket holding nothing. Any
     /// other client (and any hello derpd's reader does not follow) is served by rustls's
     /// buffered connection.
-    async fn handshake(&self, mut tcp: TcpStream) -> io::Result<Option<(Transport, &'static str)>> {
-        let mut received = Vec::new();
+    async fn handshake(
+        &self,
+        mut tcp: TcpStream,
+        mut received: Vec<u8>,
+    ) -> io::Result<Option<(Transport, &'static str)>> {
         let hello = tokio::time::timeout(self.inner.options.client_hello_timeout, async {
             match read_client_hello(&mut tcp, &mut received).await? {
                 derp_io::tls::ClientHello::Hello { tls13: true, alpn } => {

@@ -6,8 +6,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use derp_server::Listener;
+use bytes::{Bytes, BytesMut};
+use derp_server::{Listener, ProxiedListener, Rewind};
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
@@ -30,7 +30,9 @@ const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 impl TlsFront {
     /// Serves the port-80 listener until `shutdown`: `/generate_204`, ACME HTTP-01 tokens, and
     /// otherwise a redirect to `https://<hostname>[:https_port]<path>` for GET and HEAD (the
-    /// port is left out when it is 443) and 400 "Use HTTPS" for other methods.
+    /// port is left out when it is 443) and 400 "Use HTTPS" for other methods. With
+    /// [`TlsOptions::http_port_proxy_protocol`](super::TlsOptions::http_port_proxy_protocol) set, only its listed proxies may connect and
+    /// each connection opens with a PROXY protocol header, as on the TLS listener.
     ///
     /// The redirect names the configured hostname rather than the request's `Host`, so this
     /// listener cannot be used to redirect to arbitrary sites.
@@ -46,16 +48,40 @@ impl TlsFront {
         let (budget, error_counter) = self.http_port_limits();
         let mut listener = Listener::new(listener, "http_port", error_counter);
         let base = Arc::new(https_base(&self.hostname().to_string(), https_port));
+        let proxy = self.http_port_proxy_protocol();
         loop {
-            let (tcp, remote) = tokio::select! {
+            let (mut tcp, mut remote) = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 a = listener.accept() => a,
             };
-            let slot = budget.admit(remote.ip());
+            let slot = match &proxy {
+                None => budget.admit(remote.ip()),
+                Some(p) if p.allows(ProxiedListener::HttpPort, remote) => budget.admit_proxy(),
+                Some(_) => continue,
+            };
             let this = self.clone();
             let base = base.clone();
             let shutdown = shutdown.clone();
+            let proxy = proxy.clone();
             tokio::spawn(async move {
+                // The PROXY protocol header first, if any, under the head's own deadline.
+                let mut read = BytesMut::new();
+                if let Some(proxy) = proxy {
+                    let deadline = tokio::time::Instant::now() + HEADER_READ_TIMEOUT;
+                    let header = tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = slot.evicted() => return,
+                        h = proxy.read_header(ProxiedListener::HttpPort, &mut tcp, remote, deadline, &mut read) => h,
+                    };
+                    match header {
+                        Ok(Some(client)) => {
+                            slot.relayed_for(client.ip());
+                            remote = client;
+                        }
+                        Ok(None) => {}
+                        Err(_) => return,
+                    }
+                }
                 let service = hyper::service::service_fn(move |req| {
                     let resp = this.route_http_port(&req, &base);
                     async move { Ok::<_, Infallible>(resp) }
@@ -63,7 +89,7 @@ impl TlsFront {
                 let conn = hyper::server::conn::http1::Builder::new()
                     .timer(TokioTimer::new())
                     .header_read_timeout(HEADER_READ_TIMEOUT)
-                    .serve_connection(TokioIo::new(tcp), service);
+                    .serve_connection(TokioIo::new(Rewind::new(read.freeze(), tcp)), service);
                 tokio::select! {
                     _ = shutdown.cancelled() => {}
                     _ = slot.evicted() => debug!(%remote, "port-80 connection evicted"),

@@ -4,7 +4,8 @@
 //!
 //! What it does:
 //! - [`TlsFront`] accepts TCP connections under the server's accept limits and
-//!   unproven-connection budget, runs the rustls handshake (TLS 1.2 minimum) with a deadline,
+//!   unproven-connection budget (and, when the server takes the PROXY protocol, reads each
+//!   one's header first), runs the rustls handshake (TLS 1.2 minimum) with a deadline,
 //!   and hands the decrypted stream to
 //!   [`Server::spawn_guarded`](derp_server::Server::spawn_guarded): for a TLS 1.3 client,
 //!   derp-io's record layer on the keys rustls negotiated; for a TLS 1.2 client, rustls's
@@ -21,7 +22,8 @@
 //! - [`TlsFront::quic_server_config`] gives the same certificates to DERP over QUIC (TLS 1.3,
 //!   ALPN `derp`, no TLS-ALPN-01 answers) for `derp_server::QuicListener`.
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
-//!   HTTP-01 answers, and redirects to HTTPS. It never serves DERP.
+//!   HTTP-01 answers, and redirects to HTTPS (behind the PROXY protocol too). It never serves
+//!   DERP.
 //! - Names the temporary file a file is written through ([`temp_path`]) and sweeps those left
 //!   by processes killed mid-write ([`remove_stale_temps`]), for its own files and derpd's
 //!   key file.

@@ -571,6 +571,19 @@ fn main() {
         with_prefix(&[0x01, 0], &fast),
     );
 
+    // PROXY protocol headers: the hand-written vectors, valid and not, and a header in front
+    // of what a DERP client sends first.
+    let proxy = load(&testdata, "proxy_protocol.json");
+    for kind in ["valid", "invalid"] {
+        for v in proxy[kind].as_array().expect("proxy vectors") {
+            let name = format!("vec-{kind}-{}", slug(str_field(v, "name")));
+            add("proxy_protocol", name, hex_field(v, "hex"));
+        }
+    }
+    let mut v1 = b"PROXY TCP4 203.0.113.9 192.0.2.1 61000 443\r\n".to_vec();
+    v1.extend_from_slice(b"GET /derp HTTP/1.1\r\nUpgrade: DERP\r\n\r\n");
+    add("proxy_protocol", "hand-v1-then-upgrade".into(), v1);
+
     let corpus = root.join("corpus");
     let mut total = 0;
     for (target, files) in &seeds {

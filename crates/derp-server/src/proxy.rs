@@ -1,0 +1,598 @@
+//! Connections that come through a proxy: the PROXY protocol header a TCP load balancer puts
+//! in front of each connection it passes on, and the `X-Forwarded-For` / `X-Real-IP` headers
+//! of an HTTP reverse proxy (which cannot send PROXY protocol). Either way the client's
+//! address takes the proxy's place for everything after it: the per-source unproven cap,
+//! logs, admission requests, PeerPresent.
+//!
+//! **PROXY protocol** (`ProxyProtocol`): only peers in the configured networks may connect;
+//! anyone else is closed at accept. A listed peer must open with a valid header (version 1
+//! or 2, [`derp_proto::proxy_protocol`]) before anything else is read, within the deadline
+//! the caller gives (the handshake's), while the connection holds its place in the unproven
+//! budget: a proxy that stalls is one more unproven connection. Every refusal is counted in
+//! `derp_proxy_protocol_refused{listener,reason}`. A LOCAL header (the balancer's own health
+//! check) or one without a TCP client address (`UNKNOWN`, an unspecified family, a Unix
+//! socket) leaves the proxy's own address in place; a header describing UDP is malformed
+//! here, as no UDP connection reaches a TCP listener.
+//!
+//! **Forwarded headers** (`forwarded_client`): believed only on connections from the networks
+//! of `--trust-forwarded-from`, which, like a balancer's, are not capped per source until a
+//! DERP upgrade names its client. The client is the rightmost `X-Forwarded-For` entry that is
+//! not itself a trusted proxy: each proxy appends the address it saw connecting, so walking
+//! from the right through trusted hops reaches the first address a trusted proxy saw from
+//! outside, and everything left of it was written by parties nobody vouches for. When every
+//! entry is a trusted proxy, the leftmost is taken. Without a usable `X-Forwarded-For`, a
+//! single `X-Real-IP` is taken. The port is unknown, so it is 0.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use bytes::{Buf, BytesMut};
+use derp_proto::proxy_protocol::{self, Addresses, Command, Parsed, ProxyError};
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::config::IpCidr;
+
+/// Which listener a connection came in on, for the metrics' `listener` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProxiedListener {
+    /// The main listener (plain HTTP, or TLS).
+    Main,
+    /// The plain-HTTP port-80 listener beside the TLS one.
+    HttpPort,
+}
+
+impl ProxiedListener {
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Main => "main",
+            Self::HttpPort => "http_port",
+        }
+    }
+}
+
+/// Why a connection was closed before anything of its own was read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProxyRefusal {
+    /// The peer is not one of the proxies allowed to send a header.
+    NotAllowed,
+    /// The first bytes were not a PROXY protocol header.
+    NoHeader,
+    /// A header the specification does not allow (or one describing UDP).
+    Malformed,
+    /// No complete header within the deadline.
+    Timeout,
+    /// The peer closed (or the socket failed) before the header was complete.
+    Closed,
+}
+
+impl ProxyRefusal {
+    const ALL: [Self; 5] = [
+        Self::NotAllowed,
+        Self::NoHeader,
+        Self::Malformed,
+        Self::Timeout,
+        Self::Closed,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::NotAllowed => "not_allowed",
+            Self::NoHeader => "no_header",
+            Self::Malformed => "malformed",
+            Self::Timeout => "timeout",
+            Self::Closed => "closed",
+        }
+    }
+}
+
+/// What a header said, for `derp_proxy_protocol_headers{listener,command}`.
+#[derive(Clone, Copy, Debug)]
+enum Accepted {
+    /// A TCP client's address.
+    Proxy,
+    /// LOCAL: the proxy's own connection.
+    Local,
+    /// PROXY without a TCP address (`UNKNOWN`, unspecified, Unix).
+    Unspecified,
+}
+
+impl Accepted {
+    const ALL: [Self; 3] = [Self::Proxy, Self::Local, Self::Unspecified];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Proxy => "proxy",
+            Self::Local => "local",
+            Self::Unspecified => "unspecified",
+        }
+    }
+}
+
+const LISTENERS: [ProxiedListener; 2] = [ProxiedListener::Main, ProxiedListener::HttpPort];
+
+/// The PROXY protocol on the TCP listeners: who may send a header, reading it, and the
+/// counters. Made by the server from
+/// [`ServerConfig::proxy_protocol`](crate::ServerConfig::proxy_protocol) and shared with its
+/// embedders' listeners
+/// ([`Server::proxy_protocol`](crate::Server::proxy_protocol)). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ProxyProtocol {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    from: Vec<IpCidr>,
+    /// By listener, then by [`ProxyRefusal::ALL`]'s order.
+    refused: [[IntCounter; 5]; 2],
+    /// By listener, then by [`Accepted::ALL`]'s order.
+    accepted: [[IntCounter; 3]; 2],
+}
+
+impl ProxyProtocol {
+    /// Takes headers from peers in `from` only, registering its counters on `registry`.
+    pub(crate) fn new(from: Vec<IpCidr>, registry: &Registry) -> Result<Self, prometheus::Error> {
+        let refused = IntCounterVec::new(
+            Opts::new(
+                "derp_proxy_protocol_refused",
+                "connections closed before a valid PROXY protocol header, by listener and \
+                 reason (not_allowed: the peer is not a listed proxy; no_header; malformed; \
+                 timeout; closed: the peer left first)",
+            ),
+            &["listener", "reason"],
+        )?;
+        let accepted = IntCounterVec::new(
+            Opts::new(
+                "derp_proxy_protocol_headers",
+                "valid PROXY protocol headers, by listener and command (proxy: a client's \
+                 address; local: the proxy's own connection, such as a health check; \
+                 unspecified: no client address given)",
+            ),
+            &["listener", "command"],
+        )?;
+        registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(accepted.clone()))?;
+        let per = |l: ProxiedListener| {
+            (
+                ProxyRefusal::ALL.map(|r| refused.with_label_values(&[l.label(), r.label()])),
+                Accepted::ALL.map(|a| accepted.with_label_values(&[l.label(), a.label()])),
+            )
+        };
+        let [(r0, a0), (r1, a1)] = LISTENERS.map(per);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                from,
+                refused: [r0, r1],
+                accepted: [a0, a1],
+            }),
+        })
+    }
+
+    /// Whether `peer` may send a header; if not, the refusal is counted.
+    pub fn allows(&self, listener: ProxiedListener, peer: SocketAddr) -> bool {
+        let ip = peer.ip();
+        if self.inner.from.iter().any(|net| net.contains(ip)) {
+            return true;
+        }
+        self.refuse(
+            listener,
+            peer,
+            ProxyRefusal::NotAllowed,
+            "not a listed proxy",
+        );
+        false
+    }
+
+    fn refuse(&self, l: ProxiedListener, peer: SocketAddr, why: ProxyRefusal, detail: &str) {
+        self.inner.refused[l.index()][why as usize].inc();
+        debug!(%peer, listener = l.label(), reason = why.label(), detail, "proxied connection refused");
+    }
+
+    /// Reads the header that must open a connection from `peer` (a listed proxy), by
+    /// `deadline`. Reads past the header are possible: what follows it is left in `buf`,
+    /// the start of the connection's own bytes. Returns the client's address, `None` when the
+    /// header gives none (the proxy's own address stands), or why the connection must be
+    /// closed (counted). Cancel-safe in the sense that dropping it reads nothing more.
+    pub async fn read_header<S: AsyncRead + Unpin>(
+        &self,
+        listener: ProxiedListener,
+        stream: &mut S,
+        peer: SocketAddr,
+        deadline: Instant,
+        buf: &mut BytesMut,
+    ) -> Result<Option<SocketAddr>, ProxyRefusal> {
+        let read = async {
+            loop {
+                match proxy_protocol::parse(buf) {
+                    Ok(Parsed::Complete { header, len }) => {
+                        buf.advance(len);
+                        return Ok(header);
+                    }
+                    Ok(Parsed::Incomplete { needed }) => {
+                        buf.reserve(needed.max(256));
+                        match stream.read_buf(buf).await {
+                            Ok(0) => return Err((ProxyRefusal::Closed, "closed".to_owned())),
+                            Ok(_) => {}
+                            Err(e) => return Err((ProxyRefusal::Closed, e.to_string())),
+                        }
+                    }
+                    Err(e @ ProxyError::NotProxy) => {
+                        return Err((ProxyRefusal::NoHeader, e.to_string()));
+                    }
+                    Err(e @ ProxyError::Malformed(_)) => {
+                        return Err((ProxyRefusal::Malformed, e.to_string()));
+                    }
+                }
+            }
+        };
+        let header = match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(header)) => header,
+            Ok(Err((why, detail))) => {
+                self.refuse(listener, peer, why, &detail);
+                return Err(why);
+            }
+            Err(_) => {
+                self.refuse(listener, peer, ProxyRefusal::Timeout, "no header in time");
+                return Err(ProxyRefusal::Timeout);
+            }
+        };
+        let (accepted, client) = match (header.command, header.addresses) {
+            (Command::Local, _) => (Accepted::Local, None),
+            (Command::Proxy, Addresses::Tcp { source, .. }) => {
+                (Accepted::Proxy, Some(unmapped(source)))
+            }
+            (Command::Proxy, Addresses::Udp { .. }) => {
+                self.refuse(listener, peer, ProxyRefusal::Malformed, "a UDP connection");
+                return Err(ProxyRefusal::Malformed);
+            }
+            (Command::Proxy, Addresses::Unspecified | Addresses::Unix) => {
+                (Accepted::Unspecified, None)
+            }
+        };
+        self.inner.accepted[listener.index()][accepted as usize].inc();
+        Ok(client)
+    }
+}
+
+/// IPv4-mapped IPv6 addresses as IPv4, as the rest of the server sees IPv4 clients.
+fn unmapped(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// The client an HTTP reverse proxy at a trusted address says it passes a request on for
+/// (see the module docs for the rule): `None` when neither header gives a usable address.
+/// `headers` yields every header of the request as (name, value); names in any case.
+pub(crate) fn forwarded_client<'a>(
+    headers: impl Iterator<Item = (&'a str, &'a [u8])>,
+    trusted: &[IpCidr],
+) -> Option<IpAddr> {
+    let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.contains(ip));
+    let mut entries: Vec<&[u8]> = Vec::new();
+    let mut real_ips = Vec::new();
+    for (name, value) in headers {
+        if name.eq_ignore_ascii_case("x-forwarded-for") {
+            // Several header lines are one list, in order (RFC 9110, 5.3).
+            entries.extend(value.split(|&b| b == b','));
+        } else if name.eq_ignore_ascii_case("x-real-ip") {
+            real_ips.push(value);
+        }
+    }
+    let mut from_list = None;
+    for entry in entries.iter().rev() {
+        let Some(ip) = forwarded_ip(entry) else {
+            // A trusted hop wrote something that is no address: the list is unusable.
+            from_list = None;
+            break;
+        };
+        from_list = Some(ip);
+        if !is_trusted(ip) {
+            break;
+        }
+    }
+    from_list.or_else(|| match real_ips.as_slice() {
+        [one] => forwarded_ip(one),
+        _ => None,
+    })
+}
+
+/// One address of a forwarded header: `ip`, `ipv4:port`, `[ipv6]` or `[ipv6]:port`, with
+/// surrounding spaces; IPv4-mapped IPv6 as IPv4.
+fn forwarded_ip(entry: &[u8]) -> Option<IpAddr> {
+    let text = std::str::from_utf8(entry).ok()?.trim_matches([' ', '\t']);
+    let ip = if let Ok(ip) = text.parse::<IpAddr>() {
+        ip
+    } else if let Ok(sa) = text.parse::<SocketAddr>() {
+        sa.ip()
+    } else {
+        text.strip_prefix('[')?.strip_suffix(']')?.parse().ok()?
+    };
+    Some(ip.to_canonical())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nets(list: &[&str]) -> Vec<IpCidr> {
+        list.iter().map(|n| n.parse().expect("cidr")).collect()
+    }
+
+    fn client(headers: &[(&str, &str)], trusted: &[&str]) -> Option<IpAddr> {
+        let pairs = headers.iter().map(|(n, v)| (*n, v.as_bytes()));
+        forwarded_client(pairs, &nets(trusted))
+    }
+
+    fn ip(s: &str) -> Option<IpAddr> {
+        Some(s.parse().expect("ip"))
+    }
+
+    #[test]
+    fn the_client_is_the_rightmost_untrusted_forwarded_for_entry() {
+        let trusted = ["127.0.0.0/8", "10.0.0.0/8"];
+        // One nginx: it appended the address it saw.
+        assert_eq!(
+            client(&[("X-Forwarded-For", "203.0.113.7")], &trusted),
+            ip("203.0.113.7")
+        );
+        // The client sent its own header to forge an address: nginx appended the real one.
+        assert_eq!(
+            client(
+                &[("x-forwarded-for", "198.51.100.1, 203.0.113.7")],
+                &trusted
+            ),
+            ip("203.0.113.7")
+        );
+        // Two trusted proxies in a chain: skipped from the right.
+        assert_eq!(
+            client(
+                &[("X-Forwarded-For", "198.51.100.1, 203.0.113.7, 10.1.2.3")],
+                &trusted
+            ),
+            ip("203.0.113.7")
+        );
+        // Several header lines are one list.
+        assert_eq!(
+            client(
+                &[
+                    ("X-Forwarded-For", "198.51.100.1"),
+                    ("X-Forwarded-For", "203.0.113.7,10.1.2.3")
+                ],
+                &trusted
+            ),
+            ip("203.0.113.7")
+        );
+        // Every entry a trusted proxy: the leftmost.
+        assert_eq!(
+            client(&[("X-Forwarded-For", "10.0.0.9, 127.0.0.1")], &trusted),
+            ip("10.0.0.9")
+        );
+        // Ports, brackets and mapped addresses.
+        assert_eq!(
+            client(&[("X-Forwarded-For", "[2001:db8::7]:443")], &trusted),
+            ip("2001:db8::7")
+        );
+        assert_eq!(
+            client(&[("X-Forwarded-For", "203.0.113.7:5000")], &trusted),
+            ip("203.0.113.7")
+        );
+        assert_eq!(
+            client(&[("X-Forwarded-For", "::ffff:203.0.113.7")], &trusted),
+            ip("203.0.113.7")
+        );
+    }
+
+    #[test]
+    fn x_real_ip_stands_in_only_for_a_missing_or_unusable_list() {
+        let trusted = ["127.0.0.1"];
+        assert_eq!(
+            client(&[("X-Real-IP", "203.0.113.8")], &trusted),
+            ip("203.0.113.8")
+        );
+        assert_eq!(
+            client(
+                &[
+                    ("X-Real-IP", "203.0.113.8"),
+                    ("X-Forwarded-For", "198.51.100.2")
+                ],
+                &trusted
+            ),
+            ip("198.51.100.2")
+        );
+        // Garbage where a trusted hop wrote: the list is not used.
+        assert_eq!(
+            client(
+                &[
+                    ("X-Forwarded-For", "198.51.100.2, unknown"),
+                    ("X-Real-IP", "203.0.113.8")
+                ],
+                &trusted
+            ),
+            ip("203.0.113.8")
+        );
+        // Two X-Real-IP lines: which one? Neither.
+        assert_eq!(
+            client(
+                &[("X-Real-IP", "203.0.113.8"), ("X-Real-IP", "203.0.113.9")],
+                &trusted
+            ),
+            None
+        );
+        assert_eq!(client(&[("Host", "x")], &trusted), None);
+        assert_eq!(client(&[("X-Forwarded-For", "")], &trusted), None);
+    }
+}
+
+#[cfg(test)]
+mod listener_tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+    use super::*;
+    use crate::{Server, ServerConfig};
+
+    /// Longer than the handshake deadline (10 s), which a stalled proxy runs into.
+    const WITHIN: Duration = Duration::from_secs(30);
+
+    /// A server taking PROXY protocol from `from` on a loopback listener.
+    async fn server(from: &str) -> (Server, Registry, SocketAddr) {
+        let mut config = ServerConfig::new(derp_testkit::server_secret());
+        config.proxy_protocol = Some(vec![from.parse().expect("cidr")]);
+        let registry = Registry::new();
+        let server = Server::new(config, &registry).expect("server");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let s = server.clone();
+        tokio::spawn(async move { s.serve(listener).await });
+        (server, registry, addr)
+    }
+
+    async fn connect_from(source: &str, to: SocketAddr) -> TcpStream {
+        let socket = TcpSocket::new_v4().expect("socket");
+        socket
+            .bind(format!("{source}:0").parse().expect("addr"))
+            .expect("bind");
+        socket.connect(to).await.expect("connect")
+    }
+
+    /// Everything the server sends until it closes (a reset, for bytes it never read, is a
+    /// close too).
+    async fn answer(mut s: TcpStream) -> String {
+        let mut out = Vec::new();
+        let read = async {
+            while let Ok(n) = s.read_buf(&mut out).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        };
+        tokio::time::timeout(WITHIN, read)
+            .await
+            .expect("closed in time");
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    fn count(r: &Registry, name: &str, label: &str) -> f64 {
+        r.gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .filter(|m| {
+                m.get_label().iter().any(|l| l.value() == "main")
+                    && m.get_label().iter().any(|l| l.value() == label)
+            })
+            .map(|m| m.get_counter().get_value())
+            .sum()
+    }
+
+    const PROBE: &[u8] = b"GET /derp/probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    const VARZ: &[u8] = b"GET /debug/varz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+
+    fn header_v2(client: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        let addresses = Addresses::Tcp {
+            source: client.parse().expect("addr"),
+            destination: "127.0.0.1:443".parse().expect("addr"),
+        };
+        proxy_protocol::write_v2(Command::Proxy, &addresses, &[(0x04, b"pad")], &mut out)
+            .expect("fits");
+        out
+    }
+
+    #[tokio::test]
+    async fn listed_proxies_with_a_header_get_in_and_everything_else_is_refused_and_counted() {
+        let (server, r, addr) = server("127.0.0.1/32").await;
+
+        // A v2 header and a request in one write, then a v1 header and one in two.
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(&[header_v2("203.0.113.9:4000"), PROBE.to_vec()].concat())
+            .await
+            .expect("write");
+        assert!(answer(s).await.starts_with("HTTP/1.1 200"));
+        let mut s = connect_from("127.0.0.1", addr).await;
+        let mut v1 = Vec::new();
+        proxy_protocol::write_v1(
+            &Addresses::Tcp {
+                source: "198.51.100.4:5000".parse().expect("addr"),
+                destination: "127.0.0.1:443".parse().expect("addr"),
+            },
+            &mut v1,
+        );
+        s.write_all(&v1[..10]).await.expect("write");
+        s.write_all(&[&v1[10..], PROBE].concat())
+            .await
+            .expect("write");
+        assert!(answer(s).await.starts_with("HTTP/1.1 200"));
+        assert_eq!(count(&r, "derp_proxy_protocol_headers", "proxy"), 2.0);
+
+        // LOCAL (a health check) is served as the proxy's own connection.
+        let mut s = connect_from("127.0.0.1", addr).await;
+        let mut local = Vec::new();
+        proxy_protocol::write_v2(Command::Local, &Addresses::Unspecified, &[], &mut local)
+            .expect("fits");
+        s.write_all(&[local, PROBE.to_vec()].concat())
+            .await
+            .expect("write");
+        assert!(answer(s).await.starts_with("HTTP/1.1 200"));
+        assert_eq!(count(&r, "derp_proxy_protocol_headers", "local"), 1.0);
+
+        // /debug never through a proxy, even for a client on loopback.
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(&[header_v2("127.0.0.1:4000"), VARZ.to_vec()].concat())
+            .await
+            .expect("write");
+        assert!(answer(s).await.starts_with("HTTP/1.1 403"));
+
+        // No header: closed without an answer.
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(PROBE).await.expect("write");
+        assert_eq!(answer(s).await, "");
+        assert_eq!(count(&r, "derp_proxy_protocol_refused", "no_header"), 1.0);
+
+        // A malformed one: version 2's signature with version 1 in it.
+        let mut s = connect_from("127.0.0.1", addr).await;
+        let mut bad = header_v2("203.0.113.9:4000");
+        bad[12] = 0x11;
+        s.write_all(&[bad, PROBE.to_vec()].concat())
+            .await
+            .expect("write");
+        assert_eq!(answer(s).await, "");
+        assert_eq!(count(&r, "derp_proxy_protocol_refused", "malformed"), 1.0);
+
+        // Half a header, then the proxy leaves.
+        let mut s = connect_from("127.0.0.1", addr).await;
+        s.write_all(&header_v2("203.0.113.9:4000")[..20])
+            .await
+            .expect("write");
+        s.shutdown().await.expect("shutdown");
+        assert_eq!(answer(s).await, "");
+        assert_eq!(count(&r, "derp_proxy_protocol_refused", "closed"), 1.0);
+
+        // A peer that is not a listed proxy: closed at accept, whatever it sends.
+        let mut s = connect_from("127.0.0.2", addr).await;
+        let _ = s
+            .write_all(&[header_v2("203.0.113.9:4000"), PROBE.to_vec()].concat())
+            .await;
+        assert_eq!(answer(s).await, "");
+        assert_eq!(count(&r, "derp_proxy_protocol_refused", "not_allowed"), 1.0);
+        server.shutdown().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_proxy_that_stalls_is_cut_off_at_the_handshake_deadline() {
+        let (server, r, addr) = server("127.0.0.1/32").await;
+        let s = connect_from("127.0.0.1", addr).await;
+        // Paused time runs ahead while nothing else can happen: the deadline passes.
+        assert_eq!(answer(s).await, "");
+        assert_eq!(count(&r, "derp_proxy_protocol_refused", "timeout"), 1.0);
+        server.shutdown().await;
+    }
+}

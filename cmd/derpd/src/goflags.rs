@@ -144,6 +144,10 @@ pub(crate) fn translate(
     let flags = names(cmd);
     let mut args = args.into_iter();
     let mut out = vec![args.next().unwrap_or_else(|| "derpd".into())];
+    // Each boolean's last value, in order of first mention: given to clap only where it is
+    // not the default, so that an explicit `-b=false` is, as in Go, the same as no `-b` (and
+    // a `requires` on it does not fire).
+    let mut bools: Vec<(&str, bool, bool)> = Vec::new();
     // The last flag, when it was a boolean without "=": the likely cause of a stray value.
     let mut bare_bool: Option<String> = None;
     while let Some(arg) = args.next() {
@@ -152,10 +156,10 @@ pub(crate) fn translate(
             return Err(positional(&arg, bare_bool.as_deref()));
         }
         if bytes == b"--" {
-            return match args.next() {
-                Some(next) => Err(positional(&next, None)),
-                None => Ok(Translated::Args(out)),
-            };
+            if let Some(next) = args.next() {
+                return Err(positional(&next, None));
+            }
+            break;
         }
         let body = &bytes[1..];
         let body = body.strip_prefix(b"-").unwrap_or(body);
@@ -184,6 +188,7 @@ pub(crate) fn translate(
         bare_bool = None;
         let value: OsString = match kind(def) {
             Kind::Bool => {
+                let default_on = def.get_default_values() == ["true"];
                 let on = match value {
                     None => {
                         bare_bool = Some(name.clone());
@@ -197,7 +202,11 @@ pub(crate) fn translate(
                         ))
                     })?,
                 };
-                on.to_string().into()
+                match bools.iter_mut().find(|(l, ..)| *l == long) {
+                    Some(entry) => entry.1 = on,
+                    None => bools.push((long, on, default_on)),
+                }
+                continue;
             }
             kind => {
                 let value = match value {
@@ -217,6 +226,11 @@ pub(crate) fn translate(
         let mut flag = OsString::from(format!("--{long}="));
         flag.push(value);
         out.push(flag);
+    }
+    for (long, on, default_on) in bools {
+        if on != default_on {
+            out.push(format!("--{long}={on}").into());
+        }
     }
     Ok(Translated::Args(out))
 }
@@ -502,6 +516,9 @@ mod tests {
         limit: Option<f64>,
         #[arg(long, alias = "old-name")]
         new_name: Option<String>,
+        /// A switch that needs another flag, as clap writes it.
+        #[arg(long, requires = "new_name")]
+        proxy: bool,
     }
 
     fn run(args: &[&str]) -> Result<T, String> {
@@ -555,6 +572,16 @@ mod tests {
         assert_eq!(
             run(&["-old-name", "x"]).expect("alias").new_name.as_deref(),
             Some("x")
+        );
+        // An explicit false is no flag at all, as in Go: what it requires is not required.
+        assert!(!run(&["-proxy=false"]).expect("false needs nothing").proxy);
+        assert!(!run(&["-proxy", "-proxy=0"]).expect("last wins").proxy);
+        assert!(run(&["-proxy"]).is_err(), "true still needs -new-name");
+        assert!(run(&["-proxy", "-new-name=x"]).expect("parses").proxy);
+        assert!(
+            !run(&["-stun=false", "-dev", "-stun=0"])
+                .expect("parses")
+                .stun
         );
     }
 

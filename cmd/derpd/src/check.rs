@@ -110,10 +110,15 @@ fn check(cli: &Cli, r: &mut Report) {
         } else {
             "plain HTTP".to_owned()
         };
+        let every = if ip == crate::listen::BindIp::Any {
+            "every interface, IPv4 and IPv6; "
+        } else {
+            ""
+        };
         r.ok(
             "listen",
             format!(
-                "{}/tcp ({proto}; --addr {addr_text}), would bind",
+                "{}/tcp ({every}{proto}; --addr {addr_text}), would bind",
                 ip.describe(port)
             ),
         );

@@ -98,10 +98,7 @@ impl BindIp {
 
     /// How `--check` shows it.
     pub(crate) fn describe(self, port: u16) -> String {
-        match self {
-            BindIp::Any => format!(":{port} (every interface, IPv4 and IPv6)"),
-            ip => ip.with_port(port).to_string(),
-        }
+        self.with_port(port).to_string()
     }
 }
 

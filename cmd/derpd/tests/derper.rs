@@ -613,6 +613,21 @@ fn run_wrapper(w: &Wrapper) -> (i32, String, String) {
     )
 }
 
+/// fredliang44/derper-docker's Dockerfile ENV defaults (its certificate directory replaced).
+fn fredliang44_env(certs: &str) -> Vec<(&'static str, String)> {
+    [
+        ("DERP_DOMAIN", "your-hostname.com"),
+        ("DERP_CERT_MODE", "letsencrypt"),
+        ("DERP_CERT_DIR", certs),
+        ("DERP_ADDR", ":443"),
+        ("DERP_STUN", "true"),
+        ("DERP_HTTP_PORT", "80"),
+        ("DERP_VERIFY_CLIENTS", "false"),
+    ]
+    .map(|(k, v)| (k, v.to_owned()))
+    .to_vec()
+}
+
 #[test]
 fn real_derper_command_lines_pass_check() {
     let files = Files::new("derper-lines");
@@ -648,18 +663,14 @@ fn real_derper_command_lines_pass_check() {
                    --http-port=$DERP_HTTP_PORT \
                    --verify-clients=$DERP_VERIFY_CLIENTS \
                    --verify-client-url=$DERP_VERIFY_CLIENT_URL -c $KEY",
-            env: vec![
-                ("DERP_DOMAIN", "your-hostname.com".into()),
-                ("DERP_CERT_MODE", "letsencrypt".into()),
-                ("DERP_CERT_DIR", certs.clone()),
-                ("DERP_ADDR", ":443".into()),
-                ("DERP_STUN", "true".into()),
-                ("DERP_STUN_PORT", "3478".into()),
-                ("DERP_HTTP_PORT", "80".into()),
-                ("DERP_VERIFY_CLIENTS", "false".into()),
-                ("DERP_VERIFY_CLIENT_URL", String::new()),
-                ("KEY", key.clone()),
-            ],
+            env: fredliang44_env(certs)
+                .into_iter()
+                .chain([
+                    ("DERP_STUN_PORT", "3478".into()),
+                    ("DERP_VERIFY_CLIENT_URL", String::new()),
+                    ("KEY", key.clone()),
+                ])
+                .collect(),
             shows: "would order one from https://acme-v02.api.letsencrypt.org/directory",
         },
         Wrapper {
@@ -779,15 +790,7 @@ fn real_derper_command_lines_pass_check() {
         line: "$DERPER --hostname $DERP_DOMAIN --certmode $DERP_CERT_MODE --certdir $DERP_CERT_DIR \
                --a $DERP_ADDR --stun $DERP_STUN  --http-port $DERP_HTTP_PORT \
                --verify-clients $DERP_VERIFY_CLIENTS",
-        env: vec![
-            ("DERP_DOMAIN", "your-hostname.com".into()),
-            ("DERP_CERT_MODE", "letsencrypt".into()),
-            ("DERP_CERT_DIR", certs.clone()),
-            ("DERP_ADDR", ":443".into()),
-            ("DERP_STUN", "true".into()),
-            ("DERP_HTTP_PORT", "80".into()),
-            ("DERP_VERIFY_CLIENTS", "false".into()),
-        ],
+        env: fredliang44_env(certs),
         shows: "",
     };
     let (code, out, err) = run_wrapper(&old);

@@ -511,8 +511,16 @@ async fn nodes_named_alike_dial_every_entry_and_know_themselves_by_key() {
         );
     }
 
+    let urls = ports.map(|p| format!("https://localhost:{p}/derp"));
+    relay_across_two_tls_nodes(&pki, &urls, &nodes, b"across the region").await;
+}
+
+/// Connects a client to each of two meshed TLS nodes (at `urls`, trusting `pki`'s CA), waits
+/// until both nodes know the four keys (the clients' and the nodes'), and relays `payload`
+/// from the first client to the second and back.
+async fn relay_across_two_tls_nodes(pki: &Pki, urls: &[String; 2], nodes: &[Node], payload: &[u8]) {
     let tls_client = |i: usize, s: derp_proto::SecretKey| {
-        ClientConfig::new(&format!("https://localhost:{}/derp", ports[i]), s)
+        ClientConfig::new(&urls[i], s)
             .expect("config")
             .with_extra_root(pki.ca_der.clone())
             .with_connect_timeout(STEP)
@@ -525,11 +533,13 @@ async fn nodes_named_alike_dial_every_entry_and_know_themselves_by_key() {
     let mut b = derp_client::Client::connect(&tls_client(1, sb))
         .await
         .expect("b");
-    for node in &nodes {
+    for node in nodes {
         node.wait_metric("derp_clients_total", &[], |v| v == 4.0);
     }
-    a.send_packet(kb, b"across the region").await.expect("send");
-    expect_packet(&mut b, ka, b"across the region").await;
+    a.send_packet(kb, payload).await.expect("send");
+    expect_packet(&mut b, ka, payload).await;
+    b.send_packet(ka, payload).await.expect("send back");
+    expect_packet(&mut a, kb, payload).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -647,29 +657,8 @@ async fn mesh_links_can_run_over_quic() {
             |v| v == 1.0,
         );
     }
-    let tls_client = |i: usize, s: derp_proto::SecretKey| {
-        ClientConfig::new(&format!("https://127.0.0.1:{}/derp", tcp_ports[i]), s)
-            .expect("config")
-            .with_extra_root(pki.ca_der.clone())
-            .with_connect_timeout(STEP)
-    };
-    let (sa, sb) = (secret(), secret());
-    let (ka, kb) = (sa.public_key(), sb.public_key());
-    let mut a = derp_client::Client::connect(&tls_client(0, sa))
-        .await
-        .expect("a");
-    let mut b = derp_client::Client::connect(&tls_client(1, sb))
-        .await
-        .expect("b");
-    for node in &nodes {
-        node.wait_metric("derp_clients_total", &[], |v| v == 4.0);
-    }
-    a.send_packet(kb, b"across a quic link")
-        .await
-        .expect("send");
-    expect_packet(&mut b, ka, b"across a quic link").await;
-    b.send_packet(ka, b"and back").await.expect("send");
-    expect_packet(&mut a, kb, b"and back").await;
+    let urls = tcp_ports.map(|p| format!("https://127.0.0.1:{p}/derp"));
+    relay_across_two_tls_nodes(&pki, &urls, &nodes, b"across a quic link").await;
     for node in &nodes {
         node.wait_metric("derp_packets_forwarded_in", &[], |v| v == 1.0);
     }

@@ -6,7 +6,6 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::builder::TypedValueParser;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 use crate::duration::{SignedDuration, parse_duration, parse_signed_duration};
@@ -29,7 +28,7 @@ pub(crate) struct Cli {
 
     /// Config file holding the server's private key, in derper's JSON format. Created with
     /// mode 0600 when missing. Defaults to /var/lib/derper/derper.key when running as root.
-    #[arg(short = 'c', long = "config", value_parser = go_path())]
+    #[arg(short = 'c', long = "config", value_parser = goflags::go_path())]
     pub(crate) config: Option<PathBuf>,
 
     /// Home page: "" for the default page, "blank" for an empty page, or an http(s):// URL to
@@ -136,7 +135,7 @@ pub(crate) struct Cli {
     /// trimmed). Default, as derper's: /home/derp/keys/derp-mesh.key or
     /// $HOME/keys/derp-mesh.key, whichever exists. In --dev mode the key comes only from
     /// the TAILSCALE_DERPER_MESH_KEY environment variable. "" means no mesh key.
-    #[arg(long, value_parser = go_path())]
+    #[arg(long, value_parser = goflags::go_path())]
     pub(crate) mesh_psk_file: Option<PathBuf>,
 
     /// Siblings of this node's region to mesh with, comma separated. "host" dials
@@ -207,12 +206,6 @@ pub(crate) struct Cli {
 const GO_SYNTAX: &str = "Flags are read as derper reads them (Go's flag package): one dash or \
 two (-hostname, --hostname), the value after \"=\" or as the next argument, booleans as -flag or \
 -flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins.";
-
-/// A path flag's value parser that, as Go's string flags, takes "" too: what "" means is
-/// each flag's own (see [`Cli::unset_empty`]).
-pub(crate) fn go_path() -> impl TypedValueParser<Value = PathBuf> {
-    clap::builder::OsStringValueParser::new().map(PathBuf::from)
-}
 
 impl Cli {
     /// Where derper reads an empty value as "not given" (`-c=`, `-rate-config=`,

@@ -29,7 +29,7 @@ pub(crate) struct CompatArgs {
     pub(crate) secrets_path_prefix: Option<String>,
 
     /// derper's setec cache directory. Ignored.
-    #[arg(long, value_parser = crate::cli::go_path())]
+    #[arg(long, value_parser = crate::goflags::go_path())]
     pub(crate) secrets_cache_dir: Option<PathBuf>,
 
     /// derper's experimental embedded ACE (CONNECT) proxy. derpd has none: only

@@ -102,6 +102,15 @@ pub(crate) fn go_booleans(cmd: Command) -> Command {
     })
 }
 
+/// A path flag's value parser that, as Go's string flags, takes "" too: what "" means is
+/// each flag's own (`Cli::unset_empty` in `cli.rs`).
+pub(crate) fn go_path() -> impl clap::builder::TypedValueParser<Value = std::path::PathBuf> {
+    clap::builder::TypedValueParser::map(
+        clap::builder::OsStringValueParser::new(),
+        std::path::PathBuf::from,
+    )
+}
+
 /// A command line that cannot be read; the message is one line, in Go's words where Go has
 /// them.
 #[derive(Debug, PartialEq, Eq)]

@@ -32,7 +32,7 @@ pub(crate) struct LimitArgs {
     pub(crate) verify_clients: bool,
 
     /// tailscaled's LocalAPI socket, for --verify-clients; "" means the default.
-    #[arg(long, default_value = DEFAULT_TAILSCALED_SOCKET, value_parser = crate::cli::go_path())]
+    #[arg(long, default_value = DEFAULT_TAILSCALED_SOCKET, value_parser = crate::goflags::go_path())]
     socket: PathBuf,
 
     /// Admission server: each client's key and address are POSTed here as
@@ -70,7 +70,7 @@ pub(crate) struct LimitArgs {
     /// derper's rate config file, {"PerClientRateLimitBytesPerSec":N,
     /// "PerClientRateBurstBytes":M}, re-read on SIGHUP and applied to existing connections.
     #[arg(long, conflicts_with_all = ["per_client_rate_limit", "per_client_rate_burst"],
-          value_parser = crate::cli::go_path())]
+          value_parser = crate::goflags::go_path())]
     pub(crate) rate_config: Option<PathBuf>,
 
     /// New connections accepted per second on --addr (a token bucket); connections over it

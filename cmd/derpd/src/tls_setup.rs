@@ -54,7 +54,7 @@ pub(crate) struct TlsArgs {
     /// Certificate directory. Manual mode reads <hostname>.crt and <hostname>.key here (and
     /// writes a self-signed pair for an IP hostname); letsencrypt mode caches its account and
     /// certificates here. Default: $XDG_CACHE_HOME or ~/.cache, then tailscale/derper-certs.
-    #[arg(long, value_parser = crate::cli::go_path())]
+    #[arg(long, value_parser = crate::goflags::go_path())]
     pub(crate) certdir: Option<PathBuf>,
 
     /// The server's hostname: the certificate's name, and the only SNI accepted. May be an IP

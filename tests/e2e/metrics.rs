@@ -210,7 +210,7 @@ async fn every_metric_the_dashboard_and_alerts_query_exists_in_a_real_scrape() {
             derp_testkit::server_secret(),
             derp_proto::MeshKey::from_bytes([1; 32]),
         ),
-        derp_mesh::parse_mesh_with(&format!("http://{}/derp", srv.addr), None).expect("entry"),
+        derp_mesh::parse_mesh_with(&format!("http://{}/derp", srv.addr)).expect("entry"),
         &srv.registry,
     )
     .expect("mesh metrics");

@@ -1226,7 +1226,7 @@ fn pairs_split_across_two_meshed_relays_with_peer_url() {
             derp_mesh::Mesh::start(
                 server,
                 derp_mesh::MeshConfig::new(secret.clone(), mesh_key),
-                derp_mesh::parse_mesh_with(other, None).unwrap(),
+                derp_mesh::parse_mesh_with(other).unwrap(),
                 registry,
             )
             .unwrap()

@@ -3,7 +3,8 @@
 //! Each step calls the same functions the start does (listen address, home page, key file,
 //! certificates, mesh key and siblings, CA files), stopping short of their side effects: no
 //! socket is bound, no file is written (a missing key file or self-signed certificate is
-//! reported as "would create"), and nothing is contacted (no DNS lookup, no ACME order).
+//! reported as "would create"), and nothing is contacted (no ACME order) but the system's
+//! resolver, for a host name in `-a`, as a start would.
 //! Every problem is reported, not only the first, and any one makes the exit status 1.
 
 use std::path::Path;
@@ -86,33 +87,45 @@ fn check(cli: &Cli, r: &mut Report) {
         );
     }
 
-    // The listeners.
+    // The listeners: a host name is looked up, as a start would.
     let addr_text = crate::listen_addr_text(cli);
-    let listen = match crate::parse_listen_addr(&addr_text) {
-        Ok(addrs) => Some(addrs[0]),
+    let listen = match crate::listen::ListenAddr::parse(&addr_text) {
+        Ok(listen) => Some(listen),
         Err(e) => {
-            r.error("listen", e);
+            r.error("listen", format!("{e:#}"));
             None
         }
     };
-    let tls = listen.is_some_and(|a| cli.tls.tls_enabled(a.port()));
-    if let Some(addr) = listen {
+    let tls = listen.as_ref().is_some_and(|l| cli.tls.tls_enabled(l));
+    let bind = listen.as_ref().and_then(|l| match l.resolve() {
+        Ok(ip) => Some((ip, l.port)),
+        Err(e) => {
+            r.error("listen", format!("{e:#}"));
+            None
+        }
+    });
+    if let Some((ip, port)) = bind {
         let proto = if tls {
             format!("TLS for {}", cli.tls.hostname)
         } else {
             "plain HTTP".to_owned()
         };
+        let every = if ip == crate::listen::BindIp::Any {
+            "every interface, IPv4 and IPv6; "
+        } else {
+            ""
+        };
         r.ok(
             "listen",
-            format!("{addr}/tcp ({proto}; --addr {addr_text}), would bind"),
+            format!(
+                "{}/tcp ({every}{proto}; --addr {addr_text}), would bind",
+                ip.describe(port)
+            ),
         );
-        match crate::quic_port(cli, tls, addr.port()) {
+        match crate::quic_port(cli, tls, port) {
             Ok(Some(port)) => r.ok(
                 "quic",
-                format!(
-                    "{}:{port}/udp (DERP over QUIC), would bind",
-                    ip_text(addr.ip())
-                ),
+                format!("{}/udp (DERP over QUIC), would bind", ip.describe(port)),
             ),
             Ok(None) => r.ok("quic", "off"),
             Err(e) => r.error("quic", e),
@@ -120,27 +133,28 @@ fn check(cli: &Cli, r: &mut Report) {
         if cli.stun {
             r.ok(
                 "stun",
-                format!("{}:{}/udp, would bind", ip_text(addr.ip()), cli.stun_port),
+                format!("{}/udp, would bind", ip.describe(cli.stun_port)),
             );
         } else {
             r.ok("stun", "off (--stun=false)");
         }
         if tls {
-            match u16::try_from(cli.tls.http_port) {
-                Ok(port) => r.ok(
+            match cli.tls.http_port() {
+                Ok(Some(port)) => r.ok(
                     "http",
                     format!(
-                        "{}:{port}/tcp: /generate_204, ACME HTTP-01, redirects, would bind",
-                        ip_text(addr.ip())
+                        "{}/tcp: /generate_204, ACME HTTP-01, redirects, would bind",
+                        ip.describe(port)
                     ),
                 ),
-                Err(_) => r.ok("http", "port-80 listener off (--http-port -1)"),
+                Ok(None) => r.ok("http", "port-80 listener off (--http-port -1)"),
+                Err(e) => r.error("http", e),
             }
         }
     }
-    if let Some(addr) = listen {
-        let quic = matches!(crate::quic_port(cli, tls, addr.port()), Ok(Some(_)));
-        check_proxies(cli, addr.ip(), tls, quic, r);
+    if let Some((ip, port)) = bind {
+        let quic = matches!(crate::quic_port(cli, tls, port), Ok(Some(_)));
+        check_proxies(cli, ip.ip(), tls, quic, r);
     }
     match cli.metrics_addr {
         Some(addr) => r.ok(
@@ -160,19 +174,25 @@ fn check(cli: &Cli, r: &mut Report) {
     let key = check_key(cli, r);
 
     if tls {
-        check_tls(cli, &key, listen.map_or(443, |a| a.port()), r);
+        check_tls(cli, &key, listen.as_ref().map_or(443, |l| l.port), r);
     } else if cli.tls.certmode == CertMode::Manual {
         // tls_enabled is true for manual mode; only a bad --addr gets here.
     } else {
         r.ok(
             "tls",
-            "off: the port is not 443 and --certmode is not manual",
+            "off: the port is not written 443 or https and --certmode is not manual",
         );
     }
 
     check_mesh(cli, r);
     check_limits(cli, r);
     check_bootstrap_dns(cli, r);
+    for e in cli.compat.errors(cli.dev) {
+        r.error("derper", e);
+    }
+    for note in cli.compat.ignored(cli.dev) {
+        r.ok("derper", note);
+    }
 
     r.ok(
         "relay",
@@ -186,6 +206,21 @@ fn check(cli: &Cli, r: &mut Report) {
                 format!("{:?}", cli.tcp_write_timeout)
             },
             if cli.peer_mirror { "on" } else { "off" },
+        ),
+    );
+    let tcp = cli.tcp_options();
+    r.ok(
+        "tcp",
+        format!(
+            "client connections: keepalive {}, user timeout {}",
+            match tcp.keepalive_idle {
+                Some(idle) => format!("after {idle:?} idle (then every 15s, 9 probes)"),
+                None => "off (--tcp-keepalive-time < 0)".to_owned(),
+            },
+            match tcp.user_timeout {
+                Some(t) => format!("{t:?}"),
+                None => "the kernel's (none)".to_owned(),
+            }
         ),
     );
     r.ok(
@@ -681,7 +716,7 @@ fn check_limits(cli: &Cli, r: &mut Report) {
     if args.verify_clients {
         checks.push(format!(
             "peers of the local tailscaled ({})",
-            args.socket.display()
+            args.socket().display()
         ));
     }
     if let Some(url) = &args.verify_client_url {
@@ -718,6 +753,12 @@ fn check_limits(cli: &Cli, r: &mut Report) {
         limits.push(format!("at most {n} connections"));
     }
     r.ok("limits", limits.join("; "));
+    if config.limits.accept_rate.is_none() && args.accept_connection_burst.is_some() {
+        r.warn(
+            "limits",
+            "--accept-connection-burst has no effect without --accept-connection-limit",
+        );
+    }
 }
 
 fn check_mesh(cli: &Cli, r: &mut Report) {
@@ -729,8 +770,7 @@ fn check_mesh(cli: &Cli, r: &mut Report) {
         }
     };
     let link_key = crate::mesh_link_key(cli, mesh_key.as_ref());
-    let siblings = match derp_mesh::parse_mesh_with(&cli.mesh_with, Some(cli.tls.hostname.as_str()))
-    {
+    let siblings = match derp_mesh::parse_mesh_with(&cli.mesh_with) {
         Ok(s) => s,
         Err(e) => {
             r.error("mesh", format!("--mesh-with: {e}"));
@@ -741,12 +781,7 @@ fn check_mesh(cli: &Cli, r: &mut Report) {
         r.error("mesh", e);
         return;
     }
-    let entries = cli
-        .mesh_with
-        .split(',')
-        .filter(|e| !e.trim().is_empty())
-        .count();
-    if entries == 0 {
+    if siblings.is_empty() {
         r.ok(
             "mesh",
             match mesh_key {
@@ -766,9 +801,9 @@ fn check_mesh(cli: &Cli, r: &mut Report) {
         r.ok(
             "mesh",
             format!(
-                "{} sibling(s) ({} entry skipped as this node's --hostname): {list}",
+                "{} entries, each dialed (an entry that turns out to be this node, by the key \
+                 that answers, is dropped): {list}",
                 siblings.len(),
-                entries - siblings.len()
             ),
         );
     }

@@ -1,16 +1,20 @@
 //! Command-line flags. Long names follow Tailscale derper's where the feature is the same, so
-//! an operator's unit file carries over.
+//! an operator's unit file carries over; they are read with Go's flag syntax, as derper reads
+//! them ([`crate::goflags`]).
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, ValueEnum};
 
-use crate::duration::parse_duration;
+use crate::duration::{SignedDuration, parse_duration, parse_signed_duration};
+use crate::goflags::{self, Translated};
 
 /// DERP relay server, wire-compatible with Tailscale's derper.
 #[derive(Debug, Parser)]
-#[command(name = "derpd", version, about, long_about = None, args_override_self = true)]
+#[command(name = "derpd", version, about, long_about = None, args_override_self = true,
+          disable_version_flag = true, after_help = GO_SYNTAX)]
 pub(crate) struct Cli {
     /// Development mode: plain HTTP on 127.0.0.1:3340 (unless --addr is given) with a fresh
     /// key and no config file.
@@ -24,7 +28,7 @@ pub(crate) struct Cli {
 
     /// Config file holding the server's private key, in derper's JSON format. Created with
     /// mode 0600 when missing. Defaults to /var/lib/derper/derper.key when running as root.
-    #[arg(short = 'c', long = "config")]
+    #[arg(short = 'c', long = "config", value_parser = goflags::go_path())]
     pub(crate) config: Option<PathBuf>,
 
     /// Home page: "" for the default page, "blank" for an empty page, or an http(s):// URL to
@@ -61,6 +65,16 @@ pub(crate) struct Cli {
     /// Deadline for each write to a client (e.g. "2s", "500ms"); 0 disables it.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     pub(crate) tcp_write_timeout: Duration,
+
+    /// Idle time before TCP keepalive probes start on client connections (then every 15 s,
+    /// 9 in all, as derper's). 0 means 15s; a negative value turns TCP keepalive off.
+    #[arg(long, default_value = "10m", value_parser = parse_signed_duration)]
+    pub(crate) tcp_keepalive_time: SignedDuration,
+
+    /// How long data sent to a client may go unacknowledged before the kernel drops the
+    /// connection (TCP_USER_TIMEOUT, Linux). 0 leaves the kernel's default (no limit).
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub(crate) tcp_user_timeout: Duration,
 
     /// Depth of each per-client send queue (disco and other).
     #[arg(long, default_value_t = derp_server::DEFAULT_SEND_QUEUE_DEPTH as u32,
@@ -120,15 +134,16 @@ pub(crate) struct Cli {
     /// File holding the 64-hex-digit mesh pre-shared key (surrounding whitespace is
     /// trimmed). Default, as derper's: /home/derp/keys/derp-mesh.key or
     /// $HOME/keys/derp-mesh.key, whichever exists. In --dev mode the key comes only from
-    /// the TAILSCALE_DERPER_MESH_KEY environment variable.
-    #[arg(long)]
+    /// the TAILSCALE_DERPER_MESH_KEY environment variable. "" means no mesh key.
+    #[arg(long, value_parser = goflags::go_path())]
     pub(crate) mesh_psk_file: Option<PathBuf>,
 
     /// Siblings of this node's region to mesh with, comma separated. "host" dials
     /// https://host/derp; "host/dialhost" connects to dialhost instead, keeping host as the
     /// URL and TLS name; a full http:// or https:// URL is used as is, and quic://host:port
-    /// links over DERP over QUIC. This node's own name may be listed (it is skipped). Needs
-    /// a mesh key.
+    /// links over DERP over QUIC. Every entry is dialed; the one that is this node (its own
+    /// key answers) is dropped, so one list can serve every node of a region. Needs a mesh
+    /// key.
     #[arg(long, default_value = "")]
     pub(crate) mesh_with: String,
 
@@ -168,8 +183,8 @@ pub(crate) struct Cli {
     pub(crate) log_format: LogFormat,
 
     /// Check the configuration and exit: parse the flags, read the key file, certificates,
-    /// mesh key and CA files, print what would run, and exit 1 on any error. Binds no socket,
-    /// writes no file and contacts nobody.
+    /// mesh key and CA files, look up a host name in --addr, print what would run, and exit 1
+    /// on any error. Binds no socket, writes no file and contacts nobody else.
     #[arg(long)]
     pub(crate) check: bool,
 
@@ -203,35 +218,115 @@ pub(crate) struct Cli {
           require_equals = true, default_missing_value = "true")]
     pub(crate) acme_ip_certs: bool,
 
+    /// Print the version and exit (after reading every other flag, as derper does).
+    #[arg(long, short = 'V')]
+    pub(crate) version: bool,
+
     #[command(flatten)]
     pub(crate) tls: crate::tls_setup::TlsArgs,
 
     #[command(flatten)]
     pub(crate) limits: crate::limits::LimitArgs,
+
+    #[command(flatten)]
+    pub(crate) compat: crate::compat::CompatArgs,
 }
 
-/// derper's Go flags take long names after one dash (`-hostname`): rewrites those to two
-/// dashes, so a derper command line runs unchanged. Only names of derpd's own long flags are
-/// rewritten, so short flags (`-a`, `-c`) and values such as `-1` pass as they are.
-pub(crate) fn derper_style_args(
-    args: impl IntoIterator<Item = std::ffi::OsString>,
-) -> Vec<std::ffi::OsString> {
-    use clap::CommandFactory;
-    let command = Cli::command();
-    let long: Vec<&str> = command
-        .get_arguments()
-        .filter_map(|a| a.get_long())
-        .collect();
-    let mut out: Vec<std::ffi::OsString> = Vec::new();
-    for (i, arg) in args.into_iter().enumerate() {
-        let rewritten = arg.to_str().and_then(|text| {
-            let body = text.strip_prefix('-').filter(|b| !b.starts_with('-'))?;
-            let name = body.split_once('=').map_or(body, |(n, _)| n);
-            (i > 0 && name.len() > 1 && long.contains(&name)).then(|| format!("-{text}").into())
-        });
-        out.push(rewritten.unwrap_or(arg));
+/// How flags are written, under the help text.
+const GO_SYNTAX: &str = "Flags are read as derper reads them (Go's flag package): one dash or \
+two (-hostname, --hostname), the value after \"=\" or as the next argument, booleans as -flag or \
+-flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins.";
+
+impl Cli {
+    /// Where derper reads an empty value as "not given" (`-c=`, `-rate-config=`,
+    /// `-verify-client-url=`, `-acme-email=`), so does derpd.
+    fn unset_empty(&mut self) {
+        fn clear<T: AsRef<std::ffi::OsStr>>(v: &mut Option<T>) {
+            if v.as_ref().is_some_and(|v| v.as_ref().is_empty()) {
+                *v = None;
+            }
+        }
+        clear(&mut self.config);
+        clear(&mut self.limits.rate_config);
+        clear(&mut self.limits.verify_client_url);
+        clear(&mut self.tls.acme_email);
     }
-    out
+
+    /// The TCP options of client connections, from the flags as derper reads them.
+    pub(crate) fn tcp_options(&self) -> derp_server::TcpOptions {
+        derp_server::TcpOptions {
+            keepalive_idle: self
+                .tcp_keepalive_time
+                .non_negative()
+                .map(|d| if d.is_zero() { GO_DEFAULT_KEEPALIVE } else { d }),
+            user_timeout: Some(self.tcp_user_timeout).filter(|d| !d.is_zero()),
+        }
+    }
+}
+
+/// Go's keepalive idle time when a listener asks for 0.
+const GO_DEFAULT_KEEPALIVE: Duration = Duration::from_secs(15);
+
+/// What a command line asks for.
+#[derive(Debug)]
+pub(crate) enum Invocation {
+    /// Run (or check) with these flags.
+    Run(Box<Cli>),
+    /// Print this help text and exit.
+    Help(String),
+}
+
+/// derpd's flags as clap defines them, with every boolean taking Go's forms.
+pub(crate) fn command() -> clap::Command {
+    goflags::go_booleans(Cli::command())
+}
+
+/// Reads a command line (the program name first) in Go's flag syntax. The error is one line,
+/// for journald.
+pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocation, String> {
+    let mut cmd = command();
+    match goflags::translate(&cmd, args).map_err(|e| e.to_string())? {
+        Translated::Help { long } => Ok(Invocation::Help(
+            // As clap's own --help: the long form only where there is more to say.
+            if long && cmd.get_arguments().any(|a| a.get_long_help().is_some()) {
+                cmd.render_long_help()
+            } else {
+                cmd.render_help()
+            }
+            .to_string(),
+        )),
+        Translated::Args(args) => {
+            let matches = cmd.try_get_matches_from_mut(args).map_err(one_line)?;
+            let mut cli = Cli::from_arg_matches(&matches).map_err(one_line)?;
+            cli.unset_empty();
+            Ok(Invocation::Run(Box::new(cli)))
+        }
+    }
+}
+
+/// [`parse`] for tests: the flags, or the error line.
+#[cfg(test)]
+pub(crate) fn try_parse_from<'a>(args: impl IntoIterator<Item = &'a str>) -> Result<Cli, String> {
+    match parse(args.into_iter().map(OsString::from))? {
+        Invocation::Run(cli) => Ok(*cli),
+        Invocation::Help(_) => Err("help".to_owned()),
+    }
+}
+
+/// The first line of clap's message, without its "error: " prefix. A first line ending in a
+/// colon is followed by what it names (missing arguments), which joins it.
+fn one_line(e: clap::Error) -> String {
+    let rendered = e.render().to_string();
+    let mut lines = rendered.lines();
+    let mut line = lines.next().unwrap_or("invalid arguments").to_owned();
+    if line.ends_with(':') {
+        let named: Vec<&str> = lines
+            .take_while(|l| l.starts_with(' '))
+            .map(str::trim)
+            .collect();
+        line = format!("{line} {}", named.join(", "));
+    }
+    line.trim_start_matches("error: ").to_owned()
 }
 
 /// A duration the Restarting frame can carry: whole milliseconds in 32 bits.
@@ -257,7 +352,7 @@ mod tests {
 
     #[test]
     fn derper_style_flags_parse() {
-        let cli = Cli::try_parse_from([
+        let cli = try_parse_from([
             "derpd",
             "-a",
             ":8443",
@@ -273,9 +368,9 @@ mod tests {
         assert_eq!(cli.addr, ":8443");
         assert!(!cli.derp);
         assert_eq!(cli.tcp_write_timeout, Duration::ZERO);
-        assert!(Cli::try_parse_from(["derpd", "--send-queue-depth", "0"]).is_err());
-        assert!(Cli::try_parse_from(["derpd", "--log-format", "xml"]).is_err());
-        let cli = Cli::try_parse_from([
+        assert!(try_parse_from(["derpd", "--send-queue-depth", "0"]).is_err());
+        assert!(try_parse_from(["derpd", "--log-format", "xml"]).is_err());
+        let cli = try_parse_from([
             "derpd",
             "--peer-cache-max-entries",
             "-1",
@@ -287,10 +382,10 @@ mod tests {
         assert_eq!(cli.peer_cache_max_entries, -1);
         assert!(!cli.peer_mirror);
         assert_eq!(cli.debug_allow_cidr.len(), 2);
-        assert!(Cli::try_parse_from(["derpd", "--peer-cache-max-entries", "-2"]).is_err());
+        assert!(try_parse_from(["derpd", "--peer-cache-max-entries", "-2"]).is_err());
         // As with derper's Go flags, a later value wins: an image's entrypoint can carry
         // defaults that the operator's arguments override.
-        let cli = Cli::try_parse_from([
+        let cli = try_parse_from([
             "derpd",
             "--metrics-addr",
             "127.0.0.1:9090",
@@ -309,7 +404,7 @@ mod tests {
             Some("10.1.2.3:9090".parse().expect("addr"))
         );
         assert_eq!(cli.debug_allow_cidr.len(), 2, "repeated lists still add up");
-        assert!(Cli::try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
+        assert!(try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
     }
 
     #[test]
@@ -341,7 +436,7 @@ mod tests {
 
     #[test]
     fn derper_single_dash_long_flags_parse() {
-        let args = [
+        let cli = try_parse_from([
             "derpd",
             "-hostname",
             "derp.example.com",
@@ -353,22 +448,96 @@ mod tests {
             "-c",
             "/tmp/k",
             "-mesh-with=a.example",
-        ]
-        .map(std::ffi::OsString::from);
-        let cli = Cli::try_parse_from(derper_style_args(args)).expect("parses");
+            "-verify-clients=false",
+            "--dev=true",
+        ])
+        .expect("parses");
         assert_eq!(cli.tls.hostname, "derp.example.com");
         assert_eq!(cli.addr, ":443");
         assert_eq!(cli.tls.http_port, -1);
         assert!(!cli.stun);
+        assert!(!cli.limits.verify_clients);
+        assert!(cli.dev);
         assert_eq!(cli.mesh_with, "a.example");
-        // Not a derpd flag: left alone, and refused by the parser.
-        let args = ["derpd", "-nosuchflag"].map(std::ffi::OsString::from);
-        assert_eq!(derper_style_args(args.clone()), args);
+        assert_eq!(
+            try_parse_from(["derpd", "-nosuchflag"]).unwrap_err(),
+            "flag provided but not defined: -nosuchflag"
+        );
+        // Never short options run together.
+        assert_eq!(
+            try_parse_from(["derpd", "-acme-ip"]).unwrap_err(),
+            "flag provided but not defined: -acme-ip"
+        );
+    }
+
+    #[test]
+    fn every_flag_has_a_long_name_and_a_go_kind() {
+        for arg in command().get_arguments() {
+            assert!(
+                arg.get_long().is_some(),
+                "{} has no long name",
+                arg.get_id()
+            );
+            assert!(
+                !matches!(arg.get_action(), ArgAction::SetFalse | ArgAction::Count),
+                "{}: Go's flags have no such kind",
+                arg.get_id()
+            );
+        }
+    }
+
+    #[test]
+    fn help_and_version() {
+        for form in ["-h", "--help", "-help", "-help=false"] {
+            let got = parse(["derpd", form].map(OsString::from)).expect("help");
+            assert!(
+                matches!(&got, Invocation::Help(text) if text.contains("--tcp-write-timeout")),
+                "{form}: {got:?}"
+            );
+        }
+        for form in ["-version", "--version", "-V", "-version=true"] {
+            assert!(
+                try_parse_from(["derpd", form]).expect(form).version,
+                "{form}"
+            );
+        }
+        // Every flag is read before the version is printed.
+        assert!(try_parse_from(["derpd", "-version", "-nosuch"]).is_err());
+    }
+
+    #[test]
+    fn tcp_flags_mean_what_derpers_mean() {
+        let options = |args: &[&str]| {
+            let cli = try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
+                .expect("parses");
+            cli.tcp_options()
+        };
+        let secs = |s| Some(Duration::from_secs(s));
+        assert_eq!(options(&[]), derp_server::TcpOptions::default());
+        assert_eq!(options(&[]).keepalive_idle, secs(600));
+        assert_eq!(options(&[]).user_timeout, secs(15));
+        assert_eq!(options(&["-tcp-keepalive-time=0"]).keepalive_idle, secs(15));
+        assert_eq!(
+            options(&["-tcp-keepalive-time", "-1s"]).keepalive_idle,
+            None
+        );
+        assert_eq!(
+            options(&["--tcp-keepalive-time=2m"]).keepalive_idle,
+            secs(120)
+        );
+        assert_eq!(options(&["-tcp-user-timeout", "0"]).user_timeout, None);
+        assert_eq!(
+            options(&["-tcp-user-timeout=1.5s"]).user_timeout,
+            Some(Duration::from_millis(1500))
+        );
+        // derper fails to listen with a negative user timeout; derpd says why at once.
+        let err = try_parse_from(["derpd", "-tcp-user-timeout=-1s"]).unwrap_err();
+        assert!(err.contains("negative"), "{err}");
     }
 
     #[test]
     fn mesh_and_restart_flags_parse() {
-        let cli = Cli::try_parse_from([
+        let cli = try_parse_from([
             "derpd",
             "--mesh-with",
             "a.example,b.example/10.0.0.2",
@@ -386,11 +555,11 @@ mod tests {
         assert_eq!(cli.drain_timeout, Duration::from_secs(30));
         assert_eq!(cli.restart_reconnect_in, Duration::from_millis(1500));
         assert_eq!(cli.restart_try_for, Duration::from_secs(300));
-        let defaults = Cli::try_parse_from(["derpd"]).expect("parses");
+        let defaults = try_parse_from(["derpd"]).expect("parses");
         assert_eq!(defaults.drain_timeout, Duration::from_secs(10));
         assert_eq!(defaults.restart_reconnect_in, Duration::from_secs(2));
         assert_eq!(defaults.restart_try_for, Duration::from_secs(60));
-        assert!(Cli::try_parse_from(["derpd", "--restart-try-for", "1200h"]).is_err());
+        assert!(try_parse_from(["derpd", "--restart-try-for", "1200h"]).is_err());
     }
 
     /// The value after `key` up to the next whitespace or quote, in a deploy file.

@@ -15,28 +15,7 @@ pub(crate) fn configure(cli: &Cli, tls: bool, config: &mut ServerConfig) {
             .debug_info
             .push(("TLS hostname".to_owned(), cli.tls.hostname.clone()));
     }
-    let disabled = std::env::var(DISABLE_RTT_ENV).is_ok_and(|v| go_bool(&v) == Some(true));
+    let disabled = std::env::var(DISABLE_RTT_ENV)
+        .is_ok_and(|v| crate::goflags::parse_bool(v.as_ref()) == Some(true));
     config.tcp_rtt_interval = (!disabled).then_some(TCP_RTT_INTERVAL);
-}
-
-/// Go's `strconv.ParseBool`, as derper's `envknob.Bool` reads the variable.
-fn go_bool(s: &str) -> Option<bool> {
-    match s {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
-        _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_switch_reads_as_go_reads_it() {
-        assert_eq!(go_bool("true"), Some(true));
-        assert_eq!(go_bool("1"), Some(true));
-        assert_eq!(go_bool("False"), Some(false));
-        assert_eq!(go_bool("yes"), None);
-    }
 }

@@ -31,9 +31,9 @@ pub(crate) struct LimitArgs {
     #[arg(long)]
     pub(crate) verify_clients: bool,
 
-    /// tailscaled's LocalAPI socket, for --verify-clients.
-    #[arg(long, default_value = DEFAULT_TAILSCALED_SOCKET)]
-    pub(crate) socket: PathBuf,
+    /// tailscaled's LocalAPI socket, for --verify-clients; "" means the default.
+    #[arg(long, default_value = DEFAULT_TAILSCALED_SOCKET, value_parser = crate::goflags::go_path())]
+    socket: PathBuf,
 
     /// Admission server: each client's key and address are POSTed here as
     /// {"NodePublic":"nodekey:…","Source":"…"}, and only {"Allow":true} admits it
@@ -69,17 +69,18 @@ pub(crate) struct LimitArgs {
 
     /// derper's rate config file, {"PerClientRateLimitBytesPerSec":N,
     /// "PerClientRateBurstBytes":M}, re-read on SIGHUP and applied to existing connections.
-    #[arg(long, conflicts_with_all = ["per_client_rate_limit", "per_client_rate_burst"])]
+    #[arg(long, conflicts_with_all = ["per_client_rate_limit", "per_client_rate_burst"],
+          value_parser = crate::goflags::go_path())]
     pub(crate) rate_config: Option<PathBuf>,
 
     /// New connections accepted per second on --addr (a token bucket); connections over it
-    /// are closed at once and counted. Default: no limit.
+    /// are closed at once and counted. Default: no limit (as "inf").
     #[arg(long, value_parser = parse_positive_rate)]
     pub(crate) accept_connection_limit: Option<f64>,
 
-    /// Connections accepted at once by that bucket. Default: one second's worth.
-    #[arg(long, requires = "accept_connection_limit",
-          value_parser = clap::value_parser!(u64).range(1..))]
+    /// Connections accepted at once by that bucket. Default: one second's worth. Without a
+    /// limit it has no effect (as in derper).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) accept_connection_burst: Option<u64>,
 
     /// Most connections open at once on --addr, in any state; more are closed at once and
@@ -107,14 +108,31 @@ pub(crate) struct LimitArgs {
 }
 
 fn parse_positive_rate(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("invalid rate {s:?}"))?;
+    let v: f64 = s.parse().map_err(|_| format!("invalid rate {s:?}"))?;
     if v > 0.0 {
         Ok(v)
     } else {
-        Err(format!("the rate must be positive, got {s:?}"))
+        // derper's 0 admits the burst once and then nothing, ever: never what is meant.
+        Err(format!(
+            "the rate must be positive, got {s:?} (leave the flag out, or \"inf\", for no limit)"
+        ))
+    }
+}
+
+impl LimitArgs {
+    /// tailscaled's LocalAPI socket: `--socket`, or its default when that is empty (as derper
+    /// reads `-socket=`).
+    pub(crate) fn socket(&self) -> &Path {
+        if self.socket.as_os_str().is_empty() {
+            Path::new(DEFAULT_TAILSCALED_SOCKET)
+        } else {
+            &self.socket
+        }
+    }
+
+    /// The accept rate limit, if any: an infinite one is none.
+    fn accept_limit(&self) -> Option<f64> {
+        self.accept_connection_limit.filter(|l| l.is_finite())
     }
 }
 
@@ -145,9 +163,9 @@ pub(crate) fn configure(
             checks.push(list);
         }
         if args.verify_clients {
-            info!(socket = %args.socket.display(), "admitting only peers of the local tailscaled");
+            info!(socket = %args.socket().display(), "admitting only peers of the local tailscaled");
             checks.push(Arc::new(LocalTailscaled::new(
-                &args.socket,
+                args.socket(),
                 CacheConfig::default(),
                 &metrics,
             )));
@@ -186,7 +204,7 @@ pub(crate) fn configure(
     }
 
     config.limits = ConnLimits {
-        accept_rate: args.accept_connection_limit.map(|per_sec| AcceptRate {
+        accept_rate: args.accept_limit().map(|per_sec| AcceptRate {
             per_sec,
             burst: args
                 .accept_connection_burst
@@ -281,17 +299,26 @@ fn parse_rate_config(text: &str) -> anyhow::Result<RateLimit> {
     Ok(RateLimit::new(c.bytes_per_sec, c.burst_bytes))
 }
 
-/// Binds a TCP listener on `addr` with the given backlog (default: the system's cap).
+/// Binds a TCP listener on `addr` with the given backlog (default: the system's cap). An
+/// IPv6 socket takes IPv4 too (`IPV6_V6ONLY` off, whatever the system's default), as Go's do.
 pub(crate) fn bind(addr: SocketAddr, backlog: Option<u32>) -> std::io::Result<TcpListener> {
+    let socket = tcp_socket(addr)?;
+    socket.bind(addr)?;
+    socket.listen(backlog.unwrap_or_else(default_backlog))
+}
+
+/// The unbound socket [`bind`] binds.
+pub(crate) fn tcp_socket(addr: SocketAddr) -> std::io::Result<TcpSocket> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
-        TcpSocket::new_v6()?
+        let socket = TcpSocket::new_v6()?;
+        socket2::SockRef::from(&socket).set_only_v6(false)?;
+        socket
     };
     // As std and tokio do: a restarted server can bind while old connections linger.
     socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(backlog.unwrap_or_else(default_backlog))
+    Ok(socket)
 }
 
 /// The kernel's cap on listen backlogs; asking for more is silently cut to it anyway.
@@ -307,10 +334,7 @@ const FALLBACK_BACKLOG: u32 = 4096;
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
-    use crate::cli::Cli;
 
     #[test]
     fn rate_config_reads_like_derper() {
@@ -336,7 +360,7 @@ mod tests {
 
     #[test]
     fn flags_parse_and_conflict() {
-        let cli = Cli::try_parse_from([
+        let cli = crate::cli::try_parse_from([
             "derpd",
             "--verify-client-url",
             "https://hs.example.com/verify",
@@ -368,21 +392,46 @@ mod tests {
             })
         );
         assert_eq!(config.limits.max_connections, Some(10_000));
-        let cli =
-            Cli::try_parse_from(["derpd", "--verify-client-url-fail-open=false"]).expect("ok");
+        let cli = crate::cli::try_parse_from(["derpd", "--verify-client-url-fail-open=false"])
+            .expect("ok");
         assert!(!cli.limits.verify_client_url_fail_open);
         for bad in [
             &["--rate-config", "/x", "--per-client-rate-limit", "5"][..],
             &["--accept-connection-limit", "0"],
             &["--accept-connection-limit", "-3"],
-            &["--accept-connection-burst", "5"],
+            &["--accept-connection-limit", "NaN"],
+            &["--accept-connection-burst", "0"],
             &["--max-connections", "0"],
             &["--max-unproven-connections", "0"],
             &["--listen-backlog", "0"],
         ] {
             let args = std::iter::once("derpd").chain(bad.iter().copied());
-            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+            assert!(crate::cli::try_parse_from(args).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn derpers_own_inputs_are_taken() {
+        let cli = crate::cli::try_parse_from([
+            "derpd",
+            "-accept-connection-limit=+Inf",
+            "-accept-connection-burst",
+            "9223372036854775807",
+            "-socket=",
+        ])
+        .expect("parses");
+        let mut config = ServerConfig::new(derp_proto::SecretKey::from_bytes([1; 32]));
+        configure(&cli.limits, &mut config, &prometheus::Registry::new()).expect("configure");
+        assert_eq!(
+            config.limits.accept_rate, None,
+            "an infinite rate is no limit"
+        );
+        assert_eq!(cli.limits.socket(), Path::new(DEFAULT_TAILSCALED_SOCKET));
+        let cli = crate::cli::try_parse_from(["derpd", "-accept-connection-burst=5"]).expect("ok");
+        assert_eq!(cli.limits.accept_connection_burst, Some(5));
+        let cli =
+            crate::cli::try_parse_from(["derpd", "-accept-connection-limit", "2.5e1"]).expect("ok");
+        assert_eq!(cli.limits.accept_connection_limit, Some(25.0));
     }
 
     #[test]

@@ -3,49 +3,43 @@
 mod bootstrap;
 mod check;
 mod cli;
+mod compat;
 mod debug_pages;
 mod duration;
+mod goflags;
 mod keyfile;
 mod limits;
+mod listen;
 mod tls_setup;
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use clap::Parser as _;
 use derp_proto::{MeshKey, SecretKey};
 use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig};
-use tokio::net::TcpListener;
 use tracing::info;
 
 use crate::cli::{Cli, LogFormat};
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse_from(cli::derper_style_args(std::env::args_os())) {
-        Ok(cli) => cli,
-        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
-        Err(e) => {
-            // One line, not clap's usage block: operators read these in journald. A first
-            // line ending in a colon is followed by what it names (missing arguments).
-            let rendered = e.render().to_string();
-            let mut lines = rendered.lines();
-            let mut line = lines.next().unwrap_or("invalid arguments").to_owned();
-            if line.ends_with(':') {
-                let named: Vec<&str> = lines
-                    .take_while(|l| l.starts_with(' '))
-                    .map(str::trim)
-                    .collect();
-                line = format!("{line} {}", named.join(", "));
-            }
-            eprintln!(
-                "derpd: {} (see derpd --help)",
-                line.trim_start_matches("error: ")
-            );
+    let cli = match cli::parse(std::env::args_os()) {
+        Ok(cli::Invocation::Run(cli)) => *cli,
+        Ok(cli::Invocation::Help(text)) => {
+            print!("{text}");
+            return ExitCode::SUCCESS;
+        }
+        Err(line) => {
+            // One line, not a usage block: operators read these in journald.
+            eprintln!("derpd: {line} (see derpd --help)");
             return ExitCode::from(2);
         }
     };
+    if cli.version {
+        println!("derpd {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
     if cli.check {
         return check::run(&cli);
     }
@@ -86,13 +80,19 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     ignore_sighup_by_default();
-    let addrs = parse_listen_addr(&listen_addr_text(&cli))?;
-    let tls = cli.tls.tls_enabled(addrs[0].port());
-    let quic_port = quic_port(&cli, tls, addrs[0].port())?;
+    if let Some(e) = cli.compat.errors(cli.dev).into_iter().next() {
+        bail!("{e}");
+    }
+    for note in cli.compat.ignored(cli.dev) {
+        info!("{note}");
+    }
+    let listen = listen::ListenAddr::parse(&listen_addr_text(&cli))?;
+    let tls = cli.tls.tls_enabled(&listen);
+    let quic_port = quic_port(&cli, tls, listen.port)?;
+    let bind_ip = listen.resolve()?;
     let home = parse_home(&cli.home)?;
     let mesh_key = mesh_key(&cli)?;
-    let own_hostname = Some(cli.tls.hostname.as_str());
-    let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with, own_hostname)
+    let siblings = derp_mesh::parse_mesh_with(&cli.mesh_with)
         .map_err(|e| anyhow::anyhow!("--mesh-with: {e}"))?;
     let mesh_key_for_links = mesh_link_key(&cli, mesh_key.as_ref())?;
     let mesh_tls = match &cli.mesh_ca_file {
@@ -109,6 +109,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     config.derp_enabled = cli.derp;
     config.send_queue_depth = cli.send_queue_depth as usize;
     config.write_timeout = (!cli.tcp_write_timeout.is_zero()).then_some(cli.tcp_write_timeout);
+    config.tcp = cli.tcp_options();
     config.mesh_key = mesh_key;
     config.lookup = LookupConfig {
         mirror: cli.peer_mirror,
@@ -142,7 +143,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let server = Server::new(config, &registry).context("creating server")?;
     reloads.spawn(&server);
     let backlog = cli.limits.listen_backlog;
-    let listener = bind_tcp(&addrs, backlog)?;
+    let listener = listen::bind_main(bind_ip, listen.port, backlog)?;
     let local = listener.local_addr()?;
     if !tls {
         info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
@@ -168,7 +169,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 
     let mut background = tokio::task::JoinSet::new();
     if cli.stun {
-        let stun_addr = SocketAddr::new(local.ip(), cli.stun_port);
+        let stun_addr = with_port(local, cli.stun_port);
         let socket = derp_server::bind_stun(stun_addr)
             .with_context(|| format!("binding STUN on {stun_addr}"))?;
         info!(addr = %socket.local_addr()?, "STUN listening");
@@ -319,36 +320,11 @@ fn mesh_link_key(cli: &Cli, mesh_key: Option<&MeshKey>) -> anyhow::Result<Option
     })
 }
 
-/// Parses derper-style listen addresses. ":port" means every address; IPv6's unspecified
-/// address is tried first because on Linux it also accepts IPv4.
-fn parse_listen_addr(s: &str) -> anyhow::Result<Vec<SocketAddr>> {
-    if let Some(port) = s.strip_prefix(':') {
-        let port: u16 = port
-            .parse()
-            .with_context(|| format!("invalid port in --addr {s:?}"))?;
-        return Ok(vec![
-            SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)),
-            SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
-        ]);
-    }
-    let addr: SocketAddr = s
-        .parse()
-        .with_context(|| format!("invalid --addr {s:?}: want :port, ip:port or [ip]:port"))?;
-    Ok(vec![addr])
-}
-
-fn bind_tcp(addrs: &[SocketAddr], backlog: Option<u32>) -> anyhow::Result<TcpListener> {
-    let mut last_err = None;
-    for addr in addrs {
-        match limits::bind(*addr, backlog) {
-            Ok(l) => return Ok(l),
-            Err(e) => last_err = Some((addr, e)),
-        }
-    }
-    match last_err {
-        Some((addr, e)) => Err(e).with_context(|| format!("listening on {addr}")),
-        None => bail!("no listen address"),
-    }
+/// The listener's address with another port: the STUN, port-80 and QUIC listeners bind the
+/// main listener's address (keeping an IPv6 scope).
+pub(crate) fn with_port(mut addr: SocketAddr, port: u16) -> SocketAddr {
+    addr.set_port(port);
+    addr
 }
 
 fn parse_home(home: &str) -> anyhow::Result<HomePage> {
@@ -395,6 +371,8 @@ fn mesh_key(cli: &Cli) -> anyhow::Result<Option<MeshKey>> {
         };
     }
     let path = match &cli.mesh_psk_file {
+        // As derper: an empty -mesh-psk-file means no key file, not the default ones.
+        Some(p) if p.as_os_str().is_empty() => return Ok(None),
         Some(p) => p.clone(),
         None => {
             let mut candidates = vec![PathBuf::from(DEFAULT_MESH_KEY_FILE)];
@@ -566,21 +544,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn listen_addresses_parse_like_derper() {
-        assert_eq!(parse_listen_addr(":3340").expect("ok").len(), 2);
-        assert_eq!(
-            parse_listen_addr("127.0.0.1:3340").expect("ok"),
-            vec!["127.0.0.1:3340".parse().expect("addr")]
-        );
-        assert!(parse_listen_addr("[::1]:80").is_ok());
-        assert!(parse_listen_addr("nonsense").is_err());
-        assert!(parse_listen_addr(":99999").is_err());
-    }
-
-    #[test]
     fn quic_port_defaults_to_the_tls_port_and_needs_tls() {
         let cli = |args: &[&str]| {
-            Cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
+            cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
                 .expect("parses")
         };
         assert_eq!(quic_port(&cli(&[]), true, 443).expect("ok"), Some(443));
@@ -596,7 +562,7 @@ mod tests {
         assert_eq!(quic_port(&cli(&[]), false, 3340).expect("ok"), None);
         assert!(quic_port(&cli(&["--quic-port", "4433"]), false, 3340).is_err());
         assert!(quic_port(&cli(&["--quic-port", "3478"]), true, 443).is_err());
-        assert!(Cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());
+        assert!(cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());
     }
 
     #[test]

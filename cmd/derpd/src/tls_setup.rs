@@ -3,7 +3,6 @@
 //! As in derper, TLS is served when the listen port is 443 or `--certmode manual` is given;
 //! otherwise the main listener speaks plain HTTP and none of this runs.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -94,7 +93,7 @@ pub(crate) struct TlsArgs {
     /// Certificate directory. Manual mode reads <hostname>.crt and <hostname>.key here (and
     /// writes a self-signed pair for an IP hostname); letsencrypt mode caches its account and
     /// certificates here. Default: $XDG_CACHE_HOME or ~/.cache, then tailscale/derper-certs.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::goflags::go_path())]
     pub(crate) certdir: Option<PathBuf>,
 
     /// The server's hostname: the certificate's name, and the only SNI accepted. May be an IP
@@ -120,10 +119,9 @@ pub(crate) struct TlsArgs {
     pub(crate) acme_challenge: AcmeChallenge,
 
     /// Plain-HTTP port, only in TLS mode, on the same IP as --addr: /generate_204, ACME HTTP-01
-    /// and redirects to HTTPS (never DERP). -1 disables it.
-    #[arg(long, default_value_t = 80, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(i32).range(-1..=65535))]
-    pub(crate) http_port: i32,
+    /// and redirects to HTTPS (never DERP). -1 (any negative value) disables it.
+    #[arg(long, default_value_t = 80, allow_negative_numbers = true)]
+    pub(crate) http_port: i64,
 
     /// Manual mode: how often to check the certificate files for changes (SIGHUP also
     /// reloads). 0 disables the check.
@@ -139,13 +137,33 @@ pub(crate) struct TlsArgs {
 }
 
 impl TlsArgs {
-    /// Whether the main listener serves TLS, by derper's rule.
-    pub(crate) fn tls_enabled(&self, listen_port: u16) -> bool {
-        listen_port == 443 || self.certmode == CertMode::Manual
+    /// Whether the main listener serves TLS, by derper's rule: the port is written "443" or
+    /// "https", or the mode is manual.
+    pub(crate) fn tls_enabled(&self, listen: &crate::listen::ListenAddr) -> bool {
+        listen.is_https_port() || self.certmode == CertMode::Manual
+    }
+
+    /// The port-80 listener's port, or `None` when any negative --http-port turns it off
+    /// (derper's test is `> -1`).
+    pub(crate) fn http_port(&self) -> anyhow::Result<Option<u16>> {
+        if self.http_port < 0 {
+            return Ok(None);
+        }
+        u16::try_from(self.http_port).map(Some).map_err(|_| {
+            anyhow::anyhow!(
+                "--http-port {}: not a port (0 to 65535, or -1 to turn the listener off)",
+                self.http_port
+            )
+        })
     }
 
     pub(crate) fn certdir(&self) -> anyhow::Result<PathBuf> {
         if let Some(dir) = &self.certdir {
+            if dir.as_os_str().is_empty() {
+                bail!(
+                    "--certdir is empty: name a directory, or leave the flag out for the default"
+                );
+            }
             return Ok(dir.clone());
         }
         let cache = std::env::var_os("XDG_CACHE_HOME")
@@ -243,10 +261,13 @@ pub(crate) async fn run_tls(
         }
     }
 
-    if let Ok(port) = u16::try_from(args.http_port) {
-        let addr = SocketAddr::new(listen.ip(), port);
+    if let Some(port) = args.http_port()? {
+        let addr = crate::with_port(listen, port);
         let http = crate::limits::bind(addr, backlog)
             .with_context(|| format!("listening on {addr} (--http-port; -1 disables it)"))?;
+        // As derper's: the same keepalive and user timeout as the main listener. Set on the
+        // listener, which passes them on to each connection (on Linux).
+        derp_server::tune_listener(&http, server.tcp_options());
         info!(addr = %http.local_addr()?, "port-80 listener (generate_204, acme, redirects)");
         let (f, s) = (front.clone(), shutdown.clone());
         tasks.spawn(async move {
@@ -257,7 +278,7 @@ pub(crate) async fn run_tls(
     }
 
     if let Some(port) = quic_port {
-        let addr = SocketAddr::new(listen.ip(), port);
+        let addr = crate::with_port(listen, port);
         let socket = derp_server::quic::bind_udp(addr)
             .with_context(|| format!("binding QUIC on {addr}/udp (--quic-port; -1 disables it)"))?;
         let quic = derp_server::QuicListener::bind(
@@ -427,8 +448,6 @@ async fn reload_on_sighup(manual: Arc<ManualCerts>, shutdown: CancellationToken)
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
 
     #[test]
@@ -445,15 +464,17 @@ mod tests {
             cert_reload_interval: Duration::from_secs(10),
             tls_records: TlsRecordsArg::Derpd,
         };
-        assert!(args.tls_enabled(443));
-        assert!(!args.tls_enabled(3340));
+        let at = |a: &str| crate::listen::ListenAddr::parse(a).expect("addr");
+        assert!(args.tls_enabled(&at(":443")));
+        assert!(args.tls_enabled(&at("127.0.0.1:https")));
+        assert!(!args.tls_enabled(&at(":3340")));
         args.certmode = CertMode::Manual;
-        assert!(args.tls_enabled(3340));
+        assert!(args.tls_enabled(&at(":3340")));
     }
 
     #[test]
     fn flags_parse() {
-        let cli = crate::cli::Cli::try_parse_from([
+        let cli = crate::cli::try_parse_from([
             "derpd",
             "--certmode",
             "manual",
@@ -471,16 +492,17 @@ mod tests {
         assert_eq!(cli.tls.acme_challenge, AcmeChallenge::TlsAlpn01);
         assert_eq!(cli.tls.http_port, -1);
         assert_eq!(cli.tls.cert_reload_interval, Duration::from_secs(60));
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--http-port", "-2"]).is_err());
-        assert!(crate::cli::Cli::try_parse_from(["derpd", "--certmode", "bogus"]).is_err());
+        assert!(crate::cli::try_parse_from(["derpd", "--acme-challenge", "http-01"]).is_ok());
+        let off = crate::cli::try_parse_from(["derpd", "--http-port", "-2"]).expect("parses");
+        assert_eq!(off.tls.http_port().expect("ok"), None);
+        let big = crate::cli::try_parse_from(["derpd", "--http-port", "65536"]).expect("parses");
+        assert!(big.tls.http_port().is_err());
+        assert!(crate::cli::try_parse_from(["derpd", "--certmode", "bogus"]).is_err());
     }
 
     /// `acme_config` for a command line, or its error text.
     fn acme(args: &[&str]) -> Result<AcmeConfig, String> {
-        let cli =
-            crate::cli::Cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
-                .map_err(|e| e.to_string())?;
+        let cli = crate::cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))?;
         let extras = crate::acme_extras(&cli);
         acme_config(&cli.tls, &extras, std::path::Path::new("/tmp/certs"), 443)
             .map_err(|e| format!("{e:#}"))
@@ -588,7 +610,7 @@ mod tests {
     #[test]
     fn the_tls_records_flag_picks_the_record_layer() {
         let parse = |args: &[&str]| {
-            crate::cli::Cli::try_parse_from([&["derpd"], args].concat())
+            crate::cli::try_parse_from([&["derpd"], args].concat())
                 .map(|cli| TlsRecords::from(cli.tls.tls_records))
         };
         assert_eq!(parse(&[]).expect("default"), TlsRecords::Derpd);
@@ -602,9 +624,7 @@ mod tests {
         );
         assert!(parse(&["--tls-records", "openssl"]).is_err());
         // derper's one-dash style reaches it too.
-        let args = ["derpd", "-tls-records=rustls"].map(std::ffi::OsString::from);
-        let cli =
-            crate::cli::Cli::try_parse_from(crate::cli::derper_style_args(args)).expect("parses");
+        let cli = crate::cli::try_parse_from(["derpd", "-tls-records=rustls"]).expect("parses");
         assert_eq!(cli.tls.tls_records, TlsRecordsArg::Rustls);
     }
 

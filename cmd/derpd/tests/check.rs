@@ -90,7 +90,7 @@ fn check_binds_nothing_writes_nothing_and_says_what_would_run() {
     assert!(out.contains(&format!("{metrics_addr}/tcp")), "{out}");
     assert!(out.contains("would create it with a new key"), "{out}");
     assert!(
-        out.contains("2 sibling(s) (1 entry skipped as this node's --hostname)"),
+        out.contains("3 entries, each dialed (an entry that turns out to be this node"),
         "{out}"
     );
     assert!(
@@ -200,7 +200,18 @@ fn check_fails_on_every_error_a_start_would_hit() {
     let certdir = certs.display().to_string();
     let base = ["-a", "127.0.0.1:0", "-c", &good_key];
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["-a", "nonsense"], "invalid --addr"),
+        (
+            vec!["-a", "nonsense"],
+            "invalid listen address (-a) \"nonsense\": missing port",
+        ),
+        (
+            vec!["-a", ":nosuchservice"],
+            "unknown port \"nosuchservice\"",
+        ),
+        (
+            vec!["-a", "[fe80::1%nosuchif0]:1"],
+            "no network interface named",
+        ),
         (vec!["--home", "ftp://x"], "invalid --home"),
         (vec!["--quic-port", "4433"], "--quic-port needs TLS"),
         (vec!["-c", &bad_key], "bad.key"),
@@ -390,4 +401,26 @@ fn check_reports_the_admission_checks_and_limits_a_start_would_use() {
         "{limits}"
     );
     assert!(limits.contains("at most 5000 connections"), "{limits}");
+}
+
+#[test]
+fn check_resolves_the_listen_address_as_a_start_would() {
+    let dir = TempDir::new("listen");
+    let key = dir.path("derper.key").display().to_string();
+    let certdir = dir.path("certs").display().to_string();
+    for (addr, want) in [
+        // A name binds its first IPv4 address; the STUN listener follows it.
+        ("localhost:0", "127.0.0.1:0/tcp (plain HTTP"),
+        ("[localhost]:0", "127.0.0.1:0/tcp (plain HTTP"),
+        ("[::ffff:127.0.0.1]:0", "127.0.0.1:0/tcp (plain HTTP"),
+        // TLS by the port's text, as derper decides it.
+        ("127.0.0.1:https", "127.0.0.1:443/tcp (TLS for"),
+        ("127.0.0.1:0443", "127.0.0.1:443/tcp (plain HTTP"),
+        ("127.0.0.1:", "127.0.0.1:0/tcp (plain HTTP"),
+    ] {
+        let (ok, out) = check(&["-a", addr, "-c", &key, "-certdir", &certdir, "-stun-port=0"]);
+        assert!(ok, "{addr}: {out}");
+        assert!(out.contains(want), "{addr}: want {want:?} in {out}");
+        assert!(out.contains("127.0.0.1:0/udp"), "{addr}: STUN: {out}");
+    }
 }

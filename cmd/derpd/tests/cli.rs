@@ -157,3 +157,11 @@ fn dev_mode_serves_survives_sighup_and_stops_cleanly_on_sigterm() {
     let exit = r.wait_exit(STEP);
     assert!(exit.success(), "{exit:?}");
 }
+
+#[test]
+fn a_listen_host_name_binds_its_first_ipv4_address_as_go_does() {
+    // localhost is 127.0.0.1 (and ::1) in /etc/hosts: Go binds the IPv4 address alone.
+    let node = Node::start(&["--a=localhost:0", "-dev"]);
+    assert_eq!(node.addr.ip(), std::net::Ipv4Addr::LOCALHOST);
+    assert!(http_get(node.addr, "/derp/probe").starts_with("HTTP/1.1 200"));
+}

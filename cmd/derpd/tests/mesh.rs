@@ -375,7 +375,8 @@ async fn https_mesh_trusts_a_private_ca_from_the_flag_or_ssl_cert_file() {
     let names = ["node-a.test", "node-b.test", "node-c.test"];
     let ports: Vec<u16> = names.iter().map(|_| free_port()).collect();
     // host:port/dialhost entries: the name is the URL's and the certificate's, the dial
-    // goes to loopback. Each node's own entry is skipped by its --hostname.
+    // goes to loopback. Each node dials its own entry too, and drops it when its own key
+    // answers.
     let mesh_with = names
         .iter()
         .zip(&ports)
@@ -459,6 +460,86 @@ async fn https_mesh_trusts_a_private_ca_from_the_flag_or_ssl_cert_file() {
     expect_packet(&mut cb, ka, b"over tls").await;
     cb.send_packet(ka, b"and back").await.expect("send");
     expect_packet(&mut ca, kb, b"and back").await;
+}
+
+/// A region written as derper's docs write one: every node has the same --hostname
+/// (`localhost`, each on its own port) and the same list naming every node. Each dials every
+/// entry, its own included, and tells itself apart by the key that answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_named_alike_dial_every_entry_and_know_themselves_by_key() {
+    let dir = TempDir::new("samename");
+    let pki = Pki::new();
+    pki.issue("localhost", &dir.0);
+    let ca_file = dir.path("ca.pem");
+    std::fs::write(&ca_file, &pki.ca_pem).expect("write ca");
+    let mesh_key = dir.path("mesh.key");
+    write_mesh_key(&mesh_key);
+    let ports = [free_port(), free_port()];
+    let mesh_with = format!("localhost:{},localhost:{}", ports[0], ports[1]);
+    let nodes: Vec<Node> = (0..2)
+        .map(|i| {
+            // derper's own syntax, one dash and "=".
+            Node::start(&[
+                format!("-a=localhost:{}", ports[i]),
+                format!("-c={}", dir.path(&format!("{i}.key")).display()),
+                "-hostname=localhost".to_owned(),
+                "-certmode=manual".to_owned(),
+                format!("-certdir={}", dir.0.display()),
+                "-http-port=-1".to_owned(),
+                "-quic-port=-1".to_owned(),
+                "--metrics-addr".to_owned(),
+                "127.0.0.1:0".to_owned(),
+                format!("-mesh-psk-file={}", mesh_key.display()),
+                format!("-mesh-with={mesh_with}"),
+                format!("--mesh-ca-file={}", ca_file.display()),
+            ])
+        })
+        .collect();
+    for (i, node) in nodes.iter().enumerate() {
+        node.wait_message("mesh entry is this node itself");
+        node.wait_metric("derp_mesh_links_up", &[], |v| v == 1.0);
+        node.wait_metric("derp_mesh_siblings", &[], |v| v == 1.0);
+        // The connection to itself was closed (derper leaves it open): only the sibling's
+        // link is connected here.
+        node.wait_metric("derp_current_connections", &[], |v| v == 1.0);
+        let own = format!("localhost:{}", ports[i]);
+        assert_eq!(
+            node.metric("derp_mesh_reconnects", &[("sibling", &own)])
+                .unwrap_or(0.0),
+            0.0,
+            "the entry for this node itself is not redialed"
+        );
+    }
+
+    let urls = ports.map(|p| format!("https://localhost:{p}/derp"));
+    relay_across_two_tls_nodes(&pki, &urls, &nodes, b"across the region").await;
+}
+
+/// Connects a client to each of two meshed TLS nodes (at `urls`, trusting `pki`'s CA), waits
+/// until both nodes know the four keys (the clients' and the nodes'), and relays `payload`
+/// from the first client to the second and back.
+async fn relay_across_two_tls_nodes(pki: &Pki, urls: &[String; 2], nodes: &[Node], payload: &[u8]) {
+    let tls_client = |i: usize, s: derp_proto::SecretKey| {
+        ClientConfig::new(&urls[i], s)
+            .expect("config")
+            .with_extra_root(pki.ca_der.clone())
+            .with_connect_timeout(STEP)
+    };
+    let (sa, sb) = (secret(), secret());
+    let (ka, kb) = (sa.public_key(), sb.public_key());
+    let mut a = derp_client::Client::connect(&tls_client(0, sa))
+        .await
+        .expect("a");
+    let mut b = derp_client::Client::connect(&tls_client(1, sb))
+        .await
+        .expect("b");
+    for node in nodes {
+        node.wait_metric("derp_clients_total", &[], |v| v == 4.0);
+    }
+    a.send_packet(kb, payload).await.expect("send");
+    expect_packet(&mut b, ka, payload).await;
+    b.send_packet(ka, payload).await.expect("send back");
+    expect_packet(&mut a, kb, payload).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -576,29 +657,8 @@ async fn mesh_links_can_run_over_quic() {
             |v| v == 1.0,
         );
     }
-    let tls_client = |i: usize, s: derp_proto::SecretKey| {
-        ClientConfig::new(&format!("https://127.0.0.1:{}/derp", tcp_ports[i]), s)
-            .expect("config")
-            .with_extra_root(pki.ca_der.clone())
-            .with_connect_timeout(STEP)
-    };
-    let (sa, sb) = (secret(), secret());
-    let (ka, kb) = (sa.public_key(), sb.public_key());
-    let mut a = derp_client::Client::connect(&tls_client(0, sa))
-        .await
-        .expect("a");
-    let mut b = derp_client::Client::connect(&tls_client(1, sb))
-        .await
-        .expect("b");
-    for node in &nodes {
-        node.wait_metric("derp_clients_total", &[], |v| v == 4.0);
-    }
-    a.send_packet(kb, b"across a quic link")
-        .await
-        .expect("send");
-    expect_packet(&mut b, ka, b"across a quic link").await;
-    b.send_packet(ka, b"and back").await.expect("send");
-    expect_packet(&mut a, kb, b"and back").await;
+    let urls = tcp_ports.map(|p| format!("https://127.0.0.1:{p}/derp"));
+    relay_across_two_tls_nodes(&pki, &urls, &nodes, b"across a quic link").await;
     for node in &nodes {
         node.wait_metric("derp_packets_forwarded_in", &[], |v| v == 1.0);
     }

@@ -4,8 +4,8 @@
 //! What it does: the [`Transport`] enum (plain TCP, TLS 1.3 over TCP with derpd's own record
 //! layer, any boxed stream such as rustls's TLS 1.2 or a hyper upgrade, or a pair of
 //! separately owned halves such as a QUIC stream's), its lock-free split into [`ReadHalf`]
-//! and [`WriteHalf`], the socket options a relay connection wants ([`tune_socket`], or
-//! [`tune_listener`] once for every connection a listener accepts), and the TLS 1.3 record
+//! and [`WriteHalf`], the socket options a relay connection wants ([`TcpOptions`], set by
+//! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts), and the TLS 1.3 record
 //! layer that takes over from rustls after the handshake ([`tls`]).
 //!
 //! What it does not do: framing, HTTP, certificates, or anything else above the byte stream;
@@ -18,6 +18,7 @@
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -27,65 +28,136 @@ pub mod tls;
 
 use tls::{TlsRead, TlsStream, TlsWrite};
 
-/// Sets the socket options a relay connection needs, as derper does: `TCP_NODELAY` (relayed
-/// packets must not wait for Nagle), TCP keepalive after 10 minutes idle, and
-/// `TCP_USER_TIMEOUT` of 15 s on Linux, so a peer that vanished without a FIN or RST is
-/// detected even when nothing is being written to it. Failures are ignored: the connection
-/// still works without them.
-pub fn tune_socket(stream: &TcpStream) {
-    let _ = stream.set_nodelay(true);
-    let sock = socket2::SockRef::from(stream);
-    let keepalive = socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE_TIME);
-    let _ = sock.set_tcp_keepalive(&keepalive);
+/// The TCP options a relay connection is given besides `TCP_NODELAY`: derper's
+/// `-tcp-keepalive-time` and `-tcp-user-timeout`. [`TcpOptions::default`] is derper's
+/// defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// Idle time before the kernel's first keepalive probe; `None` leaves keepalive off. Set
+    /// in whole seconds, rounded up (at least one). Probes then follow every
+    /// [`KEEPALIVE_INTERVAL`] and give up after [`KEEPALIVE_COUNT`], as Go's defaults do.
+    /// Long by default to spare mobile clients' batteries: DERP has its own keepalive frames.
+    pub keepalive_idle: Option<Duration>,
+    /// `TCP_USER_TIMEOUT` (Linux): how long sent data may stay unacknowledged, probes
+    /// included, before the kernel drops the connection, so a peer that vanished without a
+    /// FIN or RST is noticed even while nothing is written to it. Whole milliseconds; `None`
+    /// (or under a millisecond) leaves the kernel's default (off).
+    pub user_timeout: Option<Duration>,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        Self {
+            keepalive_idle: Some(Duration::from_secs(600)),
+            user_timeout: Some(Duration::from_secs(15)),
+        }
+    }
+}
+
+/// Seconds between keepalive probes once they start (Go's default, which derper keeps).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+/// Unanswered keepalive probes before the connection is dropped (Go's default).
+pub const KEEPALIVE_COUNT: u32 = 9;
+
+impl TcpOptions {
+    /// The keepalive idle time as the kernel holds it: whole seconds, rounded up.
+    fn idle_secs(&self) -> Option<Duration> {
+        self.keepalive_idle.map(|d| {
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            Duration::from_secs(secs.max(1))
+        })
+    }
+
+    /// The user timeout as the kernel holds it: whole milliseconds, zero meaning off.
     #[cfg(any(target_os = "linux", target_os = "android"))]
-    let _ = sock.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT));
+    fn user_timeout_millis(&self) -> Option<Duration> {
+        self.user_timeout
+            .map(|d| Duration::from_millis(d.as_millis().min(u128::from(u32::MAX)) as u64))
+            .filter(|d| !d.is_zero())
+    }
+
+    fn keepalive(&self) -> Option<socket2::TcpKeepalive> {
+        let keepalive = socket2::TcpKeepalive::new().with_time(self.idle_secs()?);
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let keepalive = keepalive
+            .with_interval(KEEPALIVE_INTERVAL)
+            .with_retries(KEEPALIVE_COUNT);
+        Some(keepalive)
+    }
+
+    /// Sets every option on `sock`, stopping at the first the system refuses.
+    fn set(&self, sock: &socket2::SockRef<'_>) -> io::Result<()> {
+        sock.set_tcp_nodelay(true)?;
+        match self.keepalive() {
+            Some(keepalive) => sock.set_tcp_keepalive(&keepalive)?,
+            None => sock.set_keepalive(false)?,
+        }
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        sock.set_tcp_user_timeout(self.user_timeout_millis())?;
+        Ok(())
+    }
+}
+
+/// Sets the socket options a relay connection needs, as derper does: `TCP_NODELAY` (relayed
+/// packets must not wait for Nagle), and `options`' keepalive and user timeout. Failures are
+/// ignored: the connection still works without them.
+pub fn tune_socket(stream: &TcpStream, options: &TcpOptions) {
+    let _ = options.set(&socket2::SockRef::from(stream));
 }
 
 /// Sets [`tune_socket`]'s options on a listening socket, where Linux copies them into every
 /// connection it accepts (the accepted socket is a clone of the listener's, and none of these
-/// options is reset on the way): four system calls once instead of four per connection, which
+/// options is reset on the way): several system calls once instead of per connection, which
 /// is a measurable share of a reconnect storm. Returns whether accepted connections carry
 /// them; when it returns false (another system, or an option the listener refused), call
 /// [`tune_socket`] on each accepted connection instead. [`is_tuned`] checks a connection.
-pub fn tune_listener(listener: &tokio::net::TcpListener) -> bool {
+pub fn tune_listener(listener: &tokio::net::TcpListener, options: &TcpOptions) -> bool {
     #[cfg(target_os = "linux")]
     {
-        let sock = socket2::SockRef::from(listener);
-        let keepalive = socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE_TIME);
-        sock.set_tcp_nodelay(true).is_ok()
-            && sock.set_tcp_keepalive(&keepalive).is_ok()
-            && sock.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT)).is_ok()
+        options.set(&socket2::SockRef::from(listener)).is_ok()
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = listener;
+        let _ = (listener, options);
         false
     }
 }
 
-/// Whether a connection carries every option [`tune_socket`] sets (four system calls: use
+/// Whether a connection carries every option [`tune_socket`] sets (several system calls: use
 /// it to check what a listener passed on, not on every connection).
-pub fn is_tuned(stream: &TcpStream) -> bool {
+pub fn is_tuned(stream: &TcpStream, options: &TcpOptions) -> bool {
     let sock = socket2::SockRef::from(stream);
+    let keepalive = match options.idle_secs() {
+        None => sock.keepalive().ok() == Some(false),
+        Some(idle) => {
+            let probes = {
+                #[cfg(any(target_os = "linux", target_os = "android"))]
+                {
+                    sock.tcp_keepalive_interval().ok() == Some(KEEPALIVE_INTERVAL)
+                        && sock.tcp_keepalive_retries().ok() == Some(KEEPALIVE_COUNT)
+                }
+                #[cfg(not(any(target_os = "linux", target_os = "android")))]
+                {
+                    true
+                }
+            };
+            sock.keepalive().ok() == Some(true)
+                && sock.tcp_keepalive_time().ok() == Some(idle)
+                && probes
+        }
+    };
     let user_timeout = {
         #[cfg(any(target_os = "linux", target_os = "android"))]
         {
-            sock.tcp_user_timeout().ok() == Some(Some(TCP_USER_TIMEOUT))
+            sock.tcp_user_timeout().ok() == Some(options.user_timeout_millis())
         }
         #[cfg(not(any(target_os = "linux", target_os = "android")))]
         {
             true
         }
     };
-    stream.nodelay().unwrap_or(false)
-        && sock.keepalive().unwrap_or(false)
-        && sock.tcp_keepalive_time().ok() == Some(TCP_KEEPALIVE_TIME)
-        && user_timeout
+    stream.nodelay().unwrap_or(false) && keepalive && user_timeout
 }
-
-const TCP_KEEPALIVE_TIME: std::time::Duration = std::time::Duration::from_secs(600);
-#[cfg(any(target_os = "linux", target_os = "android"))]
-const TCP_USER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// A stream other than plain TCP.
 pub trait BoxedIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
@@ -353,25 +425,81 @@ mod tests {
 
     #[tokio::test]
     async fn accepted_sockets_carry_the_listeners_options_on_linux() {
+        let options = TcpOptions::default();
         let plain = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let (_client, accepted) = accept_one(&plain).await;
         // The kernel's defaults are not what a relay wants, so the check below can fail.
-        assert!(!is_tuned(&accepted));
-        tune_socket(&accepted);
-        assert!(is_tuned(&accepted));
+        assert!(!is_tuned(&accepted, &options));
+        tune_socket(&accepted, &options);
+        assert!(is_tuned(&accepted, &options));
 
         let tuned = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let inherited = tune_listener(&tuned);
+        let inherited = tune_listener(&tuned, &options);
         assert_eq!(inherited, cfg!(target_os = "linux"));
         if inherited {
             for _ in 0..3 {
                 let (_client, accepted) = accept_one(&tuned).await;
-                assert!(is_tuned(&accepted));
+                assert!(is_tuned(&accepted, &options));
             }
+        }
+    }
+
+    /// What the kernel holds for an accepted socket, read back with getsockopt.
+    #[cfg(target_os = "linux")]
+    fn read_back(stream: &TcpStream) -> (bool, bool, Duration, Duration, u32, Option<Duration>) {
+        let sock = socket2::SockRef::from(stream);
+        (
+            stream.nodelay().expect("nodelay"),
+            sock.keepalive().expect("keepalive"),
+            sock.tcp_keepalive_time().expect("idle"),
+            sock.tcp_keepalive_interval().expect("interval"),
+            sock.tcp_keepalive_retries().expect("count"),
+            sock.tcp_user_timeout().expect("user timeout"),
+        )
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_options_given_are_the_options_set() {
+        let custom = TcpOptions {
+            // Rounded up to whole seconds, as Go does.
+            keepalive_idle: Some(Duration::from_millis(4_200)),
+            user_timeout: Some(Duration::from_millis(2_500)),
+        };
+        let off = TcpOptions {
+            keepalive_idle: None,
+            user_timeout: None,
+        };
+        for via_listener in [false, true] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            if via_listener {
+                assert!(tune_listener(&listener, &custom));
+            }
+            let (_client, accepted) = accept_one(&listener).await;
+            if !via_listener {
+                tune_socket(&accepted, &custom);
+            }
+            let (nodelay, keepalive, idle, interval, count, user) = read_back(&accepted);
+            assert!(nodelay && keepalive, "via listener: {via_listener}");
+            assert_eq!(idle, Duration::from_secs(5));
+            assert_eq!(interval, Duration::from_secs(15));
+            assert_eq!(count, 9);
+            assert_eq!(user, Some(Duration::from_millis(2_500)));
+            assert!(is_tuned(&accepted, &custom));
+            assert!(!is_tuned(&accepted, &TcpOptions::default()));
+
+            // Turned off again: no keepalive, the kernel's user timeout (none).
+            tune_socket(&accepted, &off);
+            let (_, keepalive, _, _, _, user) = read_back(&accepted);
+            assert!(!keepalive);
+            assert_eq!(user, None);
+            assert!(is_tuned(&accepted, &off));
         }
     }
 }

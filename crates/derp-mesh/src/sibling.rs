@@ -69,32 +69,17 @@ pub enum SiblingError {
     },
 }
 
-/// Parses a comma-separated `--mesh-with` list. Empty entries are ignored; an entry whose host
-/// is `own_hostname` is skipped as derper does (the node's own key answering is caught later,
-/// for entries that name the node differently).
-pub fn parse_mesh_with(
-    list: &str,
-    own_hostname: Option<&str>,
-) -> Result<Vec<Sibling>, SiblingError> {
-    let mut out = Vec::new();
-    for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-        let sibling = parse_entry(entry)?;
-        if sibling
-            .dial_form_host()
-            .is_some_and(|h| Some(h) == own_hostname)
-        {
-            continue;
-        }
-        out.push(sibling);
-    }
-    Ok(out)
-}
-
-impl Sibling {
-    /// For `host` and `host/dialhost` entries, the host (without a port).
-    fn dial_form_host(&self) -> Option<&str> {
-        (!self.label.contains("://")).then(|| self.url.host())
-    }
+/// Parses a comma-separated `--mesh-with` list. Every entry is dialed, the node's own
+/// included (derper's lists name every node of the region on every node): a link that finds
+/// the node's own key answering stops for good. Unlike derper, surrounding spaces are trimmed
+/// and empty entries ignored (derper would dial `https:///derp`, port 443 of no host,
+/// forever).
+pub fn parse_mesh_with(list: &str) -> Result<Vec<Sibling>, SiblingError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(parse_entry)
+        .collect()
 }
 
 fn parse_entry(entry: &str) -> Result<Sibling, SiblingError> {
@@ -177,7 +162,7 @@ mod tests {
     #[test]
     fn entries_mean_what_they_mean_to_derper() {
         let list = " derp1.example.com, derp2.example.com/10.0.0.2 ,,derp3.example.com:8443/derp3-internal,http://127.0.0.1:3340/derp,https://[::1]:8443,quic://derp4.example.com:443";
-        let s = parse_mesh_with(list, None).expect("parses");
+        let s = parse_mesh_with(list).expect("parses");
         assert_eq!(s.len(), 6);
         assert_eq!(s[0].url.to_string(), "https://derp1.example.com/derp");
         assert_eq!(s[0].dial, None);
@@ -201,11 +186,16 @@ mod tests {
     }
 
     #[test]
-    fn own_hostname_is_skipped() {
-        let s = parse_mesh_with("a.example,b.example/10.0.0.2,c.example", Some("b.example"))
-            .expect("parses");
+    fn no_entry_is_skipped_by_name() {
+        // A region's list, the same on each of its nodes: each node dials every entry and
+        // tells itself apart by the key that answers, as derper does.
+        let s =
+            parse_mesh_with("localhost:8443,localhost:8444/127.0.0.1,c.example").expect("parses");
         let labels: Vec<_> = s.iter().map(|s| s.label.as_str()).collect();
-        assert_eq!(labels, ["a.example", "c.example"]);
+        assert_eq!(
+            labels,
+            ["localhost:8443", "localhost:8444/127.0.0.1", "c.example"]
+        );
     }
 
     #[test]
@@ -236,8 +226,8 @@ mod tests {
             "bad host",
             "h:99999",
         ] {
-            assert!(parse_mesh_with(bad, None).is_err(), "{bad}");
+            assert!(parse_mesh_with(bad).is_err(), "{bad}");
         }
-        assert_eq!(parse_mesh_with(" , ,", None), Ok(Vec::new()));
+        assert_eq!(parse_mesh_with(" , ,"), Ok(Vec::new()));
     }
 }

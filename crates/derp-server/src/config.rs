@@ -8,6 +8,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use derp_io::TcpOptions;
 use derp_proto::{MeshKey, SecretKey};
 
 use crate::admission::Admission;
@@ -55,6 +56,9 @@ pub struct ServerConfig {
     pub rate_limit: Option<RateLimit>,
     /// What [`Server::serve`](crate::Server::serve) (and a TLS front) lets in.
     pub limits: ConnLimits,
+    /// TCP keepalive and user timeout of every client connection the server's listeners (and
+    /// a TLS front) accept.
+    pub tcp: TcpOptions,
     /// The PROXY protocol on the TCP listeners: `Some(networks)` makes every connection open
     /// with a header (version 1 or 2) and accepts connections only from peers in these
     /// networks, the load balancers; `None` (the default) reads no header. See
@@ -96,6 +100,7 @@ impl ServerConfig {
             admission: Vec::new(),
             rate_limit: None,
             limits: ConnLimits::default(),
+            tcp: TcpOptions::default(),
             proxy_protocol: None,
             trust_forwarded_from: Vec::new(),
             bootstrap_dns: None,

@@ -31,6 +31,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use derp_io::TcpOptions;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -70,10 +71,16 @@ impl Default for ConnLimits {
 /// How the connections a listener accepts get their socket options ([`derp_io::tune_socket`]).
 ///
 /// Set once on the listener where the system passes them on to accepted connections, which
-/// saves four system calls per connection; the first connection accepted is checked, and if
-/// it did not inherit them every connection is tuned on its own, as without a listener.
+/// saves several system calls per connection; the first connection accepted is checked, and
+/// if it did not inherit them every connection is tuned on its own, as without a listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SocketOptions {
+pub(crate) struct SocketOptions {
+    options: TcpOptions,
+    state: Inheritance,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Inheritance {
     /// Set on the listener and seen on an accepted connection.
     Inherited,
     /// Set on the listener; no connection checked yet.
@@ -83,25 +90,31 @@ pub(crate) enum SocketOptions {
 }
 
 impl SocketOptions {
-    pub(crate) fn for_listener(listener: &tokio::net::TcpListener) -> Self {
-        if derp_io::tune_listener(listener) {
-            Self::Unchecked
+    pub(crate) fn for_listener(listener: &tokio::net::TcpListener, options: &TcpOptions) -> Self {
+        let state = if derp_io::tune_listener(listener, options) {
+            Inheritance::Unchecked
         } else {
-            Self::PerConnection
+            Inheritance::PerConnection
+        };
+        Self {
+            options: *options,
+            state,
         }
     }
 
     /// Makes sure a just-accepted connection has the options.
     pub(crate) fn apply(&mut self, stream: &tokio::net::TcpStream) {
-        match self {
-            Self::Inherited => {}
-            Self::Unchecked if derp_io::is_tuned(stream) => *self = Self::Inherited,
-            Self::Unchecked => {
-                warn!("accepted connections do not inherit the listener's socket options");
-                derp_io::tune_socket(stream);
-                *self = Self::PerConnection;
+        match self.state {
+            Inheritance::Inherited => {}
+            Inheritance::Unchecked if derp_io::is_tuned(stream, &self.options) => {
+                self.state = Inheritance::Inherited;
             }
-            Self::PerConnection => derp_io::tune_socket(stream),
+            Inheritance::Unchecked => {
+                warn!("accepted connections do not inherit the listener's socket options");
+                derp_io::tune_socket(stream, &self.options);
+                self.state = Inheritance::PerConnection;
+            }
+            Inheritance::PerConnection => derp_io::tune_socket(stream, &self.options),
         }
     }
 }
@@ -662,20 +675,24 @@ mod tests {
 
     #[tokio::test]
     async fn accepted_connections_get_the_options_from_the_listener_or_one_by_one() {
+        let tcp = TcpOptions {
+            keepalive_idle: Some(std::time::Duration::from_secs(90)),
+            user_timeout: Some(std::time::Duration::from_secs(7)),
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let mut options = SocketOptions::for_listener(&listener);
+        let mut options = SocketOptions::for_listener(&listener, &tcp);
         let expected = if cfg!(target_os = "linux") {
-            SocketOptions::Inherited
+            Inheritance::Inherited
         } else {
-            SocketOptions::PerConnection
+            Inheritance::PerConnection
         };
         for _ in 0..2 {
             let [_client, accepted] = accept_one(&listener).await;
             options.apply(&accepted);
-            assert_eq!(options, expected);
-            assert!(derp_io::is_tuned(&accepted));
+            assert_eq!(options.state, expected);
+            assert!(derp_io::is_tuned(&accepted, &tcp));
         }
 
         // A listener that passes nothing on: the check on the first connection notices, and
@@ -683,13 +700,16 @@ mod tests {
         let bare = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let mut options = SocketOptions::Unchecked;
+        let mut options = SocketOptions {
+            options: tcp,
+            state: Inheritance::Unchecked,
+        };
         for _ in 0..2 {
             let [_client, accepted] = accept_one(&bare).await;
-            assert!(!derp_io::is_tuned(&accepted));
+            assert!(!derp_io::is_tuned(&accepted, &tcp));
             options.apply(&accepted);
-            assert_eq!(options, SocketOptions::PerConnection);
-            assert!(derp_io::is_tuned(&accepted));
+            assert_eq!(options.state, Inheritance::PerConnection);
+            assert!(derp_io::is_tuned(&accepted, &tcp));
         }
     }
 

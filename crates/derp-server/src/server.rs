@@ -52,6 +52,11 @@ impl Server {
         self.shared.public_key
     }
 
+    /// The TCP options client connections are given ([`ServerConfig::tcp`]).
+    pub fn tcp_options(&self) -> &crate::TcpOptions {
+        &self.shared.config.tcp
+    }
+
     /// The relay's metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
@@ -109,7 +114,7 @@ impl Server {
     }
 
     async fn accept_loop(&self, listener: TcpListener) -> Result<(), ServeError> {
-        let mut options = SocketOptions::for_listener(&listener);
+        let mut options = SocketOptions::for_listener(&listener, self.tcp_options());
         let mut listener = Listener::new(listener, "main", self.accept_error_counter("main"));
         loop {
             let (stream, remote) = tokio::select! {

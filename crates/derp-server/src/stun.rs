@@ -82,20 +82,30 @@ pub struct StunConfig {
     pub answer_generic: bool,
 }
 
-/// Binds the STUN UDP socket.
+/// Binds the STUN UDP socket, with the kernel's default receive buffer.
 ///
-/// The kernel's default receive buffer is kept: std and tokio expose no `SO_RCVBUF` setter for
-/// UDP, and this crate does not take a socket-options dependency for it. Binding `[::]` gives a
-/// dual-stack socket on most systems; IPv4 clients then appear as IPv4-mapped addresses and are
-/// answered as IPv4.
+/// An IPv6 socket takes IPv4 too (`IPV6_V6ONLY` off, whatever the system's default, as Go's
+/// are), so binding `[::]` serves both families; IPv4 clients then appear as IPv4-mapped
+/// addresses and are answered as IPv4.
 ///
 /// # Panics
 ///
 /// Panics if called outside a tokio runtime, as [`UdpSocket::from_std`] does.
 pub fn bind_stun(addr: SocketAddr) -> io::Result<UdpSocket> {
-    let socket = std::net::UdpSocket::bind(addr)?;
+    let socket = stun_socket(addr)?;
+    socket.bind(&addr.into())?;
     socket.set_nonblocking(true)?;
-    UdpSocket::from_std(socket)
+    UdpSocket::from_std(socket.into())
+}
+
+/// The unbound socket for `addr`'s family.
+fn stun_socket(addr: SocketAddr) -> io::Result<socket2::Socket> {
+    let domain = socket2::Domain::for_address(addr);
+    let socket = socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(false)?;
+    }
+    Ok(socket)
 }
 
 /// Answers STUN binding requests on `socket` until `shutdown` completes.
@@ -335,6 +345,15 @@ mod tests {
     #[tokio::test]
     async fn ipv6_tailscale_requests_are_answered_and_others_ignored() {
         answers_tailscale_and_ignores_the_rest(IpAddr::V6(Ipv6Addr::LOCALHOST)).await;
+    }
+
+    /// An IPv6 socket is dual-stack whatever `net.ipv6.bindv6only` says, so `[::]` serves
+    /// IPv4 clients too. Checked before the bind: tests bind loopback only, and some kernels
+    /// report a socket bound to `[::1]` as IPv6-only.
+    #[test]
+    fn ipv6_sockets_are_dual_stack() {
+        let socket = stun_socket(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0))).expect("socket");
+        assert!(!socket.only_v6().expect("getsockopt"));
     }
 
     #[tokio::test]

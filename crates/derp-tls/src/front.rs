@@ -631,7 +631,7 @@ impl TlsFront {
                 drop(tcp);
                 continue;
             };
-            derp_io::tune_socket(&tcp);
+            derp_io::tune_socket(&tcp, server.tcp_options());
             let _ = tcp.set_nodelay(true);
             let this = self.clone();
             let server = server.clone();

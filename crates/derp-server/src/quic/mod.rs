@@ -146,6 +146,10 @@ pub fn bind_udp(addr: SocketAddr) -> io::Result<std::net::UdpSocket> {
         socket2::Domain::IPV6
     };
     let socket = socket2::Socket::new(domain, socket2::Type::DGRAM, Some(socket2::Protocol::UDP))?;
+    if addr.is_ipv6() {
+        // Both families on `[::]`, whatever the system's default.
+        socket.set_only_v6(false)?;
+    }
     let _ = socket.set_recv_buffer_size(UDP_BUFFER);
     let _ = socket.set_send_buffer_size(UDP_BUFFER);
     socket.bind(&addr.into())?;

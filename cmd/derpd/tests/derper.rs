@@ -11,19 +11,6 @@ mod support;
 
 use support::{DERPD, TempDir};
 
-/// derper flags that another change adds to derpd and that this branch does not have yet:
-/// each must still be refused as unknown here, naming it. Empty once they are in.
-const NOT_YET_ON_THIS_BRANCH: &[&str] = &[
-    "acme-eab-kid",
-    "acme-eab-key",
-    "acme-ip-certs",
-    "bootstrap-dns-names",
-    "unpublished-bootstrap-dns-names",
-];
-
-/// Values of derper flags that the same change adds (`-certmode gcp`). Empty once they are in.
-const VALUES_NOT_YET_ON_THIS_BRANCH: &[(&str, &str)] = &[("certmode", "gcp")];
-
 /// One flag of derper's list.
 #[derive(Debug)]
 struct DerperFlag {
@@ -256,7 +243,6 @@ fn every_derper_flag_is_accepted_in_every_go_form() {
     let mut checked = 0;
     for flag in derper_flags() {
         let name = flag.name.as_str();
-        let pending = NOT_YET_ON_THIS_BRANCH.contains(&name);
         let cases: Vec<Case> = if flag.kind == "bool" {
             [true, false]
                 .into_iter()
@@ -294,14 +280,6 @@ fn every_derper_flag_is_accepted_in_every_go_form() {
             args.extend(form.iter().cloned());
             let (code, out, err) = derpd(&args);
             let what = format!("{form:?}: exit {code}\n{out}{err}");
-            if pending {
-                assert_eq!(code, 2, "{what}");
-                assert!(
-                    err.contains(&format!("flag provided but not defined: -{name}")),
-                    "{what}"
-                );
-                continue;
-            }
             assert!(
                 !err.contains("flag provided but not defined") && code != 2,
                 "{what}"
@@ -332,14 +310,13 @@ fn every_derper_flag_is_accepted_in_every_go_form() {
         }
     }
     assert!(checked > 100, "only {checked} forms checked");
-    // The values the other change adds are refused for now, by clap, naming the flag.
-    for (name, value) in VALUES_NOT_YET_ON_THIS_BRANCH {
+    // Every certificate mode derper has is a mode derpd has.
+    for mode in ["letsencrypt", "manual", "gcp"] {
         let mut args = vec!["--check".to_owned()];
         args.extend(files.base());
-        args.push(format!("-{name}={value}"));
-        let (code, _, err) = derpd(&args);
-        assert_eq!(code, 2, "{err}");
-        assert!(err.contains(&format!("--{name}")), "{err}");
+        args.push(format!("-certmode={mode}"));
+        let (code, out, err) = derpd(&args);
+        assert_eq!(code, 0, "-certmode={mode}: {out}{err}");
     }
 }
 
@@ -514,7 +491,7 @@ fn the_migration_table_holds_every_derper_flag_once_and_says_true_things() {
             "-{name}: say same, differs, refused or ignored first: {derpd_says}"
         );
         // What the table calls the same must be taken as derper takes it.
-        if verdict == "same" && !NOT_YET_ON_THIS_BRANCH.contains(&name) {
+        if verdict == "same" {
             let mut args = vec!["--check".to_owned()];
             args.extend(files.base());
             if derper.kind == "bool" {
@@ -764,20 +741,6 @@ fn real_derper_command_lines_pass_check() {
     for w in &wrappers {
         let (code, out, err) = run_wrapper(w);
         let what = format!("{}: exit {code}\n{out}{err}", w.source);
-        let pending: Vec<&&str> = NOT_YET_ON_THIS_BRANCH
-            .iter()
-            .filter(|n| w.line.contains(&format!("-{n}=")))
-            .collect();
-        if let Some(first) = pending.first() {
-            // Until the flags it uses are in, the line must fail naming one of them.
-            assert_eq!(code, 2, "{what}");
-            assert!(err.contains("flag provided but not defined"), "{what}");
-            assert!(
-                pending.iter().any(|n| err.contains(&format!("-{n}"))),
-                "{what} ({first})"
-            );
-            continue;
-        }
         assert_eq!(code, 0, "{what}");
         assert!(out.contains(USABLE), "{what}");
         assert!(out.contains(w.shows), "want {:?}: {what}", w.shows);

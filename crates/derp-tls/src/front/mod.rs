@@ -6,14 +6,14 @@ use std::io;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use arc_swap::ArcSwapOption;
 use derp_proto::PublicKey;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{Acceptor, ClientHello, ResolvesServerCert};
+use rustls::server::Acceptor;
 use rustls::sign::CertifiedKey;
 use rustls::{ProtocolVersion, ServerConfig};
 use sha2::{Digest, Sha256};
@@ -28,195 +28,24 @@ use super::ip_slots::{IpSlot, IpSlots, IpStatus};
 use super::meta::meta_certificate;
 use super::x509::{Host, check_valid_for, validity};
 use derp_io::Transport;
+
+mod options;
+mod resolver;
+
 use derp_server::{
     BudgetMetrics, Listener, ProxiedListener, ProxyProtocol, Server, UnprovenBudget,
 };
-
-/// Default deadline for a whole TLS handshake, from accept to the first application byte.
-pub const DEFAULT_TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default size of the port-80 listener's budget of connections.
-pub const DEFAULT_HTTP_PORT_MAX_CONNECTIONS: usize = 1024;
-/// Port-80 connections one source (an IPv4 address or an IPv6 /64) may hold at once, so one
-/// host cannot fill the port and block captive-portal checks or HTTP-01 validation: one more
-/// evicts that source's oldest.
-const HTTP_PORT_MAX_PER_SOURCE: usize = 16;
-/// Default deadline for the ClientHello. A socket that says nothing is cut off well before the
-/// whole-handshake deadline, so idle connections hold a slot only briefly.
-pub const DEFAULT_CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
+use options::HTTP_PORT_MAX_PER_SOURCE;
+pub use options::{
+    CertInfo, CertOrigin, DEFAULT_CLIENT_HELLO_TIMEOUT, DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
+    DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsOptions, TlsRecords,
+};
+pub(crate) use resolver::unmap;
+use resolver::{CertState, Resolver, offers_alpn, server_config, serving_provider, sni_of};
 
 /// ALPN protocol of TLS-ALPN-01 validation connections (RFC 8737).
 pub(crate) const ACME_TLS_ALPN: &[u8] = b"acme-tls/1";
 const HTTP11_ALPN: &[u8] = b"http/1.1";
-
-/// Settings for [`TlsFront`].
-#[derive(Debug, Clone)]
-pub struct TlsOptions {
-    /// The server's name: a DNS name, or an IP address (manual mode). With a DNS name, a
-    /// ClientHello whose SNI is missing or different is refused; with an IP, any SNI is
-    /// accepted, as clients connecting by address send none.
-    pub hostname: String,
-    /// Deadline for each handshake; see [`DEFAULT_TLS_HANDSHAKE_TIMEOUT`]. How many may be
-    /// in progress at once is the server's unproven-connection budget
-    /// ([`ConnLimits`](derp_server::ConnLimits)).
-    pub handshake_timeout: Duration,
-    /// Deadline for the ClientHello, within the handshake's; see
-    /// [`DEFAULT_CLIENT_HELLO_TIMEOUT`].
-    pub client_hello_timeout: Duration,
-    /// The port-80 listener's connections are all unproven and held in a budget of this size
-    /// (16 at most from one source); when full, the oldest is closed to admit a new one.
-    pub http_port_max_connections: usize,
-    /// The PROXY protocol the port-80 listener takes (the server's,
-    /// [`Server::proxy_protocol`]), when it sits behind the same balancer as the TLS
-    /// listener, which takes the server's own.
-    pub http_port_proxy_protocol: Option<ProxyProtocol>,
-    /// Serve certificates for the node's own IP addresses, obtained on demand by an
-    /// [`IpCertManager`](crate::IpCertManager): a client that sends no SNI (or the address
-    /// as SNI) gets the certificate of the address it connected to, and its handshake waits
-    /// for the first one to be issued. Clients naming the hostname get the hostname's
-    /// certificate as before.
-    pub ip_certs: bool,
-    /// Who seals and opens the records of TLS 1.3 connections; see [`TlsRecords`].
-    pub records: TlsRecords,
-}
-
-/// Who seals and opens the records of TLS 1.3 connections once rustls has run the
-/// handshake. TLS 1.2 connections are always rustls's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum TlsRecords {
-    /// derpd's own record layer ([`derp_io::tls`]): no record buffer in an idle connection,
-    /// halves split without a lock.
-    #[default]
-    Derpd,
-    /// rustls's buffered connection, as TLS 1.2 connections are served: the way back for an
-    /// operator who meets a client the record layer does not get along with.
-    Rustls,
-}
-
-impl TlsRecords {
-    /// The name of the `derp_tls_connections_by_record_layer` label and of derpd's flag value.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Derpd => "derpd",
-            Self::Rustls => "rustls",
-        }
-    }
-}
-
-impl TlsOptions {
-    /// Defaults for `hostname`.
-    pub fn new(hostname: impl Into<String>) -> Self {
-        Self {
-            hostname: hostname.into(),
-            handshake_timeout: DEFAULT_TLS_HANDSHAKE_TIMEOUT,
-            client_hello_timeout: DEFAULT_CLIENT_HELLO_TIMEOUT,
-            http_port_max_connections: DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
-            http_port_proxy_protocol: None,
-            ip_certs: false,
-            records: TlsRecords::default(),
-        }
-    }
-}
-
-/// Where the certificate in service came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CertOrigin {
-    /// Manual mode, files on disk signed by some CA.
-    Manual,
-    /// Manual mode, a self-signed certificate (generated for an IP, or the operator's own).
-    SelfSigned,
-    /// ACME, loaded from the cache directory.
-    AcmeCache,
-    /// ACME, issued by the server during this run.
-    AcmeIssued,
-    /// Installed directly through [`TlsFront::install`].
-    Other,
-}
-
-/// The certificate in service, as [`TlsFront::cert_updates`] reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CertInfo {
-    /// Counts installs, starting at 1 for the first certificate; 0 means none yet.
-    pub generation: u64,
-    /// Where it came from.
-    pub origin: CertOrigin,
-    /// SHA-256 of the leaf certificate's DER.
-    pub leaf_sha256: [u8; 32],
-    /// Start of the leaf's validity.
-    pub not_before: Option<SystemTime>,
-    /// End of the leaf's validity.
-    pub not_after: Option<SystemTime>,
-}
-
-impl CertInfo {
-    /// The `sha256-raw:<hex>` pin of the leaf.
-    pub fn pin(&self) -> String {
-        format!("sha256-raw:{}", hex::encode(self.leaf_sha256))
-    }
-}
-
-/// Certificates the resolver can hand out; shared with the rustls configs.
-#[derive(Debug)]
-struct CertState {
-    host: Host,
-    current: ArcSwapOption<CertifiedKey>,
-    /// TLS-ALPN-01 validation certificates, by lowercase hostname.
-    alpn_challenges: Mutex<HashMap<String, Arc<CertifiedKey>>>,
-}
-
-#[derive(Debug)]
-struct Resolver {
-    certs: Arc<CertState>,
-    /// Answer TLS-ALPN-01 validation handshakes (the TCP listener only: ACME validates over
-    /// TCP, and QUIC's ALPN is `derp` alone).
-    acme: bool,
-    /// For connections to one of the node's addresses, with IP certificates on: that
-    /// address and its certificate, served to clients that name no host (or the address).
-    ip: Option<(IpAddr, Arc<ArcSwapOption<CertifiedKey>>)>,
-}
-
-impl ResolvesServerCert for Resolver {
-    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let sni = hello.server_name();
-        if self.acme && offers_alpn(&hello, ACME_TLS_ALPN) {
-            let name = sni?.trim_end_matches('.').to_ascii_lowercase();
-            let challenges = self
-                .certs
-                .alpn_challenges
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            return challenges.get(&name).cloned();
-        }
-        if let Some((ip, cert)) = &self.ip {
-            match sni.map(|name| name.trim_start_matches('[').trim_end_matches(']')) {
-                None => return cert.load_full(),
-                Some(name) => match name.parse::<IpAddr>() {
-                    Ok(named) if unmap(named) == *ip => return cert.load_full(),
-                    Ok(named) => {
-                        debug!(%named, %ip, "refusing a certificate for another address");
-                        return None;
-                    }
-                    // A DNS name: the hostname's certificate, if there is one.
-                    Err(_) if matches!(self.certs.host, Host::Ip(_)) => {
-                        debug!(sni, "this node has IP address certificates only");
-                        return None;
-                    }
-                    Err(_) => {}
-                },
-            }
-        }
-        if !self.certs.host.accepts_sni(sni) {
-            debug!(sni, "refusing tls handshake for another name");
-            return None;
-        }
-        self.certs.current.load_full()
-    }
-}
-
-fn offers_alpn(hello: &ClientHello<'_>, proto: &[u8]) -> bool {
-    hello
-        .alpn()
-        .is_some_and(|mut offered| offered.any(|p| p == proto))
-}
 
 #[derive(Debug)]
 struct TlsMetrics {
@@ -790,29 +619,6 @@ impl TlsFront {
     }
 }
 
-/// A rustls server config with `resolver` choosing the certificate.
-fn server_config(
-    provider: &Arc<CryptoProvider>,
-    resolver: Resolver,
-    alpn: &[&[u8]],
-    quic: bool,
-    records: TlsRecords,
-) -> Result<Arc<ServerConfig>, TlsError> {
-    let versions: &[&rustls::SupportedProtocolVersion] = if quic {
-        &[&rustls::version::TLS13]
-    } else {
-        &[&rustls::version::TLS13, &rustls::version::TLS12]
-    };
-    let mut config = ServerConfig::builder_with_provider(provider.clone())
-        .with_protocol_versions(versions)?
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(resolver));
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    // TLS 1.3 connections hand their traffic keys to derpd's record layer.
-    config.enable_secret_extraction = !quic && records == TlsRecords::Derpd;
-    Ok(Arc::new(config))
-}
-
 /// Waits for the first certificate of `ip` (or the failure of the attempt under way). Fails
 /// at once while issuance is backing off after a failure, as derper does.
 async fn wait_for_ip_cert(slot: &IpSlot, ip: IpAddr) -> io::Result<()> {
@@ -839,37 +645,6 @@ async fn wait_for_ip_cert(slot: &IpSlot, ip: IpAddr) -> io::Result<()> {
             return Err(io::Error::other(format!("cert issuance for {ip} failed")));
         }
     }
-}
-
-/// The server name a ClientHello asks for, read by rustls's acceptor from a copy of the
-/// bytes (derp-io's reader does not keep it). `None` when there is none or it cannot be
-/// read.
-fn sni_of(received: &[u8]) -> Option<String> {
-    let mut acceptor = Acceptor::default();
-    let mut rest = received;
-    while !rest.is_empty() {
-        acceptor.read_tls(&mut rest).ok()?;
-    }
-    let accepted = acceptor.accept().ok()??;
-    accepted.client_hello().server_name().map(str::to_owned)
-}
-
-/// An IPv4-mapped IPv6 address as the IPv4 address it is.
-pub(crate) fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
-}
-
-/// `base` with only the TLS 1.3 suites derpd's record layer seals and opens
-/// ([`derp_io::tls::SUPPORTED_SUITES`]): another provider, or a new suite in this one, cannot
-/// make a handshake settle on a suite whose records nothing here can open. TLS 1.2 suites
-/// are rustls's to serve and stay as they are.
-fn serving_provider(mut base: CryptoProvider) -> CryptoProvider {
-    base.cipher_suites
-        .retain(|s| s.tls13().is_none() || derp_io::tls::supports(s.suite()));
-    base
 }
 
 /// Which handshake a ClientHello gets.

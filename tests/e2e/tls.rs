@@ -150,7 +150,7 @@ impl TlsRelay {
             .with_connect_timeout(STEP)
     }
 
-    fn counter(&self, name: &str, label: (&str, &str)) -> u64 {
+    pub(crate) fn counter(&self, name: &str, label: (&str, &str)) -> u64 {
         self.registry
             .gather()
             .iter()

@@ -6,7 +6,6 @@
 //! `openssl` comes from scripts/test-tools; without it the OpenSSL test fails, naming the
 //! install command.
 
-use std::net::SocketAddr;
 use std::process::Stdio;
 use std::sync::Arc;
 
@@ -17,14 +16,12 @@ use derp_client::{Client, ClientConfig, ReceivedFrame};
 use derp_proto::{
     ClientDecoder, ClientHandshake, ClientInfo, ClientToRelay, PublicKey, RelayToClient, SecretKey,
 };
-use derp_server::{Server, ServerConfig};
-use derp_tls::{CertOrigin, TlsFront, TlsOptions, TlsRecords};
+use derp_tls::{CertOrigin, TlsOptions, TlsRecords};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
-use tokio::task::JoinHandle;
 
 use crate::harness::STEP;
+use crate::tls::TlsRelay;
 
 const HOST: &str = "derp.test";
 
@@ -52,49 +49,27 @@ async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
 
 /// A relay behind a TLS front on 127.0.0.1 with a self-signed certificate for [`HOST`].
 struct Relay {
-    server: Server,
-    addr: SocketAddr,
-    registry: prometheus::Registry,
+    tls: TlsRelay,
     cert: CertificateDer<'static>,
-    task: JoinHandle<()>,
 }
 
 impl Relay {
     async fn start(records: TlsRecords) -> Self {
-        derp_testkit::init_tracing();
-        let registry = prometheus::Registry::new();
-        let server = Server::new(
-            ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng)),
-            &registry,
-        )
-        .expect("server");
         let options = TlsOptions {
             records,
             ..TlsOptions::new(HOST)
         };
-        let front = TlsFront::new(&server.public_key(), options, &registry).expect("front");
+        let tls = TlsRelay::start_with(options, None).await;
         let key = rcgen::generate_simple_self_signed(vec![HOST.to_string()]).expect("cert");
         let cert = key.cert.der().clone();
-        front
+        tls.front
             .install(
                 vec![cert.clone()],
                 rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
                 CertOrigin::Other,
             )
             .expect("install");
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (f, s) = (front.clone(), server.clone());
-        let task = tokio::spawn(async move {
-            f.serve(&s, listener).await.expect("tls serve");
-        });
-        Self {
-            server,
-            addr,
-            registry,
-            cert,
-            task,
-        }
+        Self { tls, cert }
     }
 
     /// A derp-client config whose TLS 1.3 offers `suite` alone.
@@ -108,29 +83,22 @@ impl Relay {
             .expect("versions")
             .with_root_certificates(roots)
             .with_no_client_auth();
-        let url = format!("https://{HOST}:{}/derp", self.addr.port());
+        let url = format!("https://{HOST}:{}/derp", self.tls.addr.port());
         ClientConfig::new(&url, SecretKey::generate(&mut rand::rngs::OsRng))
             .expect("config")
-            .with_dial_addr(self.addr)
+            .with_dial_addr(self.tls.addr)
             .with_connect_timeout(STEP)
             .with_tls_config(Arc::new(tls))
     }
 
     /// Completed handshakes whose records `layer` seals and opens.
     fn connections(&self, layer: &str) -> u64 {
-        self.registry
-            .gather()
-            .iter()
-            .filter(|f| f.name() == "derp_tls_connections_by_record_layer")
-            .flat_map(|f| f.get_metric())
-            .filter(|m| m.get_label().iter().any(|l| l.value() == layer))
-            .map(|m| m.get_counter().get_value() as u64)
-            .sum()
+        self.tls
+            .counter("derp_tls_connections_by_record_layer", ("layer", layer))
     }
 
     async fn stop(self) {
-        self.server.shutdown().await;
-        let _ = self.task.await;
+        self.tls.stop().await;
     }
 }
 
@@ -221,7 +189,12 @@ impl OpenSslClient {
              run `scripts/test-tools install` (scripts/test does it when it can)"
         );
         let mut child = Command::new("openssl")
-            .args(["s_client", "-quiet", "-connect", &relay.addr.to_string()])
+            .args([
+                "s_client",
+                "-quiet",
+                "-connect",
+                &relay.tls.addr.to_string(),
+            ])
             .args(["-servername", HOST, "-tls1_3", "-ciphersuites", suite])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -276,8 +249,11 @@ async fn openssl_relays_in_every_suite() {
 
         let secret = SecretKey::generate(&mut rand::rngs::OsRng);
         let kb = secret.public_key();
-        let mut hs =
-            ClientHandshake::fast_start(secret, ClientInfo::default(), relay.server.public_key());
+        let mut hs = ClientHandshake::fast_start(
+            secret,
+            ClientInfo::default(),
+            relay.tls.server.public_key(),
+        );
         let mut first = BytesMut::from(
             format!(
                 "GET /derp HTTP/1.1\r\nHost: {HOST}\r\nConnection: Upgrade\r\nUpgrade: DERP\r\n\
@@ -294,7 +270,7 @@ async fn openssl_relays_in_every_suite() {
         .encode(&mut first);
         let mut b = OpenSslClient::start(&relay, name, &first).await;
         assert!(
-            matches!(b.recv().await, RelayToClient::ServerKey(k) if k == relay.server.public_key()),
+            matches!(b.recv().await, RelayToClient::ServerKey(k) if k == relay.tls.server.public_key()),
             "{name}"
         );
         match b.recv().await {

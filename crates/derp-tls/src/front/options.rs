@@ -16,7 +16,7 @@ pub(super) const HTTP_PORT_MAX_PER_SOURCE: usize = 16;
 /// whole-handshake deadline, so idle connections hold a slot only briefly.
 pub const DEFAULT_CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Settings for [`TlsFront`].
+/// Settings for [`TlsFront`](crate::TlsFront).
 #[derive(Debug, Clone)]
 pub struct TlsOptions {
     /// The server's name: a DNS name, or an IP address (manual mode). With a DNS name, a
@@ -34,7 +34,7 @@ pub struct TlsOptions {
     /// (16 at most from one source); when full, the oldest is closed to admit a new one.
     pub http_port_max_connections: usize,
     /// The PROXY protocol the port-80 listener takes (the server's,
-    /// [`Server::proxy_protocol`]), when it sits behind the same balancer as the TLS
+    /// [`Server::proxy_protocol`](derp_server::Server::proxy_protocol)), when it sits behind the same balancer as the TLS
     /// listener, which takes the server's own.
     pub http_port_proxy_protocol: Option<ProxyProtocol>,
     /// Serve certificates for the node's own IP addresses, obtained on demand by an
@@ -96,11 +96,11 @@ pub enum CertOrigin {
     AcmeCache,
     /// ACME, issued by the server during this run.
     AcmeIssued,
-    /// Installed directly through [`TlsFront::install`].
+    /// Installed directly through [`TlsFront::install`](crate::TlsFront::install).
     Other,
 }
 
-/// The certificate in service, as [`TlsFront::cert_updates`] reports it.
+/// The certificate in service, as [`TlsFront::cert_updates`](crate::TlsFront::cert_updates) reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CertInfo {
     /// Counts installs, starting at 1 for the first certificate; 0 means none yet.

@@ -162,7 +162,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
-            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic_port, backlog).await
+            let quic = quic_port.map(|port| {
+                let config = derp_server::QuicConfig {
+                    congestion: cli.quic_congestion,
+                    ..Default::default()
+                };
+                (port, config)
+            });
+            tls_setup::run_tls(&server, &registry, &cli.tls, listener, quic, backlog).await
         } else {
             server.set_ready(true);
             server.serve(listener).await.context("serving")

@@ -6,6 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use derp_io::quic::Congestion as QuicCongestion;
 use derp_proto::{MeshKey, PublicKey, SecretKey};
 use rustls::pki_types::CertificateDer;
 
@@ -84,6 +85,9 @@ pub struct ClientConfig {
     /// QUIC only: accept and send packets in QUIC datagrams (on by default). Off, every
     /// packet travels on the stream, reliably and in order.
     pub quic_datagrams: bool,
+    /// QUIC only: the congestion controller of what this client sends; by default the one
+    /// derpd runs ([`QuicCongestion::LossFilter`]).
+    pub quic_congestion: QuicCongestion,
 }
 
 impl ClientConfig {
@@ -118,6 +122,7 @@ impl ClientConfig {
             tls_config: None,
             quic_port: None,
             quic_datagrams: true,
+            quic_congestion: QuicCongestion::default(),
         }
     }
 
@@ -130,6 +135,12 @@ impl ClientConfig {
     /// Sets [`ClientConfig::quic_datagrams`].
     pub fn with_quic_datagrams(mut self, on: bool) -> Self {
         self.quic_datagrams = on;
+        self
+    }
+
+    /// Sets [`ClientConfig::quic_congestion`].
+    pub fn with_quic_congestion(mut self, congestion: QuicCongestion) -> Self {
+        self.quic_congestion = congestion;
         self
     }
 

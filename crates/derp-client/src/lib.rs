@@ -81,6 +81,7 @@ pub use crate::ping::PendingPing;
 pub use crate::reader::{ClientReader, ReceivedFrame};
 pub use crate::tls::CertName;
 pub use crate::writer::ClientWriter;
+pub use derp_io::quic::Congestion as QuicCongestion;
 pub use derp_proto::upgrade::UpgradeError;
 pub use derp_proto::ws::WsError;
 /// The rustls version this crate uses, for [`ClientConfig::tls_config`] and root certificates.

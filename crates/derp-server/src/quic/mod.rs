@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use derp_io::quic::Congestion;
 pub(crate) use link::QuicLink;
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{EndpointConfig, IdleTimeout, TransportConfig, VarInt};
@@ -60,6 +61,8 @@ pub struct QuicConfig {
     /// The server sends a PING after this long without hearing from the client, which keeps
     /// NAT bindings open and detects a vanished client.
     pub keep_alive: Duration,
+    /// The congestion controller of what the server sends to each client.
+    pub congestion: Congestion,
 }
 
 impl Default for QuicConfig {
@@ -69,6 +72,7 @@ impl Default for QuicConfig {
             max_handshakes: DEFAULT_MAX_QUIC_HANDSHAKES,
             idle_timeout: QUIC_IDLE_TIMEOUT,
             keep_alive: QUIC_KEEP_ALIVE,
+            congestion: Congestion::default(),
         }
     }
 }
@@ -157,11 +161,11 @@ const UDP_BUFFER: usize = 8 << 20;
 /// QUIC version 1 (RFC 9000), the only one served.
 const QUIC_V1: u32 = 1;
 
-/// The transport parameters and timers of `docs/protocol.md`'s table. Congestion control
-/// is quinn's default, CUBIC (paced, initial window 12 000 bytes), as the TCP path runs under
-/// Linux's default; migration is allowed (quinn's default).
+/// The transport parameters and timers of `docs/protocol.md`'s table, with the settings
+/// derp-client shares (`derp_io::quic`); migration is allowed (quinn's default).
 fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
     let mut t = TransportConfig::default();
+    derp_io::quic::configure(&mut t, config.congestion);
     // One DERP stream, opened by the client; the server never opens one.
     t.max_concurrent_bidi_streams(VarInt::from_u32(1));
     t.max_concurrent_uni_streams(VarInt::from_u32(0));

@@ -76,7 +76,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind};
 pub use crate::error::UrlError;
 pub use crate::error::{ClientError, ConnectError};
-pub use crate::path::{PREAMBLE as QUIC_PREAMBLE, QuicPath};
+pub use crate::path::{PREAMBLE as QUIC_PREAMBLE, QuicCounts, QuicPath};
 pub use crate::ping::PendingPing;
 pub use crate::reader::{ClientReader, ReceivedFrame};
 pub use crate::tls::CertName;

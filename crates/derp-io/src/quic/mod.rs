@@ -83,10 +83,19 @@ impl FromStr for Congestion {
 #[error("unknown congestion controller {0:?} (one of: loss-filter, cubic, bbr, none)")]
 pub struct UnknownCongestion(pub String);
 
-/// Applies the settings both ends of DERP over QUIC share to `t`.
+/// Applies the settings both ends of DERP over QUIC share to `t`: the congestion controller,
+/// and how many datagram bytes may wait for the controller's room.
 pub fn configure(t: &mut TransportConfig, congestion: Congestion) {
     t.congestion_controller_factory(congestion.factory());
+    t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
 }
+
+/// Datagram bytes quinn holds while the congestion controller has no room: about 46
+/// full-size packets, 1.4 times one of derpd's per-client queues. A sender that finds it full
+/// waits (derpd's and derp-client's writers do), so its own queue and drop policy decide what
+/// is dropped; a larger buffer would only hold packets back longer (quinn's default, 1 MiB,
+/// is seconds of traffic on a slow link).
+pub const DATAGRAM_SEND_BUFFER: usize = 64 * 1024;
 
 /// [`Congestion::None`]'s controller: a window above `u32::MAX` bytes, which quinn's pacer
 /// also reads as "do not pace".

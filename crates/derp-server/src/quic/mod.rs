@@ -177,7 +177,6 @@ fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
     // advertises max_datagram_frame_size = min(this, 65535); keep it above 65535 + its
     // per-datagram overhead so the advertised limit is the real one.
     t.datagram_receive_buffer_size(Some(DATAGRAM_RECEIVE_BUFFER));
-    t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
     // What one client can make the server buffer, and have in flight towards it.
     t.stream_receive_window(VarInt::from_u32(STREAM_WINDOW));
     t.receive_window(VarInt::from_u32(STREAM_WINDOW));
@@ -186,6 +185,4 @@ fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
 }
 
 const DATAGRAM_RECEIVE_BUFFER: usize = 128 * 1024;
-/// About 46 full-size packets, 1.4 times one of derpd's per-client queues.
-const DATAGRAM_SEND_BUFFER: usize = 64 * 1024;
 const STREAM_WINDOW: u32 = 1024 * 1024;

@@ -88,7 +88,7 @@ async fn connect_one(
     };
     establish(
         config,
-        Transport::Halves(Box::new(recv), Box::new(send)),
+        Transport::Halves(Box::new(recv), Box::new(derp_io::quic::SendStream(send))),
         local_addr,
         Opening::Quic(path),
     )

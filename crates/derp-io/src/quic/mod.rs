@@ -6,6 +6,7 @@
 //! the default is [`Congestion::LossFilter`].
 
 mod loss_filter;
+mod send;
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,6 +17,7 @@ use quinn::TransportConfig;
 use quinn::congestion::{BbrConfig, Controller, ControllerFactory, CubicConfig};
 
 pub use loss_filter::{LOSS_THRESHOLD, LossFilter, LossFilterConfig, QUEUE_FLOOR};
+pub use send::SendStream;
 
 /// Which congestion controller a DERP-over-QUIC endpoint runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

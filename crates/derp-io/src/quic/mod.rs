@@ -13,8 +13,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use quinn::TransportConfig;
 use quinn::congestion::{BbrConfig, Controller, ControllerFactory, CubicConfig};
+use quinn::{AckFrequencyConfig, TransportConfig, VarInt};
 
 pub use loss_filter::{LOSS_THRESHOLD, LossFilter, LossFilterConfig, QUEUE_FLOOR};
 pub use send::SendStream;
@@ -86,11 +86,22 @@ impl FromStr for Congestion {
 pub struct UnknownCongestion(pub String);
 
 /// Applies the settings both ends of DERP over QUIC share to `t`: the congestion controller,
-/// and how many datagram bytes may wait for the controller's room.
+/// how many datagram bytes may wait for the controller's room, and how often the peer is
+/// asked to acknowledge.
 pub fn configure(t: &mut TransportConfig, congestion: Congestion) {
     t.congestion_controller_factory(congestion.factory());
     t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
+    let mut ack = AckFrequencyConfig::default();
+    ack.ack_eliciting_threshold(VarInt::from_u32(ACK_ELICITING_THRESHOLD));
+    t.ack_frequency_config(Some(ack));
 }
+
+/// Packets the peer may take before it must acknowledge (the QUIC ACK frequency extension;
+/// a peer without it acknowledges every second packet). Each ACK is a UDP packet both ends
+/// encrypt, send and handle, so with QUIC's default every relayed packet costs the relay an
+/// extra packet in and out. The peer still acknowledges within its max_ack_delay (25 ms), at
+/// once when packets arrive out of order (a loss), and whenever the sender asks (its probes).
+pub const ACK_ELICITING_THRESHOLD: u32 = 9;
 
 /// Datagram bytes quinn holds while the congestion controller has no room: about 46
 /// full-size packets, 1.4 times one of derpd's per-client queues. A sender that finds it full

@@ -11,10 +11,10 @@ mod send;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use quinn::congestion::{BbrConfig, Controller, ControllerFactory, CubicConfig};
-use quinn::{AckFrequencyConfig, TransportConfig, VarInt};
+use quinn::{AckFrequencyConfig, MtuDiscoveryConfig, TransportConfig, VarInt};
 
 pub use loss_filter::{LOSS_THRESHOLD, LossFilter, LossFilterConfig, QUEUE_FLOOR};
 pub use send::SendStream;
@@ -86,15 +86,26 @@ impl FromStr for Congestion {
 pub struct UnknownCongestion(pub String);
 
 /// Applies the settings both ends of DERP over QUIC share to `t`: the congestion controller,
-/// how many datagram bytes may wait for the controller's room, and how often the peer is
-/// asked to acknowledge.
+/// how many datagram bytes may wait for the controller's room, how often the peer is asked
+/// to acknowledge, and how soon path MTU discovery tries again after a suspected black hole.
 pub fn configure(t: &mut TransportConfig, congestion: Congestion) {
     t.congestion_controller_factory(congestion.factory());
     t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
     let mut ack = AckFrequencyConfig::default();
     ack.ack_eliciting_threshold(VarInt::from_u32(ACK_ELICITING_THRESHOLD));
     t.ack_frequency_config(Some(ack));
+    let mut mtu = MtuDiscoveryConfig::default();
+    mtu.black_hole_cooldown(BLACK_HOLE_COOLDOWN);
+    t.mtu_discovery_config(Some(mtu));
 }
+
+/// How long after quinn took losses for an MTU black hole (and fell back to 1200 bytes) it
+/// probes the path MTU again; quinn's default is a minute. Random loss on a busy path looks
+/// like a black hole to quinn's detector (a few bursts of lost full-size packets), and at
+/// 1200 bytes a full-size DERP packet no longer fits a datagram and goes on the stream,
+/// where one loss holds back every packet behind it. Probing again is cheap: only acknowledged
+/// probes raise the MTU, so a real black hole keeps it low.
+pub const BLACK_HOLE_COOLDOWN: Duration = Duration::from_secs(5);
 
 /// Packets the peer may take before it must acknowledge (the QUIC ACK frequency extension;
 /// a peer without it acknowledges every second packet). Each ACK is a UDP packet both ends

@@ -7,8 +7,8 @@
 //! and [`WriteHalf`], the socket options a relay connection wants ([`tune_socket`], or
 //! [`tune_listener`] once for every connection a listener accepts), the TLS 1.3 record
 //! layer that takes over from rustls after the handshake ([`tls`]), and the QUIC transport
-//! settings both ends of DERP over QUIC share, its congestion controllers among them
-//! ([`quic`]).
+//! settings both ends of DERP over QUIC share, its congestion controllers among them, with
+//! the QUIC stream's send half that takes a vectored write in one call ([`quic`]).
 //!
 //! What it does not do: framing, HTTP, certificates, or anything else above the byte stream;
 //! the TLS handshake itself is rustls's, and QUIC itself is quinn's.

@@ -3,7 +3,8 @@
 //! sends: a client's uplink to the relay, and the relay's downlink to each client.
 //!
 //! The controllers are [`Congestion`]'s; docs/protocol.md ("Congestion control") says why
-//! the default is [`Congestion::LossFilter`].
+//! the default is [`Congestion::LossFilter`]. [`configure`] applies the shared settings;
+//! [`SendStream`] is quinn's send stream with vectored writes.
 
 mod loss_filter;
 mod send;

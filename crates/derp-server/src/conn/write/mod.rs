@@ -405,8 +405,8 @@ impl Writer {
     }
 
     /// Sends the batch's datagram packets quinn had no room for, each under the write
-    /// deadline. A frame that no
-    /// longer fits (the path MTU shrank since it was laid out) goes on the stream instead.
+    /// deadline. A frame that no longer fits (the path MTU shrank since it was laid out)
+    /// goes on the stream instead.
     async fn send_datagrams(&mut self, cancel: &Cancel) -> io::Result<()> {
         let (Some(link), State::Writing(s)) = (&self.quic, &mut self.state) else {
             return Ok(());

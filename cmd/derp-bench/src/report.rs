@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use derp_load::report::{CpuUse, LoadRun, ratio};
+use derp_load::report::{CpuUse, LoadRun, QuicWindow, ratio};
 use serde::Serialize;
 
 /// Medians of the headline load figures over runs.
@@ -112,6 +112,33 @@ pub(crate) struct LatencyRun {
     pub(crate) background: Option<LoadRun>,
     pub(crate) cpu: CpuUse,
     pub(crate) errors: Vec<String>,
+    /// The probe connections' DERP-over-QUIC figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) quic: Option<QuicWindow>,
+}
+
+/// One line per run with what DERP over QUIC carried how, and the clients' paths at its end.
+pub(crate) fn quic_lines(out: &mut String, label: &str, runs: &[Option<&QuicWindow>]) {
+    for (i, q) in runs.iter().enumerate() {
+        let Some(q) = q else { continue };
+        let _ = writeln!(
+            out,
+            "{label} run {}: QUIC packets received {} in datagrams / {} on the stream, sent {} / {}; \
+             clients' quinn: {} lost, {} congestion events, cwnd {:.0} B, rtt {:.1} ms, MTU {}-{} (mean over {} connections)",
+            i + 1,
+            q.datagram_packets_received,
+            q.stream_packets_received,
+            q.datagram_packets_sent,
+            q.stream_packets_sent,
+            q.lost_packets,
+            q.congestion_events,
+            q.cwnd_mean_bytes,
+            q.rtt_mean_ms,
+            q.mtu_min,
+            q.mtu_max,
+            q.connections,
+        );
+    }
 }
 
 #[derive(Debug, Serialize)]

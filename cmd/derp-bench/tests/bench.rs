@@ -74,6 +74,25 @@ struct LoadRun {
     cpu: Cpu,
     server_cpu_s_per_mpkt: Option<f64>,
     errors: Vec<String>,
+    /// Over QUIC only.
+    #[serde(default)]
+    quic: Option<QuicWindow>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuicWindow {
+    connections: usize,
+    datagram_packets_sent: u64,
+    stream_packets_sent: u64,
+    datagram_packets_received: u64,
+    stream_packets_received: u64,
+    lost_packets: u64,
+    congestion_events: u64,
+    cwnd_mean_bytes: f64,
+    rtt_mean_ms: f64,
+    mtu_min: u16,
+    mtu_max: u16,
 }
 
 #[derive(Debug, Deserialize)]
@@ -141,6 +160,9 @@ struct LatencyRun {
     background: Option<LoadRun>,
     cpu: Cpu,
     errors: Vec<String>,
+    /// Over QUIC only: the probe connections'.
+    #[serde(default)]
+    quic: Option<QuicWindow>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -706,6 +728,7 @@ fn floor_relay_carries_every_client_and_mode() {
         bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
     check_load_run(&r.result.runs[0], 2);
     assert_eq!(r.result.runs[0].lost_packets, 0);
+    assert!(r.result.runs[0].quic.is_none(), "no QUIC paths over TCP");
 
     // Anything but a DERP upgrade gets a 400 and the connection closes.
     let mut s = std::net::TcpStream::connect(
@@ -1350,6 +1373,27 @@ fn every_mode_takes_a_quic_url() {
     let load = &r.result.runs[0];
     check_load_run(load, 2);
     assert!(load.delivered_packets > 0, "{load:?}");
+    // Every pair's two clients, and the packets they carried, by path.
+    let quic = load.quic.as_ref().expect("a QUIC run reports its paths");
+    assert_eq!(quic.connections, 4, "{quic:?}");
+    assert!(
+        quic.datagram_packets_sent + quic.stream_packets_sent > 0,
+        "{quic:?}"
+    );
+    assert!(
+        quic.datagram_packets_received + quic.stream_packets_received > 0,
+        "{quic:?}"
+    );
+    assert!(
+        quic.cwnd_mean_bytes > 0.0 && quic.rtt_mean_ms > 0.0,
+        "{quic:?}"
+    );
+    assert!(
+        quic.mtu_min >= 1200 && quic.mtu_max >= quic.mtu_min,
+        "{quic:?}"
+    );
+    // quinn reports a congestion event only with a loss (no ECN marks on loopback).
+    assert!(quic.congestion_events <= quic.lost_packets, "{quic:?}");
 
     let args = with(&[
         "latency",
@@ -1363,6 +1407,11 @@ fn every_mode_takes_a_quic_url() {
     let r: Report<LatencyResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let lat = &r.result.runs[0];
     assert!(lat.probes_received > 0, "{lat:?}");
+    let quic = lat.quic.as_ref().expect("the probes' QUIC paths");
+    assert!(
+        quic.datagram_packets_received + quic.stream_packets_received > 0,
+        "{quic:?}"
+    );
 
     let args = with(&["connect", "--connections", "20", "--concurrency", "4"]);
     let r: Report<ConnectResult> = bench_json(&args.iter().map(String::as_str).collect::<Vec<_>>());

@@ -58,6 +58,12 @@ pub(crate) struct Cli {
           value_parser = clap::value_parser!(i32).range(-1..=65535))]
     pub(crate) quic_port: Option<i32>,
 
+    /// Congestion controller of DERP over QUIC, for what the server sends: loss-filter
+    /// (CUBIC that lets random loss pass; see docs/protocol.md), cubic, bbr (quinn's,
+    /// experimental), or none (no congestion control: for benchmarks only, never deploy it).
+    #[arg(long, default_value = "loss-filter")]
+    pub(crate) quic_congestion: derp_server::quic::Congestion,
+
     /// Also answer generic RFC 5389/8489 binding requests, not only Tailscale's.
     #[arg(long)]
     pub(crate) stun_answer_generic: bool,

@@ -199,9 +199,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut signals = ShutdownSignals::new()?;
     let mut serve = Box::pin(async {
         if tls {
+            let quic = quic_port.map(|port| {
+                let config = derp_server::QuicConfig {
+                    congestion: cli.quic_congestion,
+                    ..Default::default()
+                };
+                (port, config)
+            });
             let extras = acme_extras(&cli);
             tls_setup::run_tls(
-                &server, &registry, &cli.tls, &extras, listener, quic_port, backlog,
+                &server, &registry, &cli.tls, &extras, listener, quic, backlog,
             )
             .await
         } else {

@@ -186,7 +186,7 @@ pub(crate) async fn run_tls(
     args: &TlsArgs,
     extras: &AcmeExtras,
     listener: TcpListener,
-    quic_port: Option<u16>,
+    quic: Option<(u16, derp_server::QuicConfig)>,
     backlog: Option<u32>,
 ) -> anyhow::Result<()> {
     let listen = listener.local_addr()?;
@@ -277,16 +277,12 @@ pub(crate) async fn run_tls(
         });
     }
 
-    if let Some(port) = quic_port {
+    if let Some((port, quic_config)) = quic {
         let addr = crate::with_port(listen, port);
         let socket = derp_server::quic::bind_udp(addr)
             .with_context(|| format!("binding QUIC on {addr}/udp (--quic-port; -1 disables it)"))?;
-        let quic = derp_server::QuicListener::bind(
-            socket,
-            front.quic_server_config(),
-            derp_server::QuicConfig::default(),
-        )
-        .context("setting up QUIC")?;
+        let quic = derp_server::QuicListener::bind(socket, front.quic_server_config(), quic_config)
+            .context("setting up QUIC")?;
         info!(addr = %quic.local_addr()?, "QUIC listening (DERP over QUIC)");
         let server = server.clone();
         tasks.spawn(async move { server.serve_quic(quic).await });

@@ -6,6 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use derp_io::quic::Congestion as QuicCongestion;
 use derp_proto::{MeshKey, PublicKey, SecretKey};
 use rustls::pki_types::CertificateDer;
 
@@ -88,6 +89,10 @@ pub struct ClientConfig {
     /// ends, for a server that takes connections only from PROXY protocol senders (a derpd
     /// with `--proxy-protocol`, dialled directly by a sibling of its region). Off by default.
     pub proxy_header: bool,
+
+    /// QUIC only: the congestion controller of what this client sends; by default the one
+    /// derpd runs ([`QuicCongestion::LossFilter`]).
+    pub quic_congestion: QuicCongestion,
 }
 
 impl ClientConfig {
@@ -123,6 +128,7 @@ impl ClientConfig {
             quic_port: None,
             quic_datagrams: true,
             proxy_header: false,
+            quic_congestion: QuicCongestion::default(),
         }
     }
 
@@ -141,6 +147,12 @@ impl ClientConfig {
     /// Sets [`ClientConfig::quic_datagrams`].
     pub fn with_quic_datagrams(mut self, on: bool) -> Self {
         self.quic_datagrams = on;
+        self
+    }
+
+    /// Sets [`ClientConfig::quic_congestion`].
+    pub fn with_quic_congestion(mut self, congestion: QuicCongestion) -> Self {
+        self.quic_congestion = congestion;
         self
     }
 

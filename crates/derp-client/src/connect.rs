@@ -280,10 +280,8 @@ pub(crate) async fn establish(
 
     if let Some(path) = &quic {
         // Datagrams from here on: the server sends none before ServerInfo.
-        reader.attach_quic(path.connection().clone());
-        if path.datagrams() {
-            writer.attach_quic(path.connection().clone());
-        }
+        reader.attach_quic(path.connection().clone(), path.counters());
+        writer.attach_quic(path.connection().clone(), path.datagrams(), path.counters());
     }
     let pings = Arc::new(PingTracker::default());
     Ok(Client::from_parts(

@@ -9,7 +9,11 @@
 //!   [`ClientConfig::quic_port`]): TLS 1.3 with the same verification options as https, ALPN
 //!   `derp`, the DERP stream opened with its preamble, packets in QUIC datagrams when they
 //!   fit (on by default), [`ReceivedFrame::ObservedAddr`] surfaced, and [`QuicPath::rebind`]
-//!   to move the connection to a new local socket (migration).
+//!   to move the connection to a new local socket (migration). What the client sends runs
+//!   under the congestion controller [`ClientConfig::quic_congestion`] names, by default
+//!   derpd's own ([`QuicCongestion::LossFilter`]: CUBIC that does not take random loss for
+//!   congestion, so a lossy path keeps its throughput); [`QuicPath::counts`] says how many
+//!   packets went in datagrams and how many on the stream.
 //! - **TLS** for `https://` and `wss://` URLs (module [`tls`] has the details): SNI, Mozilla's
 //!   roots plus any extra ones, `sha256-raw:` pinning and expected-name overrides as in a DERP
 //!   map's `CertName`, and fast start when a TLS 1.3 server presents the DERP meta certificate.
@@ -78,11 +82,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 pub use crate::config::{ClientConfig, Scheme, ServerUrl, TransportKind};
 pub use crate::error::UrlError;
 pub use crate::error::{ClientError, ConnectError};
-pub use crate::path::{PREAMBLE as QUIC_PREAMBLE, QuicPath};
+pub use crate::path::{PREAMBLE as QUIC_PREAMBLE, QuicCounts, QuicPath};
 pub use crate::ping::PendingPing;
 pub use crate::reader::{ClientReader, ReceivedFrame};
 pub use crate::tls::CertName;
 pub use crate::writer::ClientWriter;
+pub use derp_io::quic::Congestion as QuicCongestion;
 pub use derp_proto::upgrade::UpgradeError;
 pub use derp_proto::ws::WsError;
 /// The rustls version this crate uses, for [`ClientConfig::tls_config`] and root certificates.

@@ -3,6 +3,8 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use quinn::{Connection, Endpoint};
 
@@ -18,6 +20,60 @@ pub struct QuicPath {
     conn: Connection,
     /// This client accepts and sends datagrams ([`ClientConfig::quic_datagrams`](crate::ClientConfig::quic_datagrams)).
     datagrams: bool,
+    /// What the connection's halves carried, and how.
+    counters: Arc<QuicCounters>,
+}
+
+/// How many packets a DERP-over-QUIC connection has carried in datagrams and on its stream,
+/// in each direction, since it connected ([`QuicPath::counts`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuicCounts {
+    /// SendPacket frames quinn took as datagrams.
+    pub datagrams_sent: u64,
+    /// SendPacket frames written on the stream (datagrams off, or the frame did not fit).
+    pub stream_packets_sent: u64,
+    /// RecvPacket frames that arrived as datagrams.
+    pub datagrams_received: u64,
+    /// RecvPacket frames that arrived on the stream.
+    pub stream_packets_received: u64,
+}
+
+/// The live counters behind [`QuicCounts`], shared by a connection's reader and writer.
+#[derive(Debug, Default)]
+pub(crate) struct QuicCounters {
+    datagrams_sent: AtomicU64,
+    stream_packets_sent: AtomicU64,
+    datagrams_received: AtomicU64,
+    stream_packets_received: AtomicU64,
+}
+
+impl QuicCounters {
+    pub(crate) fn sent(&self, datagram: bool) {
+        let c = if datagram {
+            &self.datagrams_sent
+        } else {
+            &self.stream_packets_sent
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn received(&self, datagram: bool) {
+        let c = if datagram {
+            &self.datagrams_received
+        } else {
+            &self.stream_packets_received
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> QuicCounts {
+        QuicCounts {
+            datagrams_sent: self.datagrams_sent.load(Ordering::Relaxed),
+            stream_packets_sent: self.stream_packets_sent.load(Ordering::Relaxed),
+            datagrams_received: self.datagrams_received.load(Ordering::Relaxed),
+            stream_packets_received: self.stream_packets_received.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl QuicPath {
@@ -26,7 +82,17 @@ impl QuicPath {
             endpoint,
             conn,
             datagrams,
+            counters: Arc::default(),
         }
+    }
+
+    /// Packets carried so far, in datagrams and on the stream, each way.
+    pub fn counts(&self) -> QuicCounts {
+        self.counters.snapshot()
+    }
+
+    pub(crate) fn counters(&self) -> Arc<QuicCounters> {
+        self.counters.clone()
     }
 
     /// Moves the connection to a new UDP socket bound to `local` (port 0 lets the kernel

@@ -28,7 +28,7 @@ async fn connect_inner(config: &ClientConfig) -> Result<Client, ConnectError> {
     let tls = tls::quic_client_config(config)?;
     let crypto = QuicClientConfig::try_from(tls).map_err(|e| ConnectError::Tls(e.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
-    client.transport_config(Arc::new(transport_config(config.quic_datagrams)));
+    client.transport_config(Arc::new(transport_config(config)));
     let addrs = resolve(config, config.quic_dial_port()).await?;
     let mut last_err = None;
     for addr in addrs {
@@ -88,7 +88,7 @@ async fn connect_one(
     };
     establish(
         config,
-        Transport::Halves(Box::new(recv), Box::new(send)),
+        Transport::Halves(Box::new(recv), Box::new(derp_io::quic::SendStream(send))),
         local_addr,
         Opening::Quic(path),
     )
@@ -114,9 +114,12 @@ fn quic_error(e: quinn::ConnectionError) -> ConnectError {
 const QUIC_V1: u32 = 1;
 
 /// The client's transport parameters (docs/protocol.md): no streams opened by the server,
-/// datagrams accepted unless turned off, the same idle timeout and keep-alive as the server.
-fn transport_config(datagrams: bool) -> TransportConfig {
+/// datagrams accepted unless turned off, the same idle timeout and keep-alive as the server,
+/// and the settings the server shares (`derp_io::quic`).
+fn transport_config(config: &ClientConfig) -> TransportConfig {
+    let datagrams = config.quic_datagrams;
     let mut t = TransportConfig::default();
+    derp_io::quic::configure(&mut t, config.quic_congestion);
     t.max_concurrent_bidi_streams(VarInt::from_u32(0));
     t.max_concurrent_uni_streams(VarInt::from_u32(0));
     t.max_idle_timeout(IdleTimeout::try_from(IDLE_TIMEOUT).ok());

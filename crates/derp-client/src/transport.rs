@@ -15,6 +15,7 @@ use derp_proto::{ClientDecoder, ClientToRelay, RelayToClient};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::ClientError;
+use crate::path::QuicCounters;
 
 /// Bytes of a DERP frame header plus the key of a SendPacket or RecvPacket.
 const PACKET_OVERHEAD: usize = derp_proto::frame::FRAME_HEADER_LEN + derp_proto::frame::KEY_LEN;
@@ -51,7 +52,7 @@ pub(crate) struct FrameReader {
     ws: Option<WsRead>,
     read_timeout: Option<Duration>,
     /// DERP over QUIC: RecvPacket frames may also come in datagrams.
-    quic: Option<quinn::Connection>,
+    quic: Option<(quinn::Connection, Arc<QuicCounters>)>,
 }
 
 #[derive(Debug)]
@@ -91,9 +92,9 @@ impl FrameReader {
         }
     }
 
-    /// From now on, also read the QUIC connection's datagrams.
-    pub(crate) fn attach_quic(&mut self, conn: quinn::Connection) {
-        self.quic = Some(conn);
+    /// From now on, also read the QUIC connection's datagrams, and count packets by path.
+    pub(crate) fn attach_quic(&mut self, conn: quinn::Connection, counters: Arc<QuicCounters>) {
+        self.quic = Some((conn, counters));
     }
 
     /// The next frame, including ones the caller may skip (ServerKey, Unknown).
@@ -103,9 +104,14 @@ impl FrameReader {
     pub(crate) async fn next_frame(&mut self) -> Result<RelayToClient, ClientError> {
         loop {
             if let Some(frame) = self.decoder.decode(&mut self.buf)? {
+                if let (Some((_, counters)), RelayToClient::RecvPacket { .. }) =
+                    (&self.quic, &frame)
+                {
+                    counters.received(false);
+                }
                 return Ok(frame);
             }
-            let Some(conn) = self.quic.clone() else {
+            let Some((conn, counters)) = self.quic.clone() else {
                 self.fill().await?;
                 continue;
             };
@@ -126,6 +132,7 @@ impl FrameReader {
             };
             // A datagram that is not one RecvPacket frame is dropped.
             if let Some((src, packet)) = got {
+                counters.received(true);
                 return Ok(RelayToClient::RecvPacket { src, packet });
             }
         }
@@ -190,15 +197,18 @@ pub(crate) struct FrameWriter {
     sticky: Option<ClientError>,
     /// A close frame went out (or the server's close was echoed): no more data frames.
     closed: bool,
-    /// DERP over QUIC with datagrams: the connection, and packets queued to go in datagrams.
+    /// DERP over QUIC: the connection, and packets queued to go in datagrams.
     quic: Option<QuicOut>,
 }
 
 #[derive(Debug)]
 struct QuicOut {
     conn: quinn::Connection,
+    /// This client sends packets in datagrams when they fit.
+    use_datagrams: bool,
     datagrams: std::collections::VecDeque<Bytes>,
     datagram_bytes: usize,
+    counters: Arc<QuicCounters>,
 }
 
 impl FrameWriter {
@@ -213,12 +223,20 @@ impl FrameWriter {
         }
     }
 
-    /// From now on, send packets in datagrams when the connection allows and they fit.
-    pub(crate) fn attach_quic(&mut self, conn: quinn::Connection) {
+    /// From now on, count packets by path, and (with `use_datagrams`) send them in
+    /// datagrams when the connection allows and they fit.
+    pub(crate) fn attach_quic(
+        &mut self,
+        conn: quinn::Connection,
+        use_datagrams: bool,
+        counters: Arc<QuicCounters>,
+    ) {
         self.quic = Some(QuicOut {
             conn,
+            use_datagrams,
             datagrams: std::collections::VecDeque::new(),
             datagram_bytes: 0,
+            counters,
         });
     }
 
@@ -233,6 +251,9 @@ impl FrameWriter {
         let len = frame.encoded_len();
         if len == 0 {
             return Ok(());
+        }
+        if let (Some(q), ClientToRelay::SendPacket { .. }) = (&self.quic, frame) {
+            q.counters.sent(false);
         }
         let (start, mask) = self.begin(len);
         frame.encode(&mut self.buf);
@@ -258,6 +279,7 @@ impl FrameWriter {
         self.check_open()?;
         let body = derp_proto::frame::KEY_LEN + packet.len();
         if let Some(q) = &mut self.quic
+            && q.use_datagrams
             && q.conn
                 .max_datagram_size()
                 .is_some_and(|max| PACKET_OVERHEAD + packet.len() <= max)
@@ -273,6 +295,9 @@ impl FrameWriter {
             q.datagram_bytes += frame.len();
             q.datagrams.push_back(frame.freeze());
             return Ok(());
+        }
+        if let Some(q) = &self.quic {
+            q.counters.sent(false);
         }
         let (start, mask) = self.begin(derp_proto::frame::FRAME_HEADER_LEN + body);
         // `body` is at most 32 + 64 KiB: callers check the packet size first.
@@ -343,8 +368,11 @@ impl FrameWriter {
         while let Some(frame) = q.datagrams.front().cloned() {
             let len = frame.len();
             match q.conn.send_datagram_wait(frame.clone()).await {
-                Ok(()) => {}
-                Err(quinn::SendDatagramError::TooLarge) => self.buf.extend_from_slice(&frame),
+                Ok(()) => q.counters.sent(true),
+                Err(quinn::SendDatagramError::TooLarge) => {
+                    q.counters.sent(false);
+                    self.buf.extend_from_slice(&frame);
+                }
                 Err(quinn::SendDatagramError::ConnectionLost(e)) => {
                     return Err(io::Error::from(e).into());
                 }

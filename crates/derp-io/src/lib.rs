@@ -5,11 +5,14 @@
 //! layer, any boxed stream such as rustls's TLS 1.2 or a hyper upgrade, or a pair of
 //! separately owned halves such as a QUIC stream's), its lock-free split into [`ReadHalf`]
 //! and [`WriteHalf`], the socket options a relay connection wants ([`TcpOptions`], set by
-//! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts), and the TLS 1.3 record
-//! layer that takes over from rustls after the handshake ([`tls`]).
+//! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts), the
+//! TLS 1.3 record layer that takes over from rustls after the handshake ([`tls`]), and the
+//! QUIC transport settings both ends of DERP over QUIC share, its congestion controllers
+//! among them, with the QUIC stream's send half that takes a vectored write in one call
+//! ([`quic`]).
 //!
 //! What it does not do: framing, HTTP, certificates, or anything else above the byte stream;
-//! the TLS handshake itself is rustls's.
+//! the TLS handshake itself is rustls's, and QUIC itself is quinn's.
 //!
 //! Plain TCP and TLS 1.3 are kept unboxed in the halves' sense: they split without a lock, and
 //! the read loop can wait for readability before it allocates a buffer, so an idle connection
@@ -24,6 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+pub mod quic;
 pub mod tls;
 
 use tls::{TlsRead, TlsStream, TlsWrite};

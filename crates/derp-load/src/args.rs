@@ -45,6 +45,12 @@ pub struct TargetArgs {
     #[arg(long, global = true)]
     pub quic_no_datagrams: bool,
 
+    /// QUIC: the clients' congestion controller: loss-filter (derpd's default), cubic, bbr,
+    /// or none (a reference for benchmarks only). The server's is derpd's --quic-congestion.
+    #[arg(long, global = true, default_value = "loss-filter")]
+    #[serde(with = "by_name")]
+    pub quic_congestion: derp_client::QuicCongestion,
+
     /// Start an in-process derpd relay on 127.0.0.1 (random port) and test it. Its CPU is
     /// measured per thread; its memory is shared with the bench's.
     #[arg(long, global = true, conflicts_with = "url")]
@@ -71,6 +77,28 @@ pub struct TargetArgs {
     /// Budget for each connection's dial, upgrade and handshake.
     #[arg(long, global = true, default_value = "5s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
+}
+
+/// A value that has a name (`Display` and `FromStr`), written as its name.
+mod by_name {
+    use std::fmt::Display;
+    use std::str::FromStr;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<T: Display, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+
+    pub(super) fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: FromStr<Err: Display>,
+        D: Deserializer<'de>,
+    {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 /// Parses "5s", "250ms", "1m", "1.5" (seconds).

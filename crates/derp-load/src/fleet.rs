@@ -11,7 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use derp_client::{Client, ClientReader, ClientWriter, ConnectError, ReceivedFrame, ServerUrl};
+use derp_client::{
+    Client, ClientReader, ClientWriter, ConnectError, QuicCounts, QuicPath, ReceivedFrame,
+    ServerUrl,
+};
 use derp_proto::{PublicKey, SecretKey};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
@@ -20,7 +23,7 @@ use tokio::time::Instant;
 use crate::measure::{Clock, RttHistogram, drops_between, new_histogram, sample_cpu, scrape};
 use crate::pacing::Pacer;
 use crate::packet::{HEADER_LEN, Header, Kind};
-use crate::report::{CpuUse, LoadRun, PairResult, WindowSpec, ratio};
+use crate::report::{CpuUse, LoadRun, PairResult, QuicWindow, WindowSpec, ratio};
 use crate::target::{Target, describe_connect_error};
 
 /// How long a sender may stay blocked in a write after its window ended.
@@ -60,6 +63,8 @@ pub struct Fleet {
     /// Index of this fleet's first pair in packet headers, so two fleets in one run (probes
     /// and background load) never count each other's packets.
     first_pair: u32,
+    /// Every connection's QUIC path, when the fleet runs over QUIC.
+    quic: Vec<QuicPath>,
 }
 
 impl Drop for Fleet {
@@ -110,6 +115,10 @@ impl Fleet {
             })?;
             clients.push(client);
         }
+        let quic = clients
+            .iter()
+            .filter_map(|c| c.quic_path().cloned())
+            .collect();
         let mut out = Vec::with_capacity(pairs as usize);
         let mut it = clients.into_iter().zip(public);
         while let (Some((sender, _)), Some((receiver, dst))) = (it.next(), it.next()) {
@@ -137,7 +146,16 @@ impl Fleet {
         Ok(Self {
             pairs: out,
             first_pair,
+            quic,
         })
+    }
+
+    /// Each QUIC connection's packet counts and quinn's path figures now.
+    fn quic_snapshot(&self) -> Vec<(QuicCounts, quinn_path::Snapshot)> {
+        self.quic
+            .iter()
+            .map(|p| (p.counts(), quinn_path::Snapshot::of(p)))
+            .collect()
     }
 
     /// Runs one warm-up plus measured window from `start` (now, or a start time shared
@@ -205,6 +223,7 @@ impl Fleet {
 
         tokio::time::sleep_until(warm_end).await;
         let cpu_before = sample_cpu(target);
+        let quic_before = self.quic_snapshot();
         let scrape_before = scrape(target).await;
         tokio::time::sleep_until(end).await;
         let cpu_after = sample_cpu(target);
@@ -224,6 +243,7 @@ impl Fleet {
 
         let stopped = spec.stop_receivers_after.is_some();
         drain(&counters, stopped).await;
+        let quic = quic_window(&quic_before, &self.quic_snapshot());
         let scrape_after = scrape(target).await;
         // A receiver that stopped or failed ignores the signal; it has already returned.
         let _ = stop_tx.send(true);
@@ -259,7 +279,7 @@ impl Fleet {
                 }
             })
             .collect();
-        let run = LoadRun::from_pairs(
+        let mut run = LoadRun::from_pairs(
             pairs,
             spec,
             self.pairs.len(),
@@ -267,8 +287,67 @@ impl Fleet {
             drops_between(scrape_before.as_ref(), scrape_after.as_ref()),
             errors,
         );
+        run.quic = quic;
         (run, rtt)
     }
+}
+
+/// quinn's figures of a path that a window reports.
+mod quinn_path {
+    use derp_client::QuicPath;
+
+    #[derive(Clone, Copy, Debug)]
+    pub(super) struct Snapshot {
+        pub(super) lost_packets: u64,
+        pub(super) congestion_events: u64,
+        pub(super) cwnd: u64,
+        pub(super) rtt_ms: f64,
+        pub(super) mtu: u16,
+    }
+
+    impl Snapshot {
+        pub(super) fn of(path: &QuicPath) -> Self {
+            let stats = path.connection().stats().path;
+            Self {
+                lost_packets: stats.lost_packets,
+                congestion_events: stats.congestion_events,
+                cwnd: stats.cwnd,
+                rtt_ms: stats.rtt.as_secs_f64() * 1e3,
+                mtu: stats.current_mtu,
+            }
+        }
+    }
+}
+
+/// The change across a window of every QUIC connection's counts, and the paths at its end;
+/// `None` without QUIC connections.
+fn quic_window(
+    before: &[(QuicCounts, quinn_path::Snapshot)],
+    after: &[(QuicCounts, quinn_path::Snapshot)],
+) -> Option<QuicWindow> {
+    if after.is_empty() {
+        return None;
+    }
+    let mut w = QuicWindow {
+        connections: after.len(),
+        mtu_min: u16::MAX,
+        ..QuicWindow::default()
+    };
+    for ((c0, p0), (c1, p1)) in before.iter().zip(after) {
+        w.datagram_packets_sent += c1.datagrams_sent - c0.datagrams_sent;
+        w.stream_packets_sent += c1.stream_packets_sent - c0.stream_packets_sent;
+        w.datagram_packets_received += c1.datagrams_received - c0.datagrams_received;
+        w.stream_packets_received += c1.stream_packets_received - c0.stream_packets_received;
+        w.lost_packets += p1.lost_packets - p0.lost_packets;
+        w.congestion_events += p1.congestion_events - p0.congestion_events;
+        w.cwnd_mean_bytes += p1.cwnd as f64;
+        w.rtt_mean_ms += p1.rtt_ms;
+        w.mtu_min = w.mtu_min.min(p1.mtu);
+        w.mtu_max = w.mtu_max.max(p1.mtu);
+    }
+    w.cwnd_mean_bytes /= after.len() as f64;
+    w.rtt_mean_ms /= after.len() as f64;
+    Some(w)
 }
 
 /// Runs a window on one fleet, or on two at once from the same start (latency's probes and

@@ -194,6 +194,70 @@ pub struct LoadRun {
     pub server_cpu_s_per_mpkt: Option<f64>,
     /// Connections that failed in the window.
     pub errors: Vec<String>,
+    /// DERP over QUIC: how the packets travelled, and quinn's view of the paths.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quic: Option<QuicWindow>,
+}
+
+/// What a fleet's DERP-over-QUIC connections carried in one window, all together (each
+/// count is the change across the window), and quinn's path figures at its end.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct QuicWindow {
+    /// Connections counted.
+    pub connections: usize,
+    /// Packets the clients sent in datagrams.
+    pub datagram_packets_sent: u64,
+    /// Packets the clients sent on the stream.
+    pub stream_packets_sent: u64,
+    /// Packets the clients received in datagrams.
+    pub datagram_packets_received: u64,
+    /// Packets the clients received on the stream.
+    pub stream_packets_received: u64,
+    /// QUIC packets the clients' quinn declared lost.
+    pub lost_packets: u64,
+    /// Congestion events the clients' quinn passed to its controller.
+    pub congestion_events: u64,
+    /// The clients' congestion windows at the end, mean over connections.
+    pub cwnd_mean_bytes: f64,
+    /// The clients' smoothed round trips at the end, mean over connections.
+    pub rtt_mean_ms: f64,
+    /// The smallest and largest path MTU among the connections at the end.
+    pub mtu_min: u16,
+    /// See `mtu_min`.
+    pub mtu_max: u16,
+}
+
+impl QuicWindow {
+    /// Adds another fleet's (another process's) window to this one.
+    pub fn merge(&mut self, o: &Self) {
+        let n = (self.connections + o.connections).max(1) as f64;
+        let mean = |a: f64, na: usize, b: f64, nb: usize| (a * na as f64 + b * nb as f64) / n;
+        self.cwnd_mean_bytes = mean(
+            self.cwnd_mean_bytes,
+            self.connections,
+            o.cwnd_mean_bytes,
+            o.connections,
+        );
+        self.rtt_mean_ms = mean(
+            self.rtt_mean_ms,
+            self.connections,
+            o.rtt_mean_ms,
+            o.connections,
+        );
+        self.mtu_min = if self.connections == 0 {
+            o.mtu_min
+        } else {
+            self.mtu_min.min(o.mtu_min)
+        };
+        self.mtu_max = self.mtu_max.max(o.mtu_max);
+        self.connections += o.connections;
+        self.datagram_packets_sent += o.datagram_packets_sent;
+        self.stream_packets_sent += o.stream_packets_sent;
+        self.datagram_packets_received += o.datagram_packets_received;
+        self.stream_packets_received += o.stream_packets_received;
+        self.lost_packets += o.lost_packets;
+        self.congestion_events += o.congestion_events;
+    }
 }
 
 impl LoadRun {
@@ -241,6 +305,7 @@ impl LoadRun {
             cpu,
             server_cpu_s_per_mpkt,
             errors,
+            quic: None,
         }
     }
 }

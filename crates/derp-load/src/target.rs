@@ -114,6 +114,7 @@ struct TlsOptions {
     extra_roots: Vec<CertificateDer<'static>>,
     quic_port: Option<u16>,
     quic_datagrams: bool,
+    quic_congestion: derp_client::QuicCongestion,
 }
 
 impl Target {
@@ -181,6 +182,7 @@ impl Target {
                 extra_roots,
                 quic_port: args.quic_port,
                 quic_datagrams: !args.quic_no_datagrams,
+                quic_congestion: args.quic_congestion,
             },
         })
     }
@@ -298,7 +300,8 @@ impl ClientTemplate {
         let mut config = ClientConfig::with_url(self.url.clone(), secret)
             .with_connect_timeout(self.connect_timeout)
             .with_app_name("derp-bench")
-            .with_quic_datagrams(self.tls.quic_datagrams);
+            .with_quic_datagrams(self.tls.quic_datagrams)
+            .with_quic_congestion(self.tls.quic_congestion);
         config.extra_roots = self.tls.extra_roots.clone();
         config.cert_name = self.tls.cert_name.clone();
         config.quic_port = self.tls.quic_port;

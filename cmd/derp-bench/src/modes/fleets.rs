@@ -7,7 +7,7 @@ use derp_load::args::TargetArgs;
 use derp_load::fleet::{Fleet, run_fleets};
 use derp_load::measure::{RttHistogram, new_histogram, sample_cpu, scrape};
 use derp_load::procs::{START_LEAD, Workers, instant_at, split, unix_ns_now};
-use derp_load::report::{CpuUse, LoadRun, PairResult, WindowSpec};
+use derp_load::report::{CpuUse, LoadRun, PairResult, QuicWindow, WindowSpec};
 use derp_load::worker::{ANSWER_SLACK, Answer, Command, FleetShare, Work, start_workers};
 use tokio::time::Instant;
 
@@ -129,8 +129,12 @@ async fn remote_windows(
         let mut connected = 0;
         let mut worker_cpu = Some(0.0);
         let mut rtt = new_histogram();
+        let mut quic: Option<QuicWindow> = None;
         for outs in &per_worker {
             let o = &outs[k];
+            if let Some(q) = &o.run.quic {
+                quic.get_or_insert_with(QuicWindow::default).merge(q);
+            }
             pairs.extend(o.run.pairs.iter().cloned());
             errors.extend(o.run.errors.iter().cloned());
             connected += o.run.pairs_connected;
@@ -138,7 +142,7 @@ async fn remote_windows(
             o.rtt.add_to(&mut rtt);
         }
         pairs.sort_by_key(|p| p.pair);
-        let run = LoadRun::from_pairs(
+        let mut run = LoadRun::from_pairs(
             pairs,
             spec,
             connected,
@@ -146,6 +150,7 @@ async fn remote_windows(
             drops.clone(),
             errors,
         );
+        run.quic = quic;
         out.push((run, rtt));
     }
     Ok(out)

@@ -14,7 +14,8 @@ use crate::cli::{LatencyArgs, OutputArgs};
 use crate::modes::throughput::note_shortfall;
 use crate::progress::Progress;
 use crate::report::{
-    LatencyConfig, LatencyMedian, LatencyResult, LatencyRun, Percentiles, opt, pct, table,
+    LatencyConfig, LatencyMedian, LatencyResult, LatencyRun, Percentiles, opt, pct, quic_lines,
+    table,
 };
 
 use super::fleets::Generator;
@@ -93,6 +94,7 @@ pub(crate) async fn run(
             background,
             cpu: probe_run.cpu,
             errors: probe_run.errors,
+            quic: probe_run.quic,
         });
     }
     progress.finish();
@@ -207,5 +209,12 @@ fn human(
         pct(median.probe_loss_ratio),
         all.len()
     );
+    let probes: Vec<_> = runs.iter().map(|r| r.quic.as_ref()).collect();
+    quic_lines(&mut out, "probes", &probes);
+    let load: Vec<_> = runs
+        .iter()
+        .map(|r| r.background.as_ref().and_then(|b| b.quic.as_ref()))
+        .collect();
+    quic_lines(&mut out, "background load", &load);
     out
 }

@@ -12,7 +12,7 @@ use derp_load::{Ctx, Outcome};
 
 use crate::cli::ThroughputArgs;
 use crate::progress::Progress;
-use crate::report::{LoadMedian, ThroughputConfig, ThroughputResult, opt, pct, table};
+use crate::report::{LoadMedian, ThroughputConfig, ThroughputResult, opt, pct, quic_lines, table};
 
 use super::fleets::Generator;
 
@@ -208,5 +208,7 @@ fn human(
             let _ = writeln!(out, "loss per pair (last run): {}", lossy.join(", "));
         }
     }
+    let quic: Vec<_> = runs.iter().map(|r| r.quic.as_ref()).collect();
+    quic_lines(&mut out, "throughput", &quic);
     out
 }

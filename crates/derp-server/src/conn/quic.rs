@@ -135,7 +135,7 @@ async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
     };
     let link = QuicLink::new(conn.clone());
     let accepted = Accepted {
-        transport: Transport::Halves(Box::new(recv), Box::new(send)),
+        transport: Transport::Halves(Box::new(recv), Box::new(derp_io::quic::SendStream(send))),
         initial: BytesMut::new(),
         remote,
         preamble: Bytes::new(),

@@ -139,6 +139,17 @@ impl QuicLink {
         dropped
     }
 
+    /// Hands one datagram to quinn if its buffer has room for it now, without waiting.
+    /// `None` when it has none: the frame is dropped, and the caller sends it again with
+    /// [`QuicLink::send_datagram`].
+    pub(crate) fn try_send_datagram(&self, frame: Bytes) -> Option<Result<(), SendDatagramError>> {
+        let mut cx = Context::from_waker(Waker::noop());
+        match pin!(self.conn.send_datagram_wait(frame)).poll(&mut cx) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        }
+    }
+
     /// Sends one datagram, waiting while quinn's datagram buffer is full (the congestion
     /// controller decides how fast it drains), so derpd's own queues and drop policy stay in
     /// charge rather than quinn's drop-oldest buffer.

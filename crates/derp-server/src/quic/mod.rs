@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use derp_io::quic::Congestion;
 pub(crate) use link::QuicLink;
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{EndpointConfig, IdleTimeout, TransportConfig, VarInt};
@@ -60,6 +61,8 @@ pub struct QuicConfig {
     /// The server sends a PING after this long without hearing from the client, which keeps
     /// NAT bindings open and detects a vanished client.
     pub keep_alive: Duration,
+    /// The congestion controller of what the server sends to each client.
+    pub congestion: Congestion,
 }
 
 impl Default for QuicConfig {
@@ -69,6 +72,7 @@ impl Default for QuicConfig {
             max_handshakes: DEFAULT_MAX_QUIC_HANDSHAKES,
             idle_timeout: QUIC_IDLE_TIMEOUT,
             keep_alive: QUIC_KEEP_ALIVE,
+            congestion: Congestion::default(),
         }
     }
 }
@@ -161,11 +165,11 @@ const UDP_BUFFER: usize = 8 << 20;
 /// QUIC version 1 (RFC 9000), the only one served.
 const QUIC_V1: u32 = 1;
 
-/// The transport parameters and timers of `docs/protocol.md`'s table. Congestion control
-/// is quinn's default, CUBIC (paced, initial window 12 000 bytes), as the TCP path runs under
-/// Linux's default; migration is allowed (quinn's default).
+/// The transport parameters and timers of `docs/protocol.md`'s table, with the settings
+/// derp-client shares (`derp_io::quic`); migration is allowed (quinn's default).
 fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
     let mut t = TransportConfig::default();
+    derp_io::quic::configure(&mut t, config.congestion);
     // One DERP stream, opened by the client; the server never opens one.
     t.max_concurrent_bidi_streams(VarInt::from_u32(1));
     t.max_concurrent_uni_streams(VarInt::from_u32(0));
@@ -177,7 +181,6 @@ fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
     // advertises max_datagram_frame_size = min(this, 65535); keep it above 65535 + its
     // per-datagram overhead so the advertised limit is the real one.
     t.datagram_receive_buffer_size(Some(DATAGRAM_RECEIVE_BUFFER));
-    t.datagram_send_buffer_size(DATAGRAM_SEND_BUFFER);
     // What one client can make the server buffer, and have in flight towards it.
     t.stream_receive_window(VarInt::from_u32(STREAM_WINDOW));
     t.receive_window(VarInt::from_u32(STREAM_WINDOW));
@@ -186,6 +189,4 @@ fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
 }
 
 const DATAGRAM_RECEIVE_BUFFER: usize = 128 * 1024;
-/// About 46 full-size packets, 1.4 times one of derpd's per-client queues.
-const DATAGRAM_SEND_BUFFER: usize = 64 * 1024;
 const STREAM_WINDOW: u32 = 1024 * 1024;

@@ -131,6 +131,11 @@ impl Scratch {
         self.datagrams_sent.push(self.datagrams[n]);
     }
 
+    /// The first `n` datagrams are sent (or on the stream): the next one is the first.
+    pub(super) fn datagrams_done(&mut self, n: usize) {
+        self.datagrams.drain(..n);
+    }
+
     /// Lays the `n`th datagram's packet out on the stream instead: its frame no longer fits
     /// (the path MTU shrank since the batch was laid out).
     pub(super) fn datagram_on_stream(&mut self, n: usize) {

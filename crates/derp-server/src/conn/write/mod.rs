@@ -70,8 +70,9 @@ enum State {
 enum Next {
     /// Nothing more is queued, or a sender wrote its share: park, unless more arrived.
     Park,
-    /// The batch's QUIC datagrams are to be sent, which takes awaiting quinn; then poll
-    /// again for the rest of the batch.
+    /// quinn's datagram buffer is full (its congestion controller holds them back): the
+    /// batch's datagrams left are sent awaiting room; then poll again for the rest of the
+    /// batch.
     SendDatagrams,
     /// QUIC: the packets wait in the queue until the client's new address is validated. The
     /// path watcher queues a probe, which wakes the writer, until it is.
@@ -127,9 +128,7 @@ impl Resume for Writer {
     }
 
     fn can_write_inline(&self) -> bool {
-        // QUIC datagrams are sent by awaiting quinn; everything else is a byte stream that
-        // can be polled once.
-        self.quic.is_none()
+        true
     }
 
     /// Polls the writer's loop once with a no-op waker, on the task of a sender that found
@@ -307,8 +306,15 @@ impl Writer {
         };
         loop {
             if !s.datagrams.is_empty() {
-                self.state = State::Writing(s);
-                return Poll::Ready(Ok(Next::SendDatagrams));
+                if let Err(e) = self.send_datagrams_now(&mut s, turn) {
+                    self.end_batch(&mut s, false);
+                    s.give();
+                    return Poll::Ready(Err(e));
+                }
+                if !s.datagrams.is_empty() {
+                    self.state = State::Writing(s);
+                    return Poll::Ready(Ok(Next::SendDatagrams));
+                }
             }
             match poll_stream(&mut self.w, &mut s, cx, turn) {
                 Poll::Ready(Ok(())) => {}
@@ -371,8 +377,36 @@ impl Writer {
         }
     }
 
-    /// Sends the batch's datagram packets, each under the write deadline. A frame that no
-    /// longer fits (the path MTU shrank since it was laid out) goes on the stream instead.
+    /// Hands the batch's datagram packets to quinn while its datagram buffer has room, without
+    /// waiting (so a sender can do it inline); those left wait for [`Writer::send_datagrams`].
+    /// A frame that no longer fits (the path MTU shrank since it was laid out) goes on the
+    /// stream instead.
+    fn send_datagrams_now(&self, s: &mut Scratch, turn: &mut Turn<'_>) -> io::Result<()> {
+        let Some(link) = &self.quic else {
+            s.datagrams.clear();
+            return Ok(());
+        };
+        let mut n = 0;
+        while n < s.datagrams.len() {
+            if turn.cancelled() {
+                return Err(aborted());
+            }
+            match link.try_send_datagram(s.datagram(n)) {
+                None => break,
+                Some(Ok(())) => s.datagram_sent(n),
+                Some(Err(SendDatagramError::TooLarge)) => s.datagram_on_stream(n),
+                Some(Err(e)) => return Err(io::Error::other(e)),
+            }
+            turn.calls += 1;
+            n += 1;
+        }
+        s.datagrams_done(n);
+        Ok(())
+    }
+
+    /// Sends the batch's datagram packets quinn had no room for, each under the write
+    /// deadline. A frame that no longer fits (the path MTU shrank since it was laid out)
+    /// goes on the stream instead.
     async fn send_datagrams(&mut self, cancel: &Cancel) -> io::Result<()> {
         let (Some(link), State::Writing(s)) = (&self.quic, &mut self.state) else {
             return Ok(());

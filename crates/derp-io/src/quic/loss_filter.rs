@@ -1,0 +1,406 @@
+//! CUBIC that tells random loss from congestion.
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quinn::congestion::{Controller, ControllerFactory, ControllerMetrics, Cubic, CubicConfig};
+use quinn_proto::RttEstimator;
+
+/// quinn's CUBIC, told of a loss only when something says the loss is congestion:
+///
+/// - persistent congestion (RFC 9002 §7.6), or an ECN congestion mark;
+/// - a standing queue: the round trip at its lowest over the last round (and the smoothed
+///   one) lies at least [`QUEUE_FLOOR`], or a quarter of the path's minimum round trip if
+///   that is more, above that minimum. A bottleneck's queue fills before it overflows, so a
+///   loss that comes with a full queue is congestion, while one at the path's unloaded round
+///   trip is the link's own (a radio, a lossy hop) and says nothing about its capacity;
+/// - a loss rate, smoothed over rounds, of at least [`LOSS_THRESHOLD`], which no random loss
+///   a path that works at all is likely to have explains: a bottleneck with almost no buffer.
+///
+/// Everything else (slow start, growth, no growth while the sender does not fill its window,
+/// how far a loss cuts) is CUBIC's, so against real congestion it yields as TCP CUBIC does.
+/// A round is the time from sending a packet until it is acknowledged, counted by packet
+/// numbers.
+#[derive(Clone, Debug)]
+pub struct LossFilter {
+    inner: Cubic,
+    mtu: u64,
+    /// The smallest round trip seen on this path.
+    min_rtt: Option<Duration>,
+    /// quinn's smoothed round trip at the last acknowledgement (peer's ACK delay removed).
+    srtt: Option<Duration>,
+    /// The largest packet number sent so far.
+    last_sent: u64,
+    round: Round,
+    /// The smallest round-trip sample of the last round that had one.
+    last_round_min: Option<Duration>,
+    /// Lost bytes over lost and acknowledged bytes, smoothed over rounds.
+    loss_rate: f64,
+    /// Losses passed on to CUBIC, and ones held back (for tests and diagnostics).
+    passed: u64,
+    ignored: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Round {
+    /// The round ends once this packet number is acknowledged.
+    end: Option<u64>,
+    min: Option<Duration>,
+    acked: u64,
+    lost: u64,
+}
+
+/// A queue below this is no evidence of congestion, whatever the round trip (scheduling and
+/// timer jitter on a host reach a few milliseconds).
+pub const QUEUE_FLOOR: Duration = Duration::from_millis(4);
+/// A smoothed loss rate from which losses count as congestion without a queue: twice the
+/// 10 % per direction DERP over QUIC is meant to carry through.
+pub const LOSS_THRESHOLD: f64 = 0.2;
+/// The weight of one round in the smoothed loss rate.
+const LOSS_GAIN: f64 = 1.0 / 8.0;
+/// Rounds that carried fewer packets than this are added to the next before they count.
+const MIN_ROUND_PACKETS: u64 = 8;
+
+impl LossFilter {
+    /// Wraps `inner`, a fresh CUBIC for a path whose MTU is `mtu`.
+    pub fn new(inner: Cubic, mtu: u16) -> Self {
+        Self {
+            inner,
+            mtu: u64::from(mtu),
+            min_rtt: None,
+            srtt: None,
+            last_sent: 0,
+            round: Round::default(),
+            last_round_min: None,
+            loss_rate: 0.0,
+            passed: 0,
+            ignored: 0,
+        }
+    }
+
+    /// Losses passed on to CUBIC so far, and losses held back as random.
+    pub fn decisions(&self) -> (u64, u64) {
+        (self.passed, self.ignored)
+    }
+
+    /// How far the round trip lies above the path's minimum, at its lowest of the last round,
+    /// this round so far and the smoothed one; `None` before any sample.
+    pub fn queue_delay(&self) -> Option<Duration> {
+        let min = self.min_rtt?;
+        let recent = [self.last_round_min, self.round.min, self.srtt]
+            .into_iter()
+            .flatten()
+            .min()?;
+        Some(recent.saturating_sub(min))
+    }
+
+    /// The smoothed loss rate.
+    pub fn loss_rate(&self) -> f64 {
+        self.loss_rate
+    }
+
+    /// Records one acknowledged packet: its round trip `sample` (as measured, ACK delay
+    /// included), its size, and quinn's smoothed round trip.
+    fn on_sample(&mut self, sample: Duration, bytes: u64, srtt: Duration) {
+        self.min_rtt = Some(self.min_rtt.map_or(sample, |m| m.min(sample)));
+        self.round.min = Some(self.round.min.map_or(sample, |m| m.min(sample)));
+        self.round.acked += bytes;
+        self.srtt = Some(srtt);
+    }
+
+    /// Closes the round: its minimum becomes the last round's, and its loss counts into the
+    /// smoothed rate once enough packets have been seen.
+    fn end_round(&mut self) {
+        if self.round.min.is_some() {
+            self.last_round_min = self.round.min.take();
+        }
+        let total = self.round.acked + self.round.lost;
+        if total >= MIN_ROUND_PACKETS * self.mtu {
+            let rate = self.round.lost as f64 / total as f64;
+            self.loss_rate += (rate - self.loss_rate) * LOSS_GAIN;
+            self.round.acked = 0;
+            self.round.lost = 0;
+        }
+        self.round.end = Some(self.last_sent);
+    }
+
+    /// Whether a loss event is congestion.
+    fn is_congestion(&self, persistent: bool, lost_bytes: u64) -> bool {
+        if persistent || lost_bytes == 0 || self.loss_rate >= LOSS_THRESHOLD {
+            return true;
+        }
+        let (Some(min), Some(queue)) = (self.min_rtt, self.queue_delay()) else {
+            // Nothing measured yet: no evidence either way, so CUBIC decides.
+            return true;
+        };
+        queue >= QUEUE_FLOOR.max(min / 4)
+    }
+}
+
+impl Controller for LossFilter {
+    fn on_sent(&mut self, now: Instant, bytes: u64, last_packet_number: u64) {
+        self.last_sent = self.last_sent.max(last_packet_number);
+        if self.round.end.is_none() {
+            self.round.end = Some(last_packet_number);
+        }
+        self.inner.on_sent(now, bytes, last_packet_number);
+    }
+
+    fn on_ack(
+        &mut self,
+        now: Instant,
+        sent: Instant,
+        bytes: u64,
+        app_limited: bool,
+        rtt: &RttEstimator,
+    ) {
+        self.on_sample(now.saturating_duration_since(sent), bytes, rtt.get());
+        self.inner.on_ack(now, sent, bytes, app_limited, rtt);
+    }
+
+    fn on_end_acks(
+        &mut self,
+        now: Instant,
+        in_flight: u64,
+        app_limited: bool,
+        largest_packet_num_acked: Option<u64>,
+    ) {
+        if let (Some(acked), Some(end)) = (largest_packet_num_acked, self.round.end)
+            && acked >= end
+        {
+            self.end_round();
+        }
+        self.inner
+            .on_end_acks(now, in_flight, app_limited, largest_packet_num_acked);
+    }
+
+    fn on_congestion_event(
+        &mut self,
+        now: Instant,
+        sent: Instant,
+        is_persistent_congestion: bool,
+        lost_bytes: u64,
+    ) {
+        self.round.lost += lost_bytes;
+        if self.is_congestion(is_persistent_congestion, lost_bytes) {
+            self.passed += 1;
+            self.inner
+                .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
+        } else {
+            self.ignored += 1;
+        }
+    }
+
+    fn on_mtu_update(&mut self, new_mtu: u16) {
+        self.mtu = u64::from(new_mtu);
+        self.inner.on_mtu_update(new_mtu);
+    }
+
+    fn window(&self) -> u64 {
+        self.inner.window()
+    }
+
+    fn metrics(&self) -> ControllerMetrics {
+        self.inner.metrics()
+    }
+
+    fn clone_box(&self) -> Box<dyn Controller> {
+        Box::new(self.clone())
+    }
+
+    fn initial_window(&self) -> u64 {
+        self.inner.initial_window()
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+/// Builds a [`LossFilter`] for each path.
+#[derive(Clone, Debug, Default)]
+pub struct LossFilterConfig {
+    cubic: Arc<CubicConfig>,
+}
+
+impl ControllerFactory for LossFilterConfig {
+    fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
+        Box::new(LossFilter::new(
+            Cubic::new(self.cubic.clone(), now, current_mtu),
+            current_mtu,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MTU: u16 = 1200;
+    const PACKET: u64 = 1200;
+    const BASE_RTT: Duration = Duration::from_millis(40);
+
+    /// The window of a fresh plain CUBIC after one loss.
+    fn cubic_after_one_loss() -> u64 {
+        let now = Instant::now();
+        let mut cubic = Cubic::new(Arc::new(CubicConfig::default()), now, MTU);
+        cubic.on_congestion_event(now, now, false, PACKET);
+        cubic.window()
+    }
+
+    /// Drives a controller through rounds of packets, as quinn would: each round sends
+    /// `per_round` packets, acknowledges those that arrive with round trip `rtt`, and reports
+    /// the lost ones in one loss event at the end of the round.
+    struct Link {
+        cc: LossFilter,
+        now: Instant,
+        next_pn: u64,
+    }
+
+    impl Link {
+        fn new() -> Self {
+            let now = Instant::now();
+            let cubic = Cubic::new(Arc::new(CubicConfig::default()), now, MTU);
+            Self {
+                cc: LossFilter::new(cubic, MTU),
+                now,
+                next_pn: 0,
+            }
+        }
+
+        /// One round; `lost` is every how many packets one is lost (0: none).
+        fn round(&mut self, per_round: u64, lost_every: u64, rtt: Duration) {
+            let start = self.now;
+            let first = self.next_pn;
+            for i in 0..per_round {
+                self.cc.on_sent(start, PACKET, first + i);
+            }
+            self.next_pn += per_round;
+            self.now = start + rtt;
+            let mut lost = 0;
+            for i in 0..per_round {
+                if lost_every > 0 && i % lost_every == lost_every - 1 {
+                    lost += PACKET;
+                    continue;
+                }
+                self.cc.on_sample(rtt, PACKET, rtt);
+            }
+            self.cc
+                .on_end_acks(self.now, 0, false, Some(self.next_pn - 1));
+            if lost > 0 {
+                self.cc.on_congestion_event(self.now, start, false, lost);
+            }
+        }
+    }
+
+    #[test]
+    fn random_loss_at_the_paths_round_trip_does_not_shrink_the_window() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        // 10 % loss, 20 rounds of 20 packets, the round trip never above its minimum.
+        for _ in 0..20 {
+            link.round(20, 10, BASE_RTT);
+        }
+        assert_eq!(link.cc.window(), window);
+        assert_eq!(link.cc.decisions(), (0, 20));
+        assert!(link.cc.loss_rate() < LOSS_THRESHOLD);
+    }
+
+    #[test]
+    fn loss_with_a_standing_queue_shrinks_the_window_as_cubic_does() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        // The queue builds (the round trip grows by half), then the bottleneck drops.
+        link.round(20, 0, BASE_RTT * 3 / 2);
+        link.round(20, 10, BASE_RTT * 3 / 2);
+        assert_eq!(link.cc.decisions(), (1, 0));
+        assert!(link.cc.window() < window);
+        assert_eq!(link.cc.window(), cubic_after_one_loss());
+    }
+
+    #[test]
+    fn a_delay_spike_in_one_sample_is_not_a_queue() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        // One late ACK (scheduling, a timer) among prompt ones, then a loss.
+        link.cc.on_sample(BASE_RTT * 3, PACKET, BASE_RTT);
+        link.round(20, 10, BASE_RTT);
+        assert_eq!(link.cc.window(), window);
+        assert_eq!(link.cc.decisions(), (0, 1));
+    }
+
+    #[test]
+    fn persistent_congestion_collapses_the_window() {
+        let mut link = Link::new();
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        let sent = link.now;
+        link.now += BASE_RTT * 10;
+        link.cc
+            .on_congestion_event(link.now, sent, true, 20 * PACKET);
+        assert_eq!(link.cc.window(), 2 * PACKET);
+    }
+
+    #[test]
+    fn an_ecn_mark_shrinks_the_window() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        link.cc.on_congestion_event(link.now, link.now, false, 0);
+        assert!(link.cc.window() < window);
+        assert_eq!(link.cc.window(), cubic_after_one_loss());
+    }
+
+    #[test]
+    fn a_loss_rate_no_random_loss_explains_counts_without_a_queue() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        // A bufferless bottleneck at half the offered rate: every other packet lost, the
+        // round trip unchanged.
+        let mut rounds = 0;
+        while link.cc.window() == window {
+            link.round(20, 2, BASE_RTT);
+            rounds += 1;
+            assert!(
+                rounds < 20,
+                "half the packets lost for {rounds} rounds, no reaction"
+            );
+        }
+        assert!(link.cc.loss_rate() >= LOSS_THRESHOLD);
+        assert!(link.cc.window() < window);
+    }
+
+    #[test]
+    fn small_rounds_are_pooled_before_their_loss_counts() {
+        let mut link = Link::new();
+        // Two packets a round, one lost: each round alone would read as 50 % loss.
+        link.round(2, 2, BASE_RTT);
+        assert_eq!(link.cc.loss_rate(), 0.0);
+        for _ in 0..3 {
+            link.round(2, 0, BASE_RTT);
+        }
+        // Eight packets seen, one lost: the first rate that counts is 1/8.
+        assert!((link.cc.loss_rate() - LOSS_GAIN / 8.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn before_any_round_trip_sample_a_loss_is_cubics_call() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        link.cc.on_sent(link.now, PACKET, 0);
+        link.cc
+            .on_congestion_event(link.now, link.now, false, PACKET);
+        assert!(link.cc.window() < window);
+        assert_eq!(link.cc.window(), cubic_after_one_loss());
+    }
+}

@@ -142,14 +142,7 @@ async fn each_address_clients_connect_to_gets_its_own_certificate_on_demand() {
     assert_eq!(manager.orders_placed(), 1);
     let v4: IpAddr = [127, 0, 0, 1].into();
     assert!(manager.cert_path(v4).exists() && manager.key_path(v4).exists());
-    assert!(
-        pebble
-            .pebble
-            .log()
-            .contains("set VALID by completed challenge"),
-        "{}",
-        pebble.pebble.log()
-    );
+    pebble.assert_validated();
     // Later connections are served the certificate in hand: no new order.
     connect_pair(&relay, || client_by_address(relay.addr, &root)).await;
     assert_eq!(manager.orders_placed(), 1);

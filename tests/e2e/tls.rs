@@ -4,7 +4,7 @@
 
 use std::net::{SocketAddr, TcpListener as StdTcpListener, UdpSocket as StdUdpSocket};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -14,6 +14,7 @@ use derp_client::rustls::{self, RootCertStore};
 use derp_client::{Client, ClientConfig, ReceivedFrame, TransportKind};
 use derp_proto::SecretKey;
 use derp_server::{ConnLimits, Server, ServerConfig};
+use derp_testkit::child::LoggedChild;
 use derp_tls::{
     AcmeConfig, AcmeManager, CertInfo, CertOrigin, ChallengeKind, ManualCerts, TlsFront,
     TlsOptions, cert_pin, load_certs_pem,
@@ -736,46 +737,11 @@ pub(crate) fn free_port() -> u16 {
     }
 }
 
-/// A child process killed on drop.
-pub(crate) struct Proc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command, log: PathBuf) -> Self {
-        let out = std::fs::File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
-        Self { child, log }
-    }
-
-    pub(crate) fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
 /// Pebble plus pebble-challtestsrv (as its DNS server, answering 127.0.0.1 for every name),
 /// all on loopback.
 pub(crate) struct Pebble {
-    pub(crate) pebble: Proc,
-    _dns: Proc,
+    pub(crate) pebble: LoggedChild,
+    _dns: LoggedChild,
     ca: TestCa,
     directory_url: String,
     management: SocketAddr,
@@ -802,7 +768,7 @@ pub(crate) fn require_pebble() {
     );
 }
 
-async fn wait_for_port(addr: SocketAddr, proc: &Proc) {
+async fn wait_for_port(addr: SocketAddr, proc: &LoggedChild) {
     let deadline = tokio::time::Instant::now() + STEP;
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     while TcpStream::connect(addr).await.is_err() {
@@ -816,6 +782,12 @@ async fn wait_for_port(addr: SocketAddr, proc: &Proc) {
 }
 
 impl Pebble {
+    /// Asserts that Pebble has validated at least one challenge, with its log if not.
+    pub(crate) fn assert_validated(&self) {
+        let log = self.pebble.log();
+        assert!(log.contains("set VALID by completed challenge"), "{log}");
+    }
+
     /// Starts Pebble validating HTTP-01 on `http_port` and TLS-ALPN-01 on `tls_port`.
     pub(crate) async fn start(dir: &Path, http_port: u16, tls_port: u16) -> Self {
         Self::start_with(dir, http_port, tls_port, serde_json::json!({})).await
@@ -834,7 +806,7 @@ impl Pebble {
         std::fs::write(dir.join("pebble.key"), key).expect("write");
 
         let dns_port = free_port();
-        let dns = Proc::spawn(
+        let dns = LoggedChild::spawn(
             Command::new("pebble-challtestsrv")
                 .args(["-defaultIPv4", "127.0.0.1", "-defaultIPv6", ""])
                 .args(["-dns01", &format!("127.0.0.1:{dns_port}")])
@@ -865,7 +837,7 @@ impl Pebble {
             }
         }
         std::fs::write(dir.join("pebble.json"), config.to_string()).expect("write");
-        let pebble = Proc::spawn(
+        let pebble = LoggedChild::spawn(
             Command::new("pebble")
                 .arg("-config")
                 .arg(dir.join("pebble.json"))
@@ -960,14 +932,7 @@ async fn acme_tls_alpn_01_issues_verifies_and_restarts_from_the_cache() {
     let issued = wait_cert(&relay, &pebble).await;
     assert_eq!(issued.origin, CertOrigin::AcmeIssued);
     assert_eq!(manager.orders_placed(), 1);
-    assert!(
-        pebble
-            .pebble
-            .log()
-            .contains("set VALID by completed challenge"),
-        "{}",
-        pebble.pebble.log()
-    );
+    pebble.assert_validated();
     assert!(relay.counter("derp_tls_handshakes", ("result", "acme_validation")) >= 1);
     assert!(manager.cert_path().exists() && manager.key_path().exists());
 
@@ -1013,14 +978,7 @@ async fn acme_http_01_is_answered_on_the_port_80_listener() {
     assert_eq!(manager.orders_placed(), 1);
     // Pebble's TLS-ALPN-01 port is a closed one here, so only the port-80 answer can have
     // validated the order.
-    assert!(
-        pebble
-            .pebble
-            .log()
-            .contains("set VALID by completed challenge"),
-        "{}",
-        pebble.pebble.log()
-    );
+    pebble.assert_validated();
 
     let root = pebble.root().await;
     connect_pair(&relay, || relay.client(HOST).with_extra_root(root.clone())).await;

@@ -15,14 +15,15 @@ mod tools;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use derp_client::rustls::pki_types::{CertificateDer, ServerName};
 use derp_client::{Client, ClientConfig, TransportKind};
 use derp_proto::PublicKey;
+use derp_testkit::child::LoggedChild;
 use support::{DERPD, Node, STEP, TempDir, expect_packet, free_port, secret};
 
 const HOST: &str = "derp.example.com";
@@ -93,58 +94,7 @@ fn the_documented_recipes_are_the_tested_files() {
 // ---------------------------------------------------------------------------------------
 // The proxies, as processes
 
-/// HAProxy or nginx in the foreground, its output in a file of the test's directory; killed
-/// and reaped on drop.
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Daemon {
-    fn spawn(cmd: &mut Command, log: PathBuf) -> Self {
-        let out = std::fs::File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
-        Self { child, log }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until `port` on 127.0.0.1 accepts, failing if the process exits first.
-    fn wait_listening(&mut self, port: u16) {
-        let deadline = Instant::now() + STEP;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                panic!("exited ({status}):\n{}", self.log_text());
-            }
-            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "not listening on {port}:\n{}",
-                self.log_text()
-            );
-            std::thread::park_timeout(Duration::from_millis(10));
-        }
-    }
-}
-
-fn haproxy(dir: &TempDir, config: &str) -> Daemon {
+fn haproxy(dir: &TempDir, config: &str) -> LoggedChild {
     let cfg = dir.write("haproxy.cfg", config);
     let mut cmd = Command::new(tools::debian("haproxy", "haproxy"));
     // -db: foreground, no daemon; the pid file in the test's directory.
@@ -153,12 +103,12 @@ fn haproxy(dir: &TempDir, config: &str) -> Daemon {
         .arg(&cfg)
         .arg("-p")
         .arg(dir.path("haproxy.pid"));
-    Daemon::spawn(&mut cmd, dir.path("haproxy.log"))
+    LoggedChild::spawn(&mut cmd, dir.path("haproxy.log"))
 }
 
 /// nginx with `body` (stream or http blocks) in a main file that keeps everything in `dir`:
 /// foreground, one process, pid, logs and temporary files there.
-fn nginx(dir: &TempDir, body: &str) -> Daemon {
+fn nginx(dir: &TempDir, body: &str) -> LoggedChild {
     let stream_module = "/usr/lib/nginx/modules/ngx_stream_module.so";
     if !Path::new(stream_module).exists() {
         panic!(
@@ -182,7 +132,7 @@ fn nginx(dir: &TempDir, body: &str) -> Daemon {
         .arg(&dir.0)
         .arg("-c")
         .arg(&file);
-    Daemon::spawn(&mut cmd, dir.path("nginx.out"))
+    LoggedChild::spawn(&mut cmd, dir.path("nginx.out"))
 }
 
 /// The http block's settings that keep nginx's files in `dir`.
@@ -401,8 +351,8 @@ async fn haproxy_in_tcp_mode_passes_clients_with_their_addresses_and_fast_start(
         ],
     );
     let mut proxy = haproxy(&dir, &config);
-    proxy.wait_listening(tls_port);
-    proxy.wait_listening(web_port);
+    proxy.wait_listening(tls_port, STEP);
+    proxy.wait_listening(web_port, STEP);
 
     // Two clients relay through HAProxy, with fast start (the meta certificate passes).
     let url = format!("https://{HOST}:{tls_port}/derp");
@@ -501,7 +451,7 @@ async fn one_port_shared_with_a_web_site_by_sni() {
     );
     let web_dir = TempDir::new("haproxy-sni-web");
     let mut web = nginx(&web_dir, &site);
-    web.wait_listening(web_port);
+    web.wait_listening(web_port, STEP);
 
     let port = free_port();
     let config = substitute(
@@ -513,7 +463,7 @@ async fn one_port_shared_with_a_web_site_by_sni() {
         ],
     );
     let mut proxy = haproxy(&dir, &config);
-    proxy.wait_listening(port);
+    proxy.wait_listening(port, STEP);
 
     // The site's name reaches the site...
     let page = tokio::task::spawn_blocking({
@@ -557,9 +507,9 @@ async fn relay_through_nginx(
     port: u16,
     root: &CertificateDer<'static>,
     derpd: &mut Node,
-) -> Daemon {
+) -> LoggedChild {
     let mut proxy = nginx(dir, body);
-    proxy.wait_listening(port);
+    proxy.wait_listening(port, STEP);
     let url = format!("https://{HOST}:{port}/derp");
     for transport in [TransportKind::Upgrade, TransportKind::WebSocket] {
         let fast = relay_between(

@@ -7,9 +7,16 @@
 //! The gate keeps relayed packets back while the address quinn uses is not known to be
 //! validated, and it infers validation from what quinn does expose: on an unvalidated path
 //! quinn puts a PATH_CHALLENGE frame into every packet it sends, and stops once validation
-//! has succeeded. A UDP datagram sent while the address stayed the same and no challenge went
-//! with it therefore means the address is validated. A path that fails validation makes quinn
-//! return to the previous address, which the gate sees as the address changing back.
+//! has succeeded. UDP datagrams sent while the address stayed the same and no challenge went
+//! with them therefore mean the address is validated. A path that fails validation makes
+//! quinn return to the previous address, which the gate sees as the address changing back.
+//!
+//! One interval between two checks is not enough evidence: quinn can, between them, give up
+//! on the new path, send on the old one (no challenge), and switch to the new address again
+//! on the client's next packet, with nothing sent there yet. Checked rarely (a busy host),
+//! that looks exactly like a validation. So the gate asks for [`CLEAN_INTERVALS`] intervals
+//! in a row, each with datagrams sent and none with a challenge; such a cycle takes quinn a
+//! path-validation timeout, and a real validation passes the test within a few checks.
 //!
 //! This rests on quinn-proto 0.11's behaviour; `tests/e2e/quic.rs` pins it (a migrated
 //! client gets its packets and its new address; a forwarded one does not).
@@ -37,13 +44,27 @@ pub(crate) enum Verdict {
     Pending,
 }
 
+/// Intervals between checks, in a row, in which quinn sent datagrams to the new address and
+/// no challenge, before the gate takes the address as validated.
+pub(crate) const CLEAN_INTERVALS: u32 = 2;
+
 /// Per-connection gate state.
 #[derive(Debug)]
 pub(crate) struct Gate {
     /// The last address known to be validated (the handshake's, at first).
     trusted: SocketAddr,
-    /// The unvalidated address seen at the last check, with quinn's counts then.
-    pending: Option<(SocketAddr, Sample)>,
+    /// The unvalidated address seen at the last check.
+    pending: Option<Pending>,
+}
+
+/// An address the gate is watching.
+#[derive(Debug)]
+struct Pending {
+    addr: SocketAddr,
+    /// quinn's counts at the last check.
+    last: Sample,
+    /// Intervals in a row with datagrams sent and no challenge among them.
+    clean: u32,
 }
 
 impl Gate {
@@ -73,21 +94,30 @@ impl Gate {
             return Verdict::Open;
         }
         let now = sample();
-        match self.pending {
-            Some((addr, before))
-                if addr == current
-                    && now.udp_tx > before.udp_tx
-                    && now.path_challenges == before.path_challenges =>
-            {
-                self.trusted = current;
-                self.pending = None;
-                Verdict::Validated(current)
+        match &mut self.pending {
+            Some(p) if p.addr == current => {
+                if now.path_challenges != p.last.path_challenges {
+                    p.clean = 0;
+                } else if now.udp_tx > p.last.udp_tx {
+                    p.clean += 1;
+                }
+                // An interval with nothing sent teaches nothing and breaks no run.
+                p.last = now;
+                if p.clean >= CLEAN_INTERVALS {
+                    self.trusted = current;
+                    self.pending = None;
+                    return Verdict::Validated(current);
+                }
             }
             _ => {
-                self.pending = Some((current, now));
-                Verdict::Pending
+                self.pending = Some(Pending {
+                    addr: current,
+                    last: now,
+                    clean: 0,
+                });
             }
         }
+        Verdict::Pending
     }
 }
 
@@ -120,10 +150,28 @@ mod tests {
         assert_eq!(g.check(addr(2), || s(12, 2)), Verdict::Pending);
         // Nothing sent at all: nothing learned.
         assert_eq!(g.check(addr(2), || s(12, 2)), Verdict::Pending);
-        // A packet without a challenge: validated.
-        assert_eq!(g.check(addr(2), || s(13, 2)), Verdict::Validated(addr(2)));
+        // Packets without a challenge: not yet enough.
+        assert_eq!(g.check(addr(2), || s(13, 2)), Verdict::Pending);
+        // An idle interval between two clean ones does not break the run.
+        assert_eq!(g.check(addr(2), || s(13, 2)), Verdict::Pending);
+        // A second interval without a challenge: validated.
+        assert_eq!(g.check(addr(2), || s(15, 2)), Verdict::Validated(addr(2)));
         assert_eq!(g.trusted(), addr(2));
         assert_eq!(g.check(addr(2), || unreachable!()), Verdict::Open);
+    }
+
+    #[test]
+    fn one_clean_interval_after_a_challenge_is_not_enough() {
+        let mut g = Gate::new(addr(1));
+        assert_eq!(g.check(addr(2), || s(10, 1)), Verdict::Pending);
+        // Unseen between the checks: quinn gave up on addr(2), sent on addr(1) without a
+        // challenge, then moved to addr(2) again and has sent nothing there yet.
+        assert_eq!(g.check(addr(2), || s(14, 1)), Verdict::Pending);
+        // Its next packets there carry a challenge again: the run starts over.
+        assert_eq!(g.check(addr(2), || s(16, 3)), Verdict::Pending);
+        assert_eq!(g.check(addr(2), || s(17, 3)), Verdict::Pending);
+        assert_eq!(g.check(addr(2), || s(18, 4)), Verdict::Pending);
+        assert_eq!(g.trusted(), addr(1));
     }
 
     #[test]

@@ -671,13 +671,19 @@ async fn a_rebound_client_keeps_its_registration_and_its_packets_keep_flowing() 
 
 /// A UDP relay between a QUIC client and the server that can, on demand, forward the
 /// client's packets from a second socket whose replies it throws away: an off-path forwarder
-/// trying to pull the client's traffic to an address that cannot answer.
+/// trying to pull the client's traffic to an address that cannot answer. It can also throw
+/// away everything the server sends the client (`cut_down`): a downlink that went dead.
 struct Forwarder {
     front: SocketAddr,
     diverted: SocketAddr,
     divert: Arc<std::sync::atomic::AtomicBool>,
     /// Datagrams the server sent to the diverted address.
     lost: Arc<std::sync::atomic::AtomicU64>,
+    cut_down: Arc<std::sync::atomic::AtomicBool>,
+    /// Datagrams the server sent the client while the downlink was cut.
+    swallowed: Arc<std::sync::atomic::AtomicU64>,
+    /// Datagrams the server sent the client that were passed on.
+    passed_down: Arc<std::sync::atomic::AtomicU64>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -689,6 +695,7 @@ impl Forwarder {
         let normal = Arc::new(UdpSocket::bind("127.0.0.1:0").await.expect("bind"));
         let other = Arc::new(UdpSocket::bind("127.0.0.1:0").await.expect("bind"));
         let divert = Arc::new(AtomicBool::new(false));
+        let cut_down = Arc::new(AtomicBool::new(false));
         let lost = Arc::new(AtomicU64::new(0));
         let client = Arc::new(std::sync::Mutex::new(None::<SocketAddr>));
         let (f, n, o, d, c) = (
@@ -706,12 +713,25 @@ impl Forwarder {
                 let _ = via.send_to(&buf[..len], server).await;
             }
         });
-        let (f, n) = (front.clone(), normal.clone());
+        let swallowed = Arc::new(AtomicU64::new(0));
+        let passed_down = Arc::new(AtomicU64::new(0));
+        let (f, n, cut, sw, passed) = (
+            front.clone(),
+            normal.clone(),
+            cut_down.clone(),
+            swallowed.clone(),
+            passed_down.clone(),
+        );
         let downstream = tokio::spawn(async move {
             let mut buf = vec![0u8; 65536];
             while let Ok(len) = n.recv(&mut buf).await {
+                if cut.load(Ordering::Relaxed) {
+                    sw.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
                 let to = *client.lock().expect("lock");
                 if let Some(to) = to {
+                    passed.fetch_add(1, Ordering::Relaxed);
                     let _ = f.send_to(&buf[..len], to).await;
                 }
             }
@@ -728,12 +748,23 @@ impl Forwarder {
             diverted: other.local_addr().expect("addr"),
             divert,
             lost,
+            cut_down,
+            swallowed,
+            passed_down,
             tasks: vec![upstream, downstream, sink],
         }
     }
 
     fn lost(&self) -> u64 {
         self.lost.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn lost_down(&self) -> u64 {
+        self.swallowed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn passed_down(&self) -> u64 {
+        self.passed_down.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -781,10 +812,15 @@ async fn packets_are_never_relayed_to_an_address_that_was_not_validated() {
     for i in 0..10u8 {
         b.send_packet(ka, [i; 500]).await.expect("send to a");
     }
-    // Let the server's writer have its chances: it keeps sending challenges and probes.
-    let seen = fwd.lost();
+    // Let the server's writer have its chances: it keeps sending challenges and probes to
+    // the diverted address, until quinn gives up on validating it and goes back to the
+    // client's validated address (then the server sends there, and the packets may arrive
+    // through it even before the client stops being diverted).
+    let (seen, passed) = (fwd.lost(), fwd.passed_down());
     relay
-        .eventually("server keeps probing", |_| fwd.lost() >= seen + 5)
+        .eventually("server keeps probing or goes back", |_| {
+            fwd.lost() >= seen + 5 || fwd.passed_down() > passed
+        })
         .await;
 
     // A's packets come straight again; the packets B sent were held, not lost on the way
@@ -811,6 +847,133 @@ async fn packets_are_never_relayed_to_an_address_that_was_not_validated() {
     got.sort();
     assert_eq!(got, (0..10).collect::<Vec<u8>>());
     assert_eq!(relay.metric("derp_quic_migrations", &[]), 0.0);
+    relay.stop().await;
+}
+
+/// A QUIC client connected through `fwd`, with the ObservedAddr the server sent it first.
+async fn client_through(relay: &QuicRelay, fwd: &Forwarder) -> (Client, PublicKey) {
+    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+    let key = secret.public_key();
+    let config = ClientConfig::new(&format!("quic://{}", fwd.front), secret)
+        .expect("config")
+        .with_cert_name(relay.pin.clone())
+        .with_local_addr("127.0.0.1:0".parse().expect("addr"))
+        .with_connect_timeout(STEP);
+    let mut client = within("connect", Client::connect(&config))
+        .await
+        .expect("connect");
+    let ReceivedFrame::ObservedAddr(_) = next(&mut client).await else {
+        panic!("expected ObservedAddr first");
+    };
+    (client, key)
+}
+
+/// Packets sent towards a dead downlink: about six times what quinn's datagram buffer holds.
+const FLOOD: u16 = 400;
+
+/// Packets derpd dropped, for every reason.
+fn dropped(relay: &QuicRelay) -> f64 {
+    relay.metric("derp_packets_dropped", &[])
+}
+
+#[tokio::test]
+async fn when_quinn_has_no_room_for_datagrams_derpds_queue_drops_and_counts() {
+    let mut config = ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng));
+    config.write_timeout = None;
+    config.send_queue_depth = 8;
+    let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
+    let fwd = Forwarder::start(relay.quic).await;
+    let (mut a, ka) = client_through(&relay, &fwd).await;
+    let (mut b, kb) = relay.tcp_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    b.send_packet(ka, [0xff; 1000]).await.expect("send");
+    assert_eq!(next_packet(&mut a).await.0, kb);
+    assert_eq!(relay.metric("derp_quic_datagrams_sent", &[]), 1.0);
+
+    // Nothing the server sends reaches A any more: quinn's window fills, then its datagram
+    // buffer, and the writer waits for room while A's queue in derpd fills and drops.
+    fwd.cut_down
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    for i in 0..FLOOD {
+        b.send_packet(ka, [&i.to_be_bytes()[..], &[0; 998]].concat())
+            .await
+            .expect("send");
+    }
+    relay
+        .eventually("derpd's queue to drop", |r| dropped(r) > 0.0)
+        .await;
+
+    // The downlink comes back: what quinn and the queue held arrives, then a packet sent now.
+    fwd.cut_down
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    b.send_packet(ka, [0xee; 1000]).await.expect("send");
+    let mut received = std::collections::BTreeSet::new();
+    loop {
+        let (src, packet) = next_packet(&mut a).await;
+        assert_eq!(src, kb);
+        if packet[0] == 0xee {
+            break;
+        }
+        received.insert(u16::from_be_bytes([packet[0], packet[1]]));
+    }
+    assert!(!received.is_empty(), "nothing held back was delivered");
+    // Every packet is accounted for. derpd handed it to quinn or dropped and counted it (the
+    // first packet and the last make two more)...
+    let handed = relay.metric("derp_quic_datagrams_sent", &[]);
+    assert_eq!(
+        handed + relay.metric("derp_quic_stream_fallbacks", &[]) + dropped(&relay),
+        f64::from(FLOOD) + 2.0
+    );
+    // ... and what quinn took it delivered, or sent in a UDP packet the dead link swallowed
+    // (a datagram is never resent). Had quinn dropped datagrams from a full buffer itself,
+    // some would be missing.
+    let cut = fwd.lost_down();
+    assert!(
+        received.len() as f64 + cut as f64 >= handed - 2.0,
+        "quinn took {handed} datagrams; {} delivered, {cut} swallowed",
+        received.len(),
+    );
+    assert_eq!(relay.metric("derp_sclient_write_timeouts", &[]), 0.0);
+    assert_eq!(relay.server.local_clients(), 2);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_quic_client_whose_downlink_stays_dead_is_closed_at_the_write_deadline() {
+    let mut config = ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng));
+    config.write_timeout = Some(Duration::from_millis(500));
+    config.send_queue_depth = 8;
+    let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
+    let fwd = Forwarder::start(relay.quic).await;
+    let (_a, ka) = client_through(&relay, &fwd).await;
+    let (mut b, _) = relay.tcp_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+
+    fwd.cut_down
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    for i in 0..FLOOD {
+        b.send_packet(ka, [&i.to_be_bytes()[..], &[0; 998]].concat())
+            .await
+            .expect("send");
+    }
+    // The writer waited for quinn's room past the deadline: the connection is closed, and
+    // what it still held is counted as dropped.
+    relay
+        .eventually("the write deadline", |r| {
+            r.metric("derp_sclient_write_timeouts", &[]) == 1.0 && r.server.local_clients() == 1
+        })
+        .await;
+    // Each packet was handed to quinn (whose buffer went with the connection, as a closed
+    // socket's does) or dropped and counted.
+    relay
+        .eventually("every packet accounted for", |r| {
+            r.metric("derp_quic_datagrams_sent", &[]) + dropped(r) == f64::from(FLOOD)
+        })
+        .await;
     relay.stop().await;
 }
 

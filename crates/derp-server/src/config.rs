@@ -118,7 +118,9 @@ pub struct IpCidr {
 }
 
 impl IpCidr {
-    /// Whether `ip` is inside the network. IPv4-mapped IPv6 addresses match IPv4 networks.
+    /// Whether `ip` is inside the network. An IPv4 address and its IPv4-mapped IPv6 form
+    /// (`::ffff:a.b.c.d`, as a dual-stack socket reports IPv4 peers) are one address: either
+    /// matches an IPv4 network and an IPv6 network written in the mapped form alike.
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = match ip {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
@@ -131,13 +133,17 @@ impl IpCidr {
                     .unwrap_or(0);
                 u32::from(net) & mask == u32::from(ip) & mask
             }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+            (IpAddr::V6(net), ip) => {
+                let ip = match ip {
+                    IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                    IpAddr::V6(v6) => v6,
+                };
                 let mask = u128::MAX
                     .checked_shl(128 - u32::from(self.prefix))
                     .unwrap_or(0);
                 u128::from(net) & mask == u128::from(ip) & mask
             }
-            _ => false,
+            (IpAddr::V4(_), IpAddr::V6(_)) => false,
         }
     }
 }
@@ -217,6 +223,16 @@ mod tests {
         assert_eq!(host.to_string(), "10.1.2.3/32");
         assert_eq!(v6.to_string(), "fd7a:115c:a1e0::/48");
         assert!("10.0.0.0/33".parse::<IpCidr>().is_err());
+        // A network written in the IPv4-mapped form holds the IPv4 addresses it maps, in
+        // either form.
+        let mapped: IpCidr = "::ffff:10.0.0.0/104".parse().expect("parses");
+        assert!(mapped.contains("10.1.2.3".parse().expect("ip")));
+        assert!(mapped.contains("::ffff:10.1.2.3".parse().expect("ip")));
+        assert!(!mapped.contains("11.1.2.3".parse().expect("ip")));
+        assert!(!mapped.contains("fd7a::1".parse().expect("ip")));
+        let one: IpCidr = "::ffff:127.0.0.1".parse().expect("parses");
+        assert!(one.contains("127.0.0.1".parse().expect("ip")));
+        assert!(!one.contains("127.0.0.2".parse().expect("ip")));
         assert!("nonsense/8".parse::<IpCidr>().is_err());
     }
 }

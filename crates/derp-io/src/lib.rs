@@ -62,13 +62,17 @@ impl Default for TcpOptions {
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
 /// Unanswered keepalive probes before the connection is dropped (Go's default).
 pub const KEEPALIVE_COUNT: u32 = 9;
+/// The longest keepalive idle time Linux takes (`MAX_TCP_KEEPIDLE`, about 9 hours); a
+/// longer one is held as this.
+pub const MAX_KEEPALIVE_IDLE: Duration = Duration::from_secs(32_767);
 
 impl TcpOptions {
-    /// The keepalive idle time as the kernel holds it: whole seconds, rounded up.
+    /// The keepalive idle time as the kernel holds it: whole seconds, rounded up, and at
+    /// most [`MAX_KEEPALIVE_IDLE`], which Linux refuses to go beyond.
     fn idle_secs(&self) -> Option<Duration> {
         self.keepalive_idle.map(|d| {
             let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
-            Duration::from_secs(secs.max(1))
+            Duration::from_secs(secs.clamp(1, MAX_KEEPALIVE_IDLE.as_secs()))
         })
     }
 
@@ -89,16 +93,19 @@ impl TcpOptions {
         Some(keepalive)
     }
 
-    /// Sets every option on `sock`, stopping at the first the system refuses.
+    /// Sets every option on `sock`; one the system refuses does not keep the others from
+    /// being set. Returns the first refusal.
     fn set(&self, sock: &socket2::SockRef<'_>) -> io::Result<()> {
-        sock.set_tcp_nodelay(true)?;
-        match self.keepalive() {
-            Some(keepalive) => sock.set_tcp_keepalive(&keepalive)?,
-            None => sock.set_keepalive(false)?,
-        }
+        let nodelay = sock.set_tcp_nodelay(true);
+        let keepalive = match self.keepalive() {
+            Some(keepalive) => sock.set_tcp_keepalive(&keepalive),
+            None => sock.set_keepalive(false),
+        };
         #[cfg(any(target_os = "linux", target_os = "android"))]
-        sock.set_tcp_user_timeout(self.user_timeout_millis())?;
-        Ok(())
+        let user_timeout = sock.set_tcp_user_timeout(self.user_timeout_millis());
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let user_timeout = Ok(());
+        nodelay.and(keepalive).and(user_timeout)
     }
 }
 
@@ -505,5 +512,23 @@ mod tests {
             assert_eq!(user, None);
             assert!(is_tuned(&accepted, &off));
         }
+    }
+
+    #[tokio::test]
+    async fn an_idle_time_beyond_the_kernels_limit_is_held_at_it_and_the_rest_is_set() {
+        let long = TcpOptions {
+            keepalive_idle: Some(Duration::from_secs(36_000)),
+            user_timeout: Some(Duration::from_millis(2_500)),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        assert!(tune_listener(&listener, &long));
+        let (_client, accepted) = accept_one(&listener).await;
+        let (nodelay, keepalive, idle, _, _, user) = read_back(&accepted);
+        assert!(nodelay && keepalive);
+        assert_eq!(idle, MAX_KEEPALIVE_IDLE);
+        assert_eq!(user, Some(Duration::from_millis(2_500)));
+        assert!(is_tuned(&accepted, &long));
     }
 }

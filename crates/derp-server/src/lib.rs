@@ -68,7 +68,7 @@ pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
-pub use derp_io::{BoxedIo, TcpOptions, Transport, tune_listener, tune_socket};
+pub use derp_io::{BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, tune_listener, tune_socket};
 pub use http::{Rewind, generate_204};
 pub use listen::{
     AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,

@@ -211,6 +211,10 @@ fn check(cli: &Cli, r: &mut Report) {
         format!(
             "client connections: keepalive {}, user timeout {}",
             match tcp.keepalive_idle {
+                Some(idle) if idle > derp_server::MAX_KEEPALIVE_IDLE => format!(
+                    "after {:?} idle, the most Linux takes, not {idle:?} (then every 15s, 9 probes)",
+                    derp_server::MAX_KEEPALIVE_IDLE
+                ),
                 Some(idle) => format!("after {idle:?} idle (then every 15s, 9 probes)"),
                 None => "off (--tcp-keepalive-time < 0)".to_owned(),
             },

@@ -76,7 +76,8 @@ pub(crate) fn parse_go_duration(orig: &str) -> Result<i64, String> {
                 return Err(invalid());
             }
         }
-        total += v;
+        // Go adds in a uint64 that wraps: two parts of 2^63 make 0, which it then takes.
+        total = total.wrapping_add(v);
         if total > LIMIT {
             return Err(invalid());
         }
@@ -183,6 +184,8 @@ mod tests {
         // Cases from Go's own time package tests.
         for (text, want) in [
             ("0", 0),
+            // Go's sum wraps in 64 bits: 2^63 twice is 0.
+            ("9223372036854775808ns9223372036854775808ns", 0),
             ("5s", 5 * S),
             ("30s", 30 * S),
             ("1478s", 1478 * S),

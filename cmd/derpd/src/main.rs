@@ -19,7 +19,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use derp_proto::{MeshKey, SecretKey};
 use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::cli::{Cli, LogFormat};
 
@@ -89,6 +89,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let listen = listen::ListenAddr::parse(&listen_addr_text(&cli))?;
     let tls = cli.tls.tls_enabled(&listen);
     let quic_port = quic_port(&cli, tls, listen.port)?;
+    if quic_yields_to_stun(&cli, tls, listen.port) {
+        warn!(
+            port = listen.port,
+            "DERP over QUIC is off: STUN has its UDP port (--quic-port picks another)"
+        );
+    }
     let bind_ip = listen.resolve()?;
     let home = parse_home(&cli.home)?;
     let mesh_key = mesh_key(&cli)?;
@@ -273,6 +279,7 @@ fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u1
     let port = match cli.quic_port {
         Some(-1) => return Ok(None),
         Some(p) => u16::try_from(p).context("invalid --quic-port")?,
+        None if quic_yields_to_stun(cli, tls, listen_port) => return Ok(None),
         None if tls && !cli.dev => listen_port,
         None => return Ok(None),
     };
@@ -286,6 +293,13 @@ fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u1
         bail!("--quic-port {port} is also the STUN port; they need different UDP ports");
     }
     Ok(Some(port))
+}
+
+/// Whether QUIC, on by default on the TLS port, stays off because STUN was given that UDP
+/// port (`-a :443 -stun-port 443`, a derper command line that puts STUN where firewalls let
+/// it through): the command line means STUN there, and derper has no QUIC to be in the way.
+fn quic_yields_to_stun(cli: &Cli, tls: bool, listen_port: u16) -> bool {
+    cli.quic_port.is_none() && tls && !cli.dev && cli.stun && cli.stun_port == listen_port
 }
 
 /// Networks as a comma-separated list, as the flags take them.
@@ -569,6 +583,29 @@ mod tests {
         assert_eq!(quic_port(&cli(&[]), false, 3340).expect("ok"), None);
         assert!(quic_port(&cli(&["--quic-port", "4433"]), false, 3340).is_err());
         assert!(quic_port(&cli(&["--quic-port", "3478"]), true, 443).is_err());
+        // STUN given the TLS port: QUIC, not asked for, stays off rather than refusing the
+        // command line; asked for there, it is refused.
+        let stun_on_443 = cli(&["-a", ":443", "-stun-port", "443"]);
+        assert_eq!(quic_port(&stun_on_443, true, 443).expect("ok"), None);
+        assert!(quic_yields_to_stun(&stun_on_443, true, 443));
+        assert!(!quic_yields_to_stun(&cli(&[]), true, 443));
+        assert!(
+            quic_port(
+                &cli(&["-stun-port", "443", "--quic-port", "443"]),
+                true,
+                443
+            )
+            .is_err()
+        );
+        assert_eq!(
+            quic_port(
+                &cli(&["-stun-port", "443", "--quic-port", "8443"]),
+                true,
+                443
+            )
+            .expect("ok"),
+            Some(8443)
+        );
         assert!(cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());
     }
 

@@ -124,6 +124,10 @@ fn check(cli: &Cli, r: &mut Report) {
                 "quic",
                 format!("{}/udp (DERP over QUIC), would bind", ip.describe(port)),
             ),
+            Ok(None) if crate::quic_yields_to_stun(cli, tls, port) => r.warn(
+                "quic",
+                format!("off: STUN has UDP port {port} (--quic-port picks another)"),
+            ),
             Ok(None) => r.ok("quic", "off"),
             Err(e) => r.error("quic", e),
         }

@@ -121,9 +121,10 @@ pub(crate) struct Cli {
     #[arg(long, value_delimiter = ',', requires = "proxy_protocol")]
     pub(crate) proxy_protocol_from: Vec<derp_server::IpCidr>,
 
-    /// HTTP reverse proxies (CIDR) whose X-Forwarded-For / X-Real-IP headers name a DERP
-    /// client's address (nginx's http module, which cannot send PROXY protocol); from
-    /// anyone else those headers are ignored. Repeat or comma-separate.
+    /// HTTP reverse proxies (CIDR) whose X-Forwarded-For (or, without it, X-Real-IP)
+    /// headers name a DERP client's address (nginx's http module, which cannot send PROXY
+    /// protocol); they must append to X-Forwarded-For or overwrite it. From anyone else
+    /// those headers are ignored. Repeat or comma-separate.
     #[arg(long, value_delimiter = ',')]
     pub(crate) trust_forwarded_from: Vec<derp_server::IpCidr>,
 

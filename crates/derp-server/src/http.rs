@@ -31,7 +31,7 @@ use derp_proto::ws;
 use crate::config::HomePage;
 use crate::conn::{self, Accepted, Framing};
 use crate::listen::ConnGuard;
-use crate::proxy::ProxiedListener;
+use crate::proxy::{Proxied, ProxiedListener};
 use crate::state::ServerState;
 
 /// Serves one connection accepted from a listed proxy on the main plain-HTTP listener: reads
@@ -56,7 +56,7 @@ pub(crate) async fn serve_proxied(
         h = proxy.read_header(ProxiedListener::Main, &mut stream, peer, deadline, &mut buf) => h,
     };
     let remote = match header {
-        Ok(Some(client)) => {
+        Ok(Some(Proxied { client, .. })) => {
             guard.relayed_for(client.ip());
             client
         }

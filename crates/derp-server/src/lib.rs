@@ -81,7 +81,7 @@ pub use lookup::{
     DEFAULT_PEER_CACHE_MAX_ENTRIES, DEFAULT_PEER_CACHE_MAX_IDLE, LookupConfig, PeerCacheConfig,
 };
 pub use metrics::{DropReason, FallbackReason, Metrics, PacketKind, TransportLabel};
-pub use proxy::{ProxiedListener, ProxyProtocol, ProxyRefusal};
+pub use proxy::{Proxied, ProxiedListener, ProxyProtocol, ProxyRefusal};
 pub use quic::{QuicConfig, QuicError, QuicListener};
 pub use ratelimit::{MIN_RATE_BURST, RateLimit};
 pub use registry::PacketForwarder;

@@ -197,9 +197,10 @@ impl ProxyProtocol {
 
     /// Reads the header that must open a connection from `peer` (a listed proxy), by
     /// `deadline`. Reads past the header are possible: what follows it is left in `buf`,
-    /// the start of the connection's own bytes. Returns the client's address, `None` when the
-    /// header gives none (the proxy's own address stands), or why the connection must be
-    /// closed (counted). Cancel-safe in the sense that dropping it reads nothing more.
+    /// the start of the connection's own bytes. Returns the connection's two ends as the
+    /// header gives them, `None` when it gives none (the proxy's own connection stands), or
+    /// why the connection must be closed (counted). Cancel-safe in the sense that dropping it
+    /// reads nothing more.
     pub async fn read_header<S: AsyncRead + Unpin>(
         &self,
         listener: ProxiedListener,
@@ -207,7 +208,7 @@ impl ProxyProtocol {
         peer: SocketAddr,
         deadline: Instant,
         buf: &mut BytesMut,
-    ) -> Result<Option<SocketAddr>, ProxyRefusal> {
+    ) -> Result<Option<Proxied>, ProxyRefusal> {
         let read = async {
             loop {
                 match proxy_protocol::parse(buf) {
@@ -245,9 +246,19 @@ impl ProxyProtocol {
         };
         let (accepted, client) = match (header.command, header.addresses) {
             (Command::Local, _) => (Accepted::Local, None),
-            (Command::Proxy, Addresses::Tcp { source, .. }) => {
-                (Accepted::Proxy, Some(unmapped(source)))
-            }
+            (
+                Command::Proxy,
+                Addresses::Tcp {
+                    source,
+                    destination,
+                },
+            ) => (
+                Accepted::Proxy,
+                Some(Proxied {
+                    client: unmapped(source),
+                    dialed: unmapped(destination),
+                }),
+            ),
             (Command::Proxy, Addresses::Udp { .. }) => {
                 self.refuse(listener, peer, ProxyRefusal::Malformed, "a UDP connection");
                 return Err(ProxyRefusal::Malformed);
@@ -262,6 +273,16 @@ impl ProxyProtocol {
 }
 
 /// IPv4-mapped IPv6 addresses as IPv4, as the rest of the server sees IPv4 clients.
+/// A proxied connection's two ends, as its PROXY protocol header names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Proxied {
+    /// The client's address.
+    pub client: SocketAddr,
+    /// The address the client connected to (the balancer's, not derpd's): where an IP
+    /// certificate must be valid.
+    pub dialed: SocketAddr,
+}
+
 fn unmapped(addr: SocketAddr) -> SocketAddr {
     SocketAddr::new(addr.ip().to_canonical(), addr.port())
 }

@@ -74,9 +74,9 @@ impl TlsFront {
                         h = proxy.read_header(ProxiedListener::HttpPort, &mut tcp, remote, deadline, &mut read) => h,
                     };
                     match header {
-                        Ok(Some(client)) => {
-                            slot.relayed_for(client.ip());
-                            remote = client;
+                        Ok(Some(proxied)) => {
+                            slot.relayed_for(proxied.client.ip());
+                            remote = proxied.client;
                         }
                         Ok(None) => {}
                         Err(_) => return,

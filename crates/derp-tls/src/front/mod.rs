@@ -468,8 +468,8 @@ impl TlsFront {
             let proxy = proxy.clone();
             tokio::spawn(async move {
                 let deadline = tokio::time::Instant::now() + this.inner.options.handshake_timeout;
-                let (tcp, remote, received) = match proxy {
-                    None => (tcp, remote, Vec::new()),
+                let (tcp, remote, dialed, received) = match proxy {
+                    None => (tcp, remote, None, Vec::new()),
                     Some(proxy) => {
                         let mut tcp = tcp;
                         let mut buf = bytes::BytesMut::new();
@@ -481,11 +481,12 @@ impl TlsFront {
                             }
                             h = proxy.read_header(ProxiedListener::Main, &mut tcp, remote, deadline, &mut buf) => h,
                         };
-                        let Ok(client) = header else { return };
-                        if let Some(client) = client {
-                            guard.relayed_for(client.ip());
+                        let Ok(proxied) = header else { return };
+                        if let Some(p) = proxied {
+                            guard.relayed_for(p.client.ip());
                         }
-                        (tcp, client.unwrap_or(remote), buf.to_vec())
+                        let client = proxied.map_or(remote, |p| p.client);
+                        (tcp, client, proxied.map(|p| p.dialed.ip()), buf.to_vec())
                     }
                 };
                 let metrics = &this.inner.metrics;
@@ -493,7 +494,7 @@ impl TlsFront {
                 let result = tokio::select! {
                     _ = shutdown.cancelled() => None,
                     _ = guard.evicted() => Some(Err(Evicted)),
-                    r = tokio::time::timeout_at(deadline, this.handshake(tcp, received)) => Some(Ok(r)),
+                    r = tokio::time::timeout_at(deadline, this.handshake(tcp, received, dialed)) => Some(Ok(r)),
                 };
                 metrics.in_flight.dec();
                 let outcome = match result {
@@ -534,7 +535,9 @@ impl TlsFront {
     /// Reads the ClientHello (`received` holds what was already read of it), picks the config
     /// for its ALPN offer, and finishes the handshake, returning the stream and the TLS
     /// version's metric label. `None` for a TLS-ALPN-01 validation connection, which carries
-    /// no HTTP.
+    /// no HTTP. `dialed` is the address the client connected to when a PROXY protocol
+    /// header named it (the socket's own local address is the balancer-facing one): an IP
+    /// certificate is chosen, or ordered, for it.
     ///
     /// A client that offers TLS 1.3 gets derpd's own record layer after rustls's handshake
     /// ([`derp_io::tls`]): no rustls buffers or connection state per connection, no lock
@@ -545,8 +548,12 @@ impl TlsFront {
         &self,
         mut tcp: TcpStream,
         mut received: Vec<u8>,
+        dialed: Option<IpAddr>,
     ) -> io::Result<Option<(Transport, &'static str)>> {
-        let local = tcp.local_addr()?.ip();
+        let local = match dialed {
+            Some(ip) => ip,
+            None => tcp.local_addr()?.ip(),
+        };
         let hello = tokio::time::timeout(self.inner.options.client_hello_timeout, async {
             match read_client_hello(&mut tcp, &mut received).await? {
                 derp_io::tls::ClientHello::Hello { tls13: true, alpn }
@@ -756,6 +763,69 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Behind a balancer that sends PROXY protocol, the socket's local address is the
+    /// balancer-facing one; the certificate a client dialing by address needs is for the
+    /// address the header names as dialed.
+    #[tokio::test]
+    async fn behind_a_balancer_an_ip_certificate_is_for_the_address_the_client_dialed() {
+        use derp_proto::proxy_protocol::{Addresses, Command, write_v2};
+        use tokio::io::AsyncWriteExt;
+
+        let registry = Registry::new();
+        let mut config = derp_server::ServerConfig::new(derp_testkit::server_secret());
+        config.proxy_protocol = Some(vec!["127.0.0.1/32".parse().expect("cidr")]);
+        let server = Server::new(config, &registry).expect("server");
+        let options = TlsOptions {
+            ip_certs: true,
+            ..TlsOptions::new("derp.test")
+        };
+        let front = TlsFront::new(&server.public_key(), options, &registry).expect("front");
+        let mut requests = front
+            .ip_slots()
+            .expect("IP certificates on")
+            .take_requests()
+            .expect("the order queue");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let (front, server) = (front.clone(), server.clone());
+            tokio::spawn(async move { front.serve(&server, listener).await })
+        };
+
+        let dialed: std::net::SocketAddr = "203.0.113.7:443".parse().expect("addr");
+        let mut opening = Vec::new();
+        write_v2(
+            Command::Proxy,
+            &Addresses::Tcp {
+                source: "198.51.100.4:5000".parse().expect("addr"),
+                destination: dialed,
+            },
+            &[],
+            &mut opening,
+        )
+        .expect("header");
+        // The ClientHello of a client dialing by address: no SNI.
+        let client = rustls::ClientConfig::builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let mut hello = rustls::ClientConnection::new(
+            Arc::new(client),
+            rustls::pki_types::ServerName::IpAddress(dialed.ip().into()),
+        )
+        .expect("client");
+        hello.write_tls(&mut opening).expect("hello");
+        let mut tcp = TcpStream::connect(addr).await.expect("connect");
+        tcp.write_all(&opening).await.expect("write");
+
+        let ordered = tokio::time::timeout(derp_testkit::raw::STEP, requests.recv())
+            .await
+            .expect("an order in time")
+            .expect("the queue is open");
+        assert_eq!(ordered, dialed.ip());
+        server.shutdown().await;
+        serving.abort();
     }
 
     /// A TLS 1.3 suite the record layer does not implement, added to the provider, is

@@ -675,8 +675,12 @@ async fn a_rebound_client_keeps_its_registration_and_its_packets_keep_flowing() 
 /// away everything the server sends the client (`cut_down`): a downlink that went dead.
 struct Forwarder {
     front: SocketAddr,
+    /// Where the server sees the client's packets come from normally.
+    normal: SocketAddr,
     diverted: SocketAddr,
     divert: Arc<std::sync::atomic::AtomicBool>,
+    /// Sends the client's next 1-RTT packet alone from the diverted address (then clears).
+    divert_one: Arc<std::sync::atomic::AtomicBool>,
     /// Datagrams the server sent to the diverted address.
     lost: Arc<std::sync::atomic::AtomicU64>,
     cut_down: Arc<std::sync::atomic::AtomicBool>,
@@ -697,19 +701,28 @@ impl Forwarder {
         let divert = Arc::new(AtomicBool::new(false));
         let cut_down = Arc::new(AtomicBool::new(false));
         let lost = Arc::new(AtomicU64::new(0));
+        let divert_one = Arc::new(AtomicBool::new(false));
         let client = Arc::new(std::sync::Mutex::new(None::<SocketAddr>));
-        let (f, n, o, d, c) = (
+        let (f, n, o, d, one, c) = (
             front.clone(),
             normal.clone(),
             other.clone(),
             divert.clone(),
+            divert_one.clone(),
             client.clone(),
         );
         let upstream = tokio::spawn(async move {
             let mut buf = vec![0u8; 65536];
             while let Ok((len, from)) = f.recv_from(&mut buf).await {
                 *c.lock().expect("lock") = Some(from);
-                let via = if d.load(Ordering::Relaxed) { &o } else { &n };
+                // A short header (form bit 0): a 1-RTT packet, after the handshake.
+                let short = len > 0 && buf[0] & 0x80 == 0;
+                let via =
+                    if d.load(Ordering::Relaxed) || (short && one.swap(false, Ordering::Relaxed)) {
+                        &o
+                    } else {
+                        &n
+                    };
                 let _ = via.send_to(&buf[..len], server).await;
             }
         });
@@ -745,8 +758,10 @@ impl Forwarder {
         });
         Self {
             front: front.local_addr().expect("addr"),
+            normal: normal.local_addr().expect("addr"),
             diverted: other.local_addr().expect("addr"),
             divert,
+            divert_one,
             lost,
             cut_down,
             swallowed,
@@ -847,6 +862,78 @@ async fn packets_are_never_relayed_to_an_address_that_was_not_validated() {
     got.sort();
     assert_eq!(got, (0..10).collect::<Vec<u8>>());
     assert_eq!(relay.metric("derp_quic_migrations", &[]), 0.0);
+    relay.stop().await;
+}
+
+/// The next frame on a raw DERP stream.
+async fn read_frame(recv: &mut quinn::RecvStream) -> derp_proto::RelayToClient {
+    let mut frame = vec![0u8; 5];
+    within("a frame header", recv.read_exact(&mut frame))
+        .await
+        .expect("read");
+    let len = u32::from_be_bytes([frame[1], frame[2], frame[3], frame[4]]) as usize;
+    frame.resize(5 + len, 0);
+    within("a frame", recv.read_exact(&mut frame[5..]))
+        .await
+        .expect("read");
+    derp_testkit::raw::decode_frame(&frame).expect("a frame")
+}
+
+#[tokio::test]
+async fn the_handshake_address_is_trusted_not_where_a_forwarded_packet_moved_quinn() {
+    use derp_testkit::raw::{Handshake, Step, plain_info};
+
+    let relay = QuicRelay::start().await;
+    let fwd = Forwarder::start(relay.quic).await;
+    let (endpoint, config) = raw_endpoint(&[derp_server::quic::ALPN]);
+    let conn = within(
+        "handshake",
+        endpoint
+            .connect_with(config, fwd.front, "127.0.0.1")
+            .expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    relay
+        .eventually("the server's handshake", |r| {
+            r.metric("derp_quic_handshakes", &[("result", "ok")]) == 1.0
+        })
+        .await;
+    // The packet that opens the DERP stream arrives from another address, as if an attacker
+    // forwarded a copy first: quinn follows it there at once, unvalidated.
+    fwd.divert_one
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut send, mut recv) = conn.open_bi().await.expect("open");
+    send.write_all(&QUIC_PREAMBLE).await.expect("preamble");
+    relay
+        .eventually("the diverted packet", |_| {
+            !fwd.divert_one.load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .await;
+
+    // The DERP handshake (its frames reach the client once quinn is back on its address).
+    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+    let mut hs = Handshake::new(secret, plain_info());
+    loop {
+        match hs.step(read_frame(&mut recv).await).expect("handshake") {
+            Step::Send(out) => send.write_all(&out).await.expect("client info"),
+            Step::Read => {}
+            Step::Done(_) => break,
+        }
+    }
+    // The address reported is the one the handshake came from, never the diverted one.
+    loop {
+        match read_frame(&mut recv).await {
+            derp_proto::RelayToClient::ObservedAddr(addr) => {
+                assert_eq!(addr, fwd.normal);
+                break;
+            }
+            derp_proto::RelayToClient::KeepAlive => {}
+            other => panic!("expected ObservedAddr, got {other:?}"),
+        }
+    }
+    assert_eq!(relay.metric("derp_quic_migrations", &[]), 0.0);
+    conn.close(0u32.into(), b"");
     relay.stop().await;
 }
 

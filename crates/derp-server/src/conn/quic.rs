@@ -2,6 +2,7 @@
 //! its DERP stream and preamble, then the same [`serve`](super::serve_counted) as every
 //! TCP connection, and finally a CONNECTION_CLOSE with the code that says why it ended.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -102,13 +103,15 @@ async fn serve_incoming(
     };
     results.with_label_values(&["ok"]).inc();
     drop(permit);
-    let code = serve_connection(&shared, &conn).await;
+    let code = serve_connection(&shared, &conn, remote).await;
     conn.close(VarInt::from_u32(code), b"");
 }
 
 /// Takes the DERP stream and its preamble, then serves DERP on it. Returns the close code.
-async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
-    let remote = conn.remote_address();
+/// `remote` is the address the QUIC handshake came from and so validated: by the time the
+/// preamble is read, quinn may already follow a packet forwarded from elsewhere, and
+/// `conn.remote_address()` says where quinn sends now, validated or not.
+async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection, remote: SocketAddr) -> u32 {
     let opened = tokio::select! {
         _ = shared.shutdown.cancelled() => return close_code::SHUTDOWN,
         r = tokio::time::timeout(shared.config.handshake_timeout, async {
@@ -133,7 +136,7 @@ async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection) -> u32 {
             return close_code::HANDSHAKE_TIMEOUT;
         }
     };
-    let link = QuicLink::new(conn.clone());
+    let link = QuicLink::new(conn.clone(), remote);
     let accepted = Accepted {
         transport: Transport::Halves(Box::new(recv), Box::new(derp_io::quic::SendStream(send))),
         initial: BytesMut::new(),

@@ -42,9 +42,9 @@ const WATCH_INTERVAL: Duration = Duration::from_secs(1);
 const PROBE_INTERVAL: Duration = Duration::from_millis(20);
 
 impl QuicLink {
-    /// The link for a connection whose QUIC handshake completed; its address now is trusted.
-    pub(crate) fn new(conn: Connection) -> Arc<Self> {
-        let trusted = conn.remote_address();
+    /// The link for a connection whose QUIC handshake completed from `trusted`, the address
+    /// the handshake validated.
+    pub(crate) fn new(conn: Connection, trusted: SocketAddr) -> Arc<Self> {
         Arc::new(Self {
             conn,
             gate: Mutex::new(Gate::new(trusted)),

@@ -231,16 +231,17 @@ pub fn decode_frame(frame: &[u8]) -> Result<RelayToClient, DecodeError> {
     Ok(decoded.expect("a whole frame decodes"))
 }
 
-/// The client side of the DERP handshake, fed one frame at a time, so that both clients run
+/// The client side of the DERP handshake, fed one frame at a time, so that every client
+/// (these two, and tests speaking DERP on a stream of their own, such as a QUIC stream) runs
 /// the same steps.
 #[derive(Debug)]
-struct Handshake {
+pub struct Handshake {
     hs: ClientHandshake,
 }
 
 /// What the handshake needs next.
 #[derive(Debug)]
-enum Step {
+pub enum Step {
     /// Send these bytes (ClientInfo), then read on.
     Send(BytesMut),
     /// Read on.
@@ -250,7 +251,8 @@ enum Step {
 }
 
 impl Handshake {
-    fn new(secret: SecretKey, info: ClientInfo) -> Self {
+    /// A handshake for the client `secret` that will send `info`.
+    pub fn new(secret: SecretKey, info: ClientInfo) -> Self {
         Self {
             hs: ClientHandshake::new(secret, info),
         }
@@ -261,7 +263,8 @@ impl Handshake {
         self.hs.server_key().is_some()
     }
 
-    fn step(&mut self, frame: RelayToClient) -> Result<Step, ConnectError> {
+    /// Takes the next frame from the server.
+    pub fn step(&mut self, frame: RelayToClient) -> Result<Step, ConnectError> {
         match frame {
             RelayToClient::ServerKey(key) if !self.sent_client_info() => {
                 self.hs.handle_server_key(key)?;

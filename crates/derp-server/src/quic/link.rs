@@ -30,6 +30,10 @@ pub(crate) struct QuicLink {
     write_timed_out: AtomicBool,
     /// The DERP handshake completed and the client was registered.
     registered: AtomicBool,
+    /// The last check found the address unvalidated: relayed packets are held back.
+    held: AtomicBool,
+    /// Tells the path watcher that a check found the address unvalidated.
+    watch: tokio::sync::Notify,
 }
 
 /// Datagrams the read loop takes at once after the first, so a burst is routed as one batch.
@@ -51,6 +55,8 @@ impl QuicLink {
             client_finished: AtomicBool::new(false),
             write_timed_out: AtomicBool::new(false),
             registered: AtomicBool::new(false),
+            held: AtomicBool::new(false),
+            watch: tokio::sync::Notify::new(),
         })
     }
 
@@ -75,7 +81,7 @@ impl QuicLink {
                 path_challenges: stats.frame_tx.path_challenge,
             }
         });
-        match verdict {
+        let open = match verdict {
             Verdict::Open => true,
             Verdict::Validated(addr) => {
                 metrics.quic_migrations.inc();
@@ -83,7 +89,20 @@ impl QuicLink {
                 true
             }
             Verdict::Pending => false,
+        };
+        if open {
+            // Packets were held back. The writer waits for something queued before it
+            // looks again, so give it something (quinn going back to the trusted address
+            // queues nothing of its own).
+            if self.held.swap(false, Ordering::Relaxed) {
+                handle.queue.push_control(Control::KeepAlive);
+            }
+        } else if !self.held.swap(true, Ordering::Relaxed) {
+            // Newly held back (the writer usually sees it first): the watcher starts probing
+            // now, not at its next idle check.
+            self.watch.notify_one();
         }
+        open
     }
 
     /// Watches the client's address for as long as the connection lives (the caller drops
@@ -95,7 +114,11 @@ impl QuicLink {
             if !open {
                 handle.queue.push_control(Control::KeepAlive);
             }
-            tokio::time::sleep(if open { WATCH_INTERVAL } else { PROBE_INTERVAL }).await;
+            let pause = if open { WATCH_INTERVAL } else { PROBE_INTERVAL };
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = self.watch.notified() => {}
+            }
         }
     }
 

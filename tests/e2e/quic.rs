@@ -1071,6 +1071,30 @@ async fn a_quic_client_whose_downlink_stays_dead_is_closed_at_the_write_deadline
 }
 
 #[tokio::test]
+async fn while_the_server_drains_a_new_quic_client_is_refused_at_once() {
+    let relay = QuicRelay::start().await;
+    let (a, _) = relay.quic_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 1)
+        .await;
+    relay.server.drain_token().cancel();
+    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+    let err = within("a refusal", Client::connect(&relay.quic_config(secret)))
+        .await
+        .expect_err("a draining server takes no new client");
+    // Refused in so many words (CONNECTION_REFUSED), not a handshake left to time out.
+    assert!(err.to_string().contains("refused"), "{err}");
+    assert_eq!(
+        relay.metric("derp_quic_handshakes", &[("result", "refused")]),
+        1.0
+    );
+    // The client already there keeps its connection (until the drain is over).
+    assert_eq!(relay.server.local_clients(), 1);
+    drop(a);
+    relay.stop().await;
+}
+
+#[tokio::test]
 async fn a_mesh_peer_can_use_quic() {
     let mesh_key: derp_proto::MeshKey = "ab".repeat(32).parse().expect("mesh key");
     let mut config = ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng));

@@ -19,29 +19,32 @@ use crate::quic::{PREAMBLE, QuicLink, QuicListener, close_code};
 use crate::state::ServerState;
 
 /// Accepts QUIC connections until the server shuts down, then closes the endpoint. While
-/// the server drains (graceful shutdown) new connections are refused and established ones
-/// keep their connection until the drain is over.
+/// the server drains (graceful shutdown) new connections are refused (CONNECTION_REFUSED,
+/// so a client tries elsewhere at once) and established ones keep their connection until the
+/// drain is over.
 pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener) {
     let QuicListener {
         endpoint,
         config,
         handshakes,
     } = listener;
-    let mut draining = false;
     loop {
         let incoming = tokio::select! {
             _ = shared.shutdown.cancelled() => break,
-            _ = shared.draining.cancelled(), if !draining => {
-                draining = true;
-                endpoint.set_server_config(None);
-                continue;
-            }
             i = endpoint.accept() => match i {
                 Some(i) => i,
                 None => break,
             },
         };
         let results = &shared.metrics.quic_handshakes;
+        if shared.draining.is_cancelled() {
+            // Without a server config quinn would answer with a stateless reset, which a
+            // client cannot tell from noise before its handshake: it would retry until its
+            // own deadline.
+            results.with_label_values(&["refused"]).inc();
+            incoming.refuse();
+            continue;
+        }
         let Ok(permit) = handshakes.clone().try_acquire_owned() else {
             // Over the cap: make an unproven source prove its address first (a Retry costs
             // the server no state), and refuse one that already did.

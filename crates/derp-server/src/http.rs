@@ -50,7 +50,7 @@ pub(crate) async fn serve_proxied(
     let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
     let header = tokio::select! {
         _ = guard.evicted() => {
-            debug!(%peer, "evicted while sending its proxy header");
+            proxy.evicted(ProxiedListener::Main, peer);
             return;
         }
         h = proxy.read_header(ProxiedListener::Main, &mut stream, peer, deadline, &mut buf) => h,

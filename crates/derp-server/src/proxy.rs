@@ -70,15 +70,19 @@ pub enum ProxyRefusal {
     Timeout,
     /// The peer closed (or the socket failed) before the header was complete.
     Closed,
+    /// Evicted from the unproven-connection budget, to admit a newer connection, before the
+    /// header was complete.
+    Evicted,
 }
 
 impl ProxyRefusal {
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::NotAllowed,
         Self::NoHeader,
         Self::Malformed,
         Self::Timeout,
         Self::Closed,
+        Self::Evicted,
     ];
 
     fn label(self) -> &'static str {
@@ -88,6 +92,7 @@ impl ProxyRefusal {
             Self::Malformed => "malformed",
             Self::Timeout => "timeout",
             Self::Closed => "closed",
+            Self::Evicted => "evicted",
         }
     }
 }
@@ -131,7 +136,7 @@ pub struct ProxyProtocol {
 struct Inner {
     from: Vec<IpCidr>,
     /// By listener, then by [`ProxyRefusal::ALL`]'s order.
-    refused: [[IntCounter; 5]; 2],
+    refused: [[IntCounter; ProxyRefusal::ALL.len()]; 2],
     /// By listener, then by [`Accepted::ALL`]'s order.
     accepted: [[IntCounter; 3]; 2],
 }
@@ -188,6 +193,17 @@ impl ProxyProtocol {
             "not a listed proxy",
         );
         false
+    }
+
+    /// Counts a connection from `peer` evicted from the unproven budget while its header
+    /// was awaited (the caller stops reading it).
+    pub fn evicted(&self, listener: ProxiedListener, peer: SocketAddr) {
+        self.refuse(
+            listener,
+            peer,
+            ProxyRefusal::Evicted,
+            "evicted while sending its header",
+        );
     }
 
     fn refuse(&self, l: ProxiedListener, peer: SocketAddr, why: ProxyRefusal, detail: &str) {
@@ -465,8 +481,13 @@ mod listener_tests {
 
     /// A server taking PROXY protocol from `from` on a loopback listener.
     async fn server(from: &str) -> (Server, Registry, SocketAddr) {
+        server_with(from, crate::ConnLimits::default()).await
+    }
+
+    async fn server_with(from: &str, limits: crate::ConnLimits) -> (Server, Registry, SocketAddr) {
         let mut config = ServerConfig::new(derp_testkit::server_secret());
         config.proxy_protocol = Some(vec![from.parse().expect("cidr")]);
+        config.limits = limits;
         let registry = Registry::new();
         let server = Server::new(config, &registry).expect("server");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -604,6 +625,25 @@ mod listener_tests {
             .await;
         assert_eq!(answer(s).await, "");
         assert_eq!(count(&r, "derp_proxy_protocol_refused", "not_allowed"), 1.0);
+        server.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_connection_evicted_before_its_header_is_counted_as_refused() {
+        let limits = crate::ConnLimits {
+            max_unproven: 1,
+            ..crate::ConnLimits::default()
+        };
+        let (server, r, addr) = server_with("127.0.0.1/32", limits).await;
+        let mut first = connect_from("127.0.0.1", addr).await;
+        first
+            .write_all(&header_v2("203.0.113.9:4000")[..20])
+            .await
+            .expect("write");
+        // The budget holds one unproven connection: the next one evicts the first.
+        let _second = connect_from("127.0.0.1", addr).await;
+        assert_eq!(answer(first).await, "");
+        assert_eq!(count(&r, "derp_proxy_protocol_refused", "evicted"), 1.0);
         server.shutdown().await;
     }
 

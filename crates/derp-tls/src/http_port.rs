@@ -70,7 +70,10 @@ impl TlsFront {
                     let deadline = tokio::time::Instant::now() + HEADER_READ_TIMEOUT;
                     let header = tokio::select! {
                         _ = shutdown.cancelled() => return,
-                        _ = slot.evicted() => return,
+                        _ = slot.evicted() => {
+                            proxy.evicted(ProxiedListener::HttpPort, remote);
+                            return;
+                        }
                         h = proxy.read_header(ProxiedListener::HttpPort, &mut tcp, remote, deadline, &mut read) => h,
                     };
                     match header {

@@ -476,7 +476,7 @@ impl TlsFront {
                         let header = tokio::select! {
                             _ = shutdown.cancelled() => return,
                             _ = guard.evicted() => {
-                                debug!(%remote, "evicted while sending its proxy header");
+                                proxy.evicted(ProxiedListener::Main, remote);
                                 return;
                             }
                             h = proxy.read_header(ProxiedListener::Main, &mut tcp, remote, deadline, &mut buf) => h,

@@ -65,6 +65,13 @@ impl ListenAddr {
         if let Some(ip) = parse_ip(&self.host)? {
             return Ok(ip);
         }
+        if looks_numeric(&self.host) {
+            bail!(
+                "looking up the listen host (-a) {:?}: no such host (an address must be \
+                 written in full, as derper requires too)",
+                self.host
+            );
+        }
         let addrs: Vec<SocketAddr> = (self.host.as_str(), self.port)
             .to_socket_addrs()
             .with_context(|| format!("looking up the listen host (-a) {:?}", self.host))?
@@ -210,6 +217,21 @@ const GO_SERVICES: &[(&str, u16)] = &[
 ];
 
 /// The host as an address, if it is one (or empty): `None` for a name to look up.
+/// Whether `host`, which is no IP address as Go reads one, is a number the C resolver would
+/// take as one (`inet_aton`'s short forms: `127.1`, `2130706433`, `0x7f.1`, `0`). Go looks
+/// such a name up as a host name, finds nothing, and derper does not start; getaddrinfo
+/// would bind some address, `0` even IPv4's every-interface one without the dual stack.
+fn looks_numeric(host: &str) -> bool {
+    let parts: Vec<&str> = host.split('.').collect();
+    parts.len() <= 4
+        && parts.iter().all(
+            |p| match p.strip_prefix("0x").or_else(|| p.strip_prefix("0X")) {
+                Some(hex) => hex.bytes().all(|b| b.is_ascii_hexdigit()),
+                None => !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()),
+            },
+        )
+}
+
 fn parse_ip(host: &str) -> anyhow::Result<Option<BindIp>> {
     if host.is_empty() {
         return Ok(Some(BindIp::Any));
@@ -382,6 +404,21 @@ mod tests {
                 .resolve()
                 .is_err()
         );
+        // Short numeric forms the C resolver reads as addresses; Go (and derper) do not.
+        for short in [
+            "127.1",
+            "2130706433",
+            "0x7f.1",
+            "0",
+            "0x7f000001",
+            "127.0.1",
+        ] {
+            let err = ListenAddr::parse(&format!("{short}:3340"))
+                .expect("parses")
+                .resolve()
+                .expect_err(short);
+            assert!(err.to_string().contains("no such host"), "{short}: {err}");
+        }
     }
 
     /// Every IPv6 listener is dual-stack, so `[::]` (every interface) takes IPv4 too, whatever

@@ -502,6 +502,28 @@ mod tests {
                 "{form}: {got:?}"
             );
         }
+        // Go parses the flags before -h in order: a bad value among them is the error, and
+        // what follows -h is never looked at.
+        let help = |args: &[&str]| parse(args.iter().map(OsString::from));
+        let err = help(&["derpd", "-tcp-write-timeout=bogus", "-h"]).expect_err("bad value");
+        assert!(
+            err.starts_with("invalid value \"bogus\" for flag -tcp-write-timeout: "),
+            "{err}"
+        );
+        // A string (in Go) is checked only after parsing, which -h ends first.
+        assert!(matches!(
+            help(&["derpd", "-certmode", "nope", "-help"]),
+            Ok(Invocation::Help(_))
+        ));
+        assert!(help(&["derpd", "-tcp-keepalive-time=1x", "-help"]).is_err());
+        assert!(matches!(
+            help(&["derpd", "-h", "-tcp-write-timeout=bogus"]),
+            Ok(Invocation::Help(_))
+        ));
+        assert!(matches!(
+            help(&["derpd", "-proxy-protocol-from", "10.0.0.0/8", "-h"]),
+            Ok(Invocation::Help(_))
+        ));
         for form in ["-version", "--version", "-V", "-version=true"] {
             assert!(
                 try_parse_from(["derpd", form]).expect(form).version,

@@ -44,6 +44,12 @@ enum Kind {
     Other,
 }
 
+/// Whether `arg` takes a duration (Go's `flag.Duration`).
+fn is_duration(arg: &Arg) -> bool {
+    let t = arg.get_value_parser().type_id();
+    t == TypeId::of::<std::time::Duration>() || t == TypeId::of::<crate::duration::SignedDuration>()
+}
+
 fn kind(arg: &Arg) -> Kind {
     if matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
         return Kind::Bool;
@@ -159,6 +165,10 @@ pub(crate) fn translate(
     let mut bools: Vec<(&str, bool, bool)> = Vec::new();
     // The last flag, when it was a boolean without "=": the likely cause of a stray value.
     let mut bare_bool: Option<String> = None;
+    // Durations clap checks (after this), so that a help flag can check them first: Go's
+    // flag package parses a Duration flag's value when it meets it (strings only later, in
+    // derper's main, which -h never reaches).
+    let mut unchecked: Vec<(String, &Arg, OsString)> = Vec::new();
     while let Some(arg) = args.next() {
         let bytes = arg.as_bytes();
         if bytes.len() < 2 || bytes[0] != b'-' {
@@ -185,6 +195,10 @@ pub(crate) fn translate(
         let name = String::from_utf8_lossy(name).into_owned();
         let Some(def) = flags.get(&name) else {
             if name == "h" || name == "help" {
+                // Go has parsed every flag before this one: a bad value is its error, not help.
+                for (name, def, value) in &unchecked {
+                    check_value(name, def, value)?;
+                }
                 return Ok(Translated::Help {
                     long: name == "help",
                 });
@@ -228,7 +242,12 @@ pub(crate) fn translate(
                 match kind {
                     Kind::Int => number(&name, &value, parse_int)?,
                     Kind::Float => number(&name, &value, parse_float)?,
-                    _ => value,
+                    _ => {
+                        if is_duration(def) {
+                            unchecked.push((name.clone(), def, value.clone()));
+                        }
+                        value
+                    }
                 }
             }
         };
@@ -242,6 +261,30 @@ pub(crate) fn translate(
         }
     }
     Ok(Translated::Args(out))
+}
+
+/// Runs `def`'s own parser on `value` (in a command of its own: the full one would also
+/// apply rules between flags, which Go's flag package has none of), for an error in Go's
+/// words.
+fn check_value(name: &str, def: &Arg, value: &OsStr) -> Result<(), FlagError> {
+    let probe = Command::new("derpd").no_binary_name(true).arg(
+        Arg::new("value")
+            .long("value")
+            .allow_hyphen_values(true)
+            .value_parser(def.get_value_parser().clone()),
+    );
+    let mut arg = OsString::from("--value=");
+    arg.push(value);
+    probe.try_get_matches_from([arg]).map(drop).map_err(|e| {
+        // clap's first line ends in its parser's reason, after the flag it names.
+        let text = e.to_string();
+        let first = text.lines().next().unwrap_or_default();
+        let reason = first.rsplit_once("': ").map_or("parse error", |(_, r)| r);
+        FlagError(format!(
+            "invalid value {:?} for flag -{name}: {reason}",
+            value.to_string_lossy()
+        ))
+    })
 }
 
 /// A value read by `parse` and written back in the form clap's parsers read.

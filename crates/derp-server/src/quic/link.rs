@@ -94,7 +94,7 @@ impl QuicLink {
             // Packets were held back. The writer waits for something queued before it
             // looks again, so give it something (quinn going back to the trusted address
             // queues nothing of its own).
-            if self.held.swap(false, Ordering::Relaxed) {
+            if self.held.load(Ordering::Relaxed) && self.held.swap(false, Ordering::Relaxed) {
                 handle.queue.push_control(Control::KeepAlive);
             }
         } else if !self.held.swap(true, Ordering::Relaxed) {

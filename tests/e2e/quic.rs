@@ -795,20 +795,8 @@ impl Drop for Forwarder {
 async fn packets_are_never_relayed_to_an_address_that_was_not_validated() {
     let relay = QuicRelay::start().await;
     let fwd = Forwarder::start(relay.quic).await;
-    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
-    let ka = secret.public_key();
-    let config = ClientConfig::new(&format!("quic://{}", fwd.front), secret)
-        .expect("config")
-        .with_cert_name(relay.pin.clone())
-        .with_local_addr("127.0.0.1:0".parse().expect("addr"))
-        .with_connect_timeout(STEP);
-    let mut a = within("connect", Client::connect(&config))
-        .await
-        .expect("connect");
+    let (mut a, ka, first) = client_through(&relay, &fwd).await;
     let (mut b, kb) = relay.tcp_client().await;
-    let ReceivedFrame::ObservedAddr(first) = next(&mut a).await else {
-        panic!("expected ObservedAddr first");
-    };
     relay
         .eventually("registered", |r| r.server.local_clients() == 2)
         .await;
@@ -943,8 +931,9 @@ async fn the_handshake_address_is_trusted_not_where_a_forwarded_packet_moved_qui
     relay.stop().await;
 }
 
-/// A QUIC client connected through `fwd`, with the ObservedAddr the server sent it first.
-async fn client_through(relay: &QuicRelay, fwd: &Forwarder) -> (Client, PublicKey) {
+/// A QUIC client connected through `fwd`, its key, and the ObservedAddr the server sent it
+/// first.
+async fn client_through(relay: &QuicRelay, fwd: &Forwarder) -> (Client, PublicKey, SocketAddr) {
     let secret = SecretKey::generate(&mut rand::rngs::OsRng);
     let key = secret.public_key();
     let config = ClientConfig::new(&format!("quic://{}", fwd.front), secret)
@@ -955,10 +944,10 @@ async fn client_through(relay: &QuicRelay, fwd: &Forwarder) -> (Client, PublicKe
     let mut client = within("connect", Client::connect(&config))
         .await
         .expect("connect");
-    let ReceivedFrame::ObservedAddr(_) = next(&mut client).await else {
+    let ReceivedFrame::ObservedAddr(observed) = next(&mut client).await else {
         panic!("expected ObservedAddr first");
     };
-    (client, key)
+    (client, key, observed)
 }
 
 /// Packets sent towards a dead downlink: about six times what quinn's datagram buffer holds.
@@ -976,7 +965,7 @@ async fn when_quinn_has_no_room_for_datagrams_derpds_queue_drops_and_counts() {
     config.send_queue_depth = 8;
     let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
     let fwd = Forwarder::start(relay.quic).await;
-    let (mut a, ka) = client_through(&relay, &fwd).await;
+    let (mut a, ka, _) = client_through(&relay, &fwd).await;
     let (mut b, kb) = relay.tcp_client().await;
     relay
         .eventually("registered", |r| r.server.local_clients() == 2)
@@ -1040,7 +1029,7 @@ async fn a_quic_client_whose_downlink_stays_dead_is_closed_at_the_write_deadline
     config.send_queue_depth = 8;
     let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
     let fwd = Forwarder::start(relay.quic).await;
-    let (_a, ka) = client_through(&relay, &fwd).await;
+    let (_a, ka, _) = client_through(&relay, &fwd).await;
     let (mut b, _) = relay.tcp_client().await;
     relay
         .eventually("registered", |r| r.server.local_clients() == 2)

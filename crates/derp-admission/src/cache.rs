@@ -92,9 +92,17 @@ impl DecisionCache {
         if !leader {
             self.hits.inc();
         }
-        // If the task that started the question goes away (its client hung up), the next
-        // waiter runs `ask` itself: OnceCell hands initialisation on.
-        let verdict = cell
+        // Whether answered or abandoned (its client hung up, or was evicted, mid-question),
+        // the question leaves the map unless another caller still waits on it.
+        let leave = Leave {
+            map: &self.in_flight,
+            req,
+            cell,
+        };
+        // If the task that started the question goes away, the next waiter runs `ask`
+        // itself: OnceCell hands initialisation on.
+        leave
+            .cell
             .get_or_init(|| async {
                 let d = ask().await;
                 if d.definite {
@@ -103,12 +111,12 @@ impl DecisionCache {
                 d.verdict
             })
             .await
-            .clone();
-        let mut map = lock(&self.in_flight);
-        if map.get(&req).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
-            map.remove(&req);
-        }
-        verdict
+            .clone()
+    }
+
+    #[cfg(test)]
+    fn in_flight(&self) -> usize {
+        lock(&self.in_flight).len()
     }
 
     fn remembered(&self, req: &AdmissionRequest) -> Option<Verdict> {
@@ -135,6 +143,31 @@ impl DecisionCache {
         }
         if let Some(lru) = lock(&self.entries).as_mut() {
             lru.put(req, (verdict.clone(), Instant::now() + ttl));
+        }
+    }
+}
+
+/// One caller's hold on a question in flight. Dropped, it removes the question from the map
+/// once it is answered, or when no other caller holds it any more (only the map's handle and
+/// this one are left): an abandoned question nobody waits for would otherwise stay for good,
+/// one entry per client key, which clients choose freely.
+struct Leave<'a> {
+    map: &'a Mutex<HashMap<AdmissionRequest, InFlight>>,
+    req: AdmissionRequest,
+    cell: InFlight,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        let mut map = lock(self.map);
+        // Under the map's lock no other caller can take a new handle meanwhile.
+        let done = self.cell.initialized() || Arc::strong_count(&self.cell) <= 2;
+        if done
+            && map
+                .get(&self.req)
+                .is_some_and(|c| Arc::ptr_eq(c, &self.cell))
+        {
+            map.remove(&self.req);
         }
     }
 }
@@ -196,6 +229,48 @@ mod tests {
             verdict: Err(Refused::new("denied", "no")),
             definite,
         }
+    }
+
+    /// A client that goes away mid-question (evicted, timed out) leaves nothing behind when
+    /// nobody else waits on the question; one that others wait on is taken over by them.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_question_leaves_nothing_in_flight() {
+        let c = cache(100);
+        for k in 0..50u8 {
+            let q = c.decide(req(k), std::future::pending::<Decision>);
+            assert!(
+                tokio::time::timeout(Duration::from_secs(1), q)
+                    .await
+                    .is_err()
+            );
+        }
+        assert_eq!(c.in_flight(), 0);
+
+        // Abandoned by the first caller while a second waits: the second asks and answers.
+        let asked = AtomicUsize::new(0);
+        let mut first = Box::pin(c.decide(req(1), std::future::pending::<Decision>));
+        let mut second = Box::pin(ask(
+            &c,
+            req(1),
+            &asked,
+            Decision {
+                verdict: Ok(()),
+                definite: true,
+            },
+        ));
+        // Both start; the first is then dropped mid-question.
+        assert!(futures_poll(first.as_mut()).is_pending());
+        assert!(futures_poll(second.as_mut()).is_pending());
+        assert_eq!(c.in_flight(), 1);
+        drop(first);
+        assert!(second.await.is_ok());
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        assert_eq!(c.in_flight(), 0);
+    }
+
+    /// Polls `f` once with a waker that does nothing.
+    fn futures_poll<F: Future>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+        f.poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
     }
 
     #[tokio::test(start_paused = true)]

@@ -295,11 +295,33 @@ async fn max_connections_holds() {
     let mut a = RawClient::connect(srv.addr).await;
     let mut b = RawClient::connect(srv.addr).await;
     let idle1 = TcpStream::connect(srv.addr).await.expect("connect");
+    srv.eventually("three open", |s| {
+        s.metric("derp_open_connections", &[]) == 3.0
+    })
+    .await;
     let idle2 = TcpStream::connect(srv.addr).await.expect("connect");
     srv.eventually("four open", |s| {
         s.metric("derp_open_connections", &[]) == 4.0
     })
     .await;
+    // At the cap a new connection takes the place of the oldest that has not shown it is a
+    // client: stalled handshakes cannot hold the places against good clients.
+    let mut c = RawClient::connect(srv.addr).await;
+    assert!(
+        refused(idle1).await,
+        "the oldest unproven connection stayed"
+    );
+    assert_eq!(
+        srv.metric("derp_unproven_evicted", &[("cause", "max_connections")]),
+        1.0
+    );
+    let mut d = RawClient::connect(srv.addr).await;
+    assert!(refused(idle2).await, "the other unproven connection stayed");
+    srv.eventually("four clients", |s| {
+        s.metric("derp_open_connections", &[]) == 4.0
+    })
+    .await;
+    // Every place held by a client: a fifth connection is refused.
     let fifth = TcpStream::connect(srv.addr).await.expect("connect");
     assert!(refused(fifth).await, "a fifth connection was let in");
     assert_eq!(
@@ -307,21 +329,15 @@ async fn max_connections_holds() {
         1.0
     );
     pair_works(&mut a, &mut b, "at the cap").await;
+    pair_works(&mut c, &mut d, "in the evicted ones' places").await;
     // A slot that frees up is usable again.
-    drop(idle1);
-    srv.eventually("three open", |s| {
-        s.metric("derp_open_connections", &[]) == 3.0
-    })
-    .await;
-    let mut c = RawClient::connect(srv.addr).await;
-    pair_works(&mut c, &mut a, "in the freed slot").await;
     drop(b);
     srv.eventually("a closed client frees its slot", |s| {
         s.metric("derp_open_connections", &[]) == 3.0
     })
     .await;
-    // An idle connection is held until its request-head deadline; closing it ends it now.
-    drop(idle2);
+    let mut e = RawClient::connect(srv.addr).await;
+    pair_works(&mut e, &mut a, "in the freed slot").await;
     srv.stop().await;
 }
 

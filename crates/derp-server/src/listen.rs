@@ -25,6 +25,11 @@
 //! and the accept rate limit caps that rate. Refusing new connections when the budget is
 //! full, as a semaphore does, instead lets the attacker lock everyone out with `capacity`
 //! connections per handshake timeout.
+//!
+//! The same holds at the **cap on open connections**: a new connection that finds every
+//! place taken evicts the oldest unproven connection and takes its place (the count may
+//! run over the cap for the moment the evicted one takes to close). Only when every open
+//! connection is a proven client is a new one refused.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
@@ -282,14 +287,24 @@ impl Gate {
                 return Err(Refusal::RateLimit);
             }
         }
-        let open = OpenPermit::acquire(&self.open, self.max_connections).ok_or_else(|| {
-            self.metrics.refused_max.inc();
-            Refusal::MaxConnections
-        })?;
+        let open = match OpenPermit::acquire(&self.open, self.max_connections) {
+            Some(open) => open,
+            // Its place comes free as soon as the evicted connection closes.
+            None if self.budget.evict_oldest_for_cap() => {
+                OpenPermit::acquire(&self.open, None).expect("an unlimited count always has room")
+            }
+            None => {
+                self.metrics.refused_max.inc();
+                return Err(Refusal::MaxConnections);
+            }
+        };
         let unproven = if proxy {
-            self.budget.admit_proxy()
+            self.budget
+                .admit_source(IpAddr::from([0, 0, 0, 0]), false, true)
         } else {
-            self.budget.admit(remote.ip())
+            let ip = remote.ip();
+            self.budget
+                .admit_source(ip, !ip.to_canonical().is_loopback(), true)
         };
         Ok(ConnGuard {
             unproven: Some(unproven),
@@ -385,6 +400,7 @@ pub struct BudgetMetrics {
     current: IntGauge,
     evicted_full: IntCounter,
     evicted_source: IntCounter,
+    evicted_cap: IntCounter,
 }
 
 impl BudgetMetrics {
@@ -399,7 +415,8 @@ impl BudgetMetrics {
             Opts::new(
                 format!("{prefix}_unproven_evicted"),
                 "unproven connections closed to make room for newer ones, by cause \
-                 (budget: the budget was full; per_source: their source was at its cap)",
+                 (budget: the budget was full; per_source: their source was at its cap; \
+                 max_connections: every open connection's place was taken)",
             ),
             &["cause"],
         )?;
@@ -409,6 +426,7 @@ impl BudgetMetrics {
             current,
             evicted_full: evicted.with_label_values(&["budget"]),
             evicted_source: evicted.with_label_values(&["per_source"]),
+            evicted_cap: evicted.with_label_values(&["max_connections"]),
         })
     }
 }
@@ -444,6 +462,9 @@ struct BudgetState {
 struct Member {
     /// The source, when it is capped (and so in `by_source`).
     capped: Option<IpAddr>,
+    /// It holds a place among the open connections of the [`Gate`] that admitted it (the
+    /// port-80 listener's connections are in the budget without one).
+    counted: bool,
     evict: CancellationToken,
 }
 
@@ -546,7 +567,7 @@ impl UnprovenBudget {
 
     /// Admits a connection from `ip`, evicting an older one if there is no room.
     pub fn admit(&self, ip: IpAddr) -> Unproven {
-        self.admit_source(ip, !ip.to_canonical().is_loopback())
+        self.admit_source(ip, !ip.to_canonical().is_loopback(), false)
     }
 
     /// Admits a connection from a trusted proxy whose header has not named the client yet
@@ -554,7 +575,7 @@ impl UnprovenBudget {
     /// the oldest if full, but is not capped per source, since the proxy speaks for many
     /// clients.
     pub fn admit_proxy(&self) -> Unproven {
-        self.admit_source(IpAddr::from([0, 0, 0, 0]), false)
+        self.admit_source(IpAddr::from([0, 0, 0, 0]), false, false)
     }
 
     /// Tells every unproven connection to leave, as an eviction does but without counting
@@ -568,7 +589,32 @@ impl UnprovenBudget {
         }
     }
 
-    fn admit_source(&self, ip: IpAddr, capped: bool) -> Unproven {
+    /// Evicts the oldest unproven connection that holds a place among the open connections,
+    /// to free it for a newer one. Returns whether there was one.
+    fn evict_oldest_for_cap(&self) -> bool {
+        let inner = &self.inner;
+        let mut state = inner.lock();
+        if state.closed {
+            return false;
+        }
+        let oldest = state
+            .members
+            .iter()
+            .find(|(_, m)| m.counted)
+            .map(|(s, _)| *s);
+        let Some(seq) = oldest else {
+            return false;
+        };
+        let Some(member) = state.remove(seq) else {
+            return false;
+        };
+        member.evict.cancel();
+        inner.metrics.evicted_cap.inc();
+        inner.metrics.current.dec();
+        true
+    }
+
+    fn admit_source(&self, ip: IpAddr, capped: bool, counted: bool) -> Unproven {
         let source = source_of(ip);
         let inner = &self.inner;
         let mut state = inner.lock();
@@ -614,6 +660,7 @@ impl UnprovenBudget {
             seq,
             Member {
                 capped: capped.then_some(source),
+                counted,
                 evict: evict.clone(),
             },
         );
@@ -903,7 +950,7 @@ mod tests {
             &ConnLimits {
                 accept_rate: Some(AcceptRate {
                     per_sec: 0.0,
-                    burst: 4,
+                    burst: 5,
                 }),
                 max_connections: Some(2),
                 ..ConnLimits::default()
@@ -912,12 +959,53 @@ mod tests {
         )
         .expect("gate");
         let remote: SocketAddr = "192.0.2.1:1".parse().expect("addr");
-        let a = gate.admit(remote).expect("first");
-        let _b = gate.admit(remote).expect("second");
+        let a = gate.admit(remote).expect("first").prove().expect("a place");
+        let b = gate.admit(remote).expect("second");
+        // At the cap a newcomer takes the place of the oldest unproven connection...
+        let c = gate
+            .admit(remote)
+            .expect("third, in the unproven one's place");
+        assert!(b.eviction_token().is_cancelled());
+        assert_eq!(evicted_for_cap(&r), 1.0);
+        drop(b);
+        // ... and with every place held by a proven client, it is refused.
+        let _c = c.prove().expect("a place");
         assert_eq!(gate.admit(remote).err(), Some(Refusal::MaxConnections));
         drop(a);
-        // The refusal above took a token too: the fourth and last goes to this one.
-        let _c = gate.admit(remote).expect("room again");
+        // The refusal above took a token too: the fifth and last goes to this one.
+        let _d = gate.admit(remote).expect("room again");
         assert_eq!(gate.admit(remote).err(), Some(Refusal::RateLimit));
+    }
+
+    /// The port-80 listener's connections are in the budget without a place among the open
+    /// connections: evicting one would free none.
+    #[tokio::test]
+    async fn at_the_cap_only_connections_holding_a_place_are_evicted() {
+        let r = Registry::new();
+        let gate = Gate::new(
+            &ConnLimits {
+                max_connections: Some(1),
+                ..ConnLimits::default()
+            },
+            &r,
+        )
+        .expect("gate");
+        let remote: SocketAddr = "192.0.2.1:1".parse().expect("addr");
+        let port80 = gate.budget.admit(remote.ip());
+        let a = gate.admit(remote).expect("first").prove().expect("a place");
+        assert_eq!(gate.admit(remote).err(), Some(Refusal::MaxConnections));
+        assert!(!port80.evict.is_cancelled());
+        assert_eq!(evicted_for_cap(&r), 0.0);
+        drop(a);
+    }
+
+    fn evicted_for_cap(r: &Registry) -> f64 {
+        r.gather()
+            .iter()
+            .filter(|f| f.name() == "derp_unproven_evicted")
+            .flat_map(|f| f.get_metric())
+            .filter(|m| m.get_label().iter().any(|l| l.value() == "max_connections"))
+            .map(|m| m.get_counter().get_value())
+            .sum()
     }
 }

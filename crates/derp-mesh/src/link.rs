@@ -362,31 +362,36 @@ async fn write_out(
             }
         }
         link.queue.take(&mut batch);
-        let n = batch.len() as u64;
-        if n == 0 {
+        if batch.is_empty() {
             continue;
         }
-        let mut queued = Ok(());
-        for f in batch.drain(..) {
-            if queued.is_ok() {
-                queued = writer.queue_frame(&ClientToRelay::ForwardPacket {
-                    src: f.src,
-                    dst: f.dst,
-                    packet: f.packet,
-                });
-            }
-        }
-        let result = match queued {
-            Ok(()) => timed_write(config.write_timeout, writer.flush()).await,
-            Err(e) => Err(e.into()),
+        let metrics = &link.queue.metrics;
+        // Until a flush confirms them, the batch's packets count as write errors, also if
+        // this future is dropped mid-flush (the other side of the link ended, or shutdown).
+        let mut unflushed = Unflushed {
+            left: batch.len() as u64,
+            drops: &metrics.drops[ForwardDrop::WriteError as usize],
         };
-        match result {
-            Ok(()) => link.queue.metrics.forwarded.inc_by(n),
-            Err(e) => {
-                link.queue.metrics.drops[ForwardDrop::WriteError as usize].inc_by(n);
-                return Err(e);
+        // Flushed a chunk at a time, each under the write deadline: a sibling that reads
+        // slowly but steadily is not cut off because a burst queued megabytes at once.
+        let (mut in_chunk, mut chunk_bytes) = (0u64, 0usize);
+        let mut frames = batch.drain(..).peekable();
+        while let Some(f) = frames.next() {
+            chunk_bytes += FORWARD_FRAME_OVERHEAD + f.packet.len();
+            writer.queue_frame(&ClientToRelay::ForwardPacket {
+                src: f.src,
+                dst: f.dst,
+                packet: f.packet,
+            })?;
+            in_chunk += 1;
+            if chunk_bytes >= FLUSH_CHUNK || frames.peek().is_none() {
+                timed_write(config.write_timeout, writer.flush()).await?;
+                metrics.forwarded.inc_by(in_chunk);
+                unflushed.left -= in_chunk;
+                (in_chunk, chunk_bytes) = (0, 0);
             }
         }
+        drop(frames);
         if batch.capacity() > MAX_IDLE_BATCH {
             batch = VecDeque::new();
         }
@@ -419,6 +424,26 @@ async fn timed_write(
     match tokio::time::timeout(limit, write).await {
         Ok(r) => Ok(r?),
         Err(_) => Err(LinkError::WriteTimeout(limit)),
+    }
+}
+
+/// What a flush writes at most (one more frame may take it past): about one maximal packet,
+/// the unit derper's write deadline bounds.
+const FLUSH_CHUNK: usize = 64 * 1024;
+/// A ForwardPacket frame's bytes besides its packet: header and both keys.
+const FORWARD_FRAME_OVERHEAD: usize = 5 + 32 + 32;
+
+/// Packets of a batch not yet confirmed written; dropped, counts them as write errors.
+struct Unflushed<'a> {
+    left: u64,
+    drops: &'a prometheus::IntCounter,
+}
+
+impl Drop for Unflushed<'_> {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.drops.inc_by(self.left);
+        }
     }
 }
 

@@ -318,6 +318,18 @@ async fn stuck_receiver_is_cut_off_by_the_write_timeout() {
     })
     .await;
     assert_eq!(gauge(&srv, "derp_sclient_write_timeouts"), 1.0);
+    // The connection is counted as ended by its failed write, once.
+    srv.eventually("the end counted", |s| {
+        s.metric("derp_connection_errors", &[("class", "local")]) == 1.0
+    })
+    .await;
+    assert_eq!(
+        srv.metric(
+            "derp_connection_errors",
+            &[("class", "local"), ("reason", "write_timeout")]
+        ),
+        1.0
+    );
     // The batch being written when the deadline hit is lost as a write error.
     assert!(dropped(&srv, "write_error", "other") >= 1.0);
     cathy.expect_closed().await;

@@ -4,13 +4,16 @@
 use std::net::SocketAddr;
 use std::num::NonZeroU64;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU16, Ordering};
 use std::task::Waker;
 
 use derp_proto::{PublicKey, ws};
 use tokio::sync::Notify;
 
 use crate::queue::{Batch, SendQueue};
+
+const WRITE_FAILED: u8 = 1;
+const WRITE_TIMED_OUT: u8 = 2;
 
 /// A registered connection, shared (as `Arc<ConnHandle>`) by the registry, the lookup layers
 /// and its own read loop and writer.
@@ -30,6 +33,8 @@ pub(crate) struct ConnHandle {
     pub(crate) preferred: AtomicBool,
     /// WebSocket close code the writer sends when the connection ends.
     pub(crate) ws_close_code: AtomicU16,
+    /// How the writer failed, if it did: [`WRITE_FAILED`] or [`WRITE_TIMED_OUT`], else 0.
+    write_failure: AtomicU8,
     /// Cancelled when the connection must end, from either side or on server shutdown.
     pub(crate) cancel: Cancel,
     /// What other connections queue for this one to write.
@@ -58,9 +63,29 @@ impl ConnHandle {
             active: AtomicBool::new(false),
             preferred: AtomicBool::new(false),
             ws_close_code: AtomicU16::new(ws::close_code::INTERNAL_ERROR),
+            write_failure: AtomicU8::new(0),
             cancel: Cancel::default(),
             queue: SendQueue::new(depth),
             socket_cookie: None,
+        }
+    }
+
+    /// Records that writing to the client failed (and so ended the connection), for the
+    /// end of the read side to count.
+    pub(crate) fn note_write_failure(&self, timed_out: bool) {
+        let how = if timed_out {
+            WRITE_TIMED_OUT
+        } else {
+            WRITE_FAILED
+        };
+        self.write_failure.store(how, Ordering::Release);
+    }
+
+    /// Whether writing failed: `Some(timed_out)`.
+    pub(crate) fn write_failure(&self) -> Option<bool> {
+        match self.write_failure.load(Ordering::Acquire) {
+            0 => None,
+            how => Some(how == WRITE_TIMED_OUT),
         }
     }
 

@@ -47,6 +47,9 @@ pub(crate) enum LocalError {
     /// Still unproven when newer connections needed its place in the budget.
     #[error("evicted from the unproven-connection budget")]
     Evicted,
+    /// Writing to the client failed, or missed the write deadline, and ended the connection.
+    #[error("write to the client {}", if *timed_out { "timed out" } else { "failed" })]
+    Write { timed_out: bool },
 }
 
 impl ConnError {
@@ -72,6 +75,8 @@ impl ConnError {
                     LocalError::Io(_) => "io",
                     LocalError::HandshakeTimeout => "timeout",
                     LocalError::Evicted => "evicted",
+                    LocalError::Write { timed_out: true } => "write_timeout",
+                    LocalError::Write { timed_out: false } => "write",
                 },
             ],
         }

@@ -295,6 +295,7 @@ impl Established {
                 ..
             } = &self.registration;
             debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
+            let result = result.and_then(|()| written_out(handle));
             if *detached {
                 count_end(shared, handle.remote, &result);
             }
@@ -320,7 +321,16 @@ impl Established {
             never = link.watch_path(handle, &shared.metrics) => match never {},
         };
         debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
-        result
+        result.and_then(|()| written_out(handle))
+    }
+}
+
+/// A read side that ended cleanly ended because the writer failed, if it did: that is how
+/// the connection ended.
+fn written_out(handle: &ConnHandle) -> Result<(), ConnError> {
+    match handle.write_failure() {
+        Some(timed_out) => Err(LocalError::Write { timed_out }.into()),
+        None => Ok(()),
     }
 }
 

@@ -266,11 +266,16 @@ impl Writer {
     async fn finish(mut self: Box<Self>, error: Option<io::Error>) {
         let (shared, handle) = (&self.shared, &self.handle);
         if let Some(e) = error {
-            if e.kind() == io::ErrorKind::TimedOut {
+            let timed_out = e.kind() == io::ErrorKind::TimedOut;
+            if timed_out {
                 shared.metrics.write_timeouts.inc();
                 if let Some(link) = &self.quic {
                     link.note_write_timeout();
                 }
+            }
+            // Not a failure of the write: the connection was ending for another reason.
+            if e.kind() != io::ErrorKind::ConnectionAborted {
+                handle.note_write_failure(timed_out);
             }
             debug!(id = handle.id, error = %e, "write failed");
         }

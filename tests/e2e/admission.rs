@@ -43,6 +43,8 @@ enum Mode {
     SlowBody,
     /// An allow padded past the 4 KiB cap.
     Huge,
+    /// A 403 whose head is too large to read (as a proxy in front might send).
+    HugeHead,
     /// Decides as `Decide`, but only once the test calls [`AdmissionServer::release`].
     Held,
 }
@@ -188,6 +190,10 @@ async fn serve_admission<S: AsyncRead + AsyncWrite + Unpin>(
             Mode::Huge => respond(
                 200,
                 &format!("{{\"Allow\": true, \"pad\": \"{}\"}}", "x".repeat(8192)),
+            ),
+            Mode::HugeHead => format!(
+                "HTTP/1.1 403 Forbidden\r\nX-Pad: {}\r\nContent-Length: 0\r\n\r\n",
+                "a".repeat(20_000)
             ),
             Mode::Silent => {
                 // Hold the connection without a word until the client gives up.
@@ -436,6 +442,8 @@ async fn failures_refuse_by_default_and_fail_open_admits_only_the_unreachable() 
         (Mode::Status500, "bad_response", false),
         (Mode::Garbage, "bad_response", false),
         (Mode::Huge, "bad_response", false),
+        // A response arrived, even if derpd cannot read it: not an unreachable server.
+        (Mode::HugeHead, "bad_response", false),
         (Mode::SlowBody, "bad_response", false),
         (Mode::Silent, "unavailable", true),
     ];

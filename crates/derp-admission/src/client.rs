@@ -28,7 +28,8 @@ pub(crate) enum Failure {
     /// No response head arrived: the server is down, unreachable, refused TLS, or did not
     /// answer in time.
     Unreachable(String),
-    /// A response started but its body was too large, broken, or too slow.
+    /// A response arrived but was unusable: a head that could not be read (too large, not
+    /// HTTP), or a body too large, broken, or too slow.
     BadBody(String),
 }
 
@@ -170,6 +171,11 @@ impl PostClient {
             .await;
             match sent {
                 Ok(Ok(resp)) => break (sender, resp),
+                // Something answered, in a form derpd cannot read: the server is there, and
+                // failing open would admit whoever a broken answer is about.
+                Ok(Err(e)) if e.is_parse() || e.is_parse_too_large() || e.is_parse_status() => {
+                    return Err(Failure::BadBody(format!("response: {e}")));
+                }
                 Ok(Err(_)) if pooled => continue,
                 Ok(Err(e)) => return Err(Failure::Unreachable(format!("request: {e}"))),
                 Err(_) => return Err(Failure::Unreachable("no response in time".into())),

@@ -122,7 +122,8 @@ impl AllowKeys {
     pub fn reload_if_changed(&self) -> Result<Option<usize>, AllowKeysError> {
         let now = stamp(&self.path);
         let last = *self.stamp.lock().unwrap_or_else(|e| e.into_inner());
-        if now.is_some() && now == last {
+        // A file still missing is unchanged too: reported once, when it went.
+        if now == last {
             return Ok(None);
         }
         self.reload().map(Some)
@@ -227,6 +228,24 @@ mod tests {
         assert!(keys.contains(&PublicKey::from_bytes([0x11; 32])));
         assert!(keys.contains(&PublicKey::from_bytes([0x22; 32])));
         assert_eq!(parse("").expect("empty").len(), 0);
+    }
+
+    #[test]
+    fn a_file_that_went_missing_is_reported_once_and_read_again_when_back() {
+        let dir = std::env::temp_dir().join(format!("derp-allow-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("allow.txt");
+        std::fs::write(&path, format!("{K1}\n")).expect("write");
+        let metrics = AdmissionMetrics::register(&prometheus::Registry::new()).expect("metrics");
+        let allow = AllowKeys::load(&path, &metrics).expect("load");
+        std::fs::remove_file(&path).expect("remove");
+        assert!(allow.reload_if_changed().is_err());
+        assert_eq!(allow.reload_if_changed().expect("unchanged"), None);
+        assert_eq!(metrics.allow_keys_reload_errors.get(), 1);
+        assert_eq!(allow.len(), 1, "the old list stays in force");
+        std::fs::write(&path, format!("{K1}\n{K2}\n")).expect("write");
+        assert_eq!(allow.reload_if_changed().expect("back"), Some(2));
+        std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! writers count into plain local integers ([`ReaderCounts`]) and fold them into these
 //! registry counters once per socket read or write batch.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use prometheus::{
     Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
@@ -210,7 +213,11 @@ pub struct Metrics {
     /// `derp_sclient_write_timeouts`: connections closed because a write missed its deadline.
     pub write_timeouts: IntCounter,
     /// `derp_average_queue_duration_ms`: moving average of the time packets wait in queues.
+    /// Updated through [`Metrics::fold_queue_waits`]: the gauge shows the average, whose
+    /// state is kept apart so that concurrent writers never lose each other's samples.
     pub average_queue_duration_ms: Gauge,
+    /// The average's state, an `f64` in bits.
+    queue_wait_average: Arc<AtomicU64>,
     /// `derp_buffered_write_frames`: frames written per flush.
     pub buffered_write_frames: Histogram,
     /// `derp_websocket_accepts`: DERP connections carried over WebSocket.
@@ -252,6 +259,30 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Folds a batch's queueing times into `derp_average_queue_duration_ms`, as if each
+    /// packet had been folded in turn (`average = 0.9 average + 0.1 waited`): `decay` is
+    /// 0.9 to the batch's packet count and `sum` what its packets add after that decay.
+    /// A compare-and-swap, so that two writers finishing together both count.
+    pub(crate) fn fold_queue_waits(&self, decay: f64, sum: f64) {
+        let state = &self.queue_wait_average;
+        let mut old = state.load(Ordering::Relaxed);
+        loop {
+            let new = f64::from_bits(old) * decay + sum;
+            match state.compare_exchange_weak(
+                old,
+                new.to_bits(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    self.average_queue_duration_ms.set(new);
+                    return;
+                }
+                Err(now) => old = now,
+            }
+        }
+    }
+
     /// Creates the metrics and registers them on `registry`.
     pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
         let r = Reg(registry);
@@ -414,6 +445,7 @@ impl Metrics {
                 "connections closed because a write missed its deadline",
             )?,
             average_queue_duration_ms,
+            queue_wait_average: Arc::new(AtomicU64::new(0f64.to_bits())),
             buffered_write_frames,
             websocket_accepts: r.counter(
                 "derp_websocket_accepts",
@@ -599,5 +631,37 @@ impl Reg<'_> {
         let v = IntCounterVec::new(Opts::new(name, help), labels)?;
         self.0.register(Box::new(v.clone()))?;
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two batches fold in as their packets would one by one, whichever writer finishes
+    /// first, and writers finishing together lose nothing.
+    #[test]
+    fn queue_waits_fold_in_without_losing_a_batch() {
+        let m = Metrics::new(&Registry::new()).expect("metrics");
+        // One packet that waited a second, twice: 0.1 × 1000, then 0.9 × 100 + 100.
+        m.fold_queue_waits(0.9, 100.0);
+        m.fold_queue_waits(0.9, 100.0);
+        assert!((m.average_queue_duration_ms.get() - 190.0).abs() < 1e-9);
+
+        let m = Metrics::new(&Registry::new()).expect("metrics");
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..10_000 {
+                        // A pure sum, so that a lost fold shows in the total.
+                        m.fold_queue_waits(1.0, 1.0);
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            f64::from_bits(m.queue_wait_average.load(Ordering::Relaxed)),
+            40_000.0
+        );
     }
 }

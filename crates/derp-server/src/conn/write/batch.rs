@@ -190,8 +190,10 @@ struct Framed {
     pongs: u64,
     /// PeerGone frames, indexed by `[Disconnected, NotHere]`.
     gone: [u64; 2],
-    /// The moving average of queueing time with this batch's packets folded in.
-    average_wait_ms: f64,
+    /// This batch's queueing times for [`Metrics::fold_queue_waits`](crate::Metrics): 0.9 to
+    /// the packet count, and what the packets add to the average.
+    wait_decay: f64,
+    wait_sum: f64,
     /// Packets sent in QUIC datagrams.
     datagrams: u64,
     /// Packets to QUIC clients that went on the stream, indexed by [`FallbackReason`].
@@ -224,7 +226,7 @@ impl Writer {
         let segs = &mut s.segs;
         let framing = self.framing;
         let mut framed = Framed {
-            average_wait_ms: self.shared.metrics.average_queue_duration_ms.get(),
+            wait_decay: 1.0,
             ..Framed::default()
         };
         for control in s.batch.control.drain(..) {
@@ -293,7 +295,8 @@ impl Writer {
         ] {
             for (i, p) in queue.iter().enumerate() {
                 let waited = now.saturating_duration_since(p.enqueued).as_secs_f64() * 1000.0;
-                framed.average_wait_ms = framed.average_wait_ms * 0.9 + waited * 0.1;
+                framed.wait_sum = framed.wait_sum * 0.9 + waited * 0.1;
+                framed.wait_decay *= 0.9;
                 framed.packets += 1;
                 framed.packet_bytes += p.data.len() as u64;
                 framed.frames += 1;
@@ -382,7 +385,7 @@ impl Writer {
             if shared.config.packet_metrics {
                 m.packets_sent.inc_by(framed.packets);
                 m.bytes_sent.inc_by(framed.packet_bytes);
-                m.average_queue_duration_ms.set(framed.average_wait_ms);
+                m.fold_queue_waits(framed.wait_decay, framed.wait_sum);
             }
         }
         if framed.pongs > 0 {

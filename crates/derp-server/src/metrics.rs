@@ -213,8 +213,8 @@ pub struct Metrics {
     /// `derp_sclient_write_timeouts`: connections closed because a write missed its deadline.
     pub write_timeouts: IntCounter,
     /// `derp_average_queue_duration_ms`: moving average of the time packets wait in queues.
-    /// Updated through [`Metrics::fold_queue_waits`]: the gauge shows the average, whose
-    /// state is kept apart so that concurrent writers never lose each other's samples.
+    /// The writers fold their batches into it with a compare-and-swap on a state kept apart
+    /// (the gauge only shows it), so that writers finishing together lose nothing.
     pub average_queue_duration_ms: Gauge,
     /// The average's state, an `f64` in bits.
     queue_wait_average: Arc<AtomicU64>,

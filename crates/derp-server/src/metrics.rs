@@ -491,6 +491,10 @@ impl Metrics {
         if counts.is_empty() {
             return;
         }
+        if counts.head_drop_waits > 0 {
+            let n = i32::try_from(counts.head_drop_waits).unwrap_or(i32::MAX);
+            self.fold_queue_waits(0.9f64.powi(n), counts.head_drop_wait_sum);
+        }
         add(&self.packets_received, counts.packets_received);
         add(&self.bytes_received, counts.bytes_received);
         for kind in 0..2 {
@@ -555,6 +559,10 @@ pub(crate) struct ReaderCounts {
     pub(crate) garbage_datagrams: u64,
     /// Frames handled since the last fold; used to fold at least this often on long bursts.
     pub(crate) frames: u64,
+    /// Packets pushed out of full queues, and what their waits add to the queue-time
+    /// average ([`ReaderCounts::head_dropped_after`]), folded in as a writer's batch is.
+    pub(crate) head_drop_waits: u32,
+    pub(crate) head_drop_wait_sum: f64,
 }
 
 impl ReaderCounts {
@@ -572,6 +580,13 @@ impl ReaderCounts {
     pub(crate) fn drop(&mut self, reason: DropReason, kind: PacketKind, bytes: usize) {
         self.dropped[reason as usize][kind as usize] += 1;
         self.dropped_bytes[reason as usize][kind as usize] += bytes as u64;
+    }
+
+    /// A packet pushed out of a full queue after waiting `waited`: it counts in the
+    /// queue-time average as a written packet does (as derper counts it).
+    pub(crate) fn head_dropped_after(&mut self, waited: std::time::Duration) {
+        self.head_drop_waits += 1;
+        self.head_drop_wait_sum = self.head_drop_wait_sum * 0.9 + waited.as_secs_f64() * 100.0;
     }
 }
 

@@ -207,6 +207,7 @@ impl SendQueue {
         inline: &mut Inline,
     ) {
         let len = packet.data.len();
+        let enqueued = packet.enqueued;
         let mut state = self.lock();
         if state.pending.queue(kind).len() >= self.depth && !inline.writers.is_empty() {
             // Full within one read batch: a fast sender's read can carry more packets for
@@ -236,6 +237,7 @@ impl SendQueue {
             }
             if let Some(old) = queue.pop_front() {
                 counts.drop(DropReason::QueueHead, kind, old.data.len());
+                counts.head_dropped_after(enqueued.saturating_duration_since(old.enqueued));
             }
         }
         if packet.is_some() {
@@ -443,6 +445,35 @@ mod tests {
 
     fn pkt(b: u8) -> Bytes {
         Bytes::from(vec![b; 10])
+    }
+
+    /// A packet pushed out of a full queue counts in the queue-time average with the time
+    /// it waited, as a written one does.
+    #[test]
+    fn a_head_drop_counts_its_wait_in_the_queue_time_average() {
+        let h = handle(1);
+        let mut counts = ReaderCounts::default();
+        let now = Instant::now();
+        let src = PublicKey::from_bytes([9; 32]);
+        for enqueued in [now - std::time::Duration::from_secs(1), now] {
+            h.push_packet(
+                Packet {
+                    src,
+                    data: pkt(0),
+                    enqueued,
+                    forwarded: false,
+                },
+                PacketKind::Other,
+                &mut counts,
+                &mut Inline::default(),
+            );
+        }
+        assert_eq!(counts.head_drop_waits, 1);
+        counts.frames = 2;
+        let m = crate::Metrics::new(&prometheus::Registry::new()).expect("metrics");
+        m.fold(&mut counts);
+        // 0.1 of the one second it waited.
+        assert!((m.average_queue_duration_ms.get() - 100.0).abs() < 1e-6);
     }
 
     #[test]

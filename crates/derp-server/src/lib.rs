@@ -23,9 +23,10 @@
 //!   proxy;
 //! - counts everything into Prometheus metrics registered on a registry the caller passes in;
 //! - answers STUN binding requests on a UDP socket it is given;
-//! - serves DERP over QUIC ([`quic`], with quinn) on a UDP socket and TLS config it is
-//!   given: one stream per client runs the same handshake, registration and relay as TCP,
-//!   and QUIC datagrams carry packets both ways.
+//! - serves DERP over QUIC ([`quic`]) on a UDP socket and TLS config it is given, with a
+//!   driver of its own on quinn-proto: one stream per client runs the same handshake,
+//!   registration and relay as TCP, and QUIC datagrams carry packets both ways, routed by
+//!   the task that received them.
 //!
 //! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
 //! or a global metrics registry (`derpd` does those); terminate TLS or obtain certificates
@@ -51,6 +52,7 @@ mod queue;
 pub mod quic;
 mod ratelimit;
 mod registry;
+mod route;
 mod server;
 mod state;
 mod stun;

@@ -25,8 +25,8 @@ use crate::handle::ConnHandle;
 use crate::lookup::Router;
 use crate::queue::Control;
 use crate::ratelimit::ClientLimiter;
+use crate::route::NotHereLimiter;
 use crate::state::ServerState;
-use frames::NotHereLimiter;
 pub(super) use reader::FrameReader;
 
 /// How a busy stretch of the read loop ended.
@@ -269,6 +269,12 @@ impl<'a> ReadLoop<'a> {
             self.read_since_keepalive = true;
             self.adapt_to_read(n);
         }
+    }
+
+    /// Whether the client's input is under a receive rate limit (then its QUIC datagrams
+    /// must be read here, where the limit is kept).
+    pub(super) fn is_limited(&self) -> bool {
+        self.limiter.is_some()
     }
 
     /// Queues a keepalive. Timed here rather than by the writer, which may be parked.

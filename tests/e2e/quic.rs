@@ -1208,3 +1208,36 @@ async fn an_https_url_with_a_quic_port_connects_over_quic() {
     );
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn clients_that_come_and_go_are_each_routed_as_themselves() {
+    // The server's QUIC driver routes datagrams as the client its connection registered,
+    // and quinn-proto hands a drained connection's slot to the next one: a client arriving
+    // in the slot of one that left must be routed as itself.
+    let relay = QuicRelay::start().await;
+    let (mut b, kb) = relay.tcp_client().await;
+    for round in 0..5u8 {
+        let (mut a, ka) = relay.quic_client().await;
+        assert!(matches!(next(&mut a).await, ReceivedFrame::ObservedAddr(_)));
+        relay
+            .eventually("a registered", |r| r.server.local_clients() == 2)
+            .await;
+        a.send_packet(kb, [round; 64]).await.expect("send");
+        // b hears that the previous round's client left; then the packet.
+        let (src, packet) = loop {
+            match next(&mut b).await {
+                ReceivedFrame::RecvPacket { src, packet } => break (src, packet),
+                ReceivedFrame::PeerGone { .. } => continue,
+                other => panic!("expected a packet, got {other:?}"),
+            }
+        };
+        assert_eq!(src, ka, "round {round}");
+        assert_eq!(&packet[..], &[round; 64]);
+        a.close().await.expect("close");
+        relay
+            .eventually("a gone", |r| r.server.local_clients() == 1)
+            .await;
+    }
+    assert_eq!(relay.metric("derp_quic_stream_fallbacks", &[]), 0.0);
+    relay.stop().await;
+}

@@ -315,11 +315,20 @@ impl Established {
         let shared = &self.registration.shared;
         let handle = &self.registration.handle;
         let mut read_loop = ReadLoop::new(shared, handle, &mut self.reader);
+        // Without a receive rate limit, the endpoint's driver routes the client's datagrams
+        // as they arrive; with one, they come through the read loop, which keeps it.
+        let routed = !read_loop.is_limited();
+        if routed {
+            link.route_in_driver(Some(handle.clone()));
+        }
         // The path watcher also runs through a drain's wait, which `run` includes.
         let result = tokio::select! {
             r = read_loop.run() => r,
             never = link.watch_path(handle, &shared.metrics) => match never {},
         };
+        if routed {
+            link.route_in_driver(None);
+        }
         debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
         result.and_then(|()| written_out(handle))
     }

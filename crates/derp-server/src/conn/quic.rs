@@ -8,14 +8,13 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use derp_io::Transport;
-use quinn::{Connection, Incoming, VarInt};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::debug;
 
 use super::{Accepted, ConnError, Framing, LocalError, PeerMisbehaved};
 use crate::listen::ConnGuard;
 use crate::metrics::TransportLabel;
-use crate::quic::{PREAMBLE, QuicLink, QuicListener, close_code};
+use crate::quic::{Conn, Incoming, PREAMBLE, QuicLink, QuicListener, close_code};
 use crate::state::ServerState;
 
 /// Accepts QUIC connections until the server shuts down, then closes the endpoint. While
@@ -24,14 +23,16 @@ use crate::state::ServerState;
 /// drain is over.
 pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener) {
     let QuicListener {
-        endpoint,
+        mut endpoint,
+        incoming: mut offers,
         config,
         handshakes,
     } = listener;
+    endpoint.start(shared.clone());
     loop {
         let incoming = tokio::select! {
             _ = shared.shutdown.cancelled() => break,
-            i = endpoint.accept() => match i {
+            i = offers.recv() => match i {
                 Some(i) => i,
                 None => break,
             },
@@ -50,7 +51,7 @@ pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener
             // the server no state), and refuse one that already did.
             if !incoming.remote_address_validated() && incoming.may_retry() {
                 results.with_label_values(&["retry"]).inc();
-                let _ = incoming.retry();
+                incoming.retry();
             } else {
                 results.with_label_values(&["refused"]).inc();
                 incoming.refuse();
@@ -64,7 +65,9 @@ pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener
             config.handshake_timeout,
         ));
     }
-    endpoint.close(VarInt::from_u32(close_code::SHUTDOWN), b"");
+    // Attempts that arrive from now on are refused by the endpoint itself.
+    drop(offers);
+    endpoint.close(close_code::SHUTDOWN);
     // Give the CONNECTION_CLOSE frames a moment to leave before the socket goes away.
     let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
 }
@@ -79,7 +82,7 @@ async fn serve_incoming(
 ) {
     let remote = incoming.remote_address();
     let results = &shared.metrics.quic_handshakes;
-    let connecting = match incoming.accept() {
+    let conn = match incoming.accept() {
         Ok(c) => c,
         Err(e) => {
             results.with_label_values(&["error"]).inc();
@@ -87,40 +90,43 @@ async fn serve_incoming(
             return;
         }
     };
-    let conn = tokio::select! {
+    tokio::select! {
         _ = shared.shutdown.cancelled() => return,
-        r = tokio::time::timeout(timeout, connecting) => match r {
-            Ok(Ok(conn)) => conn,
+        r = tokio::time::timeout(timeout, conn.handshake()) => match r {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 results.with_label_values(&["error"]).inc();
                 debug!(%remote, error = %e, "quic handshake failed");
                 return;
             }
             Err(_) => {
-                // Dropping the half-done connection abandons it.
+                // Dropping the half-done connection closes it.
                 results.with_label_values(&["timeout"]).inc();
                 debug!(%remote, "quic handshake timed out");
                 return;
             }
         },
-    };
+    }
     results.with_label_values(&["ok"]).inc();
     drop(permit);
     let code = serve_connection(&shared, &conn, remote).await;
-    conn.close(VarInt::from_u32(code), b"");
+    conn.close(code);
 }
 
 /// Takes the DERP stream and its preamble, then serves DERP on it. Returns the close code.
 /// `remote` is the address the QUIC handshake came from and so validated: by the time the
 /// preamble is read, quinn may already follow a packet forwarded from elsewhere, and
 /// `conn.remote_address()` says where quinn sends now, validated or not.
-async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection, remote: SocketAddr) -> u32 {
+async fn serve_connection(shared: &Arc<ServerState>, conn: &Conn, remote: SocketAddr) -> u32 {
     let opened = tokio::select! {
         _ = shared.shutdown.cancelled() => return close_code::SHUTDOWN,
         r = tokio::time::timeout(shared.config.handshake_timeout, async {
-            let (send, mut recv) = conn.accept_bi().await?;
+            let (mut recv, send) = conn
+                .accept_bi()
+                .await
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::ConnectionAborted, e))?;
             let mut preamble = [0u8; PREAMBLE.len()];
-            recv.read_exact(&mut preamble).await.map_err(std::io::Error::other)?;
+            recv.read_exact(&mut preamble).await?;
             Ok::<_, std::io::Error>((send, recv, preamble))
         }) => r,
     };
@@ -141,7 +147,7 @@ async fn serve_connection(shared: &Arc<ServerState>, conn: &Connection, remote: 
     };
     let link = QuicLink::new(conn.clone(), remote);
     let accepted = Accepted {
-        transport: Transport::Halves(Box::new(recv), Box::new(derp_io::quic::SendStream(send))),
+        transport: Transport::Halves(Box::new(recv), Box::new(send)),
         initial: BytesMut::new(),
         remote,
         preamble: Bytes::new(),

@@ -2,17 +2,16 @@
 //! directions, the migration gate, and how the connection ended.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use quinn::{Connection, SendDatagramError};
+
+use super::conn::{Conn, DatagramError};
 
 use super::gate::{Gate, Sample, Verdict};
 use crate::handle::ConnHandle;
@@ -22,7 +21,7 @@ use crate::queue::Control;
 /// A QUIC connection's side of the relay, shared by its read loop, writer and path watcher.
 #[derive(Debug)]
 pub(crate) struct QuicLink {
-    conn: Connection,
+    conn: Conn,
     gate: Mutex<Gate>,
     /// The client finished (or reset) its DERP stream: it is leaving.
     client_finished: AtomicBool,
@@ -48,7 +47,7 @@ const PROBE_INTERVAL: Duration = Duration::from_millis(20);
 impl QuicLink {
     /// The link for a connection whose QUIC handshake completed from `trusted`, the address
     /// the handshake validated.
-    pub(crate) fn new(conn: Connection, trusted: SocketAddr) -> Arc<Self> {
+    pub(crate) fn new(conn: Conn, trusted: SocketAddr) -> Arc<Self> {
         Arc::new(Self {
             conn,
             gate: Mutex::new(Gate::new(trusted)),
@@ -132,20 +131,13 @@ impl QuicLink {
     /// it (up to a batch) into `out`. Returns the bytes taken; an error once the connection
     /// is gone.
     pub(crate) async fn read_datagrams(&self, out: &mut Vec<Bytes>) -> io::Result<usize> {
-        let first = self.conn.read_datagram().await.map_err(io::Error::from)?;
-        let mut n = first.len();
+        let first = std::future::poll_fn(|cx| self.conn.poll_datagram(cx))
+            .await
+            .map_err(|e| io::Error::new(io::ErrorKind::ConnectionAborted, e))?;
+        let before = out.len();
         out.push(first);
-        let mut cx = Context::from_waker(Waker::noop());
-        for _ in 0..MAX_DATAGRAM_BATCH {
-            // Polled once with a no-op waker: a datagram already buffered, or nothing.
-            match pin!(self.conn.read_datagram()).poll(&mut cx) {
-                Poll::Ready(Ok(d)) => {
-                    n += d.len();
-                    out.push(d);
-                }
-                _ => break,
-            }
-        }
+        self.conn.take_datagrams(out, MAX_DATAGRAM_BATCH);
+        let n: usize = out[before..].iter().map(Bytes::len).sum();
         // A zero-length datagram still counts as input (0 would read as the end).
         Ok(n.max(1))
     }
@@ -154,20 +146,16 @@ impl QuicLink {
     /// relayed. Drops those it sent before (the protocol forbids them); returns how many.
     pub(crate) fn registered(&self) -> u64 {
         self.registered.store(true, Ordering::Relaxed);
-        let mut cx = Context::from_waker(Waker::noop());
-        let mut dropped = 0;
-        while let Poll::Ready(Ok(_)) = pin!(self.conn.read_datagram()).poll(&mut cx) {
-            dropped += 1;
-        }
-        dropped
+        let mut dropped = Vec::new();
+        while self.conn.take_datagrams(&mut dropped, MAX_DATAGRAM_BATCH) > 0 {}
+        dropped.len() as u64
     }
 
     /// Hands one datagram to quinn if its buffer has room for it now, without waiting.
     /// `None` when it has none: the frame is dropped, and the caller sends it again with
     /// [`QuicLink::send_datagram`].
-    pub(crate) fn try_send_datagram(&self, frame: Bytes) -> Option<Result<(), SendDatagramError>> {
-        let mut cx = Context::from_waker(Waker::noop());
-        match pin!(self.conn.send_datagram_wait(frame)).poll(&mut cx) {
+    pub(crate) fn try_send_datagram(&self, frame: Bytes) -> Option<Result<(), DatagramError>> {
+        match self.conn.poll_send_datagram(None, &frame) {
             Poll::Ready(r) => Some(r),
             Poll::Pending => None,
         }
@@ -176,8 +164,13 @@ impl QuicLink {
     /// Sends one datagram, waiting while quinn's datagram buffer is full (the congestion
     /// controller decides how fast it drains), so derpd's own queues and drop policy stay in
     /// charge rather than quinn's drop-oldest buffer.
-    pub(crate) async fn send_datagram(&self, frame: Bytes) -> Result<(), SendDatagramError> {
-        self.conn.send_datagram_wait(frame).await
+    pub(crate) async fn send_datagram(&self, frame: Bytes) -> Result<(), DatagramError> {
+        std::future::poll_fn(|cx| self.conn.poll_send_datagram(Some(cx), &frame)).await
+    }
+
+    /// Has the endpoint's driver route the client's datagrams as `handle` (or stop).
+    pub(crate) fn route_in_driver(&self, handle: Option<Arc<ConnHandle>>) {
+        self.conn.route_in_driver(handle);
     }
 
     /// Records that the client's stream ended.

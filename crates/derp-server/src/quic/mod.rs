@@ -7,7 +7,13 @@
 //! connection's one bidirectional stream runs the very same handshake, registration, read
 //! loop and writer as a TCP connection; its datagrams enter the same routing and leave from
 //! the same writer (`conn`).
+//!
+//! The endpoint runs on quinn-proto and quinn-udp under a driver of derpd's own
+//! (`driver.rs`): one task for the socket and every connection, which also routes the
+//! datagrams of registered clients, instead of quinn's task per connection.
 
+mod conn;
+mod driver;
 mod gate;
 mod link;
 
@@ -16,7 +22,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub(crate) use conn::{Conn, DatagramError};
 pub use derp_io::quic::Congestion;
+pub(crate) use driver::Incoming;
 pub(crate) use link::QuicLink;
 use quinn::crypto::rustls::QuicServerConfig;
 use quinn::{EndpointConfig, IdleTimeout, TransportConfig, VarInt};
@@ -103,7 +111,8 @@ pub enum QuicError {
 /// A bound QUIC endpoint ready for [`Server::serve_quic`](crate::Server::serve_quic).
 #[derive(Debug)]
 pub struct QuicListener {
-    pub(crate) endpoint: quinn::Endpoint,
+    pub(crate) endpoint: driver::Endpoint,
+    pub(crate) incoming: tokio::sync::mpsc::Receiver<Incoming>,
     pub(crate) config: QuicConfig,
     pub(crate) handshakes: Arc<Semaphore>,
 }
@@ -124,11 +133,13 @@ impl QuicListener {
         server.transport_config(Arc::new(transport_config(&config)?));
         let mut endpoint = EndpointConfig::default();
         endpoint.supported_versions(vec![QUIC_V1]);
-        let runtime =
-            quinn::default_runtime().ok_or_else(|| QuicError::Config("no tokio runtime".into()))?;
-        let endpoint = quinn::Endpoint::new(endpoint, Some(server), socket, runtime)?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(QuicError::Config("no tokio runtime".into()));
+        }
+        let (endpoint, incoming) = driver::Endpoint::new(socket, endpoint, Arc::new(server))?;
         Ok(Self {
             endpoint,
+            incoming,
             handshakes: Arc::new(Semaphore::new(config.max_handshakes.max(1))),
             config,
         })
@@ -136,7 +147,7 @@ impl QuicListener {
 
     /// The address the endpoint is bound to.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.endpoint.local_addr()
+        Ok(self.endpoint.local_addr())
     }
 }
 

@@ -27,7 +27,6 @@ use std::time::Duration;
 
 use derp_io::WriteHalf;
 use derp_proto::{PublicKey, ws};
-use quinn::SendDatagramError;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tracing::debug;
@@ -35,7 +34,7 @@ use tracing::debug;
 use super::{Framing, count_gone};
 use crate::handle::{Cancel, ConnHandle};
 use crate::queue::Resume;
-use crate::quic::QuicLink;
+use crate::quic::{DatagramError, QuicLink};
 use crate::state::ServerState;
 use batch::{MAX_IOV, Scratch};
 
@@ -399,7 +398,7 @@ impl Writer {
             match link.try_send_datagram(s.datagram(n)) {
                 None => break,
                 Some(Ok(())) => s.datagram_sent(n),
-                Some(Err(SendDatagramError::TooLarge)) => s.datagram_on_stream(n),
+                Some(Err(DatagramError::TooLarge)) => s.datagram_on_stream(n),
                 Some(Err(e)) => return Err(io::Error::other(e)),
             }
             turn.calls += 1;
@@ -428,7 +427,7 @@ impl Writer {
             };
             match sent {
                 Ok(()) => s.datagram_sent(n),
-                Err(SendDatagramError::TooLarge) => s.datagram_on_stream(n),
+                Err(DatagramError::TooLarge) => s.datagram_on_stream(n),
                 Err(e) => return Err(io::Error::other(e)),
             }
             if let Some(t) = self.write_timeout {

@@ -1,0 +1,724 @@
+//! The QUIC endpoint and the one task that drives it.
+//!
+//! quinn runs a task for the endpoint and one for every connection, so a relayed datagram
+//! passes through four tasks (the endpoint's, the sender's connection's, the read loop,
+//! the receiver's connection's), each hand-over a wake-up. Here a single driver task owns
+//! the socket and quinn-proto's endpoint and does every connection's socket and timer
+//! work: it reads a batch of UDP datagrams, hands each to its connection, wakes the tasks
+//! waiting on what arrived, and sends what every connection has to send, several datagrams
+//! per system call. The connections' own tasks (handshake, read loop, writer) call into
+//! their quinn-proto connection directly ([`super::conn`]) and mark it for the driver.
+//!
+//! Lock order: the endpoint's state, then a connection's. Tasks take only a connection's.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::io::{self, IoSliceMut};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use quinn_proto::{ConnectionError, ConnectionHandle, DatagramEvent, EndpointConfig, ServerConfig};
+use quinn_udp::{RecvMeta, UdpSocketState};
+use tokio::io::Interest;
+use tokio::sync::{Notify, mpsc};
+use tokio::task::JoinHandle;
+use tracing::{debug, trace};
+
+use super::conn::{Conn, ConnShared};
+use crate::handle::ConnHandle;
+use crate::lookup::Router;
+use crate::route::{NotHereLimiter, Routing, route_datagrams};
+use crate::state::ServerState;
+
+/// New connection attempts waiting for the accept loop; beyond this they are refused.
+const INCOMING_QUEUE: usize = 1024;
+/// Receive batches (each up to `BATCH_SIZE` messages) the driver takes before it sends
+/// what they caused, so one busy socket cannot starve the connections' output.
+const RECV_BATCHES_PER_PASS: usize = 8;
+/// One receive slot: the most a single message can carry with GRO (64 KiB).
+const RECV_SLOT: usize = 64 * 1024;
+/// Datagrams of one connection routed in one pass; the rest wait for the next.
+const MAX_ROUTED_PER_PASS: usize = 256;
+
+/// Connections their tasks marked for the driver.
+#[derive(Debug, Default)]
+pub(crate) struct Marks {
+    list: Mutex<Vec<Arc<ConnShared>>>,
+    notify: Notify,
+    /// The driver is in a pass and looks at the list before it waits: no need to wake
+    /// it. Most marks come from the driver's own routing, for which a wake-up would be an
+    /// empty round.
+    busy: AtomicBool,
+}
+
+impl Marks {
+    pub(super) fn push(&self, conn: Arc<ConnShared>) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        let first = list.is_empty();
+        list.push(conn);
+        drop(list);
+        if first && !self.busy.load(Ordering::SeqCst) {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Whether marks arrived since the driver last took them.
+    fn pending(&self) -> bool {
+        !self
+            .list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
+    fn take(&self, into: &mut Vec<Arc<ConnShared>>) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        into.append(&mut list);
+    }
+}
+
+/// The UDP socket with quinn-udp's segmentation offload and batched receive.
+#[derive(Debug)]
+struct Io {
+    socket: tokio::net::UdpSocket,
+    state: UdpSocketState,
+}
+
+impl Io {
+    /// Sends one transmit without waiting. `false` when the socket buffer is full.
+    fn try_send(&self, t: &quinn_proto::Transmit, buf: &[u8]) -> bool {
+        let tx = quinn_udp::Transmit {
+            destination: t.destination,
+            ecn: t.ecn.map(udp_ecn),
+            contents: &buf[..t.size],
+            segment_size: t.segment_size,
+            src_ip: t.src_ip,
+        };
+        match self.socket.try_io(Interest::WRITABLE, || {
+            self.state.send((&self.socket).into(), &tx)
+        }) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            Err(e) => {
+                // As a lost packet: QUIC recovers, and one bad destination must not stop
+                // the others.
+                debug!(error = %e, to = %t.destination, "quic send failed");
+                true
+            }
+        }
+    }
+}
+
+/// The endpoint's state, shared by the driver and the accept loop.
+#[derive(Debug)]
+struct EndpointState {
+    proto: quinn_proto::Endpoint,
+    conns: HashMap<ConnectionHandle, Arc<ConnShared>>,
+    /// Closing: new connection attempts are refused.
+    closing: bool,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: Mutex<EndpointState>,
+    io: Io,
+    marks: Arc<Marks>,
+    /// Signalled when the last connection is gone.
+    idle: Notify,
+    local_addr: SocketAddr,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, EndpointState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A QUIC server endpoint on one UDP socket, with its driver task once started. Dropping
+/// it stops the driver (close and [`Endpoint::wait_idle`] first to say goodbye).
+#[derive(Debug)]
+pub(crate) struct Endpoint {
+    inner: Arc<Inner>,
+    /// The driver until it is started.
+    driver: Option<Driver>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}
+
+/// A client's first packet, for the accept loop to accept, retry or refuse.
+#[derive(Debug)]
+pub(crate) struct Incoming {
+    proto: Option<quinn_proto::Incoming>,
+    inner: Arc<Inner>,
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if let Some(i) = self.proto.take() {
+            self.inner.lock().proto.ignore(i);
+        }
+    }
+}
+
+impl Incoming {
+    fn proto(&self) -> &quinn_proto::Incoming {
+        self.proto
+            .as_ref()
+            .expect("an Incoming is consumed only by value")
+    }
+
+    pub(crate) fn remote_address(&self) -> SocketAddr {
+        self.proto().remote_address()
+    }
+
+    /// The client proved its address (it echoed a Retry token).
+    pub(crate) fn remote_address_validated(&self) -> bool {
+        self.proto().remote_address_validated()
+    }
+
+    pub(crate) fn may_retry(&self) -> bool {
+        self.proto().may_retry()
+    }
+
+    /// Starts the handshake; [`Conn::handshake`] completes with it.
+    pub(crate) fn accept(mut self) -> Result<Conn, ConnectionError> {
+        let incoming = self.proto.take().expect("not consumed");
+        let inner = self.inner.clone();
+        let mut st = inner.lock();
+        let mut buf = Vec::new();
+        match st.proto.accept(incoming, Instant::now(), &mut buf, None) {
+            Ok((handle, proto)) => {
+                let shared = Arc::new(ConnShared::new(handle, proto, inner.marks.clone()));
+                st.conns.insert(handle, shared.clone());
+                drop(st);
+                // The driver sends the handshake's answer.
+                shared.mark();
+                Ok(Conn::new(shared))
+            }
+            Err(e) => {
+                drop(st);
+                if let Some(t) = e.response {
+                    inner.io.try_send(&t, &buf);
+                }
+                Err(e.cause)
+            }
+        }
+    }
+
+    /// Refuses with CONNECTION_REFUSED.
+    pub(crate) fn refuse(mut self) {
+        let incoming = self.proto.take().expect("not consumed");
+        let mut buf = Vec::new();
+        let t = self.inner.lock().proto.refuse(incoming, &mut buf);
+        self.inner.io.try_send(&t, &buf);
+    }
+
+    /// Answers with a Retry, which makes the client prove its address.
+    pub(crate) fn retry(mut self) {
+        let incoming = self.proto.take().expect("not consumed");
+        let mut buf = Vec::new();
+        let mut st = self.inner.lock();
+        match st.proto.retry(incoming, &mut buf) {
+            Ok(t) => {
+                drop(st);
+                self.inner.io.try_send(&t, &buf);
+            }
+            Err(e) => st.proto.ignore(e.into_incoming()),
+        }
+    }
+}
+
+impl Endpoint {
+    /// Serves on `socket` and starts the driver. Must run inside a tokio runtime. Returns
+    /// the endpoint and where connection attempts arrive.
+    pub(crate) fn new(
+        socket: std::net::UdpSocket,
+        config: EndpointConfig,
+        server: Arc<ServerConfig>,
+    ) -> io::Result<(Self, mpsc::Receiver<Incoming>)> {
+        socket.set_nonblocking(true)?;
+        let state = UdpSocketState::new((&socket).into())?;
+        let local_addr = socket.local_addr()?;
+        let socket = tokio::net::UdpSocket::from_std(socket)?;
+        let proto =
+            quinn_proto::Endpoint::new(Arc::new(config), Some(server), !state.may_fragment(), None);
+        let inner = Arc::new(Inner {
+            state: Mutex::new(EndpointState {
+                proto,
+                conns: HashMap::new(),
+                closing: false,
+            }),
+            io: Io { socket, state },
+            marks: Arc::new(Marks::default()),
+            idle: Notify::new(),
+            local_addr,
+        });
+        let (tx, rx) = mpsc::channel(INCOMING_QUEUE);
+        let driver = Some(Driver::new(inner.clone(), tx));
+        Ok((
+            Self {
+                inner,
+                driver,
+                task: None,
+            },
+            rx,
+        ))
+    }
+
+    /// Starts the driver, which routes registered clients' datagrams on `shared`.
+    pub(crate) fn start(&mut self, shared: Arc<ServerState>) {
+        if let Some(driver) = self.driver.take() {
+            self.task = Some(tokio::spawn(driver.run(shared)));
+        }
+    }
+
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    /// Closes every connection with `code` and refuses new ones.
+    pub(crate) fn close(&self, code: u32) {
+        let conns: Vec<_> = {
+            let mut st = self.inner.lock();
+            st.closing = true;
+            st.conns.values().cloned().collect()
+        };
+        for c in conns {
+            c.close(code);
+        }
+    }
+
+    /// Waits until every connection is gone (closed ones linger for their drain period).
+    pub(crate) async fn wait_idle(&self) {
+        loop {
+            let idle = self.inner.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.inner.lock().conns.is_empty() {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+fn proto_ecn(e: quinn_udp::EcnCodepoint) -> quinn_proto::EcnCodepoint {
+    match e {
+        quinn_udp::EcnCodepoint::Ect0 => quinn_proto::EcnCodepoint::Ect0,
+        quinn_udp::EcnCodepoint::Ect1 => quinn_proto::EcnCodepoint::Ect1,
+        quinn_udp::EcnCodepoint::Ce => quinn_proto::EcnCodepoint::Ce,
+    }
+}
+
+fn udp_ecn(e: quinn_proto::EcnCodepoint) -> quinn_udp::EcnCodepoint {
+    match e {
+        quinn_proto::EcnCodepoint::Ect0 => quinn_udp::EcnCodepoint::Ect0,
+        quinn_proto::EcnCodepoint::Ect1 => quinn_udp::EcnCodepoint::Ect1,
+        quinn_proto::EcnCodepoint::Ce => quinn_udp::EcnCodepoint::Ce,
+    }
+}
+
+/// A transmit the socket had no room for, sent once it has.
+struct Blocked {
+    transmit: quinn_proto::Transmit,
+    buf: Vec<u8>,
+    conn: Option<Arc<ConnShared>>,
+}
+
+struct Driver {
+    inner: Arc<Inner>,
+    incoming: mpsc::Sender<Incoming>,
+    recv_buf: Box<[u8]>,
+    metas: Vec<RecvMeta>,
+    tx_buf: Vec<u8>,
+    touched: Vec<Arc<ConnShared>>,
+    /// Each connection's next timeout as last scheduled; heap entries that no longer
+    /// match are stale and skipped.
+    scheduled: HashMap<ConnectionHandle, Instant>,
+    timers: BinaryHeap<Reverse<(Instant, ConnectionHandle)>>,
+    blocked: Option<Blocked>,
+    /// The last pass stopped receiving before the socket was empty.
+    more: bool,
+    /// Datagrams taken this pass from connections the driver routes for.
+    collected: Vec<(ConnectionHandle, Arc<ConnHandle>, Vec<Bytes>)>,
+    /// Connections gone this pass.
+    removed: Vec<ConnectionHandle>,
+    /// Spare vectors for `collected`.
+    spare: Vec<Vec<Bytes>>,
+}
+
+/// How the driver routes one client's datagrams: its own lookup cache and PeerGone(NotHere)
+/// limiter, beside those of the client's read loop (which routes what comes on the stream).
+struct FastPath<'a> {
+    handle: Arc<ConnHandle>,
+    router: Router<'a>,
+    not_here: Option<Box<NotHereLimiter>>,
+}
+
+impl Driver {
+    fn new(inner: Arc<Inner>, incoming: mpsc::Sender<Incoming>) -> Self {
+        let batch = quinn_udp::BATCH_SIZE;
+        Self {
+            inner,
+            incoming,
+            recv_buf: vec![0; RECV_SLOT * batch].into_boxed_slice(),
+            metas: vec![RecvMeta::default(); batch],
+            tx_buf: Vec::with_capacity(64 * 1024),
+            touched: Vec::new(),
+            scheduled: HashMap::new(),
+            timers: BinaryHeap::new(),
+            blocked: None,
+            more: false,
+            collected: Vec::new(),
+            removed: Vec::new(),
+            spare: Vec::new(),
+        }
+    }
+
+    async fn run(mut self, shared: Arc<ServerState>) {
+        let inner = self.inner.clone();
+        let mut fast: HashMap<ConnectionHandle, FastPath<'_>> = HashMap::new();
+        loop {
+            if let Some(b) = self.blocked.take() {
+                if inner.io.socket.writable().await.is_err() {
+                    return;
+                }
+                if !inner.io.try_send(&b.transmit, &b.buf) {
+                    self.blocked = Some(b);
+                    continue;
+                }
+                if let Some(c) = b.conn {
+                    c.mark();
+                }
+            }
+            if !self.more {
+                let next = self.timers.peek().map(|Reverse((t, _))| *t);
+                let sleep = async {
+                    match next {
+                        Some(t) => tokio::time::sleep_until(t.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    r = inner.io.socket.readable() => if r.is_err() { return },
+                    _ = inner.marks.notify.notified() => {}
+                    _ = sleep => {}
+                }
+            }
+            let now = Instant::now();
+            let draining = shared.draining.is_cancelled();
+            inner.marks.busy.store(true, Ordering::SeqCst);
+            self.take_in(now, draining);
+            self.route(&shared, &mut fast);
+            self.send_out(now);
+            inner.marks.busy.store(false, Ordering::SeqCst);
+            // A mark that came while busy did not wake the driver.
+            self.more |= inner.marks.pending();
+            for handle in self.removed.drain(..) {
+                fast.remove(&handle);
+            }
+        }
+    }
+
+    /// The first half of a pass: what arrived, what timed out and what tasks marked, each
+    /// connection's events dispatched to its tasks, and the datagrams to route taken.
+    fn take_in(&mut self, now: Instant, draining: bool) {
+        let inner = self.inner.clone();
+        let mut st = inner.lock();
+        self.more = false;
+        for _ in 0..RECV_BATCHES_PER_PASS {
+            match self.receive(&mut st, now) {
+                Ok(true) => self.more = true,
+                Ok(false) => {
+                    self.more = false;
+                    break;
+                }
+                Err(e) => {
+                    debug!(error = %e, "quic receive failed");
+                    break;
+                }
+            }
+        }
+        while let Some(Reverse((t, handle))) = self.timers.peek().copied() {
+            if t > now {
+                break;
+            }
+            self.timers.pop();
+            if self.scheduled.get(&handle) != Some(&t) {
+                // Superseded by an earlier deadline, already handled.
+                continue;
+            }
+            self.scheduled.remove(&handle);
+            if let Some(c) = st.conns.get(&handle) {
+                let mut s = c.lock();
+                // The deadline may have moved later since it was scheduled; `flush`
+                // schedules the one that holds now.
+                if s.proto.poll_timeout().is_some_and(|d| d <= now) {
+                    s.proto.handle_timeout(now);
+                }
+                drop(s);
+                self.touched.push(c.clone());
+            }
+        }
+        inner.marks.take(&mut self.touched);
+        // A connection its tasks marked after it was drained is gone from the endpoint (and
+        // its handle may already name another).
+        self.touched.retain(|c| is_current(&st, c));
+        for c in &self.touched {
+            let mut s = c.lock();
+            forward_endpoint_events(&mut st, c.handle, &mut s.proto);
+            s.dispatch();
+            // While the server drains, nothing more is read: datagrams wait in quinn's
+            // buffer, as stream bytes wait in the socket.
+            let Some(handle) = s.route_as.clone().filter(|_| !draining) else {
+                continue;
+            };
+            let mut datagrams = self.spare.pop().unwrap_or_default();
+            while datagrams.len() < MAX_ROUTED_PER_PASS {
+                match s.proto.datagrams().recv() {
+                    Some(d) => datagrams.push(d),
+                    None => break,
+                }
+            }
+            if datagrams.is_empty() {
+                self.spare.push(datagrams);
+            } else {
+                if datagrams.len() == MAX_ROUTED_PER_PASS {
+                    // More wait: the next pass takes them.
+                    inner.marks.push(c.clone());
+                }
+                self.collected.push((c.handle, handle, datagrams));
+            }
+        }
+    }
+
+    /// Routes the datagrams taken, outside the endpoint's lock: the writers of idle
+    /// destinations are written inline, and QUIC ones queue their datagrams and mark their
+    /// connections, which [`Driver::send_out`] then sends in this same pass.
+    fn route<'a>(
+        &mut self,
+        shared: &'a ServerState,
+        fast: &mut HashMap<ConnectionHandle, FastPath<'a>>,
+    ) {
+        for (conn, handle, mut datagrams) in self.collected.drain(..) {
+            let path = fast
+                .entry(conn)
+                .and_modify(|p| {
+                    if p.handle.id != handle.id {
+                        *p = FastPath::new(shared, handle.clone());
+                    }
+                })
+                .or_insert_with(|| FastPath::new(shared, handle.clone()));
+            let mut routing = Routing {
+                shared,
+                handle: &path.handle,
+                router: &mut path.router,
+                not_here: &mut path.not_here,
+            };
+            route_datagrams(&mut routing, &mut datagrams);
+            self.spare.push(datagrams);
+        }
+    }
+
+    /// The second half of a pass: every connection touched, or marked while routing,
+    /// sends what it has and schedules its next timeout.
+    fn send_out(&mut self, now: Instant) {
+        let inner = self.inner.clone();
+        let mut st = inner.lock();
+        inner.marks.take(&mut self.touched);
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.sort_unstable_by_key(|c| c.handle);
+        touched.dedup_by_key(|c| c.handle);
+        for c in touched.drain(..) {
+            c.marked.store(false, Ordering::Release);
+            if is_current(&st, &c) {
+                self.flush(&mut st, &c, now);
+            }
+        }
+        self.touched = touched;
+        if self.timers.len() > 4 * self.scheduled.len() + 1024 {
+            self.timers = self
+                .scheduled
+                .iter()
+                .map(|(h, t)| Reverse((*t, *h)))
+                .collect();
+        }
+        if st.conns.is_empty() {
+            inner.idle.notify_waiters();
+        }
+    }
+
+    /// Takes one batch off the socket. `Ok(true)` when it was a full batch (more may wait).
+    fn receive(&mut self, st: &mut EndpointState, now: Instant) -> io::Result<bool> {
+        let io = &self.inner.io;
+        let mut slots = self.recv_buf.chunks_mut(RECV_SLOT).map(IoSliceMut::new);
+        let mut iovs: [IoSliceMut<'_>; quinn_udp::BATCH_SIZE] =
+            std::array::from_fn(|_| slots.next().expect("BATCH_SIZE slots"));
+        let n = loop {
+            match io.socket.try_io(Interest::READABLE, || {
+                io.state
+                    .recv((&io.socket).into(), &mut iovs, &mut self.metas)
+            }) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                // ICMP errors from earlier sends: meaningless for QUIC, and forgeable.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        let mut response = Vec::new();
+        for (i, meta) in self.metas.iter().enumerate().take(n) {
+            let start = i * RECV_SLOT;
+            let mut data = BytesMut::from(&self.recv_buf[start..start + meta.len]);
+            while !data.is_empty() {
+                let datagram = data.split_to(meta.stride.min(data.len()));
+                response.clear();
+                match st.proto.handle(
+                    now,
+                    meta.addr,
+                    meta.dst_ip,
+                    meta.ecn.map(proto_ecn),
+                    datagram,
+                    &mut response,
+                ) {
+                    Some(DatagramEvent::NewConnection(incoming)) => {
+                        if st.closing {
+                            let t = st.proto.refuse(incoming, &mut response);
+                            io.try_send(&t, &response);
+                            continue;
+                        }
+                        let offer = Incoming {
+                            proto: Some(incoming),
+                            inner: self.inner.clone(),
+                        };
+                        if let Err(e) = self.incoming.try_send(offer) {
+                            // The accept loop is behind (or gone): refuse rather than queue.
+                            let mut offer = match e {
+                                mpsc::error::TrySendError::Full(o)
+                                | mpsc::error::TrySendError::Closed(o) => o,
+                            };
+                            let incoming = offer.proto.take().expect("not consumed");
+                            let t = st.proto.refuse(incoming, &mut response);
+                            io.try_send(&t, &response);
+                        }
+                    }
+                    Some(DatagramEvent::ConnectionEvent(handle, event)) => {
+                        if let Some(c) = st.conns.get(&handle) {
+                            c.lock().proto.handle_event(event);
+                            self.touched.push(c.clone());
+                        }
+                    }
+                    Some(DatagramEvent::Response(t)) => {
+                        io.try_send(&t, &response);
+                    }
+                    None => {}
+                }
+            }
+        }
+        Ok(n == self.metas.len())
+    }
+
+    /// Lets one connection send what it has, then schedules its next timeout or, once it
+    /// is drained, lets it go.
+    fn flush(&mut self, st: &mut EndpointState, c: &Arc<ConnShared>, now: Instant) {
+        let io = &self.inner.io;
+        let mut s = c.lock();
+        let mut drained = forward_endpoint_events(st, c.handle, &mut s.proto);
+        s.dispatch();
+        if self.blocked.is_some() {
+            // Looked at again once the socket has room.
+            drop(s);
+            c.marked.store(true, Ordering::Release);
+            self.inner.marks.push(c.clone());
+            return;
+        }
+        let max = io.state.max_gso_segments();
+        loop {
+            self.tx_buf.clear();
+            let Some(t) = s.proto.poll_transmit(now, max, &mut self.tx_buf) else {
+                break;
+            };
+            if !io.try_send(&t, &self.tx_buf) {
+                trace!("quic socket full: waiting to send");
+                self.blocked = Some(Blocked {
+                    transmit: t,
+                    buf: std::mem::replace(&mut self.tx_buf, Vec::with_capacity(64 * 1024)),
+                    conn: Some(c.clone()),
+                });
+                break;
+            }
+        }
+        drained |= forward_endpoint_events(st, c.handle, &mut s.proto);
+        // Sending can unblock datagram senders.
+        s.dispatch();
+        // A connection's deadline moves on almost every packet, mostly later. The heap
+        // gets a new entry only when it moves earlier; an entry that comes due early looks
+        // again (see `take_in`), so the heap does not fill with stale entries.
+        match s.proto.poll_timeout() {
+            Some(t) if !drained => {
+                let earlier = self.scheduled.get(&c.handle).is_none_or(|old| t < *old);
+                if earlier {
+                    self.scheduled.insert(c.handle, t);
+                    self.timers.push(Reverse((t, c.handle)));
+                }
+            }
+            _ => {
+                self.scheduled.remove(&c.handle);
+            }
+        }
+        if drained || s.proto.is_drained() {
+            st.conns.remove(&c.handle);
+            self.scheduled.remove(&c.handle);
+            self.removed.push(c.handle);
+        }
+    }
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver").finish_non_exhaustive()
+    }
+}
+
+impl<'a> FastPath<'a> {
+    fn new(shared: &'a ServerState, handle: Arc<ConnHandle>) -> Self {
+        Self {
+            handle,
+            router: Router::new(&shared.config.lookup),
+            not_here: None,
+        }
+    }
+}
+
+/// Whether `c` is still the endpoint's connection under its handle.
+fn is_current(st: &EndpointState, c: &Arc<ConnShared>) -> bool {
+    st.conns.get(&c.handle).is_some_and(|x| Arc::ptr_eq(x, c))
+}
+
+/// Hands a connection's endpoint events (new and retired connection IDs, its end) to the
+/// endpoint. Returns whether the connection is drained and gone from the endpoint.
+fn forward_endpoint_events(
+    st: &mut EndpointState,
+    handle: ConnectionHandle,
+    proto: &mut quinn_proto::Connection,
+) -> bool {
+    let mut drained = false;
+    while let Some(event) = proto.poll_endpoint_events() {
+        drained |= event.is_drained();
+        if let Some(back) = st.proto.handle_event(handle, event) {
+            proto.handle_event(back);
+        }
+    }
+    drained
+}

@@ -1241,3 +1241,51 @@ async fn clients_that_come_and_go_are_each_routed_as_themselves() {
     assert_eq!(relay.metric("derp_quic_stream_fallbacks", &[]), 0.0);
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn over_ipv4_a_1400_byte_packet_travels_as_a_datagram_both_ways() {
+    // derpd's 4-byte connection IDs, derp-client's empty ones and discovery up to a 1472-byte
+    // path MTU over IPv4 leave room for a 1,400-byte packet's 1,437-byte frame.
+    let relay = QuicRelay::start().await;
+    let (mut a, ka) = relay.quic_client().await;
+    let (mut b, kb) = relay.quic_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    for c in [&a, &b] {
+        let path = c.quic_path().expect("quic").clone();
+        within("the client's path MTU discovery", async {
+            while path.max_datagram_frame() < Some(1437) {
+                tick.tick().await;
+            }
+        })
+        .await;
+    }
+    let packet = [7u8; 1400];
+    // The relay's own discovery towards b may still be probing: until it is done, its
+    // packets to b go on the stream.
+    let mut sent = 0.0;
+    within("a 1400-byte datagram from the relay", async {
+        while relay.metric("derp_quic_datagrams_sent", &[]) < 1.0 {
+            a.send_packet(kb, packet).await.expect("send");
+            sent += 1.0;
+            let (src, got) = next_packet(&mut b).await;
+            assert_eq!(src, ka);
+            assert_eq!(&got[..], &packet[..]);
+            tick.tick().await;
+        }
+    })
+    .await;
+    // a's discovery was done before its first packet: every one was a datagram.
+    assert_eq!(relay.metric("derp_quic_datagrams_received", &[]), sent);
+    b.send_packet(ka, packet).await.expect("send back");
+    let (src, got) = next_packet(&mut a).await;
+    assert_eq!(src, kb);
+    assert_eq!(&got[..], &packet[..]);
+    assert_eq!(
+        relay.metric("derp_quic_datagrams_received", &[]),
+        sent + 1.0
+    );
+    relay.stop().await;
+}

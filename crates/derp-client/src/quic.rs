@@ -1,7 +1,7 @@
 //! DERP over QUIC, the client side: the UDP endpoint, the QUIC handshake and the DERP
 //! stream, then the same handshake code as over TCP.
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,8 +27,7 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
 async fn connect_inner(config: &ClientConfig) -> Result<Client, ConnectError> {
     let tls = tls::quic_client_config(config)?;
     let crypto = QuicClientConfig::try_from(tls).map_err(|e| ConnectError::Tls(e.to_string()))?;
-    let mut client = quinn::ClientConfig::new(Arc::new(crypto));
-    client.transport_config(Arc::new(transport_config(config)));
+    let client = quinn::ClientConfig::new(Arc::new(crypto));
     let addrs = resolve(config, config.quic_dial_port()).await?;
     let mut last_err = None;
     for addr in addrs {
@@ -62,6 +61,13 @@ async fn connect_one(
         quinn::default_runtime().ok_or_else(|| ConnectError::Quic("no tokio runtime".into()))?;
     let mut endpoint_config = EndpointConfig::default();
     endpoint_config.supported_versions(vec![QUIC_V1]);
+    endpoint_config.cid_generator(|| {
+        Box::new(quinn_proto::RandomConnectionIdGenerator::new(
+            derp_io::quic::CLIENT_CID_LEN,
+        ))
+    });
+    let mut client = client.clone();
+    client.transport_config(Arc::new(transport_config(config, addr.ip())));
     let endpoint = Endpoint::new(endpoint_config, None, socket, runtime)?;
     let local_addr = endpoint.local_addr().ok();
     let connecting = endpoint
@@ -116,10 +122,10 @@ const QUIC_V1: u32 = 1;
 /// The client's transport parameters (docs/protocol.md): no streams opened by the server,
 /// datagrams accepted unless turned off, the same idle timeout and keep-alive as the server,
 /// and the settings the server shares (`derp_io::quic`).
-fn transport_config(config: &ClientConfig) -> TransportConfig {
+fn transport_config(config: &ClientConfig, server: IpAddr) -> TransportConfig {
     let datagrams = config.quic_datagrams;
     let mut t = TransportConfig::default();
-    derp_io::quic::configure(&mut t, config.quic_congestion);
+    derp_io::quic::configure(&mut t, config.quic_congestion, server);
     t.max_concurrent_bidi_streams(VarInt::from_u32(0));
     t.max_concurrent_uni_streams(VarInt::from_u32(0));
     t.max_idle_timeout(IdleTimeout::try_from(IDLE_TIMEOUT).ok());

@@ -124,6 +124,8 @@ struct EndpointState {
 #[derive(Debug)]
 struct Inner {
     state: Mutex<EndpointState>,
+    /// The server config for clients that come over IPv4 (the endpoint's own is for IPv6).
+    server_v4: Arc<ServerConfig>,
     io: Io,
     marks: Arc<Marks>,
     /// Signalled when the last connection is gone.
@@ -196,7 +198,13 @@ impl Incoming {
         let inner = self.inner.clone();
         let mut st = inner.lock();
         let mut buf = Vec::new();
-        match st.proto.accept(incoming, Instant::now(), &mut buf, None) {
+        let config = incoming
+            .remote_address()
+            .ip()
+            .to_canonical()
+            .is_ipv4()
+            .then(|| inner.server_v4.clone());
+        match st.proto.accept(incoming, Instant::now(), &mut buf, config) {
             Ok((handle, proto)) => {
                 let shared = Arc::new(ConnShared::new(handle, proto, inner.marks.clone()));
                 st.conns.insert(handle, shared.clone());
@@ -245,6 +253,7 @@ impl Endpoint {
         socket: std::net::UdpSocket,
         config: EndpointConfig,
         server: Arc<ServerConfig>,
+        server_v4: Arc<ServerConfig>,
     ) -> io::Result<(Self, mpsc::Receiver<Incoming>)> {
         socket.set_nonblocking(true)?;
         let state = UdpSocketState::new((&socket).into())?;
@@ -258,6 +267,7 @@ impl Endpoint {
                 conns: HashMap::new(),
                 closing: false,
             }),
+            server_v4,
             io: Io { socket, state },
             marks: Arc::new(Marks::default()),
             idle: Notify::new(),

@@ -18,7 +18,7 @@ mod gate;
 mod link;
 
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -130,13 +130,25 @@ impl QuicListener {
         }
         let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Tls(e.to_string()))?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        server.transport_config(Arc::new(transport_config(&config)?));
+        // Path MTU discovery probes further over IPv4 (`derp_io::quic::mtu_upper_bound`):
+        // the same config (and Retry token key) but for the transport settings.
+        let v6: IpAddr = Ipv6Addr::UNSPECIFIED.into();
+        let v4: IpAddr = Ipv4Addr::UNSPECIFIED.into();
+        let mut server_v4 = server.clone();
+        server.transport_config(Arc::new(transport_config(&config, v6)?));
+        server_v4.transport_config(Arc::new(transport_config(&config, v4)?));
         let mut endpoint = EndpointConfig::default();
         endpoint.supported_versions(vec![QUIC_V1]);
+        endpoint.cid_generator(|| {
+            Box::new(quinn_proto::RandomConnectionIdGenerator::new(
+                derp_io::quic::SERVER_CID_LEN,
+            ))
+        });
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(QuicError::Config("no tokio runtime".into()));
         }
-        let (endpoint, incoming) = driver::Endpoint::new(socket, endpoint, Arc::new(server))?;
+        let (endpoint, incoming) =
+            driver::Endpoint::new(socket, endpoint, Arc::new(server), Arc::new(server_v4))?;
         Ok(Self {
             endpoint,
             incoming,
@@ -178,9 +190,9 @@ const QUIC_V1: u32 = 1;
 
 /// The transport parameters and timers of `docs/protocol.md`'s table, with the settings
 /// derp-client shares (`derp_io::quic`); migration is allowed (quinn's default).
-fn transport_config(config: &QuicConfig) -> Result<TransportConfig, QuicError> {
+fn transport_config(config: &QuicConfig, peer: IpAddr) -> Result<TransportConfig, QuicError> {
     let mut t = TransportConfig::default();
-    derp_io::quic::configure(&mut t, config.congestion);
+    derp_io::quic::configure(&mut t, config.congestion, peer);
     // One DERP stream, opened by the client; the server never opens one.
     t.max_concurrent_bidi_streams(VarInt::from_u32(1));
     t.max_concurrent_uni_streams(VarInt::from_u32(0));

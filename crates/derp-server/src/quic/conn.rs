@@ -538,8 +538,8 @@ impl AsyncWrite for SendHalf {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let slices: smallvec_free::Slices<'_> = smallvec_free::Slices::new(bufs);
-        self.poll_write_slices(cx, slices.as_slice())
+        let parts = slices::Slices::new(bufs);
+        self.poll_write_slices(cx, parts.as_slice())
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -558,7 +558,7 @@ impl AsyncWrite for SendHalf {
     }
 }
 
-mod smallvec_free {
+mod slices {
     //! `&[IoSlice]` as `&[&[u8]]` without allocating for the usual few slices.
     use std::io::IoSlice;
 

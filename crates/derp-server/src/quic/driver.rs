@@ -411,7 +411,12 @@ impl Driver {
                     c.mark();
                 }
             }
-            if !self.more {
+            if self.more {
+                // More is waiting, but the tasks this pass woke (and every other task on
+                // this worker) run first: a busy socket must not keep the driver from
+                // ever giving its thread back.
+                tokio::task::yield_now().await;
+            } else {
                 let next = self.timers.peek().map(|Reverse((t, _))| *t);
                 let sleep = async {
                     match next {

@@ -43,6 +43,10 @@ const RECV_SLOT: usize = 64 * 1024;
 /// Datagrams of one connection routed in one pass; the rest wait for the next.
 const MAX_ROUTED_PER_PASS: usize = 256;
 
+/// The driver's maps are keyed by connection handles, small integers no client chooses:
+/// a fast hash is enough, and they are looked up several times per packet.
+type HandleMap<V> = HashMap<ConnectionHandle, V, foldhash::fast::RandomState>;
+
 /// Connections their tasks marked for the driver.
 #[derive(Debug, Default)]
 pub(crate) struct Marks {
@@ -116,7 +120,7 @@ impl Io {
 #[derive(Debug)]
 struct EndpointState {
     proto: quinn_proto::Endpoint,
-    conns: HashMap<ConnectionHandle, Arc<ConnShared>>,
+    conns: HandleMap<Arc<ConnShared>>,
     /// Closing: new connection attempts are refused.
     closing: bool,
 }
@@ -264,7 +268,7 @@ impl Endpoint {
         let inner = Arc::new(Inner {
             state: Mutex::new(EndpointState {
                 proto,
-                conns: HashMap::new(),
+                conns: HandleMap::default(),
                 closing: false,
             }),
             server_v4,
@@ -354,7 +358,7 @@ struct Driver {
     touched: Vec<Arc<ConnShared>>,
     /// Each connection's next timeout as last scheduled; heap entries that no longer
     /// match are stale and skipped.
-    scheduled: HashMap<ConnectionHandle, Instant>,
+    scheduled: HandleMap<Instant>,
     timers: BinaryHeap<Reverse<(Instant, ConnectionHandle)>>,
     blocked: Option<Blocked>,
     /// The last pass stopped receiving before the socket was empty.
@@ -385,7 +389,7 @@ impl Driver {
             metas: vec![RecvMeta::default(); batch],
             tx_buf: Vec::with_capacity(64 * 1024),
             touched: Vec::new(),
-            scheduled: HashMap::new(),
+            scheduled: HandleMap::default(),
             timers: BinaryHeap::new(),
             blocked: None,
             more: false,
@@ -397,7 +401,7 @@ impl Driver {
 
     async fn run(mut self, shared: Arc<ServerState>) {
         let inner = self.inner.clone();
-        let mut fast: HashMap<ConnectionHandle, FastPath<'_>> = HashMap::new();
+        let mut fast: HandleMap<FastPath<'_>> = HandleMap::default();
         loop {
             if let Some(b) = self.blocked.take() {
                 if inner.io.socket.writable().await.is_err() {
@@ -521,11 +525,7 @@ impl Driver {
     /// Routes the datagrams taken, outside the endpoint's lock: the writers of idle
     /// destinations are written inline, and QUIC ones queue their datagrams and mark their
     /// connections, which [`Driver::send_out`] then sends in this same pass.
-    fn route<'a>(
-        &mut self,
-        shared: &'a ServerState,
-        fast: &mut HashMap<ConnectionHandle, FastPath<'a>>,
-    ) {
+    fn route<'a>(&mut self, shared: &'a ServerState, fast: &mut HandleMap<FastPath<'a>>) {
         for (conn, handle, mut datagrams) in self.collected.drain(..) {
             let path = fast
                 .entry(conn)
@@ -595,9 +595,12 @@ impl Driver {
         let mut response = Vec::new();
         for (i, meta) in self.metas.iter().enumerate().take(n) {
             let start = i * RECV_SLOT;
-            let mut data = BytesMut::from(&self.recv_buf[start..start + meta.len]);
-            while !data.is_empty() {
-                let datagram = data.split_to(meta.stride.min(data.len()));
+            // Each UDP datagram of a coalesced (GRO) message gets a buffer of its own: a
+            // small allocation rather than one of up to 64 KiB, and a relayed packet waiting
+            // in a slow destination's queue keeps only its own datagram's bytes alive.
+            let message = &self.recv_buf[start..start + meta.len];
+            for segment in message.chunks(meta.stride.max(1)) {
+                let datagram = BytesMut::from(segment);
                 response.clear();
                 match st.proto.handle(
                     now,

@@ -319,37 +319,47 @@ impl Conn {
         n
     }
 
-    /// Queues a datagram if quinn-proto's buffer has room for it; with `cx`, waits for room
-    /// otherwise (the congestion controller decides how fast the buffer drains).
+    /// Queues the datagram in `frame` if quinn-proto's buffer has room for it (taking it out
+    /// of `frame`); with `cx`, waits for room otherwise (the congestion controller decides
+    /// how fast the buffer drains), with the datagram left in `frame`.
     pub(crate) fn poll_send_datagram(
         &self,
         cx: Option<&mut Context<'_>>,
-        frame: &Bytes,
+        frame: &mut Option<Bytes>,
     ) -> Poll<Result<(), DatagramError>> {
         let shared = self.shared();
         let mut s = shared.lock();
         if let Some(e) = s.error() {
             return Poll::Ready(Err(DatagramError::Lost(e)));
         }
-        match s.proto.datagrams().send(frame.clone(), false) {
-            Ok(()) => {
+        let Some(datagram) = frame.take() else {
+            return Poll::Ready(Ok(()));
+        };
+        match queue_datagram(&mut s, datagram) {
+            Ok(Ok(())) => {
                 drop(s);
                 shared.mark();
                 Poll::Ready(Ok(()))
             }
-            Err(quinn_proto::SendDatagramError::Blocked(_)) => {
+            Ok(Err(datagram)) => {
+                *frame = Some(datagram);
                 if let Some(cx) = cx {
                     park(&mut s.datagram_room, cx);
                 }
                 Poll::Pending
             }
-            Err(quinn_proto::SendDatagramError::TooLarge) => {
-                Poll::Ready(Err(DatagramError::TooLarge))
-            }
-            Err(
-                quinn_proto::SendDatagramError::UnsupportedByPeer
-                | quinn_proto::SendDatagramError::Disabled,
-            ) => Poll::Ready(Err(DatagramError::Unsupported)),
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+
+    /// Queues datagrams under one lock while quinn-proto's buffer has room, for a writer
+    /// that has several to send at once; the driver is asked once, when the sender is
+    /// dropped, to send them.
+    pub(crate) fn datagram_sender(&self) -> DatagramSender<'_> {
+        DatagramSender {
+            shared: self.shared(),
+            state: Some(self.shared().lock()),
+            queued: false,
         }
     }
 
@@ -369,6 +379,61 @@ impl Conn {
     /// CONNECTION_CLOSE.
     pub(crate) fn close(&self, code: u32) {
         self.shared().close(code);
+    }
+}
+
+/// Datagrams going into one connection under one lock ([`Conn::datagram_sender`]).
+pub(crate) struct DatagramSender<'a> {
+    shared: &'a Arc<ConnShared>,
+    /// Always `Some` until dropped.
+    state: Option<MutexGuard<'a, ConnState>>,
+    queued: bool,
+}
+
+impl DatagramSender<'_> {
+    /// Queues `frame` if quinn-proto's buffer has room now; `None` (the frame dropped) when
+    /// it has not.
+    pub(crate) fn try_send(&mut self, frame: Bytes) -> Option<Result<(), DatagramError>> {
+        let s = self.state.as_mut().expect("held until dropped");
+        if let Some(e) = s.error() {
+            return Some(Err(DatagramError::Lost(e)));
+        }
+        match queue_datagram(s, frame) {
+            Ok(Ok(())) => {
+                self.queued = true;
+                Some(Ok(()))
+            }
+            Ok(Err(_)) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+/// Puts one datagram in quinn-proto's buffer; `Ok(Err(frame))` when the buffer is full.
+fn queue_datagram(s: &mut ConnState, frame: Bytes) -> Result<Result<(), Bytes>, DatagramError> {
+    match s.proto.datagrams().send(frame, false) {
+        Ok(()) => Ok(Ok(())),
+        Err(quinn_proto::SendDatagramError::Blocked(frame)) => Ok(Err(frame)),
+        Err(quinn_proto::SendDatagramError::TooLarge) => Err(DatagramError::TooLarge),
+        Err(
+            quinn_proto::SendDatagramError::UnsupportedByPeer
+            | quinn_proto::SendDatagramError::Disabled,
+        ) => Err(DatagramError::Unsupported),
+    }
+}
+
+impl Drop for DatagramSender<'_> {
+    fn drop(&mut self) {
+        drop(self.state.take());
+        if self.queued {
+            self.shared.mark();
+        }
+    }
+}
+
+impl std::fmt::Debug for DatagramSender<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DatagramSender").finish_non_exhaustive()
     }
 }
 

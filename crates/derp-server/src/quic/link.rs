@@ -6,12 +6,11 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::conn::{Conn, DatagramError};
+use super::conn::{Conn, DatagramError, DatagramSender};
 
 use super::gate::{Gate, Sample, Verdict};
 use crate::handle::ConnHandle;
@@ -151,21 +150,19 @@ impl QuicLink {
         dropped.len() as u64
     }
 
-    /// Hands one datagram to quinn if its buffer has room for it now, without waiting.
-    /// `None` when it has none: the frame is dropped, and the caller sends it again with
+    /// Hands datagrams to quinn under one lock while its buffer has room, without waiting
+    /// ([`DatagramSender::try_send`]); those it has no room for go with
     /// [`QuicLink::send_datagram`].
-    pub(crate) fn try_send_datagram(&self, frame: Bytes) -> Option<Result<(), DatagramError>> {
-        match self.conn.poll_send_datagram(None, &frame) {
-            Poll::Ready(r) => Some(r),
-            Poll::Pending => None,
-        }
+    pub(crate) fn datagram_sender(&self) -> DatagramSender<'_> {
+        self.conn.datagram_sender()
     }
 
     /// Sends one datagram, waiting while quinn's datagram buffer is full (the congestion
     /// controller decides how fast it drains), so derpd's own queues and drop policy stay in
     /// charge rather than quinn's drop-oldest buffer.
     pub(crate) async fn send_datagram(&self, frame: Bytes) -> Result<(), DatagramError> {
-        std::future::poll_fn(|cx| self.conn.poll_send_datagram(Some(cx), &frame)).await
+        let mut frame = Some(frame);
+        std::future::poll_fn(|cx| self.conn.poll_send_datagram(Some(cx), &mut frame)).await
     }
 
     /// Has the endpoint's driver route the client's datagrams as `handle` (or stop).

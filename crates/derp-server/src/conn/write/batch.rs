@@ -36,6 +36,11 @@ pub(super) struct Scratch {
     framed: Framed,
     /// Bytes of the current batch's stream pieces the transport has taken.
     pub(super) progress: usize,
+    /// Where QUIC datagram frames are laid out, one after another: quinn takes each frame
+    /// as its own `Bytes`, and slices of one buffer cost a reference count each where a
+    /// buffer per frame would cost an allocation and a free. A frame keeps the buffer alive
+    /// only until quinn has sent it (its datagram buffer is bounded).
+    frames: BytesMut,
 }
 
 thread_local! {
@@ -117,12 +122,18 @@ impl Scratch {
     }
 
     /// The RecvPacket frame of the `n`th packet that goes in a QUIC datagram.
-    pub(super) fn datagram(&self, n: usize) -> Bytes {
-        let p = self.datagram_packet(n);
-        let mut out = BytesMut::with_capacity(frame::FRAME_HEADER_LEN + 32 + p.data.len());
-        out.extend_from_slice(&frame::recv_packet_header(&p.src, p.data.len()));
-        out.extend_from_slice(&p.data);
-        out.freeze()
+    pub(super) fn datagram(&mut self, n: usize) -> Bytes {
+        let p = packet_at(&self.batch, self.datagrams[n]);
+        let header = frame::recv_packet_header(&p.src, p.data.len());
+        let len = header.len() + p.data.len();
+        if self.frames.capacity() - self.frames.len() < len {
+            // Never grown in place: frames already handed out still point into the old
+            // buffer, which goes once quinn has sent them.
+            self.frames = BytesMut::with_capacity(FRAME_ARENA.max(len));
+        }
+        self.frames.extend_from_slice(&header);
+        self.frames.extend_from_slice(&p.data);
+        self.frames.split().freeze()
     }
 
     /// The `n`th datagram went out.
@@ -140,21 +151,13 @@ impl Scratch {
     /// (the path MTU shrank since the batch was laid out).
     pub(super) fn datagram_on_stream(&mut self, n: usize) {
         let (kind, i) = self.datagrams[n];
-        let p = self.datagram_packet(n);
+        let p = packet_at(&self.batch, (kind, i));
         let header = frame::recv_packet_header(&p.src, p.data.len());
         let start = self.headers.len();
         self.headers.extend_from_slice(&header);
         self.segs.push(Seg::Header(start..self.headers.len()));
         self.segs.push(Seg::Payload(kind, i));
         self.framed.fallbacks[FallbackReason::TooLarge as usize] += 1;
-    }
-
-    fn datagram_packet(&self, n: usize) -> &Packet {
-        let (kind, i) = self.datagrams[n];
-        match kind {
-            PacketKind::Disco => &self.batch.disco[i],
-            PacketKind::Other => &self.batch.other[i],
-        }
     }
 
     /// Gives back what a burst grew the batch and the buffers to.
@@ -170,6 +173,15 @@ impl Scratch {
             self.datagrams = Vec::new();
             self.datagrams_sent = Vec::new();
         }
+        self.frames = BytesMut::new();
+    }
+}
+
+/// The packet at `(kind, index)` of the batch's packet queues.
+fn packet_at(batch: &Batch, (kind, i): (PacketKind, usize)) -> &Packet {
+    match kind {
+        PacketKind::Disco => &batch.disco[i],
+        PacketKind::Other => &batch.other[i],
     }
 }
 
@@ -428,6 +440,9 @@ fn push_frame(out: &mut Vec<u8>, framing: Framing, frame: &RelayToClient) {
     frame.encode(out);
 }
 
+/// The buffer QUIC datagram frames are laid out in ([`Scratch::datagram`]): a dozen
+/// full-size frames, or a few dozen small ones, per allocation.
+const FRAME_ARENA: usize = 16 * 1024;
 /// Most pieces handed to one `writev`; a batch with more takes several calls.
 pub(super) const MAX_IOV: usize = 64;
 /// Header scratch above this size is released when a pooled scratch is shrunk (a few
@@ -452,5 +467,47 @@ impl Scratch {
                 .map_or(std::ptr::null(), |s| &**s as *const Self);
             (top, pool.len())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use derp_proto::PublicKey;
+
+    use super::*;
+
+    /// Frames laid out one after another in the shared buffer are each exactly one
+    /// RecvPacket frame, stay intact when the buffer fills and a new one is started, and do
+    /// not change when the scratch goes on to the next frames.
+    #[test]
+    fn datagram_frames_from_the_shared_buffer_are_whole_and_independent() {
+        let mut s = Scratch::default();
+        let src = PublicKey::from_bytes([7; 32]);
+        // Enough 1,400-byte packets to fill the 16 KiB buffer more than twice.
+        let payloads: Vec<Bytes> = (0..40u8).map(|i| Bytes::from(vec![i; 1400])).collect();
+        for p in &payloads {
+            s.batch.other.push_back(Packet {
+                src,
+                data: p.clone(),
+                enqueued: Instant::now(),
+                forwarded: false,
+            });
+        }
+        s.datagrams = (0..payloads.len())
+            .map(|i| (PacketKind::Other, i))
+            .collect();
+        let frames: Vec<Bytes> = (0..payloads.len()).map(|n| s.datagram(n)).collect();
+        for (f, p) in frames.iter().zip(&payloads) {
+            let header = frame::recv_packet_header(&src, p.len());
+            assert_eq!(f.len(), header.len() + p.len());
+            assert_eq!(&f[..header.len()], &header[..]);
+            assert_eq!(&f[header.len()..], &p[..]);
+        }
+        // A frame laid out later does not write over one handed out before.
+        s.batch.other[0].data = Bytes::from(vec![0xee; 10]);
+        let later = s.datagram(0);
+        assert_eq!(&later[later.len() - 10..], &[0xee; 10]);
+        assert_eq!(&frames[1][frames[1].len() - 1400..], &payloads[1][..]);
+        assert_eq!(&frames[0][frames[0].len() - 1400..], &payloads[0][..]);
     }
 }

@@ -390,12 +390,13 @@ impl Writer {
             s.datagrams.clear();
             return Ok(());
         };
+        let mut sender = link.datagram_sender();
         let mut n = 0;
         while n < s.datagrams.len() {
             if turn.cancelled() {
                 return Err(aborted());
             }
-            match link.try_send_datagram(s.datagram(n)) {
+            match sender.try_send(s.datagram(n)) {
                 None => break,
                 Some(Ok(())) => s.datagram_sent(n),
                 Some(Err(DatagramError::TooLarge)) => s.datagram_on_stream(n),
@@ -404,6 +405,7 @@ impl Writer {
             turn.calls += 1;
             n += 1;
         }
+        drop(sender);
         s.datagrams_done(n);
         Ok(())
     }

@@ -80,6 +80,10 @@ async fn serve_incoming(
     permit: OwnedSemaphorePermit,
     timeout: Duration,
 ) {
+    // The QUIC handshake and the DERP stream's opening share one deadline: loss slows both
+    // (a client that needed many tries for its handshake has backed off far by the time it
+    // sends its stream), and the client's own budget covers both.
+    let deadline = tokio::time::Instant::now() + timeout;
     let remote = incoming.remote_address();
     let results = &shared.metrics.quic_handshakes;
     let conn = match incoming.accept() {
@@ -92,7 +96,7 @@ async fn serve_incoming(
     };
     tokio::select! {
         _ = shared.shutdown.cancelled() => return,
-        r = tokio::time::timeout(timeout, conn.handshake()) => match r {
+        r = tokio::time::timeout_at(deadline, conn.handshake()) => match r {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 results.with_label_values(&["error"]).inc();
@@ -109,18 +113,23 @@ async fn serve_incoming(
     }
     results.with_label_values(&["ok"]).inc();
     drop(permit);
-    let code = serve_connection(&shared, &conn, remote).await;
+    let code = serve_connection(&shared, &conn, remote, deadline).await;
     conn.close(code);
 }
 
-/// Takes the DERP stream and its preamble, then serves DERP on it. Returns the close code.
-/// `remote` is the address the QUIC handshake came from and so validated: by the time the
-/// preamble is read, quinn may already follow a packet forwarded from elsewhere, and
-/// `conn.remote_address()` says where quinn sends now, validated or not.
-async fn serve_connection(shared: &Arc<ServerState>, conn: &Conn, remote: SocketAddr) -> u32 {
+/// Takes the DERP stream and its preamble (by `deadline`), then serves DERP on it. Returns
+/// the close code. `remote` is the address the QUIC handshake came from and so validated:
+/// by the time the preamble is read, quinn may already follow a packet forwarded from
+/// elsewhere, and `conn.remote_address()` says where quinn sends now, validated or not.
+async fn serve_connection(
+    shared: &Arc<ServerState>,
+    conn: &Conn,
+    remote: SocketAddr,
+    deadline: tokio::time::Instant,
+) -> u32 {
     let opened = tokio::select! {
         _ = shared.shutdown.cancelled() => return close_code::SHUTDOWN,
-        r = tokio::time::timeout(shared.config.handshake_timeout, async {
+        r = tokio::time::timeout_at(deadline, async {
             let (mut recv, send) = conn
                 .accept_bi()
                 .await

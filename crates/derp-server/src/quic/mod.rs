@@ -58,8 +58,9 @@ pub mod close_code {
 /// Settings of the QUIC listener.
 #[derive(Clone, Debug)]
 pub struct QuicConfig {
-    /// Deadline for the QUIC (TLS) handshake, from the client's first packet. The DERP
-    /// handshake that follows has [`ServerConfig::handshake_timeout`](crate::ServerConfig).
+    /// Deadline for the QUIC (TLS) handshake and the DERP stream's preamble, from the
+    /// client's first packet. ClientInfo then has
+    /// [`ServerConfig::handshake_timeout`](crate::ServerConfig) from ServerKey, as over TCP.
     pub handshake_timeout: Duration,
     /// QUIC handshakes in progress at once; beyond it, a client whose address is not yet
     /// validated is sent a Retry, and one that is validated is refused.
@@ -85,8 +86,14 @@ impl Default for QuicConfig {
     }
 }
 
-/// Default deadline for a QUIC handshake.
-pub const DEFAULT_QUIC_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default deadline for a QUIC handshake and the DERP stream's preamble: the idle timeout,
+/// since loss makes a QUIC handshake slow, not idle. Each lost flight doubles the wait before it is sent again, and
+/// across a link that loses 10 to 20 % of packets each way handshakes took up to 15 s. The
+/// server's wait also ends a flight after the client's (the client is done when it has the
+/// server's Finished, the server when it has the client's), so a shorter deadline can close
+/// a connection its client already uses. What slow handshakes can hold is bounded by
+/// [`DEFAULT_MAX_QUIC_HANDSHAKES`] and the Retry beyond it, not by this deadline.
+pub const DEFAULT_QUIC_HANDSHAKE_TIMEOUT: Duration = QUIC_IDLE_TIMEOUT;
 /// Default cap on QUIC handshakes in progress.
 pub const DEFAULT_MAX_QUIC_HANDSHAKES: usize = 1024;
 /// Idle timeout the server advertises.

@@ -115,6 +115,23 @@ async fn serve_incoming(
     drop(permit);
     let code = serve_connection(&shared, &conn, remote, deadline).await;
     conn.close(code);
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        // How the path to this client fared, from the server's side: what a client's own
+        // statistics cannot show (the window the server sent under, its MTU, its losses).
+        let path = conn.stats().path;
+        debug!(
+            %remote,
+            code,
+            rtt_ms = path.rtt.as_secs_f64() * 1e3,
+            cwnd = path.cwnd,
+            congestion_events = path.congestion_events,
+            sent_packets = path.sent_packets,
+            lost_packets = path.lost_packets,
+            mtu = path.current_mtu,
+            black_holes = path.black_holes_detected,
+            "quic connection closed"
+        );
+    }
 }
 
 /// Takes the DERP stream and its preamble (by `deadline`), then serves DERP on it. Returns

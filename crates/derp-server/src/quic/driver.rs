@@ -435,12 +435,11 @@ impl Driver {
                     _ = sleep => {}
                 }
             }
-            let now = Instant::now();
             let draining = shared.draining.is_cancelled();
             inner.marks.busy.store(true, Ordering::SeqCst);
-            self.take_in(now, draining);
+            self.take_in(draining);
             self.route(&shared, &mut fast);
-            self.send_out(now);
+            self.send_out();
             inner.marks.busy.store(false, Ordering::SeqCst);
             // A mark that came while busy did not wake the driver.
             self.more |= inner.marks.pending();
@@ -452,12 +451,12 @@ impl Driver {
 
     /// The first half of a pass: what arrived, what timed out and what tasks marked, each
     /// connection's events dispatched to its tasks, and the datagrams to route taken.
-    fn take_in(&mut self, now: Instant, draining: bool) {
+    fn take_in(&mut self, draining: bool) {
         let inner = self.inner.clone();
         let mut st = inner.lock();
         self.more = false;
         for _ in 0..RECV_BATCHES_PER_PASS {
-            match self.receive(&mut st, now) {
+            match self.receive(&mut st) {
                 Ok(true) => self.more = true,
                 Ok(false) => {
                     self.more = false;
@@ -469,6 +468,7 @@ impl Driver {
                 }
             }
         }
+        let now = Instant::now();
         while let Some(Reverse((t, handle))) = self.timers.peek().copied() {
             if t > now {
                 break;
@@ -548,9 +548,12 @@ impl Driver {
 
     /// The second half of a pass: every connection touched, or marked while routing,
     /// sends what it has and schedules its next timeout.
-    fn send_out(&mut self, now: Instant) {
+    fn send_out(&mut self) {
         let inner = self.inner.clone();
         let mut st = inner.lock();
+        // Read after routing: quinn-proto stamps each packet with it, and a send time from
+        // the start of a long pass would add the pass to every round trip it measures.
+        let now = Instant::now();
         inner.marks.take(&mut self.touched);
         let mut touched = std::mem::take(&mut self.touched);
         touched.sort_unstable_by_key(|c| c.handle);
@@ -575,7 +578,7 @@ impl Driver {
     }
 
     /// Takes one batch off the socket. `Ok(true)` when it was a full batch (more may wait).
-    fn receive(&mut self, st: &mut EndpointState, now: Instant) -> io::Result<bool> {
+    fn receive(&mut self, st: &mut EndpointState) -> io::Result<bool> {
         let io = &self.inner.io;
         let mut slots = self.recv_buf.chunks_mut(RECV_SLOT).map(IoSliceMut::new);
         let mut iovs: [IoSliceMut<'_>; quinn_udp::BATCH_SIZE] =
@@ -592,6 +595,11 @@ impl Driver {
                 Err(e) => return Err(e),
             }
         };
+        // Read per batch, after it arrived: one from the start of the pass would make an
+        // acknowledgement that arrived while the pass ran look that much earlier, and
+        // quinn-proto and the congestion controller would measure round trips shorter than
+        // the path's (a pass can take milliseconds).
+        let now = Instant::now();
         let mut response = Vec::new();
         for (i, meta) in self.metas.iter().enumerate().take(n) {
             let start = i * RECV_SLOT;

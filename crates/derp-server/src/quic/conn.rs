@@ -319,12 +319,12 @@ impl Conn {
         n
     }
 
-    /// Queues the datagram in `frame` if quinn-proto's buffer has room for it (taking it out
-    /// of `frame`); with `cx`, waits for room otherwise (the congestion controller decides
-    /// how fast the buffer drains), with the datagram left in `frame`.
+    /// Queues `frame`'s datagram once quinn-proto's buffer has room for it, taking it out of
+    /// `frame`; until then it stays there and the task waits (the congestion controller
+    /// decides how fast the buffer drains).
     pub(crate) fn poll_send_datagram(
         &self,
-        cx: Option<&mut Context<'_>>,
+        cx: &mut Context<'_>,
         frame: &mut Option<Bytes>,
     ) -> Poll<Result<(), DatagramError>> {
         let shared = self.shared();
@@ -332,9 +332,7 @@ impl Conn {
         if let Some(e) = s.error() {
             return Poll::Ready(Err(DatagramError::Lost(e)));
         }
-        let Some(datagram) = frame.take() else {
-            return Poll::Ready(Ok(()));
-        };
+        let datagram = frame.take().expect("polled again after it was sent");
         match queue_datagram(&mut s, datagram) {
             Ok(Ok(())) => {
                 drop(s);
@@ -343,9 +341,7 @@ impl Conn {
             }
             Ok(Err(datagram)) => {
                 *frame = Some(datagram);
-                if let Some(cx) = cx {
-                    park(&mut s.datagram_room, cx);
-                }
+                park(&mut s.datagram_room, cx);
                 Poll::Pending
             }
             Err(e) => Poll::Ready(Err(e)),

@@ -162,7 +162,7 @@ impl QuicLink {
     /// charge rather than quinn's drop-oldest buffer.
     pub(crate) async fn send_datagram(&self, frame: Bytes) -> Result<(), DatagramError> {
         let mut frame = Some(frame);
-        std::future::poll_fn(|cx| self.conn.poll_send_datagram(Some(cx), &mut frame)).await
+        std::future::poll_fn(|cx| self.conn.poll_send_datagram(cx, &mut frame)).await
     }
 
     /// Has the endpoint's driver route the client's datagrams as `handle` (or stop).

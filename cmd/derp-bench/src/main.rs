@@ -35,6 +35,14 @@ const TOOL: Tool = Tool {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        // Only when asked: the clients' own diagnostics (QUIC congestion decisions, for
+        // one), on stderr beside the report.
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let (result, who) = match &cli.mode {
         Mode::Worker => (
             derp_load::worker::run_process().map_err(Into::into),

@@ -125,17 +125,33 @@ impl LossFilter {
         self.round.end = Some(self.last_sent);
     }
 
-    /// Whether a loss event is congestion.
-    fn is_congestion(&self, persistent: bool, lost_bytes: u64) -> bool {
-        if persistent || lost_bytes == 0 || self.loss_rate >= LOSS_THRESHOLD {
-            return true;
+    /// Why a loss event is congestion; `None` when it is taken as random.
+    fn congestion_cause(&self, persistent: bool, lost_bytes: u64) -> Option<Cause> {
+        if persistent {
+            return Some(Cause::Persistent);
+        }
+        if lost_bytes == 0 {
+            return Some(Cause::Ecn);
+        }
+        if self.loss_rate >= LOSS_THRESHOLD {
+            return Some(Cause::LossRate);
         }
         let (Some(min), Some(queue)) = (self.min_rtt, self.queue_delay()) else {
             // Nothing measured yet: no evidence either way, so CUBIC decides.
-            return true;
+            return Some(Cause::Unmeasured);
         };
-        queue >= QUEUE_FLOOR.max(min / 4)
+        (queue >= QUEUE_FLOOR.max(min / 4)).then_some(Cause::Queue)
     }
+}
+
+/// What made a loss count as congestion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cause {
+    Persistent,
+    Ecn,
+    LossRate,
+    Queue,
+    Unmeasured,
 }
 
 impl Controller for LossFilter {
@@ -183,8 +199,20 @@ impl Controller for LossFilter {
         lost_bytes: u64,
     ) {
         self.round.lost += lost_bytes;
-        if self.is_congestion(is_persistent_congestion, lost_bytes) {
+        if let Some(cause) = self.congestion_cause(is_persistent_congestion, lost_bytes) {
             self.passed += 1;
+            tracing::debug!(
+                ?cause,
+                lost_bytes,
+                window = self.window(),
+                loss_rate = self.loss_rate,
+                queue_ms = self.queue_delay().map(|d| d.as_secs_f64() * 1e3),
+                min_rtt_ms = self.min_rtt.map(|d| d.as_secs_f64() * 1e3),
+                srtt_ms = self.srtt.map(|d| d.as_secs_f64() * 1e3),
+                last_round_min_ms = self.last_round_min.map(|d| d.as_secs_f64() * 1e3),
+                round_min_ms = self.round.min.map(|d| d.as_secs_f64() * 1e3),
+                "loss taken as congestion"
+            );
             self.inner
                 .on_congestion_event(now, sent, is_persistent_congestion, lost_bytes);
         } else {

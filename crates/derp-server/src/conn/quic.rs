@@ -119,6 +119,8 @@ async fn serve_incoming(
         // How the path to this client fared, from the server's side: what a client's own
         // statistics cannot show (the window the server sent under, its MTU, its losses).
         let path = conn.stats().path;
+        let filter = conn.loss_filter();
+        let (passed, ignored) = filter.as_ref().map_or((0, 0), |f| f.decisions());
         debug!(
             %remote,
             code,
@@ -129,6 +131,10 @@ async fn serve_incoming(
             lost_packets = path.lost_packets,
             mtu = path.current_mtu,
             black_holes = path.black_holes_detected,
+            losses_passed = passed,
+            losses_ignored = ignored,
+            loss_rate = filter.as_ref().map(|f| f.loss_rate()),
+            queue_ms = filter.as_ref().and_then(|f| f.queue_delay()).map(|d| d.as_secs_f64() * 1e3),
             "quic connection closed"
         );
     }

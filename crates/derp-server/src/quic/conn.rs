@@ -281,6 +281,13 @@ impl Conn {
         self.shared().lock().proto.stats()
     }
 
+    /// A copy of the connection's congestion controller when it is the loss filter: what it
+    /// passed on to CUBIC and held back, for diagnostics.
+    pub(crate) fn loss_filter(&self) -> Option<derp_io::quic::LossFilter> {
+        let controller = self.shared().lock().proto.congestion_state().clone_box();
+        controller.into_any().downcast().ok().map(|b| *b)
+    }
+
     /// The largest datagram the peer and the path take now; `None` when the peer takes
     /// none.
     pub(crate) fn max_datagram_size(&self) -> Option<usize> {

@@ -22,6 +22,14 @@ use quinn_proto::RttEstimator;
 /// how far a loss cuts) is CUBIC's, so against real congestion it yields as TCP CUBIC does.
 /// A round is the time from sending a packet until it is acknowledged, counted by packet
 /// numbers.
+///
+/// With random losses held back, nothing would end CUBIC's slow start: the window would keep
+/// doubling whenever the sender fills it, far past what the path carries, and quinn paces
+/// at the window's rate. A relay fills it in bursts (a backlog after a stall), so it would
+/// send at many times the path's rate and overflow the first queue on the way. So the
+/// window is held to [`WINDOW_GAIN`] times the most the path delivered in a recent round:
+/// room for the relay's load to double each round, as in slow start, but never a window
+/// the path has not come near.
 #[derive(Clone, Debug)]
 pub struct LossFilter {
     inner: Cubic,
@@ -33,10 +41,15 @@ pub struct LossFilter {
     /// The largest packet number sent so far.
     last_sent: u64,
     round: Round,
-    /// The smallest round-trip sample of the last round that had one.
+    /// The smallest round-trip sample of the last round that had one, and how many samples
+    /// that round had.
     last_round_min: Option<Duration>,
+    last_round_samples: u64,
     /// Lost bytes over lost and acknowledged bytes, smoothed over rounds.
     loss_rate: f64,
+    /// The most bytes acknowledged in one recent round: the largest round's, losing an
+    /// eighth each round since.
+    delivered: u64,
     /// Losses passed on to CUBIC, and ones held back (for tests and diagnostics).
     passed: u64,
     ignored: u64,
@@ -49,6 +62,10 @@ struct Round {
     min: Option<Duration>,
     acked: u64,
     lost: u64,
+    /// Bytes acknowledged in this round alone (`acked` pools small rounds).
+    delivered: u64,
+    /// Round-trip samples taken in this round.
+    samples: u64,
 }
 
 /// A queue below this is no evidence of congestion, whatever the round trip (scheduling and
@@ -61,6 +78,14 @@ pub const LOSS_THRESHOLD: f64 = 0.2;
 const LOSS_GAIN: f64 = 1.0 / 8.0;
 /// Rounds that carried fewer packets than this are added to the next before they count.
 const MIN_ROUND_PACKETS: u64 = 8;
+/// The window is at most this many times the most bytes a recent round delivered.
+pub const WINDOW_GAIN: u64 = 2;
+/// The peer acknowledges every [`ACK_ELICITING_THRESHOLD`](super::ACK_ELICITING_THRESHOLD)
+/// + 1 packets, or once its max_ack_delay has passed. In a sparse round, fewer packets than
+/// that came in a max_ack_delay, so the peer acknowledged on its timer, and even the
+/// round's smallest sample may hold that wait: up to this much, quinn's default
+/// max_ack_delay, which both ends of DERP over QUIC keep.
+pub const ACK_DELAY_ALLOWANCE: Duration = Duration::from_millis(25);
 
 impl LossFilter {
     /// Wraps `inner`, a fresh CUBIC for a path whose MTU is `mtu`.
@@ -73,7 +98,9 @@ impl LossFilter {
             last_sent: 0,
             round: Round::default(),
             last_round_min: None,
+            last_round_samples: 0,
             loss_rate: 0.0,
+            delivered: 0,
             passed: 0,
             ignored: 0,
         }
@@ -100,12 +127,21 @@ impl LossFilter {
         self.loss_rate
     }
 
+    /// The most the window may be now: [`WINDOW_GAIN`] times the most a recent round
+    /// delivered (this one so far included), and never below the initial window.
+    pub fn window_cap(&self) -> u64 {
+        let delivered = self.delivered.max(self.round.delivered);
+        (WINDOW_GAIN * delivered).max(self.inner.initial_window())
+    }
+
     /// Records one acknowledged packet: its round trip `sample` (as measured, ACK delay
     /// included), its size, and quinn's smoothed round trip.
     fn on_sample(&mut self, sample: Duration, bytes: u64, srtt: Duration) {
         self.min_rtt = Some(self.min_rtt.map_or(sample, |m| m.min(sample)));
         self.round.min = Some(self.round.min.map_or(sample, |m| m.min(sample)));
         self.round.acked += bytes;
+        self.round.delivered += bytes;
+        self.round.samples += 1;
         self.srtt = Some(srtt);
     }
 
@@ -114,7 +150,10 @@ impl LossFilter {
     fn end_round(&mut self) {
         if self.round.min.is_some() {
             self.last_round_min = self.round.min.take();
+            self.last_round_samples = std::mem::take(&mut self.round.samples);
         }
+        let delivered = std::mem::take(&mut self.round.delivered);
+        self.delivered = delivered.max(self.delivered - self.delivered / 8);
         let total = self.round.acked + self.round.lost;
         if total >= MIN_ROUND_PACKETS * self.mtu {
             let rate = self.round.lost as f64 / total as f64;
@@ -140,7 +179,26 @@ impl LossFilter {
             // Nothing measured yet: no evidence either way, so CUBIC decides.
             return Some(Cause::Unmeasured);
         };
-        (queue >= QUEUE_FLOOR.max(min / 4)).then_some(Cause::Queue)
+        let initial = self.inner.initial_window();
+        if self.inner.window() <= initial && self.delivered <= initial {
+            // A connection that has neither grown its window nor had a round deliver more
+            // than what any new connection may send unasked: it is no standing queue's
+            // cause, and its round trips are the handshake's (a lossy handshake's
+            // retransmissions stretch the first sample to seconds) and its first packets'
+            // (each acknowledged on the peer's timer).
+            return None;
+        }
+        let mut threshold = QUEUE_FLOOR.max(min / 4);
+        let per_allowance = u64::from(super::ACK_ELICITING_THRESHOLD) + 1;
+        let sparse = u128::from(self.last_round_samples) * ACK_DELAY_ALLOWANCE.as_nanos()
+            < u128::from(per_allowance) * min.as_nanos();
+        if sparse {
+            // A sparse round's round trips can be the peer's acknowledgement timer, not a
+            // queue: what a connection that has only just started sending (its samples
+            // from the handshake and its first packets) shows on every path.
+            threshold += ACK_DELAY_ALLOWANCE;
+        }
+        (queue >= threshold).then_some(Cause::Queue)
     }
 }
 
@@ -172,7 +230,11 @@ impl Controller for LossFilter {
         rtt: &RttEstimator,
     ) {
         self.on_sample(now.saturating_duration_since(sent), bytes, rtt.get());
-        self.inner.on_ack(now, sent, bytes, app_limited, rtt);
+        // At the cap CUBIC does not grow, as when the sender does not fill its window: a
+        // window grown out of sight above the cap would make a later cut for congestion
+        // cut nothing that is used.
+        let capped = self.inner.window() >= self.window_cap();
+        self.inner.on_ack(now, sent, bytes, app_limited || capped, rtt);
     }
 
     fn on_end_acks(
@@ -226,7 +288,7 @@ impl Controller for LossFilter {
     }
 
     fn window(&self) -> u64 {
-        self.inner.window()
+        self.inner.window().min(self.window_cap())
     }
 
     fn metrics(&self) -> ControllerMetrics {
@@ -406,6 +468,71 @@ mod tests {
         }
         assert!(link.cc.loss_rate() >= LOSS_THRESHOLD);
         assert!(link.cc.window() < window);
+    }
+
+    #[test]
+    fn the_window_is_held_near_what_the_path_delivered() {
+        let mut link = Link::new();
+        let initial = link.cc.window_cap();
+        // Nothing delivered yet: the initial window.
+        assert_eq!(initial, link.cc.inner.initial_window());
+        // A steady load of 100 packets a round: room for twice that, not more.
+        for _ in 0..10 {
+            link.round(100, 0, BASE_RTT);
+        }
+        assert_eq!(link.cc.window_cap(), WINDOW_GAIN * 100 * PACKET);
+        // The load doubles: the cap follows within the round.
+        link.round(200, 0, BASE_RTT);
+        assert_eq!(link.cc.window_cap(), WINDOW_GAIN * 200 * PACKET);
+        // The load falls away: the cap comes down an eighth a round, never below the initial
+        // window.
+        link.round(10, 0, BASE_RTT);
+        assert_eq!(link.cc.window_cap(), WINDOW_GAIN * (200 * PACKET * 7 / 8));
+        for _ in 0..100 {
+            link.round(1, 0, BASE_RTT);
+        }
+        assert_eq!(link.cc.window_cap(), initial);
+        assert!(link.cc.window() <= link.cc.window_cap());
+    }
+
+    #[test]
+    fn a_sparse_rounds_acknowledgement_delay_is_not_a_queue() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        // A few packets a round: the peer acknowledges each on its timer, so every sample
+        // carries up to its max_ack_delay. A loss then is random.
+        link.round(4, 0, BASE_RTT + ACK_DELAY_ALLOWANCE);
+        link.round(4, 4, BASE_RTT + ACK_DELAY_ALLOWANCE);
+        assert_eq!(link.cc.window(), window);
+        assert_eq!(link.cc.decisions(), (0, 1));
+        // A queue beyond that delay still counts.
+        link.round(4, 0, BASE_RTT + ACK_DELAY_ALLOWANCE * 2);
+        link.round(4, 4, BASE_RTT + ACK_DELAY_ALLOWANCE * 2);
+        assert_eq!(link.cc.decisions(), (1, 1));
+        // As does the same delay in a dense round, where acknowledgements are prompt.
+        let mut link = Link::new();
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        link.round(20, 0, BASE_RTT + ACK_DELAY_ALLOWANCE);
+        link.round(20, 10, BASE_RTT + ACK_DELAY_ALLOWANCE);
+        assert_eq!(link.cc.decisions(), (1, 0));
+    }
+
+    #[test]
+    fn a_connection_still_at_its_initial_window_is_not_cut_for_a_queue() {
+        let mut link = Link::new();
+        let window = link.cc.window();
+        // One prompt sample, then the first packets' round trips stretched (the handshake's
+        // retransmissions, the peer's acknowledgement timer) well past any allowance.
+        link.round(1, 0, BASE_RTT);
+        link.round(4, 0, BASE_RTT * 3);
+        link.round(4, 4, BASE_RTT * 3);
+        assert_eq!(link.cc.window(), window);
+        assert_eq!(link.cc.decisions(), (0, 1));
     }
 
     #[test]

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use quinn::congestion::{BbrConfig, Controller, ControllerFactory, CubicConfig};
 use quinn::{AckFrequencyConfig, MtuDiscoveryConfig, TransportConfig, VarInt};
 
-pub use loss_filter::{LOSS_THRESHOLD, LossFilter, LossFilterConfig, QUEUE_FLOOR};
+pub use loss_filter::{
+    ACK_DELAY_ALLOWANCE, LOSS_THRESHOLD, LossFilter, LossFilterConfig, QUEUE_FLOOR, WINDOW_GAIN,
+};
 pub use send::SendStream;
 
 /// Which congestion controller a DERP-over-QUIC endpoint runs.

@@ -12,7 +12,9 @@ use quinn_proto::RttEstimator;
 /// - persistent congestion (RFC 9002 §7.6), or an ECN congestion mark;
 /// - a standing queue: the round trip at its lowest over the last round (and the smoothed
 ///   one) lies at least [`QUEUE_FLOOR`], or a quarter of the path's minimum round trip if
-///   that is more, above that minimum. A bottleneck's queue fills before it overflows, so a
+///   that is more, above that minimum ([`ACK_DELAY_ALLOWANCE`] more after a round too sparse
+///   for the peer to acknowledge but on its timer; never while the connection is still
+///   within its initial window). A bottleneck's queue fills before it overflows, so a
 ///   loss that comes with a full queue is congestion, while one at the path's unloaded round
 ///   trip is the link's own (a radio, a lossy hop) and says nothing about its capacity;
 /// - a loss rate, smoothed over rounds, of at least [`LOSS_THRESHOLD`], which no random loss
@@ -80,11 +82,12 @@ const LOSS_GAIN: f64 = 1.0 / 8.0;
 const MIN_ROUND_PACKETS: u64 = 8;
 /// The window is at most this many times the most bytes a recent round delivered.
 pub const WINDOW_GAIN: u64 = 2;
-/// The peer acknowledges every [`ACK_ELICITING_THRESHOLD`](super::ACK_ELICITING_THRESHOLD)
-/// + 1 packets, or once its max_ack_delay has passed. In a sparse round, fewer packets than
-/// that came in a max_ack_delay, so the peer acknowledged on its timer, and even the
-/// round's smallest sample may hold that wait: up to this much, quinn's default
-/// max_ack_delay, which both ends of DERP over QUIC keep.
+/// The peer acknowledges once it has one packet more than
+/// [`ACK_ELICITING_THRESHOLD`](super::ACK_ELICITING_THRESHOLD), or once its max_ack_delay
+/// has passed. In a sparse round fewer packets than that came in a max_ack_delay, so the
+/// peer acknowledged on its timer, and even the round's smallest sample may hold that
+/// wait: up to this much, quinn's default max_ack_delay, which both ends of DERP over QUIC
+/// keep.
 pub const ACK_DELAY_ALLOWANCE: Duration = Duration::from_millis(25);
 
 impl LossFilter {
@@ -128,10 +131,17 @@ impl LossFilter {
     }
 
     /// The most the window may be now: [`WINDOW_GAIN`] times the most a recent round
-    /// delivered (this one so far included), and never below the initial window.
+    /// delivered (this one so far included), and never below the initial window or twice
+    /// the packets after which the peer acknowledges. Below that, a sender held by its
+    /// window would wait for the peer's acknowledgement timer (25 ms) every round, as
+    /// happens on a path whose round trip is short: its rounds deliver little each, and the
+    /// cap comes down an eighth a round.
     pub fn window_cap(&self) -> u64 {
         let delivered = self.delivered.max(self.round.delivered);
-        (WINDOW_GAIN * delivered).max(self.inner.initial_window())
+        let acked_on_count = 2 * (u64::from(super::ACK_ELICITING_THRESHOLD) + 1) * self.mtu;
+        (WINDOW_GAIN * delivered)
+            .max(self.inner.initial_window())
+            .max(acked_on_count)
     }
 
     /// Records one acknowledged packet: its round trip `sample` (as measured, ACK delay
@@ -193,9 +203,7 @@ impl LossFilter {
         let sparse = u128::from(self.last_round_samples) * ACK_DELAY_ALLOWANCE.as_nanos()
             < u128::from(per_allowance) * min.as_nanos();
         if sparse {
-            // A sparse round's round trips can be the peer's acknowledgement timer, not a
-            // queue: what a connection that has only just started sending (its samples
-            // from the handshake and its first packets) shows on every path.
+            // Its round trips can be the peer's acknowledgement timer rather than a queue.
             threshold += ACK_DELAY_ALLOWANCE;
         }
         (queue >= threshold).then_some(Cause::Queue)
@@ -234,7 +242,8 @@ impl Controller for LossFilter {
         // window grown out of sight above the cap would make a later cut for congestion
         // cut nothing that is used.
         let capped = self.inner.window() >= self.window_cap();
-        self.inner.on_ack(now, sent, bytes, app_limited || capped, rtt);
+        self.inner
+            .on_ack(now, sent, bytes, app_limited || capped, rtt);
     }
 
     fn on_end_acks(
@@ -473,9 +482,12 @@ mod tests {
     #[test]
     fn the_window_is_held_near_what_the_path_delivered() {
         let mut link = Link::new();
-        let initial = link.cc.window_cap();
-        // Nothing delivered yet: the initial window.
-        assert_eq!(initial, link.cc.inner.initial_window());
+        let floor = link.cc.window_cap();
+        // Nothing delivered yet: room for the peer to acknowledge twice on its count of
+        // packets (more than the initial window).
+        let acked_on_count = 2 * (u64::from(crate::quic::ACK_ELICITING_THRESHOLD) + 1) * PACKET;
+        assert_eq!(floor, acked_on_count);
+        assert!(floor >= link.cc.inner.initial_window());
         // A steady load of 100 packets a round: room for twice that, not more.
         for _ in 0..10 {
             link.round(100, 0, BASE_RTT);
@@ -484,14 +496,13 @@ mod tests {
         // The load doubles: the cap follows within the round.
         link.round(200, 0, BASE_RTT);
         assert_eq!(link.cc.window_cap(), WINDOW_GAIN * 200 * PACKET);
-        // The load falls away: the cap comes down an eighth a round, never below the initial
-        // window.
+        // The load falls away: the cap comes down an eighth a round, never below the floor.
         link.round(10, 0, BASE_RTT);
         assert_eq!(link.cc.window_cap(), WINDOW_GAIN * (200 * PACKET * 7 / 8));
         for _ in 0..100 {
             link.round(1, 0, BASE_RTT);
         }
-        assert_eq!(link.cc.window_cap(), initial);
+        assert_eq!(link.cc.window_cap(), floor);
         assert!(link.cc.window() <= link.cc.window_cap());
     }
 

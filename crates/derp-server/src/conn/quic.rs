@@ -117,8 +117,10 @@ async fn serve_incoming(
     conn.close(code);
     if tracing::enabled!(tracing::Level::DEBUG) {
         // How the path to this client fared, from the server's side: what a client's own
-        // statistics cannot show (the window the server sent under, its MTU, its losses).
-        let path = conn.stats().path;
+        // statistics cannot show (the window the server sent under, its MTU, its losses,
+        // how many DATAGRAM frames shared a UDP datagram).
+        let stats = conn.stats();
+        let path = stats.path;
         let filter = conn.loss_filter();
         let (passed, ignored) = filter.as_ref().map_or((0, 0), |f| f.decisions());
         debug!(
@@ -129,6 +131,12 @@ async fn serve_incoming(
             congestion_events = path.congestion_events,
             sent_packets = path.sent_packets,
             lost_packets = path.lost_packets,
+            udp_sent = stats.udp_tx.datagrams,
+            udp_received = stats.udp_rx.datagrams,
+            datagram_frames_sent = stats.frame_tx.datagram,
+            datagram_frames_received = stats.frame_rx.datagram,
+            acks_sent = stats.frame_tx.acks,
+            acks_received = stats.frame_rx.acks,
             mtu = path.current_mtu,
             black_holes = path.black_holes_detected,
             losses_passed = passed,

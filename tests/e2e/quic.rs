@@ -502,6 +502,13 @@ async fn a_client_that_never_finishes_the_derp_handshake_is_closed_on_time() {
         ),
         1.0
     );
+    // A connection that never registered still counts in the QUIC path metrics (its
+    // handshake's packets, added when it ends).
+    relay
+        .eventually("the ended connection's packets counted", |r| {
+            r.metric("derp_quic_packets_sent", &[]) > 0.0
+        })
+        .await;
     relay.stop().await;
 
     let mut config = ServerConfig::new(SecretKey::generate(&mut rand::rngs::OsRng));
@@ -1036,6 +1043,55 @@ async fn when_quinn_has_no_room_for_datagrams_derpds_queue_drops_and_counts() {
     );
     assert_eq!(relay.metric("derp_sclient_write_timeouts", &[]), 0.0);
     assert_eq!(relay.server.local_clients(), 2);
+    relay.stop().await;
+}
+
+/// The relay's QUIC path counters follow its connections' loss detection: what a cut
+/// downlink swallowed is counted lost once the client acknowledges later packets, never
+/// more than was swallowed, and the packets sent cover every one the link carried.
+#[tokio::test]
+async fn the_quic_path_counters_count_what_a_cut_downlink_lost() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let relay = QuicRelay::start().await;
+    let fwd = Forwarder::start(relay.quic).await;
+    let (mut a, ka, _) = client_through(&relay, &fwd).await;
+    let (mut b, kb) = relay.tcp_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    b.send_packet(ka, [0; 500]).await.expect("send");
+    assert_eq!(next_packet(&mut a).await.0, kb);
+    assert_eq!(relay.metric("derp_quic_packets_lost", &[]), 0.0);
+
+    fwd.cut_down.store(true, Relaxed);
+    for i in 1..=10u8 {
+        b.send_packet(ka, [i; 500]).await.expect("send");
+    }
+    relay
+        .eventually("the server to send into the cut", |r| {
+            r.metric("derp_quic_datagrams_sent", &[]) == 11.0 && fwd.lost_down() > 0
+        })
+        .await;
+    fwd.cut_down.store(false, Relaxed);
+    // Packets sent now arrive, and A's acknowledgements of them show the server the gap.
+    for i in 11..=20u8 {
+        b.send_packet(ka, [i; 500]).await.expect("send");
+    }
+    while next_packet(&mut a).await.1[0] != 20 {}
+    let carried = fwd.lost_down() + fwd.passed_down();
+    relay
+        .eventually("the losses counted", |r| {
+            r.metric("derp_quic_packets_lost", &[]) > 0.0
+                && r.metric("derp_quic_packets_sent", &[]) >= carried as f64
+        })
+        .await;
+    let lost = relay.metric("derp_quic_packets_lost", &[]);
+    assert!(
+        lost <= fwd.lost_down() as f64,
+        "{lost} counted lost, {} swallowed",
+        fwd.lost_down()
+    );
+    assert_eq!(relay.metric("derp_quic_mtu_black_holes", &[]), 0.0);
     relay.stop().await;
 }
 

@@ -256,6 +256,14 @@ pub struct Metrics {
     pub quic_garbage_datagrams: IntCounter,
     /// `derp_quic_migrations`: QUIC clients seen, and validated, at a new address.
     pub quic_migrations: IntCounter,
+    /// `derp_quic_packets_sent`: QUIC packets the server sent, every connection's (added
+    /// every second while a client is registered, and when its connection ends).
+    pub quic_packets_sent: IntCounter,
+    /// `derp_quic_packets_lost`: of those, the ones QUIC loss detection declared lost.
+    pub quic_packets_lost: IntCounter,
+    /// `derp_quic_mtu_black_holes`: MTU black holes QUIC detected, each a fall back to
+    /// 1200-byte packets until discovery probes again.
+    pub quic_mtu_black_holes: IntCounter,
 }
 
 impl Metrics {
@@ -481,6 +489,18 @@ impl Metrics {
             quic_migrations: r.counter(
                 "derp_quic_migrations",
                 "QUIC clients validated at a new address",
+            )?,
+            quic_packets_sent: r.counter(
+                "derp_quic_packets_sent",
+                "QUIC packets sent, every connection's",
+            )?,
+            quic_packets_lost: r.counter(
+                "derp_quic_packets_lost",
+                "QUIC packets sent that loss detection declared lost",
+            )?,
+            quic_mtu_black_holes: r.counter(
+                "derp_quic_mtu_black_holes",
+                "MTU black holes QUIC detected (each a fall back to 1200-byte packets)",
             )?,
             connection_errors,
         })

@@ -94,6 +94,22 @@ async fn serve_incoming(
             return;
         }
     };
+    serve_accepted(&shared, &conn, remote, permit, deadline).await;
+    // The rest of what the path counted (while the client was registered, its path watcher
+    // added it every second).
+    conn.fold_path_counts(&shared.metrics);
+}
+
+/// [`serve_incoming`] once quinn accepted the connection: the handshake, the DERP
+/// connection, the close and its log line.
+async fn serve_accepted(
+    shared: &Arc<ServerState>,
+    conn: &Conn,
+    remote: SocketAddr,
+    permit: OwnedSemaphorePermit,
+    deadline: tokio::time::Instant,
+) {
+    let results = &shared.metrics.quic_handshakes;
     tokio::select! {
         _ = shared.shutdown.cancelled() => return,
         r = tokio::time::timeout_at(deadline, conn.handshake()) => match r {
@@ -113,7 +129,7 @@ async fn serve_incoming(
     }
     results.with_label_values(&["ok"]).inc();
     drop(permit);
-    let code = serve_connection(&shared, &conn, remote, deadline).await;
+    let code = serve_connection(shared, conn, remote, deadline).await;
     conn.close(code);
     if tracing::enabled!(tracing::Level::DEBUG) {
         // How the path to this client fared, from the server's side: what a client's own

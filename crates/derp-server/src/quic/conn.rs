@@ -23,6 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::driver::Marks;
 use crate::handle::ConnHandle;
+use crate::metrics::Metrics;
 
 /// Why a datagram could not be handed over.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +68,39 @@ pub(crate) struct ConnState {
     /// The registered client the driver routes this connection's datagrams as; `None`
     /// while they are for the read loop to take.
     pub(super) route_as: Option<Arc<ConnHandle>>,
+    /// What the path's counts were when last added to the relay's metrics.
+    reported: PathCounts,
+}
+
+/// A connection's path counts that the relay's metrics add up across connections.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PathCounts {
+    /// QUIC packets sent.
+    pub(crate) sent: u64,
+    /// Sent packets declared lost.
+    pub(crate) lost: u64,
+    /// MTU black holes detected (each a fall back to the minimum MTU).
+    pub(crate) black_holes: u64,
+}
+
+impl PathCounts {
+    fn of(path: &quinn_proto::PathStats) -> Self {
+        Self {
+            sent: path.sent_packets,
+            lost: path.lost_packets,
+            black_holes: path.black_holes_detected,
+        }
+    }
+
+    /// What was counted after `earlier`. quinn's counts only grow; one that went back adds
+    /// nothing rather than wrapping.
+    pub(crate) fn since(self, earlier: Self) -> Self {
+        Self {
+            sent: self.sent.saturating_sub(earlier.sent),
+            lost: self.lost.saturating_sub(earlier.lost),
+            black_holes: self.black_holes.saturating_sub(earlier.black_holes),
+        }
+    }
 }
 
 impl ConnState {
@@ -84,6 +118,7 @@ impl ConnState {
             datagram_in: None,
             datagram_room: None,
             route_as: None,
+            reported: PathCounts::default(),
         }
     }
 
@@ -279,6 +314,19 @@ impl Conn {
 
     pub(crate) fn stats(&self) -> ConnectionStats {
         self.shared().lock().proto.stats()
+    }
+
+    /// Adds what the connection's path counted since the last call (packets sent and lost,
+    /// MTU black holes) to the relay's QUIC path metrics.
+    pub(crate) fn fold_path_counts(&self, metrics: &Metrics) {
+        let mut s = self.shared().lock();
+        let now = PathCounts::of(&s.proto.stats().path);
+        let new = now.since(s.reported);
+        s.reported = now;
+        drop(s);
+        metrics.quic_packets_sent.inc_by(new.sent);
+        metrics.quic_packets_lost.inc_by(new.lost);
+        metrics.quic_mtu_black_holes.inc_by(new.black_holes);
     }
 
     /// A copy of the connection's congestion controller when it is the loss filter: what it
@@ -650,5 +698,39 @@ mod slices {
         pub(super) fn as_slice(&self) -> &[&'a [u8]] {
             &self.inline[..self.len]
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PathCounts;
+
+    fn counts(sent: u64, lost: u64, black_holes: u64) -> PathCounts {
+        PathCounts {
+            sent,
+            lost,
+            black_holes,
+        }
+    }
+
+    /// Each fold adds only what came after the one before, so the metrics count every
+    /// packet once however often a connection is folded.
+    #[test]
+    fn successive_folds_add_each_count_once() {
+        let mut reported = PathCounts::default();
+        let mut total = PathCounts::default();
+        for now in [counts(10, 1, 0), counts(10, 1, 0), counts(25, 4, 1)] {
+            let new = now.since(reported);
+            reported = now;
+            total.sent += new.sent;
+            total.lost += new.lost;
+            total.black_holes += new.black_holes;
+        }
+        assert_eq!(total, counts(25, 4, 1));
+    }
+
+    #[test]
+    fn a_count_that_went_back_adds_nothing() {
+        assert_eq!(counts(5, 2, 0).since(counts(7, 1, 1)), counts(0, 1, 0));
     }
 }

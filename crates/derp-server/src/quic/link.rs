@@ -105,9 +105,11 @@ impl QuicLink {
 
     /// Watches the client's address for as long as the connection lives (the caller drops
     /// the future): every second while nothing happens, and every few milliseconds, with a
-    /// KeepAlive each time, while a new address is being validated.
+    /// KeepAlive each time, while a new address is being validated. Each time it also adds
+    /// what the path counted to the relay's metrics.
     pub(crate) async fn watch_path(&self, handle: &ConnHandle, metrics: &Metrics) -> Infallible {
         loop {
+            self.conn.fold_path_counts(metrics);
             let open = self.check_path(handle, metrics);
             if !open {
                 handle.queue.push_control(Control::KeepAlive);

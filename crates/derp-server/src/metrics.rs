@@ -359,6 +359,16 @@ impl Metrics {
             &["transport"],
         )?;
         registry.register(Box::new(current_by_transport.clone()))?;
+        let quic_handshakes = r.counter_vec(
+            "derp_quic_handshakes",
+            "QUIC handshakes by result (ok, error, timeout, retry, refused)",
+            &["result"],
+        )?;
+        // Every result shows from the start (at 0), so a dashboard's rate has a series to
+        // draw before the first handshake of each kind.
+        for result in ["ok", "error", "timeout", "retry", "refused"] {
+            quic_handshakes.with_label_values(&[result]);
+        }
         let fallbacks = r.counter_vec(
             "derp_quic_stream_fallbacks",
             "RecvPacket frames to QUIC clients sent on the stream instead of a datagram, by reason",
@@ -467,11 +477,7 @@ impl Metrics {
                 .map(|t| accepts_by_transport.with_label_values(&[t.as_str()])),
             current_connections_by_transport: TransportLabel::ALL
                 .map(|t| current_by_transport.with_label_values(&[t.as_str()])),
-            quic_handshakes: r.counter_vec(
-                "derp_quic_handshakes",
-                "QUIC handshakes by result (ok, error, timeout, retry, refused)",
-                &["result"],
-            )?,
+            quic_handshakes,
             quic_datagrams_received: r.counter(
                 "derp_quic_datagrams_received",
                 "SendPacket frames received in QUIC datagrams",

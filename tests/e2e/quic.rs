@@ -818,12 +818,7 @@ impl Drop for Forwarder {
 #[tokio::test]
 async fn packets_are_never_relayed_to_an_address_that_was_not_validated() {
     let relay = QuicRelay::start().await;
-    let fwd = Forwarder::start(relay.quic).await;
-    let (mut a, ka, first) = client_through(&relay, &fwd).await;
-    let (mut b, kb) = relay.tcp_client().await;
-    relay
-        .eventually("registered", |r| r.server.local_clients() == 2)
-        .await;
+    let (fwd, (mut a, ka, first), (mut b, kb)) = forwarded_and_tcp(&relay).await;
 
     // The forwarder now sends A's packets from another address, whose replies are lost.
     fwd.divert.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -974,6 +969,24 @@ async fn client_through(relay: &QuicRelay, fwd: &Forwarder) -> (Client, PublicKe
     (client, key, observed)
 }
 
+/// A QUIC client behind a [`Forwarder`] (with its key and first ObservedAddr) and a TCP
+/// client, both registered.
+async fn forwarded_and_tcp(
+    relay: &QuicRelay,
+) -> (
+    Forwarder,
+    (Client, PublicKey, SocketAddr),
+    (Client, PublicKey),
+) {
+    let fwd = Forwarder::start(relay.quic).await;
+    let quic = client_through(relay, &fwd).await;
+    let tcp = relay.tcp_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 2)
+        .await;
+    (fwd, quic, tcp)
+}
+
 /// Packets sent towards a dead downlink: about six times what quinn's datagram buffer holds.
 const FLOOD: u16 = 400;
 
@@ -988,12 +1001,7 @@ async fn when_quinn_has_no_room_for_datagrams_derpds_queue_drops_and_counts() {
     config.write_timeout = None;
     config.send_queue_depth = 8;
     let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
-    let fwd = Forwarder::start(relay.quic).await;
-    let (mut a, ka, _) = client_through(&relay, &fwd).await;
-    let (mut b, kb) = relay.tcp_client().await;
-    relay
-        .eventually("registered", |r| r.server.local_clients() == 2)
-        .await;
+    let (fwd, (mut a, ka, _), (mut b, kb)) = forwarded_and_tcp(&relay).await;
     b.send_packet(ka, [0xff; 1000]).await.expect("send");
     assert_eq!(next_packet(&mut a).await.0, kb);
     assert_eq!(relay.metric("derp_quic_datagrams_sent", &[]), 1.0);
@@ -1053,12 +1061,7 @@ async fn when_quinn_has_no_room_for_datagrams_derpds_queue_drops_and_counts() {
 async fn the_quic_path_counters_count_what_a_cut_downlink_lost() {
     use std::sync::atomic::Ordering::Relaxed;
     let relay = QuicRelay::start().await;
-    let fwd = Forwarder::start(relay.quic).await;
-    let (mut a, ka, _) = client_through(&relay, &fwd).await;
-    let (mut b, kb) = relay.tcp_client().await;
-    relay
-        .eventually("registered", |r| r.server.local_clients() == 2)
-        .await;
+    let (fwd, (mut a, ka, _), (mut b, kb)) = forwarded_and_tcp(&relay).await;
     b.send_packet(ka, [0; 500]).await.expect("send");
     assert_eq!(next_packet(&mut a).await.0, kb);
     assert_eq!(relay.metric("derp_quic_packets_lost", &[]), 0.0);
@@ -1101,12 +1104,7 @@ async fn a_quic_client_whose_downlink_stays_dead_is_closed_at_the_write_deadline
     config.write_timeout = Some(Duration::from_millis(500));
     config.send_queue_depth = 8;
     let relay = QuicRelay::start_with(config, QuicConfig::default()).await;
-    let fwd = Forwarder::start(relay.quic).await;
-    let (_a, ka, _) = client_through(&relay, &fwd).await;
-    let (mut b, _) = relay.tcp_client().await;
-    relay
-        .eventually("registered", |r| r.server.local_clients() == 2)
-        .await;
+    let (fwd, (_a, ka, _), (mut b, _)) = forwarded_and_tcp(&relay).await;
 
     fwd.cut_down
         .store(true, std::sync::atomic::Ordering::Relaxed);

@@ -82,7 +82,9 @@ pub use lookup::bench as lookup_bench;
 pub use lookup::{
     DEFAULT_PEER_CACHE_MAX_ENTRIES, DEFAULT_PEER_CACHE_MAX_IDLE, LookupConfig, PeerCacheConfig,
 };
-pub use metrics::{DropReason, FallbackReason, Metrics, PacketKind, TransportLabel};
+pub use metrics::{
+    DropReason, FallbackReason, HandshakeResult, Metrics, PacketKind, TransportLabel,
+};
 pub use proxy::{Proxied, ProxiedListener, ProxyProtocol, ProxyRefusal};
 pub use quic::{QuicConfig, QuicError, QuicListener};
 pub use ratelimit::{MIN_RATE_BURST, RateLimit};

@@ -133,6 +133,42 @@ impl FallbackReason {
     }
 }
 
+/// How a QUIC handshake ended; the `result` label of `derp_quic_handshakes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeResult {
+    /// Completed.
+    Ok = 0,
+    /// Failed (a wrong ALPN, a TLS error, the client closed).
+    Error = 1,
+    /// Not finished within the handshake deadline.
+    Timeout = 2,
+    /// Answered with a Retry: too many were in flight and the client had not proven its
+    /// address.
+    Retry = 3,
+    /// Refused: still too many, or the server is draining.
+    Refused = 4,
+}
+
+impl HandshakeResult {
+    const ALL: [Self; 5] = [
+        Self::Ok,
+        Self::Error,
+        Self::Timeout,
+        Self::Retry,
+        Self::Refused,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Error => "error",
+            Self::Timeout => "timeout",
+            Self::Retry => "retry",
+            Self::Refused => "refused",
+        }
+    }
+}
+
 /// The relay's metrics, registered on a registry the caller owns.
 ///
 /// Fields are public so the server's modules can update them; they double as the metrics
@@ -238,10 +274,9 @@ pub struct Metrics {
     /// `derp_current_connections_by_transport{transport}`: registered connections by
     /// transport, indexed by [`TransportLabel`].
     pub current_connections_by_transport: [IntGauge; 3],
-    /// `derp_quic_handshakes{result}`: QUIC handshakes by result: `ok`, `error`, `timeout`
-    /// (not finished within the handshake deadline), `retry` (address validation asked for
-    /// because too many were in flight) or `refused` (still too many).
-    pub quic_handshakes: IntCounterVec,
+    /// `derp_quic_handshakes{result}`: QUIC handshakes by result, indexed by
+    /// [`HandshakeResult`] (every result exported from the start, at 0).
+    pub quic_handshakes: [IntCounter; 5],
     /// `derp_quic_datagrams_received`: SendPacket frames that arrived in QUIC datagrams
     /// (also counted in `derp_packets_received`).
     pub quic_datagrams_received: IntCounter,
@@ -364,11 +399,6 @@ impl Metrics {
             "QUIC handshakes by result (ok, error, timeout, retry, refused)",
             &["result"],
         )?;
-        // Every result shows from the start (at 0), so a dashboard's rate has a series to
-        // draw before the first handshake of each kind.
-        for result in ["ok", "error", "timeout", "retry", "refused"] {
-            quic_handshakes.with_label_values(&[result]);
-        }
         let fallbacks = r.counter_vec(
             "derp_quic_stream_fallbacks",
             "RecvPacket frames to QUIC clients sent on the stream instead of a datagram, by reason",
@@ -477,7 +507,8 @@ impl Metrics {
                 .map(|t| accepts_by_transport.with_label_values(&[t.as_str()])),
             current_connections_by_transport: TransportLabel::ALL
                 .map(|t| current_by_transport.with_label_values(&[t.as_str()])),
-            quic_handshakes,
+            quic_handshakes: HandshakeResult::ALL
+                .map(|h| quic_handshakes.with_label_values(&[h.as_str()])),
             quic_datagrams_received: r.counter(
                 "derp_quic_datagrams_received",
                 "SendPacket frames received in QUIC datagrams",

@@ -13,7 +13,7 @@ use tracing::debug;
 
 use super::{Accepted, ConnError, Framing, LocalError, PeerMisbehaved};
 use crate::listen::ConnGuard;
-use crate::metrics::TransportLabel;
+use crate::metrics::{HandshakeResult, TransportLabel};
 use crate::quic::{Conn, Incoming, PREAMBLE, QuicLink, QuicListener, close_code};
 use crate::state::ServerState;
 
@@ -42,7 +42,7 @@ pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener
             // Without a server config quinn would answer with a stateless reset, which a
             // client cannot tell from noise before its handshake: it would retry until its
             // own deadline.
-            results.with_label_values(&["refused"]).inc();
+            results[HandshakeResult::Refused as usize].inc();
             incoming.refuse();
             continue;
         }
@@ -50,10 +50,10 @@ pub(crate) async fn accept_loop(shared: Arc<ServerState>, listener: QuicListener
             // Over the cap: make an unproven source prove its address first (a Retry costs
             // the server no state), and refuse one that already did.
             if !incoming.remote_address_validated() && incoming.may_retry() {
-                results.with_label_values(&["retry"]).inc();
+                results[HandshakeResult::Retry as usize].inc();
                 incoming.retry();
             } else {
-                results.with_label_values(&["refused"]).inc();
+                results[HandshakeResult::Refused as usize].inc();
                 incoming.refuse();
             }
             continue;
@@ -89,7 +89,7 @@ async fn serve_incoming(
     let conn = match incoming.accept() {
         Ok(c) => c,
         Err(e) => {
-            results.with_label_values(&["error"]).inc();
+            results[HandshakeResult::Error as usize].inc();
             debug!(%remote, error = %e, "quic handshake refused");
             return;
         }
@@ -115,19 +115,19 @@ async fn serve_accepted(
         r = tokio::time::timeout_at(deadline, conn.handshake()) => match r {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                results.with_label_values(&["error"]).inc();
+                results[HandshakeResult::Error as usize].inc();
                 debug!(%remote, error = %e, "quic handshake failed");
                 return;
             }
             Err(_) => {
                 // Dropping the half-done connection closes it.
-                results.with_label_values(&["timeout"]).inc();
+                results[HandshakeResult::Timeout as usize].inc();
                 debug!(%remote, "quic handshake timed out");
                 return;
             }
         },
     }
-    results.with_label_values(&["ok"]).inc();
+    results[HandshakeResult::Ok as usize].inc();
     drop(permit);
     let code = serve_connection(shared, conn, remote, deadline).await;
     conn.close(code);

@@ -74,13 +74,13 @@ pub(crate) struct ConnState {
 
 /// A connection's path counts that the relay's metrics add up across connections.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct PathCounts {
+struct PathCounts {
     /// QUIC packets sent.
-    pub(crate) sent: u64,
+    sent: u64,
     /// Sent packets declared lost.
-    pub(crate) lost: u64,
+    lost: u64,
     /// MTU black holes detected (each a fall back to the minimum MTU).
-    pub(crate) black_holes: u64,
+    black_holes: u64,
 }
 
 impl PathCounts {
@@ -94,7 +94,7 @@ impl PathCounts {
 
     /// What was counted after `earlier`. quinn's counts only grow; one that went back adds
     /// nothing rather than wrapping.
-    pub(crate) fn since(self, earlier: Self) -> Self {
+    fn since(self, earlier: Self) -> Self {
         Self {
             sent: self.sent.saturating_sub(earlier.sent),
             lost: self.lost.saturating_sub(earlier.lost),

@@ -10,6 +10,9 @@
 //!   queue on the sending client's read loop (never waiting), and the link's writer sends
 //!   them as ForwardPacket frames in batches, one flush per batch; drops are counted by
 //!   reason (`queue_full`, `link_down`, `write_error`);
+//! - notices a sibling that died without closing its connections: the link pings after
+//!   [`MeshConfig::ping_interval`] without one and reconnects when the pong is as late, with
+//!   a read timeout behind that;
 //! - detects a link to the node itself by the answering server key and stops it;
 //! - parses `--mesh-with` entries ([`parse_mesh_with`]) and builds the trust store for
 //!   `https` links ([`mesh_tls_config`]: the system's roots honouring `SSL_CERT_FILE` and

@@ -30,7 +30,8 @@
 //!
 //! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
 //! or a global metrics registry (`derpd` does those); terminate TLS or obtain certificates
-//! (`derp-tls` does, and hands the decrypted streams to [`Server::spawn_connection`]);
+//! (`derp-tls` does, and hands the decrypted streams to [`Server::spawn_guarded`] once
+//! [`Server::admit_connection`] let them in);
 //! implement admission checks that need an HTTP client, a Unix socket or files
 //! (`derp-admission` does). The wire protocol, including the HTTP upgrade and WebSocket
 //! framing, lives in `derp-proto`.

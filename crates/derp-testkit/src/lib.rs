@@ -4,11 +4,11 @@
 //! vendored under `crates/derp-proto/testdata/`) and loaders for the parts more than one
 //! suite reads, the three fixed node keys they use, a once-per-binary tracing setup, and a
 //! DERP client that speaks the wire format itself over plain TCP ([`raw`]: an async one for
-//! tests, a blocking one for derp-bench's closed loop), and a helper program run beside a
+//! tests, a blocking one for derp-load's closed loop), and a helper program run beside a
 //! test with its output in a file ([`child`]). What it does not provide: servers,
 //! TLS, WebSocket or QUIC clients; those live in the crates under test, so this crate can
 //! depend on `derp-proto` alone (and tokio) and be a dev-dependency of everything else
-//! without cycles.
+//! without cycles (and a dependency of `derp-load`, whose closed loop runs the blocking client).
 
 pub mod child;
 pub mod raw;

@@ -1,9 +1,9 @@
 //! One client connection: the handshake and registration here, the read loop in [`read`],
 //! the writer in [`write`].
 //!
-//! The per-packet path reads top to bottom across the two halves: a frame is read and routed
-//! in `read.rs` (read, decode, look up, enqueue on the destination's queue) and written in
-//! `write.rs` (take the queue, frame it, one vectored write, account).
+//! The per-packet path reads top to bottom across the two halves: a frame is read in
+//! `read/` (read, decode), routed by `crate::route` (look up, enqueue on the destination's
+//! queue) and written in `write/` (take the queue, frame it, one vectored write, account).
 
 mod error;
 pub(crate) mod quic;

@@ -1,6 +1,6 @@
 //! A DERP client that speaks the wire format itself, built straight on `derp-proto`: tests use
-//! it to check exact bytes and to send malformed input, and derp-bench's closed loop uses it
-//! as the leanest client there can be.
+//! it to check exact bytes and to send malformed input, and derp-load's closed loop
+//! (derp-bench's `pingpong`) uses it as the leanest client there can be.
 //!
 //! The parts that do no IO are written once here: the upgrade request, the buffer that
 //! frames are read into and taken from ([`FrameBuf`]), and the handshake's steps. Two

@@ -640,22 +640,28 @@ struct FloorRelay {
 impl FloorRelay {
     fn start() -> Self {
         use std::io::BufRead;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_derp-bench"))
+        let child = Command::new(env!("CARGO_BIN_EXE_derp-bench"))
             .args(["floor-relay", "--listen", "127.0.0.1:0"])
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("starting the floor relay");
+        // Guarded before anything can panic, so a failed start still stops the process.
+        let mut relay = Self {
+            child,
+            url: String::new(),
+        };
         let mut line = String::new();
-        let stdout = child.stdout.take().unwrap();
+        let stdout = relay.child.stdout.take().unwrap();
         std::io::BufReader::new(stdout)
             .read_line(&mut line)
             .unwrap();
-        let url = line.trim().to_owned();
+        relay.url = line.trim().to_owned();
         assert!(
-            url.starts_with("http://127.0.0.1:") && url.ends_with("/derp"),
-            "{url:?}"
+            relay.url.starts_with("http://127.0.0.1:") && relay.url.ends_with("/derp"),
+            "{:?}",
+            relay.url
         );
-        Self { child, url }
+        relay
     }
 }
 

@@ -126,17 +126,19 @@ impl Traced {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn strace");
+        // Guarded before anything can panic, so a failed start still stops strace.
+        let started = Self {
+            derpd,
+            strace,
+            output,
+        };
         wait_until("strace to attach", || traced(pid));
         let status = Command::new("kill")
             .args(["-CONT", &pid.to_string()])
             .status()
             .expect("kill -CONT");
         assert!(status.success());
-        Self {
-            derpd,
-            strace,
-            output,
-        }
+        started
     }
 
     /// What strace printed so far.

@@ -226,20 +226,20 @@ mod tests {
 
     #[tokio::test]
     async fn every_waiter_ends_on_cancel_and_later_ones_at_once() {
-        let cancel = Arc::new(Cancel::default());
-        let waiters: Vec<_> = (0..3)
-            .map(|_| {
-                let cancel = cancel.clone();
-                tokio::spawn(async move { cancel.cancelled().await })
-            })
-            .collect();
-        // Let every waiter register before the cancel.
-        tokio::task::yield_now().await;
-        assert!(waiters.iter().all(|w| !w.is_finished()));
+        let cancel = Cancel::default();
+        let wakes = Arc::new(CountWakes(AtomicUsize::new(0)));
+        let waker = Waker::from(wakes.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut waiters: Vec<_> = (0..3).map(|_| Box::pin(cancel.cancelled())).collect();
+        // Polled once each: every waiter has read the flag and waits on the notification.
+        for w in &mut waiters {
+            assert!(w.as_mut().poll(&mut cx).is_pending());
+        }
         cancel.cancel();
         cancel.cancel();
-        for w in waiters {
-            w.await.expect("waiter");
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 3, "one wake per waiter");
+        for w in &mut waiters {
+            assert!(w.as_mut().poll(&mut cx).is_ready());
         }
         assert!(cancel.is_cancelled());
         cancel.cancelled().await;

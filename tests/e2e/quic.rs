@@ -1256,8 +1256,10 @@ async fn an_https_url_with_a_quic_port_connects_over_quic() {
     let secret = SecretKey::generate(&mut rand::rngs::OsRng);
     let key = secret.public_key();
     // The URL names the node as a DERP map does; the QUIC port says to use QUIC there.
-    // Nothing listens for TLS on the URL's TCP port, so only QUIC can succeed.
-    let config = ClientConfig::new("https://127.0.0.1:9/derp", secret)
+    // The URL's TCP port holds a listener that never answers, so only QUIC can succeed.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("https://{}/derp", silent.local_addr().expect("addr"));
+    let config = ClientConfig::new(&url, secret)
         .expect("config")
         .with_quic_port(relay.quic.port())
         .with_cert_name(relay.pin.clone())

@@ -378,9 +378,15 @@ fn check_load_run(run: &LoadRun, pairs: usize) {
     let pps = run.delivered_packets as f64 / run.window_s;
     assert!((run.delivered_pps - pps).abs() < 1e-6 * pps.max(1.0));
     assert!(run.delivered_pps <= run.sent_pps);
-    assert!(run.delivered_mbps >= 0.0);
+    assert_eq!(
+        run.delivered_mbps > 0.0,
+        run.delivered_packets > 0,
+        "{run:?}"
+    );
     assert!(run.cpu.wall_s > 0.0);
-    assert!(run.cpu.bench_cpu_s.is_some() && run.cpu.bench_cores.unwrap() >= 0.0);
+    let bench_cpu_s = run.cpu.bench_cpu_s.expect("the bench's own CPU time");
+    let bench_cores = run.cpu.bench_cores.expect("the bench's cores");
+    assert!((bench_cores - bench_cpu_s / run.cpu.wall_s).abs() < 1e-9 * bench_cores.max(1.0));
     let busy = run.cpu.machine_busy_cores.expect("/proc/stat is readable");
     assert!(busy > 0.0 && run.cpu.machine_softirq_cores.unwrap() <= busy);
     if let (Some(offered), Some(mbps)) = (run.offered_pps, run.offered_mbps) {

@@ -6,7 +6,7 @@ use std::net::{TcpListener, UdpSocket};
 use std::path::Path;
 use std::process::Command;
 
-mod support;
+use crate::support;
 
 use support::{DERPD, TempDir};
 

@@ -4,7 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 
 use support::{Launch, Node, STEP, TempDir, http_get, run_to_exit};
 
-mod support;
+use crate::support;
 
 /// Runs derpd to completion and returns (exit success, stderr).
 fn run(args: &[&str]) -> (bool, String) {

@@ -8,7 +8,7 @@
 //! The tools come from `scripts/test-tools install`; a missing one fails the test with that
 //! line.
 
-mod tools;
+use crate::tools;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-mod support;
+use crate::support;
 
 use support::{DERPD, Node, STEP, TempDir};
 

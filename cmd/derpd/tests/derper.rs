@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
-mod support;
+use crate::support;
 
 use support::{DERPD, TempDir};
 

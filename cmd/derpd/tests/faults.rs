@@ -3,7 +3,7 @@
 //! writes. Each fault is set up for the derpd process alone (resource limits applied by a
 //! shell before `exec`, signals injected by strace), never for the test.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::time::Duration;

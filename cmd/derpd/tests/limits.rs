@@ -2,7 +2,7 @@
 //! burst of connections against the listen backlog, and SIGHUP reloads of the rate config
 //! and the allow-keys file.
 
-mod support;
+use crate::support;
 
 use std::net::{SocketAddr, TcpStream};
 use std::process::Command;

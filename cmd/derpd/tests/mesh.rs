@@ -2,7 +2,7 @@
 //! direction, a node killed or restarted is noticed and healed without a manual step, and
 //! mesh privileges go only with the right key.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -9,8 +9,8 @@
 //! checks that round trips get through on both transports, and how many took a resend;
 //! speed across the link is measured by `scripts/bench-quic loss`, not asserted here.
 
-mod support;
-mod tools;
+use crate::support;
+use crate::tools;
 
 use std::process::Command;
 use std::time::Duration;

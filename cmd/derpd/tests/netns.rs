@@ -7,7 +7,7 @@
 //! Addresses come from 198.18.0.0/24, the range set aside for network benchmarks
 //! (RFC 2544); every one of them lives in a namespace this test made.
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Stdio};
 

@@ -10,8 +10,8 @@
 //! HAProxy and nginx come from `scripts/test-tools install`; a missing one fails the test
 //! with that line.
 
-mod support;
-mod tools;
+use crate::support;
+use crate::tools;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

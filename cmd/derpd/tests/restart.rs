@@ -2,7 +2,7 @@
 //! reconnect with a Restarting frame, delivers what is queued, closes and exits 0; a second
 //! signal ends the drain at once.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

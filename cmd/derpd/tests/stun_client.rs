@@ -2,7 +2,7 @@
 //! generic STUN is enabled. `scripts/test` installs the tool (or says how); without it the
 //! test fails rather than pass without having run.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 

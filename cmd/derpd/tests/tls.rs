@@ -1,7 +1,7 @@
 //! The derpd binary serving TLS: an IP-only node in manual mode prints the pin clients need,
 //! and SIGHUP puts rotated certificate files into service without a restart.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 use crate::duration::{SignedDuration, parse_duration, parse_signed_duration};
-use crate::goflags::{self, Translated};
+use crate::goflags::{self, GoKind, GoKinds, Translated};
 
 /// DERP relay server, wire-compatible with Tailscale's derper.
 #[derive(Debug, Parser)]
@@ -239,6 +239,60 @@ pub(crate) struct Cli {
     pub(crate) compat: crate::compat::CompatArgs,
 }
 
+/// The Go kind of each flag above ([`goflags::GoKind`]), in their order.
+const GO_KINDS: &GoKinds = &[
+    ("dev", GoKind::Bool),
+    ("addr", GoKind::String),
+    ("config", GoKind::String),
+    ("home", GoKind::String),
+    ("derp", GoKind::Bool),
+    ("stun", GoKind::Bool),
+    ("stun-port", GoKind::Int),
+    ("quic-port", GoKind::Int),
+    ("quic-congestion", GoKind::String),
+    ("stun-answer-generic", GoKind::Bool),
+    ("tcp-write-timeout", GoKind::Duration),
+    ("tcp-keepalive-time", GoKind::Duration),
+    ("tcp-user-timeout", GoKind::Duration),
+    ("send-queue-depth", GoKind::Int),
+    ("peer-cache-max-entries", GoKind::Int),
+    ("peer-cache-max-idle", GoKind::Duration),
+    ("peer-mirror", GoKind::Bool),
+    ("debug-allow-cidr", GoKind::String),
+    ("proxy-protocol", GoKind::Bool),
+    ("proxy-protocol-from", GoKind::String),
+    ("trust-forwarded-from", GoKind::String),
+    ("metrics-addr", GoKind::String),
+    ("packet-metrics", GoKind::Bool),
+    ("mesh-psk-file", GoKind::String),
+    ("mesh-with", GoKind::String),
+    ("mesh-ca-file", GoKind::String),
+    ("mesh-ping-interval", GoKind::Duration),
+    ("drain-timeout", GoKind::Duration),
+    ("restart-reconnect-in", GoKind::Duration),
+    ("restart-try-for", GoKind::Duration),
+    ("workers", GoKind::Int),
+    ("log-format", GoKind::String),
+    ("check", GoKind::Bool),
+    ("bootstrap-dns-names", GoKind::String),
+    ("unpublished-bootstrap-dns-names", GoKind::String),
+    ("acme-eab-kid", GoKind::String),
+    ("acme-eab-key", GoKind::String),
+    ("acme-ip-certs", GoKind::Bool),
+    ("version", GoKind::Bool),
+];
+
+/// Every flag's Go kind: the table of each flag block.
+pub(crate) fn go_kinds() -> Vec<(&'static str, GoKind)> {
+    [
+        GO_KINDS,
+        crate::tls_setup::GO_KINDS,
+        crate::limits::GO_KINDS,
+        crate::compat::GO_KINDS,
+    ]
+    .concat()
+}
+
 /// How flags are written, under the help text.
 const GO_SYNTAX: &str = "Flags are read as derper reads them (Go's flag package): one dash or \
 two (-hostname, --hostname), the value after \"=\" or as the next argument, booleans as -flag or \
@@ -285,14 +339,14 @@ pub(crate) enum Invocation {
 
 /// derpd's flags as clap defines them, with every boolean taking Go's forms.
 pub(crate) fn command() -> clap::Command {
-    goflags::go_booleans(Cli::command())
+    goflags::go_booleans(Cli::command(), &go_kinds())
 }
 
 /// Reads a command line (the program name first) in Go's flag syntax. The error is one line,
 /// for journald.
 pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocation, String> {
     let mut cmd = command();
-    match goflags::translate(&cmd, args).map_err(|e| e.to_string())? {
+    match goflags::translate(&cmd, &go_kinds(), args).map_err(|e| e.to_string())? {
         Translated::Help { long } => Ok(Invocation::Help(
             // As clap's own --help: the long form only where there is more to say.
             if long && cmd.get_arguments().any(|a| a.get_long_help().is_some()) {
@@ -491,6 +545,112 @@ mod tests {
                 arg.get_id()
             );
         }
+    }
+
+    /// Each flag declares one Go kind, every declaration names a flag, and the flag's parser
+    /// takes what that kind hands it: a decimal integer and no fraction (Int), a fraction
+    /// (Float), Go's units and no bare number (Duration), and for a string no value of the
+    /// types Go reads itself, which would then miss Go's syntax.
+    #[test]
+    fn every_flag_declares_a_go_kind_its_parser_agrees_with() {
+        use std::any::TypeId;
+        let kinds = go_kinds();
+        let cmd = command();
+        for (long, _) in &kinds {
+            let count = kinds.iter().filter(|(l, _)| l == long).count();
+            assert_eq!(count, 1, "--{long} is declared {count} times");
+            assert!(
+                cmd.get_arguments().any(|a| a.get_long() == Some(*long)),
+                "--{long} is declared but is no flag"
+            );
+        }
+        let takes = |arg: &clap::Arg, v: &str| {
+            goflags::check_value("x", arg, v.as_ref(), v.as_ref()).is_ok()
+        };
+        let typed = [
+            TypeId::of::<bool>(),
+            TypeId::of::<i8>(),
+            TypeId::of::<i16>(),
+            TypeId::of::<i32>(),
+            TypeId::of::<i64>(),
+            TypeId::of::<isize>(),
+            TypeId::of::<u8>(),
+            TypeId::of::<u16>(),
+            TypeId::of::<u32>(),
+            TypeId::of::<u64>(),
+            TypeId::of::<usize>(),
+            TypeId::of::<f32>(),
+            TypeId::of::<f64>(),
+            TypeId::of::<Duration>(),
+            TypeId::of::<SignedDuration>(),
+        ];
+        for arg in cmd.get_arguments() {
+            let long = arg.get_long().expect("long name");
+            let Some((_, kind)) = kinds.iter().find(|(l, _)| *l == long) else {
+                panic!("--{long} declares no Go kind (GO_KINDS beside its definition)");
+            };
+            let parser = arg.get_value_parser().type_id();
+            match kind {
+                GoKind::Bool => assert_eq!(parser, TypeId::of::<bool>(), "--{long}"),
+                GoKind::Int => {
+                    assert!(
+                        ["0", "1", "-1", "80"].iter().any(|v| takes(arg, v)),
+                        "--{long} takes no decimal integer"
+                    );
+                    for v in ["1.5", "1s", "x"] {
+                        assert!(!takes(arg, v), "--{long} takes {v:?}");
+                    }
+                }
+                GoKind::Float => {
+                    assert!(takes(arg, "1.5"), "--{long}");
+                    assert!(!takes(arg, "1s"), "--{long}");
+                }
+                GoKind::Duration => {
+                    assert!(takes(arg, "1s"), "--{long}");
+                    assert!(!takes(arg, "1"), "--{long} takes a number without a unit");
+                }
+                GoKind::String => assert!(
+                    !typed.iter().any(|t| parser == *t),
+                    "--{long} is declared a string but parses into {parser:?}"
+                ),
+            }
+        }
+    }
+
+    /// derper's flags are read with the kinds derper gives them (its list, from its `-h`).
+    #[test]
+    fn derpers_flags_keep_derpers_kinds() {
+        let kinds = go_kinds();
+        let cmd = command();
+        let list = include_str!("../tests/data/derper-flags.txt");
+        let mut checked = 0;
+        for line in list
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let mut fields = line.split('\t');
+            let (name, go) = (fields.next().expect("name"), fields.next().expect("type"));
+            let arg = cmd
+                .get_arguments()
+                .find(|a| {
+                    a.get_long() == Some(name)
+                        || a.get_short().is_some_and(|c| name == c.to_string())
+                })
+                .unwrap_or_else(|| panic!("derper's -{name} is no derpd flag"));
+            let long = arg.get_long().expect("long name");
+            let kind = kinds.iter().find(|(l, _)| *l == long).map(|(_, k)| *k);
+            let want = match go {
+                "bool" => GoKind::Bool,
+                "int" => GoKind::Int,
+                "float" => GoKind::Float,
+                "duration" => GoKind::Duration,
+                "string" => GoKind::String,
+                other => panic!("-{name}: Go kind {other:?}"),
+            };
+            assert_eq!(kind, Some(want), "-{name}");
+            checked += 1;
+        }
+        assert!(checked > 30, "only {checked} of derper's flags");
     }
 
     #[test]

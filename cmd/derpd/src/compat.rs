@@ -15,6 +15,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use crate::goflags::{GoKind, GoKinds};
+
 /// The flags, flattened into the main command line.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "derper flags for Tailscale's own infrastructure (not served)")]
@@ -37,6 +39,14 @@ pub(crate) struct CompatArgs {
     #[arg(long)]
     pub(crate) ace: bool,
 }
+
+/// The Go kind of each flag above ([`crate::goflags::GoKind`]), in their order.
+pub(crate) const GO_KINDS: &GoKinds = &[
+    ("secrets-url", GoKind::String),
+    ("secrets-path-prefix", GoKind::String),
+    ("secrets-cache-dir", GoKind::String),
+    ("ace", GoKind::Bool),
+];
 
 impl CompatArgs {
     /// What stops a start: each a line naming the flag and what to do instead.

@@ -4,25 +4,27 @@
 //! name (`-hostname`, `--hostname`), the value after `=` or as the next argument, booleans
 //! only as `-b` or `-b=value`, `--` ending the flags, and no short options at all (so no
 //! clustering: `-acme-ip-certs` is one name). [`translate`] reads a command line that way,
-//! with the names, kinds and aliases it finds in clap's [`Command`] (a flag added there needs
-//! nothing here), and rewrites every flag as `--long=value` for clap, which then checks the
-//! values, defaults, conflicts and requirements, and writes `--help`.
+//! with the names and aliases it finds in clap's [`Command`] and the [`GoKind`] each flag
+//! declares beside its definition (a table per flag block, which a test holds to the
+//! flags and their parsers), and rewrites every flag as `--long=value` for clap, which then
+//! applies defaults, conflicts and requirements, and writes `--help`.
 //!
 //! Values are read as Go reads them before clap sees them: booleans by `strconv.ParseBool`,
 //! integers by `strconv.ParseInt(s, 0, 64)` (base prefixes, `_` separators) and floats by
-//! `strconv.ParseFloat`; durations are the value parsers' own business
-//! ([`crate::duration`]).
+//! `strconv.ParseFloat`, whatever type the flag's parser produces; durations are the value
+//! parsers' own business ([`crate::duration`]). Each value then goes through its flag's own
+//! parser, and a refusal is told from clap's error kind and context, in Go's words.
 //!
 //! Two deliberate differences from Go, both where derper silently drops part of a command
 //! line: a positional argument (which ends Go's flags and is then ignored by derper, along
 //! with every flag after it) is an error naming it, and so is a value given to a boolean as
 //! a separate argument (`-verify-clients false`), which is the usual way to meet the first.
 
-use std::any::TypeId;
 use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 
+use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Arg, ArgAction, Command};
 
 /// What a command line asks for, once read.
@@ -34,59 +36,42 @@ pub(crate) enum Translated {
     Help { long: bool },
 }
 
-/// How a flag's value is read.
+/// How Go's flag package would read a flag: the `flag.*` function derper declares it with,
+/// or would for derpd's own flags. Declared per flag rather than guessed from the type its
+/// parser produces, so that a parser returning a type of its own (a newtype, a checked
+/// wrapper) keeps Go's syntax for its value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum GoKind {
+    /// `flag.Bool`: `-b` or `-b=value` (`strconv.ParseBool`), never a separate value.
     Bool,
+    /// `flag.Int` and its kin: `strconv.ParseInt(s, 0, 64)`, handed to the flag's parser in
+    /// decimal.
     Int,
+    /// `flag.Float64`: `strconv.ParseFloat`, handed to the flag's parser in Rust's form.
     Float,
-    /// Handed to clap's value parser as written.
-    Other,
+    /// `flag.Duration`: the flag's parser reads Go's syntax ([`crate::duration`]); checked
+    /// when met, as Go parses it then.
+    Duration,
+    /// `flag.String`: handed to the flag's parser as written, and checked once every flag is
+    /// read (derper checks its strings after parsing, which `-h` never reaches).
+    String,
 }
 
-/// Whether `arg` takes a duration (Go's `flag.Duration`).
-fn is_duration(arg: &Arg) -> bool {
-    let t = arg.get_value_parser().type_id();
-    t == TypeId::of::<std::time::Duration>() || t == TypeId::of::<crate::duration::SignedDuration>()
-}
+/// Every flag's kind, by long name.
+pub(crate) type GoKinds = [(&'static str, GoKind)];
 
-fn kind(arg: &Arg) -> Kind {
-    if matches!(arg.get_action(), ArgAction::SetTrue | ArgAction::SetFalse) {
-        return Kind::Bool;
-    }
-    let t = arg.get_value_parser().type_id();
-    let is = |id: TypeId| t == id;
-    if is(TypeId::of::<bool>()) {
-        Kind::Bool
-    } else if [
-        TypeId::of::<i8>(),
-        TypeId::of::<i16>(),
-        TypeId::of::<i32>(),
-        TypeId::of::<i64>(),
-        TypeId::of::<isize>(),
-        TypeId::of::<u8>(),
-        TypeId::of::<u16>(),
-        TypeId::of::<u32>(),
-        TypeId::of::<u64>(),
-        TypeId::of::<usize>(),
-    ]
-    .into_iter()
-    .any(is)
-    {
-        Kind::Int
-    } else if is(TypeId::of::<f64>()) || is(TypeId::of::<f32>()) {
-        Kind::Float
-    } else {
-        Kind::Other
-    }
+/// The kind `kinds` declares for `arg`.
+fn kind_of(kinds: &GoKinds, arg: &Arg) -> Option<GoKind> {
+    let long = arg.get_long()?;
+    kinds.iter().find(|(l, _)| *l == long).map(|(_, k)| *k)
 }
 
 /// Makes every boolean flag of `cmd` take Go's forms: `--b` sets it, `--b=false` clears it,
 /// and no separate value is ever taken. A flag declared as a plain switch (clap's `SetTrue`)
 /// becomes one that also takes `=true`/`=false`, keeping its default (false).
-pub(crate) fn go_booleans(cmd: Command) -> Command {
+pub(crate) fn go_booleans(cmd: Command, kinds: &GoKinds) -> Command {
     cmd.mut_args(|arg| {
-        if kind(&arg) != Kind::Bool {
+        if kind_of(kinds, &arg) != Some(GoKind::Bool) {
             return arg;
         }
         let defaults = arg.get_default_values();
@@ -151,9 +136,11 @@ fn names(cmd: &Command) -> BTreeMap<String, &Arg> {
     map
 }
 
-/// Reads `args` (the program name first) with Go's `flag` rules against `cmd`'s flags.
+/// Reads `args` (the program name first) with Go's `flag` rules against `cmd`'s flags, each
+/// read as `kinds` declares it.
 pub(crate) fn translate(
     cmd: &Command,
+    kinds: &GoKinds,
     args: impl IntoIterator<Item = OsString>,
 ) -> Result<Translated, FlagError> {
     let flags = names(cmd);
@@ -165,10 +152,10 @@ pub(crate) fn translate(
     let mut bools: Vec<(&str, bool, bool)> = Vec::new();
     // The last flag, when it was a boolean without "=": the likely cause of a stray value.
     let mut bare_bool: Option<String> = None;
-    // Durations clap checks (after this), so that a help flag can check them first: Go's
-    // flag package parses a Duration flag's value when it meets it (strings only later, in
-    // derper's main, which -h never reaches).
-    let mut unchecked: Vec<(String, &Arg, OsString)> = Vec::new();
+    // Values whose own parser runs once every flag is read: Go's flag package has read
+    // strings and checked numbers' syntax by then, and derper checks the rest in its main,
+    // which -h never reaches.
+    let mut later: Vec<Pending> = Vec::new();
     while let Some(arg) = args.next() {
         let bytes = arg.as_bytes();
         if bytes.len() < 2 || bytes[0] != b'-' {
@@ -195,10 +182,6 @@ pub(crate) fn translate(
         let name = String::from_utf8_lossy(name).into_owned();
         let Some(def) = flags.get(&name) else {
             if name == "h" || name == "help" {
-                // Go has parsed every flag before this one: a bad value is its error, not help.
-                for (name, def, value) in &unchecked {
-                    check_value(name, def, value)?;
-                }
                 return Ok(Translated::Help {
                     long: name == "help",
                 });
@@ -208,52 +191,63 @@ pub(crate) fn translate(
         let Some(long) = def.get_long() else {
             return Err(FlagError(format!("-{name}: flag has no long name")));
         };
-        bare_bool = None;
-        let value: OsString = match kind(def) {
-            Kind::Bool => {
-                let default_on = def.get_default_values() == ["true"];
-                let on = match value {
-                    None => {
-                        bare_bool = Some(name.clone());
-                        true
-                    }
-                    Some(v) => parse_bool(v).ok_or_else(|| {
-                        FlagError(format!(
-                            "invalid boolean value {:?} for -{name}: want true or false \
-                             (Go's 1, t, T, TRUE, True, 0, f, F, FALSE and False also work)",
-                            v.to_string_lossy()
-                        ))
-                    })?,
-                };
-                match bools.iter_mut().find(|(l, ..)| *l == long) {
-                    Some(entry) => entry.1 = on,
-                    None => bools.push((long, on, default_on)),
-                }
-                continue;
-            }
-            kind => {
-                let value = match value {
-                    Some(v) => v.to_owned(),
-                    // Go takes the next argument whatever it looks like (`-a -1`, `-home --`).
-                    None => args
-                        .next()
-                        .ok_or_else(|| FlagError(format!("flag needs an argument: -{name}")))?,
-                };
-                match kind {
-                    Kind::Int => number(&name, &value, parse_int)?,
-                    Kind::Float => number(&name, &value, parse_float)?,
-                    _ => {
-                        if is_duration(def) {
-                            unchecked.push((name.clone(), def, value.clone()));
-                        }
-                        value
-                    }
-                }
-            }
+        let Some(kind) = kind_of(kinds, def) else {
+            return Err(FlagError(format!(
+                "-{name}: derpd declares no Go kind for this flag"
+            )));
         };
+        bare_bool = None;
+        if kind == GoKind::Bool {
+            let default_on = def.get_default_values() == ["true"];
+            let on = match value {
+                None => {
+                    bare_bool = Some(name.clone());
+                    true
+                }
+                Some(v) => parse_bool(v).ok_or_else(|| {
+                    FlagError(format!(
+                        "invalid boolean value {:?} for -{name}: want true or false \
+                         (Go's 1, t, T, TRUE, True, 0, f, F, FALSE and False also work)",
+                        v.to_string_lossy()
+                    ))
+                })?,
+            };
+            match bools.iter_mut().find(|(l, ..)| *l == long) {
+                Some(entry) => entry.1 = on,
+                None => bools.push((long, on, default_on)),
+            }
+            continue;
+        }
+        let written = match value {
+            Some(v) => v.to_owned(),
+            // Go takes the next argument whatever it looks like (`-a -1`, `-home --`).
+            None => args
+                .next()
+                .ok_or_else(|| FlagError(format!("flag needs an argument: -{name}")))?,
+        };
+        let value = match kind {
+            GoKind::Int => number(&name, &written, parse_int)?,
+            GoKind::Float => number(&name, &written, parse_float)?,
+            GoKind::Duration => {
+                check_value(&name, def, &written, &written)?;
+                written.clone()
+            }
+            GoKind::String | GoKind::Bool => written.clone(),
+        };
+        if kind != GoKind::Duration {
+            later.push(Pending {
+                name,
+                def,
+                written,
+                value: value.clone(),
+            });
+        }
         let mut flag = OsString::from(format!("--{long}="));
         flag.push(value);
         out.push(flag);
+    }
+    for p in &later {
+        check_value(&p.name, p.def, &p.written, &p.value)?;
     }
     for (long, on, default_on) in bools {
         if on != default_on {
@@ -263,28 +257,75 @@ pub(crate) fn translate(
     Ok(Translated::Args(out))
 }
 
+/// A value met on the command line whose flag's parser has yet to run.
+struct Pending<'a> {
+    /// The name it was given under.
+    name: String,
+    def: &'a Arg,
+    /// As written, for the message.
+    written: OsString,
+    /// As the parser takes it (a number rewritten from Go's syntax).
+    value: OsString,
+}
+
 /// Runs `def`'s own parser on `value` (in a command of its own: the full one would also
-/// apply rules between flags, which Go's flag package has none of), for an error in Go's
-/// words.
-fn check_value(name: &str, def: &Arg, value: &OsStr) -> Result<(), FlagError> {
+/// apply rules between flags, which Go's flag package has none of). A refusal names the
+/// value as `written` and gives the parser's reason, in Go's form.
+pub(crate) fn check_value(
+    name: &str,
+    def: &Arg,
+    written: &OsStr,
+    value: &OsStr,
+) -> Result<(), FlagError> {
     let probe = Command::new("derpd").no_binary_name(true).arg(
         Arg::new("value")
             .long("value")
+            .action(ArgAction::Set)
             .allow_hyphen_values(true)
+            .value_delimiter(def.get_value_delimiter())
             .value_parser(def.get_value_parser().clone()),
     );
     let mut arg = OsString::from("--value=");
     arg.push(value);
     probe.try_get_matches_from([arg]).map(drop).map_err(|e| {
-        // clap's first line ends in its parser's reason, after the flag it names.
-        let text = e.to_string();
-        let first = text.lines().next().unwrap_or_default();
-        let reason = first.rsplit_once("': ").map_or("parse error", |(_, r)| r);
         FlagError(format!(
-            "invalid value {:?} for flag -{name}: {reason}",
-            value.to_string_lossy()
+            "invalid value {:?} for flag -{name}: {}",
+            written.to_string_lossy(),
+            reason(&e)
         ))
     })
+}
+
+/// Why a value parser refused a value, from clap's error kind and context (not its rendered
+/// text, whose wording and layout are clap's to change).
+fn reason(e: &clap::Error) -> String {
+    match e.kind() {
+        ErrorKind::ValueValidation => match std::error::Error::source(e) {
+            Some(why) => why.to_string(),
+            None => "parse error".to_owned(),
+        },
+        ErrorKind::InvalidValue => {
+            let mut text = match e.get(ContextKind::ValidValue) {
+                Some(ContextValue::Strings(valid)) => format!("want {}", one_of(valid)),
+                _ => "not a value this flag takes".to_owned(),
+            };
+            if let Some(ContextValue::String(near)) = e.get(ContextKind::SuggestedValue) {
+                text.push_str(&format!(" (did you mean {near}?)"));
+            }
+            text
+        }
+        ErrorKind::InvalidUtf8 => "not valid UTF-8".to_owned(),
+        _ => "parse error".to_owned(),
+    }
+}
+
+/// `a`, `a or b`, `a, b or c`.
+fn one_of(values: &[String]) -> String {
+    match values {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
 }
 
 /// A value read by `parse` and written back in the form clap's parsers read.
@@ -571,13 +612,63 @@ mod tests {
         /// A switch that needs another flag, as clap writes it.
         #[arg(long, requires = "new_name")]
         proxy: bool,
+        /// A number whose parser makes a type of its own.
+        #[arg(long, value_parser = parse_port)]
+        port: Option<Port>,
+        /// A float likewise.
+        #[arg(long, value_parser = parse_share)]
+        share: Option<Share>,
+        #[arg(long, value_parser = crate::duration::parse_duration)]
+        wait: Option<std::time::Duration>,
+        #[arg(long, value_enum)]
+        mode: Option<Mode>,
+    }
+
+    const T_KINDS: &GoKinds = &[
+        ("addr", GoKind::String),
+        ("dev", GoKind::Bool),
+        ("stun", GoKind::Bool),
+        ("http-port", GoKind::Int),
+        ("limit", GoKind::Float),
+        ("new-name", GoKind::String),
+        ("proxy", GoKind::Bool),
+        ("port", GoKind::Int),
+        ("share", GoKind::Float),
+        ("wait", GoKind::Duration),
+        ("mode", GoKind::String),
+    ];
+
+    #[derive(Clone, Debug, PartialEq)]
+    struct Port(u16);
+
+    fn parse_port(s: &str) -> Result<Port, String> {
+        s.parse::<u16>()
+            .map(Port)
+            .map_err(|_| format!("{s} is not a port"))
+    }
+
+    #[derive(Clone, Debug, PartialEq)]
+    struct Share(f64);
+
+    fn parse_share(s: &str) -> Result<Share, String> {
+        match s.parse::<f64>() {
+            Ok(v) if (0.0..=1.0).contains(&v) => Ok(Share(v)),
+            _ => Err(format!("{s} is not between 0 and 1")),
+        }
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+    enum Mode {
+        Fast,
+        Slow,
+        Careful,
     }
 
     fn run(args: &[&str]) -> Result<T, String> {
-        let cmd = go_booleans(<T as clap::CommandFactory>::command());
+        let cmd = go_booleans(<T as clap::CommandFactory>::command(), T_KINDS);
         let mut argv = vec!["t"];
         argv.extend_from_slice(args);
-        match translate(&cmd, os(&argv)).map_err(|e| e.0)? {
+        match translate(&cmd, T_KINDS, os(&argv)).map_err(|e| e.0)? {
             Translated::Args(a) => {
                 let m = cmd.try_get_matches_from(a).map_err(|e| e.to_string())?;
                 <T as clap::FromArgMatches>::from_arg_matches(&m).map_err(|e| e.to_string())
@@ -673,6 +764,102 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    #[test]
+    fn a_number_parsed_into_a_type_of_its_own_takes_gos_syntax() {
+        for (text, want) in [
+            ("0x50", 80),
+            ("0X50", 80),
+            ("0o17", 15),
+            ("017", 15),
+            ("0b1010", 10),
+            ("8_080", 8080),
+            ("+443", 443),
+            ("0xFF_FF", 65535),
+        ] {
+            assert_eq!(
+                run(&["-port", text]).expect(text).port,
+                Some(Port(want)),
+                "{text}"
+            );
+            let eq = format!("--port={text}");
+            assert_eq!(run(&[&eq]).expect(text).port, Some(Port(want)), "{eq}");
+        }
+        for (text, want) in [("0x1p-2", 0.25), ("5e-1", 0.5), ("0_0.5", 0.5)] {
+            assert_eq!(
+                run(&["-share", text]).expect(text).share,
+                Some(Share(want)),
+                "{text}"
+            );
+        }
+        let err = |args: &[&str]| run(args).expect_err("should fail");
+        assert_eq!(
+            err(&["-port", "0x"]),
+            "invalid value \"0x\" for flag -port: parse error"
+        );
+        assert_eq!(
+            err(&["-port", "1__0"]),
+            "invalid value \"1__0\" for flag -port: parse error"
+        );
+        // Go's syntax is read first, then the flag's own parser has its say, by the name and
+        // value the command line used.
+        assert_eq!(
+            err(&["-port", "0x10000"]),
+            "invalid value \"0x10000\" for flag -port: 65536 is not a port"
+        );
+        assert_eq!(
+            err(&["-share=0x1p1"]),
+            "invalid value \"0x1p1\" for flag -share: 2 is not between 0 and 1"
+        );
+    }
+
+    #[test]
+    fn parsers_refusals_are_told_in_gos_form() {
+        let err = |args: &[&str]| run(args).expect_err("should fail");
+        assert_eq!(
+            err(&["-mode", "quick"]),
+            "invalid value \"quick\" for flag -mode: want fast, slow or careful"
+        );
+        assert_eq!(
+            err(&["-mode=carefull"]),
+            "invalid value \"carefull\" for flag -mode: want fast, slow or careful \
+             (did you mean careful?)"
+        );
+        assert_eq!(
+            err(&["-wait", "5"]),
+            "invalid value \"5\" for flag -wait: missing unit in duration \"5\""
+        );
+        assert_eq!(
+            err(&["-http-port", "99999999999"]),
+            "invalid value \"99999999999\" for flag -http-port: 99999999999 is not in \
+             -2147483648..=2147483647"
+        );
+        // A duration is checked when met, as Go parses it then; a string only once every
+        // flag is read, so the unknown flag after it is the error, as in Go.
+        assert!(err(&["-wait=5", "-nosuch"]).contains("-wait"));
+        assert!(err(&["-mode=quick", "-nosuch"]).contains("-nosuch"));
+        assert_eq!(
+            run(&["-wait", "1m30s"]).expect("parses").wait,
+            Some(std::time::Duration::from_secs(90))
+        );
+        assert_eq!(run(&["-mode=slow"]).expect("parses").mode, Some(Mode::Slow));
+    }
+
+    #[test]
+    fn a_flag_without_a_declared_kind_is_named() {
+        let cmd = go_booleans(<T as clap::CommandFactory>::command(), T_KINDS);
+        let partial: Vec<_> = T_KINDS
+            .iter()
+            .copied()
+            .filter(|(l, _)| *l != "port")
+            .collect();
+        assert_eq!(
+            translate(&cmd, &partial, os(&["t", "-port=1"])),
+            Err(FlagError(
+                "-port: derpd declares no Go kind for this flag".to_owned()
+            ))
+        );
     }
 
     #[test]

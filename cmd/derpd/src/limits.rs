@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, TcpSocket};
 use tracing::{info, warn};
 
 use crate::duration::parse_duration;
+use crate::goflags::{GoKind, GoKinds};
 
 /// Admission and limit flags, flattened into the main command line.
 #[derive(Debug, Args)]
@@ -106,6 +107,25 @@ pub(crate) struct LimitArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) listen_backlog: Option<u32>,
 }
+
+/// The Go kind of each flag above ([`crate::goflags::GoKind`]), in their order.
+pub(crate) const GO_KINDS: &GoKinds = &[
+    ("verify-clients", GoKind::Bool),
+    ("socket", GoKind::String),
+    ("verify-client-url", GoKind::String),
+    ("verify-client-url-fail-open", GoKind::Bool),
+    ("allow-keys-file", GoKind::String),
+    ("allow-keys-reload-interval", GoKind::Duration),
+    ("per-client-rate-limit", GoKind::Int),
+    ("per-client-rate-burst", GoKind::Int),
+    ("rate-config", GoKind::String),
+    ("accept-connection-limit", GoKind::Float),
+    ("accept-connection-burst", GoKind::Int),
+    ("max-connections", GoKind::Int),
+    ("max-unproven-connections", GoKind::Int),
+    ("max-unproven-per-source", GoKind::Int),
+    ("listen-backlog", GoKind::Int),
+];
 
 fn parse_positive_rate(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("invalid rate {s:?}"))?;

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::duration::parse_duration;
+use crate::goflags::{GoKind, GoKinds};
 
 /// How the TLS certificate is obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -135,6 +136,20 @@ pub(crate) struct TlsArgs {
     #[arg(long, value_enum, default_value_t = TlsRecordsArg::Derpd)]
     pub(crate) tls_records: TlsRecordsArg,
 }
+
+/// The Go kind of each flag above ([`crate::goflags::GoKind`]), in their order.
+pub(crate) const GO_KINDS: &GoKinds = &[
+    ("certmode", GoKind::String),
+    ("certdir", GoKind::String),
+    ("hostname", GoKind::String),
+    ("acme-email", GoKind::String),
+    ("acme-directory", GoKind::String),
+    ("acme-ca-cert", GoKind::String),
+    ("acme-challenge", GoKind::String),
+    ("http-port", GoKind::Int),
+    ("cert-reload-interval", GoKind::Duration),
+    ("tls-records", GoKind::String),
+];
 
 impl TlsArgs {
     /// Whether the main listener serves TLS, by derper's rule: the port is written "443" or

@@ -2,10 +2,12 @@
 //! an operator's unit file carries over; they are read with Go's flag syntax, as derper reads
 //! them ([`crate::goflags`]).
 
+use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::parser::ValueSource;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, ValueEnum};
 
 use crate::duration::{SignedDuration, parse_duration, parse_signed_duration};
@@ -221,6 +223,7 @@ pub(crate) struct Cli {
     /// by address (no SNI, or the address as SNI) gets a certificate for the address it
     /// connected to, validated by HTTP-01 on --http-port. Lets --hostname be an IP address
     /// with --certmode letsencrypt. The CA's short-lived profile is asked for when offered.
+    /// Only with --certmode letsencrypt, as in derper (refused with manual or gcp).
     #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1,
           require_equals = true, default_missing_value = "true")]
     pub(crate) acme_ip_certs: bool,
@@ -237,6 +240,10 @@ pub(crate) struct Cli {
 
     #[command(flatten)]
     pub(crate) compat: crate::compat::CompatArgs,
+
+    /// The flags the command line gave (clap's ids), as against the defaults.
+    #[arg(skip)]
+    given: BTreeSet<String>,
 }
 
 /// The Go kind of each flag above ([`goflags::GoKind`]), in their order.
@@ -299,6 +306,12 @@ two (-hostname, --hostname), the value after \"=\" or as the next argument, bool
 -flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins.";
 
 impl Cli {
+    /// Whether the command line gave the flag of clap's id `id` (a default does not count):
+    /// for the flags that act only beside another setting ([`crate::combinations`]).
+    pub(crate) fn given(&self, id: &str) -> bool {
+        self.given.contains(id)
+    }
+
     /// Where derper reads an empty value as "not given" (`-c=`, `-rate-config=`,
     /// `-verify-client-url=`, `-acme-email=`), so does derpd.
     fn unset_empty(&mut self) {
@@ -359,6 +372,11 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocati
         Translated::Args(args) => {
             let matches = cmd.try_get_matches_from_mut(args).map_err(one_line)?;
             let mut cli = Cli::from_arg_matches(&matches).map_err(one_line)?;
+            cli.given = matches
+                .ids()
+                .filter(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+                .map(|id| id.as_str().to_owned())
+                .collect();
             cli.unset_empty();
             Ok(Invocation::Run(Box::new(cli)))
         }

@@ -3,6 +3,7 @@
 mod bootstrap;
 mod check;
 mod cli;
+mod combinations;
 mod compat;
 mod debug_pages;
 mod duration;
@@ -88,7 +89,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let listen = listen::ListenAddr::parse(&listen_addr_text(&cli))?;
     let tls = cli.tls.tls_enabled(&listen);
-    let quic_port = quic_port(&cli, tls, listen.port)?;
+    let review = combinations::review(&cli, tls, listen.port);
+    if !review.errors.is_empty() {
+        bail!("{}", review.errors.join("; "));
+    }
+    for note in &review.ignored {
+        warn!("{note}");
+    }
+    let quic_port = quic_port(&cli, tls, listen.port);
     if quic_yields_to_stun(&cli, tls, listen.port) {
         warn!(
             port = listen.port,
@@ -274,25 +282,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// The UDP port DERP over QUIC listens on, if any: given, or by default the TLS port on a
-/// TLS node that is not in --dev mode.
-fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> anyhow::Result<Option<u16>> {
-    let port = match cli.quic_port {
-        Some(-1) => return Ok(None),
-        Some(p) => u16::try_from(p).context("invalid --quic-port")?,
-        None if quic_yields_to_stun(cli, tls, listen_port) => return Ok(None),
-        None if tls && !cli.dev => listen_port,
-        None => return Ok(None),
-    };
-    if !tls {
-        bail!(
-            "--quic-port needs TLS (QUIC always encrypts): listen on port 443 or use \
-             --certmode manual, or leave QUIC off"
-        );
+/// TLS node that is not in --dev mode. The flags that conflict over it are refused by
+/// [`combinations::review`].
+fn quic_port(cli: &Cli, tls: bool, listen_port: u16) -> Option<u16> {
+    if combinations::quic_off(cli, tls, listen_port).is_some() {
+        return None;
     }
-    if cli.stun && port != 0 && port == cli.stun_port {
-        bail!("--quic-port {port} is also the STUN port; they need different UDP ports");
+    match cli.quic_port {
+        Some(p) => u16::try_from(p).ok(),
+        None => Some(listen_port),
     }
-    Ok(Some(port))
 }
 
 /// Whether QUIC, on by default on the TLS port, stays off because STUN was given that UDP
@@ -565,45 +564,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn quic_port_defaults_to_the_tls_port_and_needs_tls() {
+    fn quic_port_defaults_to_the_tls_port() {
         let cli = |args: &[&str]| {
             cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))
                 .expect("parses")
         };
-        assert_eq!(quic_port(&cli(&[]), true, 443).expect("ok"), Some(443));
-        assert_eq!(quic_port(&cli(&["--dev"]), true, 8443).expect("ok"), None);
+        assert_eq!(quic_port(&cli(&[]), true, 443), Some(443));
+        assert_eq!(quic_port(&cli(&["--dev"]), true, 8443), None);
         assert_eq!(
-            quic_port(&cli(&["--dev", "--quic-port", "0"]), true, 8443).expect("ok"),
+            quic_port(&cli(&["--dev", "--quic-port", "0"]), true, 8443),
             Some(0)
         );
-        assert_eq!(
-            quic_port(&cli(&["--quic-port=-1"]), true, 443).expect("ok"),
-            None
-        );
-        assert_eq!(quic_port(&cli(&[]), false, 3340).expect("ok"), None);
-        assert!(quic_port(&cli(&["--quic-port", "4433"]), false, 3340).is_err());
-        assert!(quic_port(&cli(&["--quic-port", "3478"]), true, 443).is_err());
+        assert_eq!(quic_port(&cli(&["--quic-port=-1"]), true, 443), None);
+        assert_eq!(quic_port(&cli(&[]), false, 3340), None);
         // STUN given the TLS port: QUIC, not asked for, stays off rather than refusing the
-        // command line; asked for there, it is refused.
+        // command line (asked for there, it is refused: combinations.rs).
         let stun_on_443 = cli(&["-a", ":443", "-stun-port", "443"]);
-        assert_eq!(quic_port(&stun_on_443, true, 443).expect("ok"), None);
+        assert_eq!(quic_port(&stun_on_443, true, 443), None);
         assert!(quic_yields_to_stun(&stun_on_443, true, 443));
         assert!(!quic_yields_to_stun(&cli(&[]), true, 443));
-        assert!(
-            quic_port(
-                &cli(&["-stun-port", "443", "--quic-port", "443"]),
-                true,
-                443
-            )
-            .is_err()
-        );
         assert_eq!(
             quic_port(
                 &cli(&["-stun-port", "443", "--quic-port", "8443"]),
                 true,
                 443
-            )
-            .expect("ok"),
+            ),
             Some(8443)
         );
         assert!(cli::try_parse_from(["derpd", "--quic-port", "-2"]).is_err());

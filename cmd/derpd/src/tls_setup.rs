@@ -324,48 +324,18 @@ pub(crate) async fn run_tls(
 }
 
 /// The ACME settings the flags ask for (letsencrypt or gcp mode), with the extra CA file
-/// read and the EAB key decoded; refuses what derper refuses, with its reasons.
+/// read and the EAB key decoded. The flags' combinations (what derper refuses, with its
+/// reasons, and derpd's own) are [`crate::combinations::review`]'s, which runs first.
 pub(crate) fn acme_config(
     args: &TlsArgs,
     extras: &AcmeExtras,
     certdir: &std::path::Path,
     listen_port: u16,
 ) -> anyhow::Result<AcmeConfig> {
-    let ip_hostname = hostname_is_ip(&args.hostname);
-    if extras.ip_certs && args.certmode != CertMode::Letsencrypt {
-        bail!("--acme-ip-certs requires --certmode=letsencrypt");
-    }
-    if ip_hostname && args.certmode == CertMode::Gcp {
-        bail!("--certmode=gcp requires --hostname to be a DNS name, not an IP address");
-    }
-    if ip_hostname && !extras.ip_certs {
-        bail!(
-            "--hostname is an IP address; use --certmode=manual for a self-signed cert, or set \
-             --acme-ip-certs to get ACME certificates for the node's IP addresses"
-        );
-    }
-    if extras.ip_certs && args.http_port < 0 {
-        bail!(
-            "--acme-ip-certs needs the port-80 listener, where the CA validates each address \
-             (HTTP-01); --http-port is -1"
-        );
-    }
     let mut config = AcmeConfig::new(certdir);
     config.directory_url = args.acme_directory.clone();
     config.contact_email = args.acme_email.clone().filter(|e| !e.is_empty());
     if args.certmode == CertMode::Gcp {
-        if extras.eab_kid.is_none() || extras.eab_key.is_none() {
-            bail!("--certmode=gcp requires --acme-eab-kid and --acme-eab-key flags");
-        }
-        if config.contact_email.is_none() {
-            bail!("--certmode=gcp requires --acme-email flag");
-        }
-        if args.acme_directory != LETS_ENCRYPT_PRODUCTION {
-            bail!(
-                "--certmode=gcp uses Google Trust Services' directory; --acme-directory is for \
-                 --certmode=letsencrypt (which binds an account with --acme-eab-kid/-key too)"
-            );
-        }
         config.directory_url = GOOGLE_TRUST_SERVICES.to_owned();
     }
     config.external_account = match (&extras.eab_kid, &extras.eab_key) {
@@ -373,8 +343,8 @@ pub(crate) fn acme_config(
             ExternalAccount::decode(kid, key)
                 .map_err(|e| anyhow::anyhow!("--acme-eab-key: {e}"))?,
         ),
-        (None, None) => None,
-        _ => bail!("--acme-eab-kid and --acme-eab-key are given together or not at all"),
+        // One without the other was refused with the rest of the combinations.
+        _ => None,
     };
     if let Some(path) = &args.acme_ca_cert {
         let pem = std::fs::read(path)
@@ -383,9 +353,6 @@ pub(crate) fn acme_config(
             load_certs_pem(&pem).with_context(|| format!("--acme-ca-cert {}", path.display()))?;
     }
     config.challenges = challenges(args.acme_challenge, listen_port, args.http_port >= 0);
-    if config.challenges.is_empty() {
-        bail!("--acme-challenge http-01 needs the port-80 listener (--http-port is -1)");
-    }
     Ok(config)
 }
 
@@ -511,9 +478,14 @@ mod tests {
         assert!(crate::cli::try_parse_from(["derpd", "--certmode", "bogus"]).is_err());
     }
 
-    /// `acme_config` for a command line, or its error text.
+    /// `acme_config` for a command line on port 443, after the review of its combinations
+    /// as a start runs it, or the first error's text.
     fn acme(args: &[&str]) -> Result<AcmeConfig, String> {
         let cli = crate::cli::try_parse_from(std::iter::once("derpd").chain(args.iter().copied()))?;
+        let review = crate::combinations::review(&cli, true, 443);
+        if let Some(e) = review.errors.into_iter().next() {
+            return Err(e);
+        }
         let extras = crate::acme_extras(&cli);
         acme_config(&cli.tls, &extras, std::path::Path::new("/tmp/certs"), 443)
             .map_err(|e| format!("{e:#}"))

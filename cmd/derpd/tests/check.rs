@@ -8,7 +8,7 @@ use std::process::Command;
 
 use crate::support;
 
-use support::{DERPD, TempDir};
+use support::{DERPD, TempDir, flags_that_cannot_act_together};
 
 /// Runs derpd to completion: (exit success, stdout, stderr).
 fn derpd(args: &[&str]) -> (bool, String, String) {
@@ -423,4 +423,48 @@ fn check_resolves_the_listen_address_as_a_start_would() {
         assert!(out.contains(want), "{addr}: want {want:?} in {out}");
         assert!(out.contains("127.0.0.1:0/udp"), "{addr}: STUN: {out}");
     }
+}
+
+#[test]
+fn check_refuses_flags_that_cannot_act_together_saying_why() {
+    let dir = TempDir::new("together");
+    let key = dir.path("derper.key").display().to_string();
+    for (args, want) in flags_that_cannot_act_together() {
+        let mut all = vec!["-c", &key];
+        all.extend(args.iter().copied());
+        let (ok, out) = check(&all);
+        assert!(!ok, "{args:?} passed the check:\n{out}");
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("ERROR flags") && l.contains(want)),
+            "{args:?}: want an ERROR flags line with {want:?}:\n{out}"
+        );
+        assert!(out.ends_with("derpd would not start\n"), "{args:?}:\n{out}");
+    }
+    assert!(!Path::new(&key).exists(), "--check created the key");
+}
+
+#[test]
+fn check_names_derpers_flags_that_derper_ignores_too() {
+    let dir = TempDir::new("ignored");
+    let key = dir.path("derper.key").display().to_string();
+    // A derper command line for a plain-HTTP node behind a proxy: derper ignores the TLS
+    // flags there, and so does derpd, saying so.
+    let (ok, out) = check(&[
+        "-c",
+        &key,
+        "-a",
+        "127.0.0.1:0",
+        "-hostname",
+        "derp.example.com",
+        "-acme-ip-certs",
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(
+            "warn  flags     --hostname and --acme-ip-certs are ignored, as in derper: the \
+             listener serves plain HTTP"
+        ),
+        "{out}"
+    );
 }

@@ -2,7 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use support::{Launch, Node, STEP, TempDir, http_get, run_to_exit};
+use support::{Launch, Node, STEP, TempDir, flags_that_cannot_act_together, http_get, run_to_exit};
 
 use crate::support;
 
@@ -164,4 +164,24 @@ fn a_listen_host_name_binds_its_first_ipv4_address_as_go_does() {
     let node = Node::start(&["--a=localhost:0", "-dev"]);
     assert_eq!(node.addr.ip(), std::net::Ipv4Addr::LOCALHOST);
     assert!(http_get(node.addr, "/derp/probe").starts_with("HTTP/1.1 200"));
+}
+
+#[test]
+fn a_start_refuses_flags_that_cannot_act_together_before_binding_or_writing() {
+    let dir = TempDir::new("cli-together");
+    let key = dir.path("derper.key");
+    let key_text = key.display().to_string();
+    for (args, want) in flags_that_cannot_act_together() {
+        let mut all = vec!["-c", &key_text];
+        all.extend(args.iter().copied());
+        let (ok, stderr) = run(&all);
+        assert!(!ok, "{args:?} started");
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: want one line, got {stderr}");
+        assert!(
+            lines[0].starts_with("derpd: ") && lines[0].contains(want),
+            "{args:?}: want {want:?} in {stderr}"
+        );
+        assert!(!key.exists(), "{args:?}: a refused start created the key");
+    }
 }

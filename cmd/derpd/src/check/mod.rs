@@ -94,6 +94,17 @@ fn check(cli: &Cli, r: &mut Report) {
         }
     };
     let tls = listen.as_ref().is_some_and(|l| cli.tls.tls_enabled(l));
+    // Flags that cannot act with the rest; without a listen address TLS is not known.
+    let review = listen
+        .as_ref()
+        .map(|l| crate::combinations::review(cli, tls, l.port))
+        .unwrap_or_default();
+    for e in &review.errors {
+        r.error("flags", e);
+    }
+    for note in &review.ignored {
+        r.warn("flags", note);
+    }
     let bind = listen.as_ref().and_then(|l| match l.resolve() {
         Ok(ip) => Some((ip, l.port)),
         Err(e) => {
@@ -120,16 +131,15 @@ fn check(cli: &Cli, r: &mut Report) {
             ),
         );
         match crate::quic_port(cli, tls, port) {
-            Ok(Some(port)) => r.ok(
+            Some(port) => r.ok(
                 "quic",
                 format!("{}/udp (DERP over QUIC), would bind", ip.describe(port)),
             ),
-            Ok(None) if crate::quic_yields_to_stun(cli, tls, port) => r.warn(
+            None if crate::quic_yields_to_stun(cli, tls, port) => r.warn(
                 "quic",
                 format!("off: STUN has UDP port {port} (--quic-port picks another)"),
             ),
-            Ok(None) => r.ok("quic", "off"),
-            Err(e) => r.error("quic", e),
+            None => r.ok("quic", "off"),
         }
         if cli.stun {
             r.ok(
@@ -154,7 +164,7 @@ fn check(cli: &Cli, r: &mut Report) {
         }
     }
     if let Some((ip, port)) = bind {
-        let quic = matches!(crate::quic_port(cli, tls, port), Ok(Some(_)));
+        let quic = crate::quic_port(cli, tls, port).is_some();
         check_proxies(cli, ip.ip(), tls, quic, r);
     }
     match cli.metrics_addr {
@@ -174,7 +184,12 @@ fn check(cli: &Cli, r: &mut Report) {
     // The key: the node's identity.
     let key = check_key(cli, r);
 
-    if tls {
+    if tls && !review.errors.is_empty() {
+        r.warn(
+            "tls",
+            "certificates not looked at: the flags above do not go together",
+        );
+    } else if tls {
         tls::check_tls(cli, &key, listen.as_ref().map_or(443, |l| l.port), r);
     } else if cli.tls.certmode == CertMode::Manual {
         // tls_enabled is true for manual mode; only a bad --addr gets here.

@@ -416,3 +416,154 @@ pub async fn expect_closed(c: &mut Client) {
         .await
         .expect("the server closed the connection");
 }
+
+/// Command lines whose flags cannot act together, each with what its refusal says: derpd
+/// refuses each at start and in `--check` (besides `-c`, each is complete).
+pub fn flags_that_cannot_act_together() -> Vec<(Vec<&'static str>, &'static str)> {
+    const GCP: [&str; 10] = [
+        "-a",
+        "127.0.0.1:443",
+        "--certmode",
+        "gcp",
+        "--hostname",
+        "derp.example.com",
+        "--acme-eab-kid",
+        "kid-1",
+        "--acme-eab-key",
+        "c2VjcmV0LWtleQ==",
+    ];
+    let gcp = |more: &[&'static str]| [&GCP[..], more].concat();
+    let manual = |more: &[&'static str]| {
+        [
+            &[
+                "-a",
+                "127.0.0.1:0",
+                "--certmode",
+                "manual",
+                "--hostname",
+                "127.0.0.1",
+            ][..],
+            more,
+        ]
+        .concat()
+    };
+    let acme = |more: &[&'static str]| {
+        [
+            &["-a", "127.0.0.1:443", "--hostname", "derp.example.com"][..],
+            more,
+        ]
+        .concat()
+    };
+    let plain = |more: &[&'static str]| [&["-a", "127.0.0.1:0"][..], more].concat();
+    vec![
+        (
+            manual(&["--acme-ip-certs"]),
+            "--acme-ip-certs requires --certmode=letsencrypt: --certmode manual serves only \
+             the files in --certdir",
+        ),
+        (
+            gcp(&["--acme-email", "ops@example.com", "--acme-ip-certs"]),
+            "--acme-ip-certs requires --certmode=letsencrypt",
+        ),
+        (
+            acme(&["--acme-ip-certs", "--http-port=-1"]),
+            "--acme-ip-certs needs the port-80 listener",
+        ),
+        (
+            vec!["-a", "127.0.0.1:443", "--hostname", "192.0.2.1"],
+            "--hostname is an IP address; use --certmode=manual",
+        ),
+        (
+            vec![
+                "-a",
+                "127.0.0.1:443",
+                "--certmode",
+                "gcp",
+                "--hostname",
+                "192.0.2.1",
+            ],
+            "--certmode=gcp requires --hostname to be a DNS name",
+        ),
+        (
+            vec![
+                "-a",
+                "127.0.0.1:443",
+                "--certmode",
+                "gcp",
+                "--hostname",
+                "derp.example.com",
+                "--acme-email",
+                "ops@example.com",
+            ],
+            "--certmode=gcp requires --acme-eab-kid and --acme-eab-key flags",
+        ),
+        (gcp(&[]), "--certmode=gcp requires --acme-email flag"),
+        (
+            gcp(&[
+                "--acme-email",
+                "ops@example.com",
+                "--acme-directory",
+                "https://ca.example/dir",
+            ]),
+            "--certmode=gcp uses Google Trust Services' directory",
+        ),
+        (
+            acme(&["--acme-eab-kid", "kid-1"]),
+            "--acme-eab-kid and --acme-eab-key are given together or not at all",
+        ),
+        (
+            acme(&["--acme-challenge", "http-01", "--http-port", "-1"]),
+            "--acme-challenge http-01 needs the port-80 listener",
+        ),
+        (
+            acme(&["--cert-reload-interval", "1m"]),
+            "--cert-reload-interval is for --certmode manual's files",
+        ),
+        (
+            manual(&[
+                "--acme-directory",
+                "https://ca.example/dir",
+                "--acme-ca-cert",
+                "/nonexistent/ca.pem",
+            ]),
+            "--acme-directory and --acme-ca-cert are for ACME, which --certmode manual does \
+             not use",
+        ),
+        (
+            plain(&["--tls-records", "rustls", "--acme-challenge=tls-alpn-01"]),
+            "--acme-challenge and --tls-records are for TLS, but the listener serves plain HTTP",
+        ),
+        (plain(&["--quic-port", "4433"]), "--quic-port needs TLS"),
+        (
+            manual(&["--quic-port", "3478"]),
+            "--quic-port 3478 is also the STUN port",
+        ),
+        (
+            manual(&["--quic-port=-1", "--quic-congestion", "bbr"]),
+            "--quic-congestion is for DERP over QUIC, which is off (--quic-port=-1)",
+        ),
+        (
+            plain(&["--quic-congestion", "cubic"]),
+            "--quic-congestion is for DERP over QUIC, which is off (no TLS)",
+        ),
+        (
+            plain(&[
+                "--mesh-ping-interval",
+                "1s",
+                "--mesh-ca-file",
+                "/nonexistent/ca.pem",
+            ]),
+            "--mesh-ca-file and --mesh-ping-interval are for the mesh links this node dials, \
+             and --mesh-with names none",
+        ),
+        (
+            plain(&[
+                "--mesh-with",
+                "http://127.0.0.1:9/derp",
+                "--mesh-ca-file",
+                "/nonexistent/ca.pem",
+            ]),
+            "--mesh-ca-file is trusted by https:// and quic:// mesh links only",
+        ),
+    ]
+}

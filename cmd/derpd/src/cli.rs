@@ -106,9 +106,9 @@ pub(crate) struct Cli {
           default_missing_value = "true")]
     pub(crate) peer_mirror: bool,
 
-    /// Networks (CIDR) besides loopback allowed to read /debug/varz on the main listener.
-    /// Repeat or comma-separate.
-    #[arg(long, value_delimiter = ',')]
+    /// Networks (CIDR) besides loopback allowed to read /debug/varz on the main listener,
+    /// comma separated. Given more than once, the last list wins (it replaces, never adds).
+    #[arg(long, value_delimiter = ',', action = ArgAction::Set)]
     pub(crate) debug_allow_cidr: Vec<derp_server::IpCidr>,
 
     /// Behind a TCP load balancer: every connection on the TCP listeners (--addr and
@@ -118,16 +118,18 @@ pub(crate) struct Cli {
     #[arg(long, requires = "proxy_protocol_from")]
     pub(crate) proxy_protocol: bool,
 
-    /// The load balancers (CIDR) allowed to send PROXY protocol headers; connections from
-    /// anywhere else are refused. Repeat or comma-separate. Only with --proxy-protocol.
-    #[arg(long, value_delimiter = ',', requires = "proxy_protocol")]
+    /// The load balancers (CIDR) allowed to send PROXY protocol headers, comma separated;
+    /// connections from anywhere else are refused. Given more than once, the last list wins
+    /// (it replaces, never adds). Only with --proxy-protocol.
+    #[arg(long, value_delimiter = ',', action = ArgAction::Set, requires = "proxy_protocol")]
     pub(crate) proxy_protocol_from: Vec<derp_server::IpCidr>,
 
     /// HTTP reverse proxies (CIDR) whose X-Forwarded-For (or, without it, X-Real-IP)
     /// headers name a DERP client's address (nginx's http module, which cannot send PROXY
     /// protocol); they must append to X-Forwarded-For or overwrite it. From anyone else
-    /// those headers are ignored. Repeat or comma-separate.
-    #[arg(long, value_delimiter = ',')]
+    /// those headers are ignored. Comma separated; given more than once, the last list wins
+    /// (it replaces, never adds: a later flag narrows an earlier one).
+    #[arg(long, value_delimiter = ',', action = ArgAction::Set)]
     pub(crate) trust_forwarded_from: Vec<derp_server::IpCidr>,
 
     /// Also serve Prometheus metrics at /metrics on this address (e.g. 127.0.0.1:9090),
@@ -152,7 +154,7 @@ pub(crate) struct Cli {
     /// URL and TLS name; a full http:// or https:// URL is used as is, and quic://host:port
     /// links over DERP over QUIC. Every entry is dialed; the one that is this node (its own
     /// key answers) is dropped, so one list can serve every node of a region. Needs a mesh
-    /// key.
+    /// key. Given more than once, the last list wins (it replaces, never adds).
     #[arg(long, default_value = "")]
     pub(crate) mesh_with: String,
 
@@ -199,13 +201,15 @@ pub(crate) struct Cli {
 
     // Bootstrap DNS, ACME account binding and IP certificates (derper's flags of these names).
     /// Names served at /bootstrap-dns, comma separated: resolved at start and every 10
-    /// minutes, and given to every client as JSON (name to addresses).
+    /// minutes, and given to every client as JSON (name to addresses). Given more than once,
+    /// the last list wins (it replaces, never adds).
     #[arg(long, default_value = "")]
     pub(crate) bootstrap_dns_names: String,
 
     /// Names served at /bootstrap-dns only to a client asking for one with ?q=name, comma
     /// separated. "name/txt-name" serves name only to the share of clients (0 to 100 per cent,
-    /// chosen by client address) given by the TXT record of txt-name.
+    /// chosen by client address) given by the TXT record of txt-name. Given more than once,
+    /// the last list wins (it replaces, never adds).
     #[arg(long, default_value = "")]
     pub(crate) unpublished_bootstrap_dns_names: String,
 
@@ -303,7 +307,8 @@ pub(crate) fn go_kinds() -> Vec<(&'static str, GoKind)> {
 /// How flags are written, under the help text.
 const GO_SYNTAX: &str = "Flags are read as derper reads them (Go's flag package): one dash or \
 two (-hostname, --hostname), the value after \"=\" or as the next argument, booleans as -flag or \
--flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins.";
+-flag=false (never -flag false), -a and -c as names. The last occurrence of a flag wins; for a \
+list flag, its last list replaces the earlier ones.";
 
 impl Cli {
     /// Whether the command line gave the flag of clap's id `id` (a default does not count):
@@ -482,8 +487,122 @@ mod tests {
             cli.metrics_addr,
             Some("10.1.2.3:9090".parse().expect("addr"))
         );
-        assert_eq!(cli.debug_allow_cidr.len(), 2, "repeated lists still add up");
+        assert_eq!(
+            cli.debug_allow_cidr,
+            ["192.168.0.0/16"
+                .parse::<derp_server::IpCidr>()
+                .expect("cidr")],
+            "the last list wins"
+        );
         assert!(try_parse_from(["derpd", "--debug-allow-cidr", "10.0.0.0/99"]).is_err());
+    }
+
+    /// Every flag that takes a list (clap's, or a comma-separated string), with the flags it
+    /// needs and two lists of its values: given twice, in each of Go's forms, the second
+    /// replaces the first. The table must name every list flag, and each one's help says so.
+    #[test]
+    fn a_list_flag_given_twice_keeps_the_last_list() {
+        let lists: [(&str, &[&str], &str, &str); 6] = [
+            (
+                "bootstrap-dns-names",
+                &[],
+                "a.example,b.example",
+                "c.example",
+            ),
+            (
+                "debug-allow-cidr",
+                &[],
+                "10.0.0.0/8,fd00::/8",
+                "192.0.2.1/32",
+            ),
+            (
+                "mesh-with",
+                &[],
+                "a.example,b.example/10.0.0.2",
+                "c.example",
+            ),
+            (
+                "proxy-protocol-from",
+                &["--proxy-protocol"],
+                "10.0.0.0/8,127.0.0.1/32",
+                "192.0.2.1/32",
+            ),
+            (
+                "trust-forwarded-from",
+                &[],
+                "10.0.0.0/8,172.16.0.0/12",
+                "192.0.2.1/32",
+            ),
+            (
+                "unpublished-bootstrap-dns-names",
+                &[],
+                "a.example,b.example/rollout.example",
+                "c.example",
+            ),
+        ];
+        let cmd = command();
+        let is_list = |a: &clap::Arg| {
+            a.get_value_delimiter().is_some()
+                || a.get_num_args().is_some_and(|n| n.max_values() > 1)
+                || a.get_help()
+                    .is_some_and(|h| h.to_string().to_lowercase().contains("comma separated"))
+        };
+        let mut listed: Vec<&str> = cmd
+            .get_arguments()
+            .filter(|a| is_list(a))
+            .filter_map(|a| a.get_long())
+            .collect();
+        listed.sort_unstable();
+        assert_eq!(
+            listed,
+            lists.iter().map(|(l, ..)| *l).collect::<Vec<_>>(),
+            "every list flag has a case here"
+        );
+        for arg in cmd.get_arguments().filter(|a| is_list(a)) {
+            let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+            assert!(
+                help.contains("the last list wins"),
+                "--{}'s help does not say the last list wins: {help}",
+                arg.get_id()
+            );
+        }
+        let get = |cli: &Cli, long: &str| -> Vec<String> {
+            let cidrs = |v: &[derp_server::IpCidr]| v.iter().map(ToString::to_string).collect();
+            let names = |v: &str| v.split(',').map(str::to_owned).collect();
+            match long {
+                "bootstrap-dns-names" => names(&cli.bootstrap_dns_names),
+                "debug-allow-cidr" => cidrs(&cli.debug_allow_cidr),
+                "mesh-with" => names(&cli.mesh_with),
+                "proxy-protocol-from" => cidrs(&cli.proxy_protocol_from),
+                "trust-forwarded-from" => cidrs(&cli.trust_forwarded_from),
+                "unpublished-bootstrap-dns-names" => names(&cli.unpublished_bootstrap_dns_names),
+                other => panic!("no field for --{other}"),
+            }
+        };
+        let split = |list: &str| -> Vec<String> { list.split(',').map(str::to_owned).collect() };
+        for (long, needs, first, last) in lists {
+            let parse = |given: &[&str]| {
+                let args = [&["derpd"][..], needs, given].concat();
+                let cli = try_parse_from(args.iter().copied()).expect("parses");
+                get(&cli, long)
+            };
+            let (a, b) = (format!("--{long}={first}"), format!("--{long}={last}"));
+            assert_eq!(parse(&[&a, &b]), split(last), "{a} {b}");
+            assert_eq!(parse(&[&b, &a]), split(first), "{b} {a}");
+            let (a, b) = (format!("-{long}={first}"), format!("-{long}={last}"));
+            assert_eq!(parse(&[&a, &b]), split(last), "{a} {b}");
+            let flag = format!("-{long}");
+            assert_eq!(
+                parse(&[&flag, first, &flag, last]),
+                split(last),
+                "{flag} {first} {flag} {last}"
+            );
+            // Straight through clap, without Go's reading, the same holds.
+            let (a, b) = (format!("-{a}"), format!("-{b}"));
+            let args = [&["derpd"][..], needs, &[&a, &b]].concat();
+            let cli = Cli::try_parse_from(args.iter().copied()).expect("parses");
+            assert_eq!(get(&cli, long), split(last), "{args:?}");
+        }
     }
 
     #[test]
@@ -560,6 +679,13 @@ mod tests {
             assert!(
                 !matches!(arg.get_action(), ArgAction::SetFalse | ArgAction::Count),
                 "{}: Go's flags have no such kind",
+                arg.get_id()
+            );
+            // Go's flag.Value is set once per occurrence, the last one remaining: a list
+            // given twice replaces, never adds up.
+            assert!(
+                !matches!(arg.get_action(), ArgAction::Append),
+                "{}: a later occurrence must replace the list (ArgAction::Set)",
                 arg.get_id()
             );
         }

@@ -468,3 +468,29 @@ fn check_names_derpers_flags_that_derper_ignores_too() {
         "{out}"
     );
 }
+
+#[test]
+fn check_shows_a_list_flag_given_twice_narrowed_to_its_last_list() {
+    let dir = TempDir::new("narrowed");
+    let key = dir.path("derper.key").display().to_string();
+    // An image's entrypoint trusts a wide range; the operator's later flag narrows it.
+    let (ok, out) = check(&[
+        "-c",
+        &key,
+        "-a",
+        "127.0.0.1:0",
+        "--trust-forwarded-from",
+        "10.0.0.0/8,172.16.0.0/12",
+        "--trust-forwarded-from",
+        "192.0.2.1/32",
+    ]);
+    assert!(ok, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("X-Forwarded-For / X-Real-IP name DERP clients"))
+        .unwrap_or_else(|| panic!("no forwarded-headers line:\n{out}"));
+    assert!(
+        line.ends_with("on connections from 192.0.2.1/32"),
+        "want only the last list: {line}"
+    );
+}

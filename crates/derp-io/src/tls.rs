@@ -34,6 +34,7 @@
 pub mod fuzzing;
 mod handshake;
 mod hello;
+mod keys;
 #[cfg(any(test, feature = "fuzzing"))]
 mod known;
 mod record;

@@ -10,8 +10,7 @@ use tokio::io::ReadBuf;
 
 use super::known::KnownSchedule;
 pub use super::known::{Suite, TrafficSecret};
-use super::record::{Schedule, Shared};
-use super::stream::ReadState;
+use super::record::{ReadState, Schedule, Shared};
 
 /// The receiving half of a connection after its handshake, reading from a byte slice.
 #[derive(Debug)]

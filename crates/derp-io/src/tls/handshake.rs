@@ -10,8 +10,9 @@ use rustls::unbuffered::{ConnectionState, EncodeError, InsufficientSizeError, Un
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::record::{HEADER_LEN, Keys, Schedule, Shared, key_update_at, supports};
-use super::stream::{ReadState, TlsRead, TlsStream, TlsWrite};
+use super::keys::Keys;
+use super::record::{HEADER_LEN, ReadState, Schedule, Shared, WriteState, key_update_at, supports};
+use super::stream::{TlsRead, TlsStream, TlsWrite};
 
 /// Why a TLS 1.3 handshake did not yield a stream.
 #[derive(Debug, thiserror::Error)]
@@ -169,12 +170,7 @@ pub(super) async fn accept_with(
             },
             write: TlsWrite {
                 half: w,
-                keys: tx,
-                out: Vec::new(),
-                sent: 0,
-                shared,
-                update_at: key_update_at(records_per_key.unwrap_or(limit)),
-                close_sent: false,
+                state: WriteState::new(tx, shared, key_update_at(records_per_key.unwrap_or(limit))),
             },
         },
         alpn,

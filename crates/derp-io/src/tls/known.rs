@@ -7,7 +7,7 @@ use ring::aead::{AES_128_GCM, AES_256_GCM, Algorithm, CHACHA20_POLY1305};
 use ring::hkdf;
 use rustls::CipherSuite;
 
-use super::record::Keys;
+use super::keys::Keys;
 
 /// A TLS 1.3 suite of [`SUPPORTED_SUITES`](super::SUPPORTED_SUITES).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

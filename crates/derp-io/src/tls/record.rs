@@ -1,19 +1,21 @@
-//! The record layer: the record format, one direction's traffic keys, opening a received
-//! record in place and sealing one to send, and key updates both ways.
+//! The record layer: the record format, each direction's state short of its socket (the
+//! record buffer, the traffic key, what the peer's records said so far), opening received
+//! records in place and handing their plaintext over, sealing records to send, and key
+//! updates both ways. The stream's halves (`stream.rs`) add the socket.
 
 use std::io;
 use std::ops::Range;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, ready};
 
-use ring::aead::{
-    AES_128_GCM, AES_256_GCM, Aad, Algorithm, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey,
-};
+use ring::aead::Aad;
 use rustls::kernel::KernelConnection;
 use rustls::server::ServerConnectionData;
 use rustls::{CipherSuite, ConnectionTrafficSecrets};
+use tokio::io::ReadBuf;
 
-use super::stream::{ReadState, TlsWrite};
+use super::keys::Keys;
 
 /// Record content types (RFC 8446, section 5.1).
 pub(super) const CONTENT_ALERT: u8 = 21;
@@ -44,6 +46,8 @@ const MAX_RECORDS_PER_KEY: u64 = 0xffff_ffff_ffff_0000;
 /// rustls's on KeyUpdates and on empty records alike, so no client those libraries serve
 /// is refused here.
 pub(super) const MAX_IDLE_RECORDS: u8 = 32;
+/// What a busy reader reads per system call, at least.
+const READ_CHUNK: usize = 32 * 1024;
 
 /// The TLS 1.3 suites this record layer seals and opens: the three AEADs rustls hands keys
 /// over for (AES-GCM with 128- and 256-bit keys, ChaCha20-Poly1305), all with a 12-byte
@@ -136,60 +140,141 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-/// One direction's traffic key, its IV and the next record's sequence number.
-pub(super) struct Keys {
-    pub(super) key: LessSafeKey,
-    iv: [u8; 12],
-    pub(super) seq: u64,
-}
-
-impl std::fmt::Debug for Keys {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Keys").field("seq", &self.seq).finish()
-    }
-}
-
-impl Keys {
-    /// The keys rustls handed over, if their AEAD is one this layer implements.
-    pub(super) fn new((seq, secrets): (u64, ConnectionTrafficSecrets)) -> Option<Self> {
-        let (alg, key, iv) = match &secrets {
-            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
-            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
-            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
-            _ => return None,
-        };
-        Self::from_parts(alg, key.as_ref(), iv.as_ref(), seq)
-    }
-
-    /// Keys for `alg` from raw key and IV bytes; `None` if their lengths are wrong.
-    pub(super) fn from_parts(
-        alg: &'static Algorithm,
-        key: &[u8],
-        iv: &[u8],
-        seq: u64,
-    ) -> Option<Self> {
-        Some(Self {
-            key: LessSafeKey::new(UnboundKey::new(alg, key).ok()?),
-            iv: iv.try_into().ok()?,
-            seq,
-        })
-    }
-
-    /// The per-record nonce: the IV with the sequence number XORed into its last 8 bytes
-    /// (RFC 8446, section 5.3).
-    pub(super) fn nonce(&self) -> Nonce {
-        let mut n = self.iv;
-        for (b, s) in n[4..].iter_mut().zip(self.seq.to_be_bytes()) {
-            *b ^= s;
-        }
-        Nonce::assume_unique_for_key(n)
-    }
-}
-
 pub(super) fn protocol_error(
     what: impl Into<Box<dyn std::error::Error + Send + Sync>>,
 ) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// The receiving half without its socket: the record buffer, the peer's key and what the
+/// peer's records said so far. Reads go through [`ReadState::poll_read_with`], whose caller
+/// supplies the socket read.
+pub(super) struct ReadState {
+    pub(super) keys: Keys,
+    /// Bytes from the socket; before `pos`, records already opened (their plaintext in
+    /// place), from `pos`, records not opened yet.
+    pub(super) buf: Vec<u8>,
+    pub(super) pos: usize,
+    /// The part of `buf` holding plaintext not handed over yet.
+    pub(super) plain: Range<usize>,
+    /// The peer sent close_notify, or ended the stream between records.
+    pub(super) closed: bool,
+    /// A record failed after earlier records' plaintext was handed over; the next read
+    /// returns it.
+    pub(super) error: Option<io::Error>,
+    /// Records in a row that carried no application data.
+    pub(super) idle_records: u8,
+    pub(super) shared: Arc<Shared>,
+}
+
+// Lengths only: the buffers hold plaintext.
+impl std::fmt::Debug for ReadState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsRead")
+            .field("buffered", &(self.buf.len() - self.pos))
+            .field("plaintext", &self.plain.len())
+            .field("closed", &self.closed)
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReadState {
+    pub(super) fn new(keys: Keys, buf: Vec<u8>, shared: Arc<Shared>) -> Self {
+        Self {
+            keys,
+            buf,
+            pos: 0,
+            plain: 0..0,
+            closed: false,
+            error: None,
+            idle_records: 0,
+            shared,
+        }
+    }
+
+    /// Whether a read would return without touching the socket.
+    pub(super) fn has_buffered(&self) -> bool {
+        if !self.plain.is_empty() || self.closed || self.error.is_some() {
+            return true;
+        }
+        let avail = &self.buf[self.pos..];
+        avail.len() >= HEADER_LEN
+            && avail.len() >= HEADER_LEN + usize::from(u16::from_be_bytes([avail[3], avail[4]]))
+    }
+
+    pub(super) fn release_idle(&mut self) {
+        if self.plain.is_empty() && self.pos == self.buf.len() && self.buf.capacity() > 0 {
+            self.buf = Vec::new();
+            self.pos = 0;
+            self.plain = 0..0;
+        }
+    }
+
+    /// Hands over the plaintext of as many buffered records as fit, calling `fill` (one
+    /// read from the socket into the buffer's spare capacity, returning the bytes read, 0 at
+    /// the end of the stream) only when none is buffered: a sender's records, each often one
+    /// small frame, reach the caller together, as they would from a plain socket.
+    pub(super) fn poll_read_with(
+        &mut self,
+        out: &mut ReadBuf<'_>,
+        mut fill: impl FnMut(&mut Vec<u8>) -> Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<()>> {
+        if let Some(e) = self.error.take() {
+            return Poll::Ready(Err(e));
+        }
+        let mut copied = false;
+        loop {
+            if !self.plain.is_empty() {
+                let n = self.plain.len().min(out.remaining());
+                out.put_slice(&self.buf[self.plain.start..self.plain.start + n]);
+                self.plain.start += n;
+                copied = true;
+                if out.remaining() == 0 {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            if self.closed {
+                return Poll::Ready(Ok(()));
+            }
+            let need = match self.open_next() {
+                Ok(Opened::Record) => continue,
+                Ok(Opened::NeedMore(need)) => need,
+                // What was handed over stands; the error comes with the next read.
+                Err(e) if copied => {
+                    self.error = Some(e);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            };
+            if copied {
+                return Poll::Ready(Ok(()));
+            }
+            // Everything before `pos` is handed over: make room at the front.
+            if self.pos > 0 {
+                self.buf.drain(..self.pos);
+                self.pos = 0;
+                self.plain = 0..0;
+            }
+            let missing = need - self.buf.len();
+            if self.buf.capacity() - self.buf.len() < missing.max(READ_CHUNK / 8) {
+                self.buf.reserve(missing.max(READ_CHUNK));
+            }
+            let n = ready!(fill(&mut self.buf))?;
+            if n == 0 {
+                if self.buf.is_empty() {
+                    // The peer closed without close_notify; nothing was cut short.
+                    self.closed = true;
+                    return Poll::Ready(Ok(()));
+                }
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "tls record cut short by the end of the stream",
+                )));
+            }
+        }
+    }
 }
 
 /// What opening the next buffered record did.
@@ -308,7 +393,49 @@ impl ReadState {
     }
 }
 
-impl TlsWrite {
+/// The sending half without its socket: this side's key, when it moves to the next one,
+/// and the records sealed and not written yet.
+pub(super) struct WriteState {
+    pub(super) keys: Keys,
+    /// Sealed records; `out[sent..]` is not written yet.
+    pub(super) out: Vec<u8>,
+    pub(super) sent: usize,
+    pub(super) shared: Arc<Shared>,
+    /// The sequence number at which this side seals a KeyUpdate and moves to a new key.
+    pub(super) update_at: u64,
+    pub(super) close_sent: bool,
+}
+
+impl std::fmt::Debug for WriteState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsWrite")
+            .field("unsent", &(self.out.len() - self.sent))
+            .field("keys", &self.keys)
+            .field("close_sent", &self.close_sent)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WriteState {
+    pub(super) fn new(keys: Keys, shared: Arc<Shared>, update_at: u64) -> Self {
+        Self {
+            keys,
+            out: Vec::new(),
+            sent: 0,
+            shared,
+            update_at,
+            close_sent: false,
+        }
+    }
+
+    /// Gives back the record buffer when it is empty, so an idle connection holds none.
+    pub(super) fn shrink_idle(&mut self) {
+        if self.sent == self.out.len() && self.out.capacity() > 0 {
+            self.out = Vec::new();
+            self.sent = 0;
+        }
+    }
+
     /// Seals `len` bytes gathered from `bufs` (starting `skip` bytes in) as one record.
     pub(super) fn seal(
         &mut self,

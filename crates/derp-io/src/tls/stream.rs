@@ -1,22 +1,17 @@
-//! The stream and its halves: buffering between the socket and the caller, readiness, and
-//! giving buffers back when idle; records are opened and sealed by the record layer.
+//! The stream and its halves: the socket under the record layer's state of each direction,
+//! readiness, reads through the record buffer, writes of sealed records, and giving
+//! buffers back when idle; records are opened and sealed by the record layer.
 
 use std::io;
-use std::ops::Range;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
-use super::record::{
-    CONTENT_ALERT, CONTENT_APPLICATION_DATA, HEADER_LEN, Keys, MAX_FRAGMENT, Opened, Shared,
-};
+use super::record::{CONTENT_ALERT, CONTENT_APPLICATION_DATA, MAX_FRAGMENT, ReadState, WriteState};
 
-/// What a busy reader reads per system call, at least.
-const READ_CHUNK: usize = 32 * 1024;
 /// Plaintext sealed per write call at most, so the record buffer stays bounded when the
 /// caller hands over a large batch.
 const MAX_SEAL_PER_WRITE: usize = 64 * 1024;
@@ -86,42 +81,9 @@ pub struct TlsRead {
     pub(super) state: ReadState,
 }
 
-/// The receiving half without its socket: the record buffer, the peer's key and what the
-/// peer's records said so far. Reads go through [`ReadState::poll_read_with`], whose caller
-/// supplies the socket read.
-pub(super) struct ReadState {
-    pub(super) keys: Keys,
-    /// Bytes from the socket; before `pos`, records already opened (their plaintext in
-    /// place), from `pos`, records not opened yet.
-    pub(super) buf: Vec<u8>,
-    pub(super) pos: usize,
-    /// The part of `buf` holding plaintext not handed over yet.
-    pub(super) plain: Range<usize>,
-    /// The peer sent close_notify, or ended the stream between records.
-    pub(super) closed: bool,
-    /// A record failed after earlier records' plaintext was handed over; the next read
-    /// returns it.
-    pub(super) error: Option<io::Error>,
-    /// Records in a row that carried no application data.
-    pub(super) idle_records: u8,
-    pub(super) shared: Arc<Shared>,
-}
-
-// Lengths only: the buffers hold plaintext.
 impl std::fmt::Debug for TlsRead {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.state.fmt(f)
-    }
-}
-
-impl std::fmt::Debug for ReadState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsRead")
-            .field("buffered", &(self.buf.len() - self.pos))
-            .field("plaintext", &self.plain.len())
-            .field("closed", &self.closed)
-            .field("keys", &self.keys)
-            .finish_non_exhaustive()
     }
 }
 
@@ -151,104 +113,6 @@ impl TlsRead {
     }
 }
 
-impl ReadState {
-    pub(super) fn new(keys: Keys, buf: Vec<u8>, shared: Arc<Shared>) -> Self {
-        Self {
-            keys,
-            buf,
-            pos: 0,
-            plain: 0..0,
-            closed: false,
-            error: None,
-            idle_records: 0,
-            shared,
-        }
-    }
-
-    /// Whether a read would return without touching the socket.
-    fn has_buffered(&self) -> bool {
-        if !self.plain.is_empty() || self.closed || self.error.is_some() {
-            return true;
-        }
-        let avail = &self.buf[self.pos..];
-        avail.len() >= HEADER_LEN
-            && avail.len() >= HEADER_LEN + usize::from(u16::from_be_bytes([avail[3], avail[4]]))
-    }
-
-    pub(super) fn release_idle(&mut self) {
-        if self.plain.is_empty() && self.pos == self.buf.len() && self.buf.capacity() > 0 {
-            self.buf = Vec::new();
-            self.pos = 0;
-            self.plain = 0..0;
-        }
-    }
-
-    /// Hands over the plaintext of as many buffered records as fit, calling `fill` (one
-    /// read from the socket into the buffer's spare capacity, returning the bytes read, 0 at
-    /// the end of the stream) only when none is buffered: a sender's records, each often one
-    /// small frame, reach the caller together, as they would from a plain socket.
-    pub(super) fn poll_read_with(
-        &mut self,
-        out: &mut ReadBuf<'_>,
-        mut fill: impl FnMut(&mut Vec<u8>) -> Poll<io::Result<usize>>,
-    ) -> Poll<io::Result<()>> {
-        if let Some(e) = self.error.take() {
-            return Poll::Ready(Err(e));
-        }
-        let mut copied = false;
-        loop {
-            if !self.plain.is_empty() {
-                let n = self.plain.len().min(out.remaining());
-                out.put_slice(&self.buf[self.plain.start..self.plain.start + n]);
-                self.plain.start += n;
-                copied = true;
-                if out.remaining() == 0 {
-                    return Poll::Ready(Ok(()));
-                }
-                continue;
-            }
-            if self.closed {
-                return Poll::Ready(Ok(()));
-            }
-            let need = match self.open_next() {
-                Ok(Opened::Record) => continue,
-                Ok(Opened::NeedMore(need)) => need,
-                // What was handed over stands; the error comes with the next read.
-                Err(e) if copied => {
-                    self.error = Some(e);
-                    return Poll::Ready(Ok(()));
-                }
-                Err(e) => return Poll::Ready(Err(e)),
-            };
-            if copied {
-                return Poll::Ready(Ok(()));
-            }
-            // Everything before `pos` is handed over: make room at the front.
-            if self.pos > 0 {
-                self.buf.drain(..self.pos);
-                self.pos = 0;
-                self.plain = 0..0;
-            }
-            let missing = need - self.buf.len();
-            if self.buf.capacity() - self.buf.len() < missing.max(READ_CHUNK / 8) {
-                self.buf.reserve(missing.max(READ_CHUNK));
-            }
-            let n = ready!(fill(&mut self.buf))?;
-            if n == 0 {
-                if self.buf.is_empty() {
-                    // The peer closed without close_notify; nothing was cut short.
-                    self.closed = true;
-                    return Poll::Ready(Ok(()));
-                }
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "tls record cut short by the end of the stream",
-                )));
-            }
-        }
-    }
-}
-
 impl AsyncRead for TlsRead {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -265,46 +129,33 @@ impl AsyncRead for TlsRead {
 /// The sending half: seals what it is given into records in its buffer and writes them.
 pub struct TlsWrite {
     pub(super) half: OwnedWriteHalf,
-    pub(super) keys: Keys,
-    /// Sealed records; `out[sent..]` is not written yet.
-    pub(super) out: Vec<u8>,
-    pub(super) sent: usize,
-    pub(super) shared: Arc<Shared>,
-    /// The sequence number at which this side seals a KeyUpdate and moves to a new key.
-    pub(super) update_at: u64,
-    pub(super) close_sent: bool,
+    pub(super) state: WriteState,
 }
 
 impl std::fmt::Debug for TlsWrite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsWrite")
-            .field("unsent", &(self.out.len() - self.sent))
-            .field("keys", &self.keys)
-            .field("close_sent", &self.close_sent)
-            .finish_non_exhaustive()
+        self.state.fmt(f)
     }
 }
 
 impl TlsWrite {
     /// Gives back the record buffer when it is empty, so an idle connection holds none.
     pub fn shrink_idle(&mut self) {
-        if self.sent == self.out.len() && self.out.capacity() > 0 {
-            self.out = Vec::new();
-            self.sent = 0;
-        }
+        self.state.shrink_idle();
     }
 
     /// Writes out sealed records until none is left.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.sent < self.out.len() {
-            let n = ready!(Pin::new(&mut self.half).poll_write(cx, &self.out[self.sent..]))?;
+        let Self { half, state } = self;
+        while state.sent < state.out.len() {
+            let n = ready!(Pin::new(&mut *half).poll_write(cx, &state.out[state.sent..]))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
-            self.sent += n;
+            state.sent += n;
         }
-        self.out.clear();
-        self.sent = 0;
+        state.out.clear();
+        state.sent = 0;
         Poll::Ready(Ok(()))
     }
 }
@@ -338,9 +189,10 @@ impl AsyncWrite for TlsWrite {
         }
         let mut taken = 0;
         while taken < total {
-            this.update_key_if_due()?;
+            this.state.update_key_if_due()?;
             let len = (total - taken).min(MAX_FRAGMENT);
-            this.seal(CONTENT_APPLICATION_DATA, bufs, taken, len)?;
+            this.state
+                .seal(CONTENT_APPLICATION_DATA, bufs, taken, len)?;
             taken += len;
         }
         // The bytes are taken: a socket that pushes back only delays them.
@@ -363,13 +215,14 @@ impl AsyncWrite for TlsWrite {
     /// Sends close_notify, then ends the TCP stream's sending side.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !this.close_sent {
+        if !this.state.close_sent {
             ready!(this.poll_drain(cx))?;
-            this.update_key_if_due()?;
+            this.state.update_key_if_due()?;
             // Level warning, description close_notify.
             let alert = [1, 0];
-            this.seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())?;
-            this.close_sent = true;
+            this.state
+                .seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())?;
+            this.state.close_sent = true;
         }
         ready!(this.poll_drain(cx))?;
         Pin::new(&mut this.half).poll_shutdown(cx)

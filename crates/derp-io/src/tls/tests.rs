@@ -21,9 +21,10 @@ use tokio_rustls::client::TlsStream as ClientStream;
 
 use super::fuzzing::{Suite, TrafficSecret};
 use super::hello::MAX_HELLO_RECORDS;
+use super::keys::Keys;
 use super::record::{
     CONTENT_ALERT, CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN,
-    Keys, MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
+    MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
 };
 use super::*;
 
@@ -428,7 +429,7 @@ async fn records_behind_the_clients_finished(update: bool) {
     server.flush().await.expect("flush");
     if update {
         // The KeyUpdate went out under the old key, the answer under the new one.
-        assert_eq!(server.write.keys.seq, 1);
+        assert_eq!(server.write.state.keys.seq, 1);
     }
     let answer = tokio::task::spawn_blocking(move || client.join().expect("client"))
         .await
@@ -460,7 +461,7 @@ async fn a_clients_key_update_is_followed_and_answered() {
     server.write_all(b"answer").await.expect("write");
     server.flush().await.expect("flush");
     // The KeyUpdate went out under the old key, the answer under the new one.
-    assert_eq!(server.write.keys.seq, 1);
+    assert_eq!(server.write.state.keys.seq, 1);
     assert!(!update_requested(&server));
     let mut buf = [0u8; 6];
     client.read_exact(&mut buf).await.expect("client reads");
@@ -470,12 +471,12 @@ async fn a_clients_key_update_is_followed_and_answered() {
 #[tokio::test]
 async fn the_server_updates_its_key_before_the_limit() {
     let (mut server, mut client) = pair().await;
-    server.write.update_at = 3;
+    server.write.state.update_at = 3;
     let sent = pattern(10 * MAX_FRAGMENT);
     for chunk in sent.chunks(MAX_FRAGMENT) {
         server.write_all(chunk).await.expect("write");
         server.flush().await.expect("flush");
-        assert!(server.write.keys.seq <= 3);
+        assert!(server.write.state.keys.seq <= 3);
     }
     let mut received = vec![0u8; sent.len()];
     client
@@ -569,11 +570,11 @@ async fn an_idle_connection_holds_no_record_buffers() {
     w.flush().await.expect("flush");
     // A burst leaves both buffers allocated.
     assert!(r.state.buf.capacity() > 0);
-    assert!(w.out.capacity() > 0);
+    assert!(w.state.out.capacity() > 0);
     r.release_idle();
     w.shrink_idle();
     assert_eq!(r.state.buf.capacity(), 0);
-    assert_eq!(w.out.capacity(), 0);
+    assert_eq!(w.state.out.capacity(), 0);
 
     // Nothing buffered and nothing sent: not ready. Then the client writes, and it is.
     let mut cx = Context::from_waker(Waker::noop());

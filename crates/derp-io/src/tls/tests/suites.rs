@@ -225,12 +225,12 @@ async fn the_server_updates_its_key_at_each_suites_limit() {
     ] {
         let log = Arc::new(SecretLog::default());
         let (server, _client) = handshake(&pki, suite_client(&pki, suite, log)).await;
-        assert_eq!(server.write.update_at, update_at, "{suite:?}");
+        assert_eq!(server.write.state.update_at, update_at, "{suite:?}");
 
         let log = Arc::new(SecretLog::default());
         let config = suite_client(&pki, suite, log);
         let (mut server, mut client) = handshake_with(&pki, config, Some(4)).await;
-        assert_eq!(server.write.update_at, key_update_at(4));
+        assert_eq!(server.write.state.update_at, key_update_at(4));
         let sent = pattern(20 * MAX_FRAGMENT + 5);
         // Single records, then writes of four records at once.
         let (singles, batches) = sent.split_at(8 * MAX_FRAGMENT);
@@ -247,7 +247,7 @@ async fn the_server_updates_its_key_at_each_suites_limit() {
             .chain(batches.chunks(4 * MAX_FRAGMENT))
         {
             server.write_all(chunk).await.expect("write");
-            assert!(server.write.keys.seq <= 3, "{suite:?}");
+            assert!(server.write.state.keys.seq <= 3, "{suite:?}");
         }
         server.flush().await.expect("flush");
         assert!(reader.await.expect("reader") == sent, "{suite:?}");

@@ -20,8 +20,8 @@ use quinn_proto::{
     StreamId, VarInt, WriteError,
 };
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
 
-use super::driver::Marks;
 use crate::handle::ConnHandle;
 use crate::metrics::Metrics;
 
@@ -226,6 +226,53 @@ impl ConnShared {
         if !self.marked.swap(true, Ordering::AcqRel) {
             self.marks.push(self.clone());
         }
+    }
+}
+
+/// Connections their tasks marked for the driver.
+#[derive(Debug, Default)]
+pub(crate) struct Marks {
+    list: Mutex<Vec<Arc<ConnShared>>>,
+    notify: Notify,
+    /// The driver is in a pass and looks at the list before it waits: no need to wake
+    /// it. Most marks come from the driver's own routing, for which a wake-up would be an
+    /// empty round.
+    busy: AtomicBool,
+}
+
+impl Marks {
+    pub(super) fn push(&self, conn: Arc<ConnShared>) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        let first = list.is_empty();
+        list.push(conn);
+        drop(list);
+        if first && !self.busy.load(Ordering::SeqCst) {
+            self.notify.notify_one();
+        }
+    }
+
+    /// Whether marks arrived since the driver last took them.
+    pub(super) fn pending(&self) -> bool {
+        !self
+            .list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
+    pub(super) fn take(&self, into: &mut Vec<Arc<ConnShared>>) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        into.append(&mut list);
+    }
+
+    /// Waits for the first mark pushed while the driver is not busy.
+    pub(super) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.notify.notified()
+    }
+
+    /// Whether the driver is in a pass, and so needs no wake-up for a mark.
+    pub(super) fn set_busy(&self, busy: bool) {
+        self.busy.store(busy, Ordering::SeqCst);
     }
 }
 

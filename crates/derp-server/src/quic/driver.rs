@@ -15,7 +15,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -27,7 +27,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{debug, trace};
 
-use super::conn::{Conn, ConnShared};
+use super::conn::{Conn, ConnShared, Marks};
 use crate::handle::ConnHandle;
 use crate::lookup::Router;
 use crate::route::{NotHereLimiter, Routing, route_datagrams};
@@ -46,43 +46,6 @@ const MAX_ROUTED_PER_PASS: usize = 256;
 /// The driver's maps are keyed by connection handles, small integers no client chooses:
 /// a fast hash is enough, and they are looked up several times per packet.
 type HandleMap<V> = HashMap<ConnectionHandle, V, foldhash::fast::RandomState>;
-
-/// Connections their tasks marked for the driver.
-#[derive(Debug, Default)]
-pub(crate) struct Marks {
-    list: Mutex<Vec<Arc<ConnShared>>>,
-    notify: Notify,
-    /// The driver is in a pass and looks at the list before it waits: no need to wake
-    /// it. Most marks come from the driver's own routing, for which a wake-up would be an
-    /// empty round.
-    busy: AtomicBool,
-}
-
-impl Marks {
-    pub(super) fn push(&self, conn: Arc<ConnShared>) {
-        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
-        let first = list.is_empty();
-        list.push(conn);
-        drop(list);
-        if first && !self.busy.load(Ordering::SeqCst) {
-            self.notify.notify_one();
-        }
-    }
-
-    /// Whether marks arrived since the driver last took them.
-    fn pending(&self) -> bool {
-        !self
-            .list
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
-    }
-
-    fn take(&self, into: &mut Vec<Arc<ConnShared>>) {
-        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
-        into.append(&mut list);
-    }
-}
 
 /// The UDP socket with quinn-udp's segmentation offload and batched receive.
 #[derive(Debug)]
@@ -431,16 +394,16 @@ impl Driver {
                 tokio::select! {
                     biased;
                     r = inner.io.socket.readable() => if r.is_err() { return },
-                    _ = inner.marks.notify.notified() => {}
+                    _ = inner.marks.notified() => {}
                     _ = sleep => {}
                 }
             }
             let draining = shared.draining.is_cancelled();
-            inner.marks.busy.store(true, Ordering::SeqCst);
+            inner.marks.set_busy(true);
             self.take_in(draining);
             self.route(&shared, &mut fast);
             self.send_out();
-            inner.marks.busy.store(false, Ordering::SeqCst);
+            inner.marks.set_busy(false);
             // A mark that came while busy did not wake the driver.
             self.more |= inner.marks.pending();
             for handle in self.removed.drain(..) {

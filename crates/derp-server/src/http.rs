@@ -31,7 +31,7 @@ use derp_proto::ws;
 use crate::config::HomePage;
 use crate::conn::{self, Accepted, Framing};
 use crate::listen::ConnGuard;
-use crate::proxy::{Proxied, ProxiedListener};
+use crate::proxy::{Opened, ProxiedListener, open_connection};
 use crate::state::ServerState;
 
 /// Serves one connection accepted from a listed proxy on the main plain-HTTP listener: reads
@@ -43,27 +43,21 @@ pub(crate) async fn serve_proxied(
     peer: SocketAddr,
     guard: ConnGuard,
 ) {
-    let Some(proxy) = shared.proxy.clone() else {
+    let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
+    let opened = open_connection(
+        shared.proxy.as_ref(),
+        ProxiedListener::Main,
+        &mut stream,
+        peer,
+        &guard,
+        deadline,
+        &shared.shutdown,
+    )
+    .await;
+    let Some(Opened { remote, read, .. }) = opened else {
         return;
     };
-    let mut buf = BytesMut::new();
-    let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
-    let header = tokio::select! {
-        _ = guard.evicted() => {
-            proxy.evicted(ProxiedListener::Main, peer);
-            return;
-        }
-        h = proxy.read_header(ProxiedListener::Main, &mut stream, peer, deadline, &mut buf) => h,
-    };
-    let remote = match header {
-        Ok(Some(Proxied { client, .. })) => {
-            guard.relayed_for(client.ip());
-            client
-        }
-        Ok(None) => peer,
-        Err(_) => return,
-    };
-    serve_conn(shared, Transport::Tcp(stream), remote, guard, buf).await;
+    serve_conn(shared, Transport::Tcp(stream), remote, guard, read).await;
 }
 
 /// Serves one accepted connection (plain TCP, or TLS after its handshake). `buf` holds bytes

@@ -86,7 +86,7 @@ pub use lookup::{
 pub use metrics::{
     DropReason, FallbackReason, HandshakeResult, Metrics, PacketKind, TransportLabel,
 };
-pub use proxy::{Proxied, ProxiedListener, ProxyProtocol, ProxyRefusal};
+pub use proxy::{Opened, Proxied, ProxiedListener, ProxyProtocol, ProxyRefusal, open_connection};
 pub use quic::{QuicConfig, QuicError, QuicListener};
 pub use ratelimit::{MIN_RATE_BURST, RateLimit};
 pub use registry::PacketForwarder;

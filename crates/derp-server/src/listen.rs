@@ -394,6 +394,18 @@ impl ConnGuard {
     }
 }
 
+/// A guard holding only a place in a budget, for a listener that caps no open connections
+/// and serves no DERP (the port-80 listener); its [`ConnGuard::via_proxy`] is always false.
+impl From<Unproven> for ConnGuard {
+    fn from(unproven: Unproven) -> Self {
+        Self {
+            unproven: Some(unproven),
+            _open: None,
+            proxied: false,
+        }
+    }
+}
+
 /// The counters of one unproven budget.
 #[derive(Clone, Debug)]
 pub struct BudgetMetrics {

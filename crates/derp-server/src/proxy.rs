@@ -31,9 +31,11 @@ use derp_proto::proxy_protocol::{self, Addresses, Command, Parsed, ProxyError};
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::config::IpCidr;
+use crate::listen::ConnGuard;
 
 /// Which listener a connection came in on, for the metrics' `listener` label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -301,6 +303,63 @@ pub struct Proxied {
 
 fn unmapped(addr: SocketAddr) -> SocketAddr {
     SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// A connection accepted on a TCP listener, once the PROXY protocol header that opens it
+/// (if the listener takes one) has been read.
+#[derive(Debug)]
+pub struct Opened {
+    /// Whose connection it is: the client a header named, or else the socket's peer.
+    pub remote: SocketAddr,
+    /// The address the client dialed, when a header named it.
+    pub dialed: Option<SocketAddr>,
+    /// Bytes read past the header: the start of the connection's own.
+    pub read: BytesMut,
+}
+
+/// The opening every TCP listener's connections go through (the main listener, plain or
+/// TLS, and the port-80 listener). Without `proxy` the connection is `peer`'s and nothing is
+/// read. With it, the header is read by `deadline` ([`ProxyProtocol::read_header`]) while
+/// the connection holds its place in the unproven budget: an eviction from it ends the wait
+/// and is counted as a refusal, and a header that names a client moves the connection to
+/// that client's source ([`ConnGuard::relayed_for`]). `None` when the connection must be
+/// closed: refused (counted), evicted, or `stop` cancelled (a shutdown, not counted).
+pub async fn open_connection<S: AsyncRead + Unpin>(
+    proxy: Option<&ProxyProtocol>,
+    listener: ProxiedListener,
+    stream: &mut S,
+    peer: SocketAddr,
+    guard: &ConnGuard,
+    deadline: Instant,
+    stop: &CancellationToken,
+) -> Option<Opened> {
+    let mut read = BytesMut::new();
+    let Some(proxy) = proxy else {
+        return Some(Opened {
+            remote: peer,
+            dialed: None,
+            read,
+        });
+    };
+    let header = tokio::select! {
+        // A shutdown evicts every unproven connection too; it is not counted as one.
+        biased;
+        _ = stop.cancelled() => return None,
+        _ = guard.evicted() => {
+            proxy.evicted(listener, peer);
+            return None;
+        }
+        h = proxy.read_header(listener, stream, peer, deadline, &mut read) => h,
+    };
+    let proxied = header.ok()?;
+    if let Some(p) = proxied {
+        guard.relayed_for(p.client.ip());
+    }
+    Some(Opened {
+        remote: proxied.map_or(peer, |p| p.client),
+        dialed: proxied.map(|p| p.dialed),
+        read,
+    })
 }
 
 /// The client an HTTP reverse proxy at a trusted address says it passes a request on for

@@ -6,8 +6,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use derp_server::{Listener, ProxiedListener, Rewind};
+use bytes::Bytes;
+use derp_server::{ConnGuard, Listener, Opened, ProxiedListener, Rewind, open_connection};
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
@@ -50,41 +50,35 @@ impl TlsFront {
         let base = Arc::new(https_base(&self.hostname().to_string(), https_port));
         let proxy = self.http_port_proxy_protocol();
         loop {
-            let (mut tcp, mut remote) = tokio::select! {
+            let (mut tcp, peer) = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 a = listener.accept() => a,
             };
-            let slot = match &proxy {
-                None => budget.admit(remote.ip()),
-                Some(p) if p.allows(ProxiedListener::HttpPort, remote) => budget.admit_proxy(),
+            let slot = ConnGuard::from(match &proxy {
+                None => budget.admit(peer.ip()),
+                Some(p) if p.allows(ProxiedListener::HttpPort, peer) => budget.admit_proxy(),
                 Some(_) => continue,
-            };
+            });
             let this = self.clone();
             let base = base.clone();
             let shutdown = shutdown.clone();
             let proxy = proxy.clone();
             tokio::spawn(async move {
                 // The PROXY protocol header first, if any, under the head's own deadline.
-                let mut read = BytesMut::new();
-                if let Some(proxy) = proxy {
-                    let deadline = tokio::time::Instant::now() + HEADER_READ_TIMEOUT;
-                    let header = tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = slot.evicted() => {
-                            proxy.evicted(ProxiedListener::HttpPort, remote);
-                            return;
-                        }
-                        h = proxy.read_header(ProxiedListener::HttpPort, &mut tcp, remote, deadline, &mut read) => h,
-                    };
-                    match header {
-                        Ok(Some(proxied)) => {
-                            slot.relayed_for(proxied.client.ip());
-                            remote = proxied.client;
-                        }
-                        Ok(None) => {}
-                        Err(_) => return,
-                    }
-                }
+                let deadline = tokio::time::Instant::now() + HEADER_READ_TIMEOUT;
+                let opened = open_connection(
+                    proxy.as_ref(),
+                    ProxiedListener::HttpPort,
+                    &mut tcp,
+                    peer,
+                    &slot,
+                    deadline,
+                    &shutdown,
+                )
+                .await;
+                let Some(Opened { remote, read, .. }) = opened else {
+                    return;
+                };
                 let service = hyper::service::service_fn(move |req| {
                     let resp = this.route_http_port(&req, &base);
                     async move { Ok::<_, Infallible>(resp) }

@@ -33,7 +33,8 @@ mod options;
 mod resolver;
 
 use derp_server::{
-    BudgetMetrics, Listener, ProxiedListener, ProxyProtocol, Server, UnprovenBudget,
+    BudgetMetrics, Listener, Opened, ProxiedListener, ProxyProtocol, Server, UnprovenBudget,
+    open_connection,
 };
 use options::HTTP_PORT_MAX_PER_SOURCE;
 pub use options::{
@@ -452,7 +453,7 @@ impl TlsFront {
         let proxy = server.proxy_protocol();
         let mut listener = Listener::new(listener, "main", server.accept_error_counter("main"));
         loop {
-            let (tcp, remote) = tokio::select! {
+            let (mut tcp, remote) = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 a = listener.accept() => a,
             };
@@ -468,27 +469,25 @@ impl TlsFront {
             let proxy = proxy.clone();
             tokio::spawn(async move {
                 let deadline = tokio::time::Instant::now() + this.inner.options.handshake_timeout;
-                let (tcp, remote, dialed, received) = match proxy {
-                    None => (tcp, remote, None, Vec::new()),
-                    Some(proxy) => {
-                        let mut tcp = tcp;
-                        let mut buf = bytes::BytesMut::new();
-                        let header = tokio::select! {
-                            _ = shutdown.cancelled() => return,
-                            _ = guard.evicted() => {
-                                proxy.evicted(ProxiedListener::Main, remote);
-                                return;
-                            }
-                            h = proxy.read_header(ProxiedListener::Main, &mut tcp, remote, deadline, &mut buf) => h,
-                        };
-                        let Ok(proxied) = header else { return };
-                        if let Some(p) = proxied {
-                            guard.relayed_for(p.client.ip());
-                        }
-                        let client = proxied.map_or(remote, |p| p.client);
-                        (tcp, client, proxied.map(|p| p.dialed.ip()), buf.to_vec())
-                    }
+                let opened = open_connection(
+                    proxy.as_ref(),
+                    ProxiedListener::Main,
+                    &mut tcp,
+                    remote,
+                    &guard,
+                    deadline,
+                    &shutdown,
+                )
+                .await;
+                let Some(Opened {
+                    remote,
+                    dialed,
+                    read,
+                }) = opened
+                else {
+                    return;
                 };
+                let (dialed, received) = (dialed.map(|d| d.ip()), read.to_vec());
                 let metrics = &this.inner.metrics;
                 metrics.in_flight.inc();
                 let result = tokio::select! {

@@ -316,7 +316,7 @@ fn respond(
         "/debug/varz" => prometheus_text(shared),
         "/debug/check" => match crate::debug::check(shared) {
             Ok(()) => text(StatusCode::OK, crate::debug::CHECK_OK),
-            Err(e) => text_owned(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
         },
         "/debug/traffic" => {
             let mut resp = Response::new(crate::debug::traffic(shared));
@@ -655,18 +655,10 @@ fn html(body: &'static str) -> Response<Body> {
     resp
 }
 
-fn text(status: StatusCode, body: &'static str) -> Response<Body> {
-    let mut resp = Response::new(Body::from(body));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    resp
-}
-
-fn text_owned(status: StatusCode, body: String) -> Response<Body> {
-    let mut resp = Response::new(Body::from(body));
+/// A plain-text answer (`text/plain; charset=utf-8`). Public so the port-80 listener
+/// answers in the same form.
+pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Body::new(body.into()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

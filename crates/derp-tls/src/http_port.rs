@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use derp_server::{ConnGuard, Listener, Opened, ProxiedListener, Rewind, open_connection};
+use derp_server::{ConnGuard, Listener, Opened, ProxiedListener, Rewind, open_connection, text};
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
@@ -148,16 +148,6 @@ fn https_base(host: &str, port: u16) -> String {
     } else {
         format!("https://{host}:{port}")
     }
-}
-
-fn text(status: StatusCode, body: &'static str) -> Response<Body> {
-    let mut resp = Response::new(Body::from(body));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    resp
 }
 
 #[cfg(test)]

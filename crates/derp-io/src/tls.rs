@@ -40,7 +40,7 @@ mod known;
 mod record;
 mod stream;
 
-pub use handshake::{AcceptError, Accepted, accept};
+pub use handshake::{AcceptError, FinishedHandshake, accept};
 pub use hello::{ClientHello, MAX_CLIENT_HELLO};
 pub use record::{SUPPORTED_SUITES, supports};
 pub use stream::{TlsRead, TlsStream, TlsWrite};

@@ -29,12 +29,12 @@ use derp_proto::upgrade::{self, DerpUpgrade, NotUpgrade, UpgradeKind};
 use derp_proto::ws;
 
 use crate::config::HomePage;
-use crate::conn::{self, Accepted, Framing};
+use crate::conn::{self, Framing, Handover};
 use crate::listen::ConnGuard;
 use crate::proxy::{Opened, ProxiedListener, open_connection};
 use crate::state::ServerState;
 
-/// Serves one connection accepted from a listed proxy on the main plain-HTTP listener: reads
+/// Serves one connection handover from a listed proxy on the main plain-HTTP listener: reads
 /// its PROXY protocol header (within the handshake deadline, while it may be evicted as any
 /// unproven connection), then serves it as the client's the header names.
 pub(crate) async fn serve_proxied(
@@ -60,7 +60,7 @@ pub(crate) async fn serve_proxied(
     serve_conn(shared, Transport::Tcp(stream), remote, guard, read).await;
 }
 
-/// Serves one accepted connection (plain TCP, or TLS after its handshake). `buf` holds bytes
+/// Serves one handover connection (plain TCP, or TLS after its handshake). `buf` holds bytes
 /// already read from it (after a PROXY protocol header), usually none.
 ///
 /// Until its DERP client is registered, the connection may be evicted from the unproven
@@ -189,7 +189,7 @@ async fn take_over(
             return;
         }
     };
-    let accepted = Accepted {
+    let handover = Handover {
         transport: stream,
         initial,
         remote,
@@ -200,7 +200,7 @@ async fn take_over(
         guard,
         detach: true,
     };
-    conn::serve(shared, accepted).await;
+    conn::serve(shared, handover).await;
 }
 
 /// The close frame for a WebSocket client whose subprotocol list only mentions `derp`.
@@ -582,7 +582,7 @@ fn derp_via_hyper(
                     .await;
             }
             Ok(upgraded) => {
-                let accepted = Accepted {
+                let handover = Handover {
                     transport: Transport::Boxed(Box::new(TokioIo::new(upgraded))),
                     initial: BytesMut::new(),
                     remote,
@@ -593,7 +593,7 @@ fn derp_via_hyper(
                     guard,
                     detach: true,
                 };
-                conn::serve(shared, accepted).await;
+                conn::serve(shared, handover).await;
             }
             Err(e) => debug!(%remote, error = %e, "upgrade failed"),
         }
@@ -783,9 +783,9 @@ mod tests {
         listener: &tokio::net::TcpListener,
     ) -> (tokio::net::TcpStream, tokio::task::JoinHandle<()>) {
         let addr = listener.local_addr().expect("address");
-        let (client, accepted) =
+        let (client, handover) =
             tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let (stream, remote) = accepted.expect("accept");
+        let (stream, remote) = handover.expect("accept");
         let serving = tokio::spawn(serve_conn(
             shared.clone(),
             Transport::Tcp(stream),

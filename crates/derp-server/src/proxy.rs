@@ -99,9 +99,9 @@ impl ProxyRefusal {
     }
 }
 
-/// What a header said, for `derp_proxy_protocol_headers{listener,command}`.
+/// What a valid header said, for `derp_proxy_protocol_headers{listener,command}`.
 #[derive(Clone, Copy, Debug)]
-enum Accepted {
+enum HeaderCommand {
     /// A TCP client's address.
     Proxy,
     /// LOCAL: the proxy's own connection.
@@ -110,7 +110,7 @@ enum Accepted {
     Unspecified,
 }
 
-impl Accepted {
+impl HeaderCommand {
     const ALL: [Self; 3] = [Self::Proxy, Self::Local, Self::Unspecified];
 
     fn label(self) -> &'static str {
@@ -139,8 +139,8 @@ struct Inner {
     from: Vec<IpCidr>,
     /// By listener, then by [`ProxyRefusal::ALL`]'s order.
     refused: [[IntCounter; ProxyRefusal::ALL.len()]; 2],
-    /// By listener, then by [`Accepted::ALL`]'s order.
-    accepted: [[IntCounter; 3]; 2],
+    /// By listener, then by [`HeaderCommand::ALL`]'s order.
+    headers: [[IntCounter; 3]; 2],
 }
 
 impl ProxyProtocol {
@@ -155,7 +155,7 @@ impl ProxyProtocol {
             ),
             &["listener", "reason"],
         )?;
-        let accepted = IntCounterVec::new(
+        let headers = IntCounterVec::new(
             Opts::new(
                 "derp_proxy_protocol_headers",
                 "valid PROXY protocol headers, by listener and command (proxy: a client's \
@@ -165,19 +165,19 @@ impl ProxyProtocol {
             &["listener", "command"],
         )?;
         registry.register(Box::new(refused.clone()))?;
-        registry.register(Box::new(accepted.clone()))?;
+        registry.register(Box::new(headers.clone()))?;
         let per = |l: ProxiedListener| {
             (
                 ProxyRefusal::ALL.map(|r| refused.with_label_values(&[l.label(), r.label()])),
-                Accepted::ALL.map(|a| accepted.with_label_values(&[l.label(), a.label()])),
+                HeaderCommand::ALL.map(|c| headers.with_label_values(&[l.label(), c.label()])),
             )
         };
-        let [(r0, a0), (r1, a1)] = LISTENERS.map(per);
+        let [(r0, h0), (r1, h1)] = LISTENERS.map(per);
         Ok(Self {
             inner: Arc::new(Inner {
                 from,
                 refused: [r0, r1],
-                accepted: [a0, a1],
+                headers: [h0, h1],
             }),
         })
     }
@@ -262,8 +262,8 @@ impl ProxyProtocol {
                 return Err(ProxyRefusal::Timeout);
             }
         };
-        let (accepted, client) = match (header.command, header.addresses) {
-            (Command::Local, _) => (Accepted::Local, None),
+        let (command, client) = match (header.command, header.addresses) {
+            (Command::Local, _) => (HeaderCommand::Local, None),
             (
                 Command::Proxy,
                 Addresses::Tcp {
@@ -271,7 +271,7 @@ impl ProxyProtocol {
                     destination,
                 },
             ) => (
-                Accepted::Proxy,
+                HeaderCommand::Proxy,
                 Some(Proxied {
                     client: unmapped(source),
                     dialed: unmapped(destination),
@@ -282,10 +282,10 @@ impl ProxyProtocol {
                 return Err(ProxyRefusal::Malformed);
             }
             (Command::Proxy, Addresses::Unspecified | Addresses::Unix) => {
-                (Accepted::Unspecified, None)
+                (HeaderCommand::Unspecified, None)
             }
         };
-        self.inner.accepted[listener.index()][accepted as usize].inc();
+        self.inner.headers[listener.index()][command as usize].inc();
         Ok(client)
     }
 }

@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 
 use crate::accept::Listener;
 use crate::config::ServerConfig;
-use crate::conn::{self, Accepted};
+use crate::conn::{self, Handover};
 use crate::listen::{ConnGuard, SocketOptions};
 use crate::metrics::Metrics;
 use crate::proxy::{ProxiedListener, ProxyProtocol};
@@ -98,7 +98,7 @@ impl Server {
     ///
     /// The loop runs as a task of its own on the runtime (it stops when this future is
     /// dropped): a caller's `block_on` thread is not one of the runtime's workers, so every
-    /// connection accepted there would be a wake-up of that thread and a hand-over of the new
+    /// connection handover there would be a wake-up of that thread and a hand-over of the new
     /// task to a worker, two cross-thread wake-ups per connection in a reconnect storm.
     pub async fn serve(&self, listener: TcpListener) -> Result<(), ServeError> {
         let server = self.clone();
@@ -137,7 +137,7 @@ impl Server {
         }
     }
 
-    /// Serves one already-accepted connection through the HTTP front, as [`Server::serve`]
+    /// Serves one already-handover connection through the HTTP front, as [`Server::serve`]
     /// does for each connection it accepts, but without the accept limits. For listeners
     /// the server does not own (TLS is terminated by the caller, then the stream is handed
     /// over). The task is tracked, so [`Server::shutdown`] waits for it.
@@ -145,7 +145,7 @@ impl Server {
         self.spawn_guarded(transport, remote, ConnGuard::none());
     }
 
-    /// Applies the accept limits to a connection just accepted from `remote` by a listener
+    /// Applies the accept limits to a connection just handover from `remote` by a listener
     /// the caller runs: `None` when it must be closed at once (counted), otherwise the guard
     /// to pass to [`Server::spawn_guarded`] once the caller's own handshake (TLS) is done.
     /// Meanwhile the caller must give up the connection when [`ConnGuard::evicted`]
@@ -267,7 +267,7 @@ impl Server {
     /// Runs the DERP protocol directly on an already-upgraded stream (no HTTP), as the
     /// reference's `Server.Accept` does; for embedding and tests.
     pub async fn accept(&self, transport: Transport, remote: SocketAddr) {
-        let accepted = Accepted {
+        let handover = Handover {
             transport,
             initial: bytes::BytesMut::new(),
             remote,
@@ -278,7 +278,7 @@ impl Server {
             guard: ConnGuard::none(),
             detach: false,
         };
-        conn::serve(self.shared.clone(), accepted).await;
+        conn::serve(self.shared.clone(), handover).await;
     }
 
     /// Shuts down without cutting clients off mid-stream: stops accepting ([`Server::serve`]
@@ -405,7 +405,7 @@ mod tests {
         };
         tokio::time::timeout(Duration::from_secs(10), registered)
             .await
-            .expect("both connections were accepted");
+            .expect("both connections were handover");
         tokio::time::timeout(Duration::from_secs(10), server.shutdown())
             .await
             .expect("the shutdown did not wait for the handshakes' deadline");

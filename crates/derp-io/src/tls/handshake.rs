@@ -40,7 +40,7 @@ pub enum AcceptError {
 
 /// A finished handshake.
 #[derive(Debug)]
-pub struct Accepted {
+pub struct FinishedHandshake {
     /// The connection, ready for application data.
     pub stream: TlsStream,
     /// The ALPN protocol agreed, if any.
@@ -61,7 +61,7 @@ pub async fn accept(
     tcp: TcpStream,
     received: Vec<u8>,
     config: Arc<ServerConfig>,
-) -> Result<Accepted, AcceptError> {
+) -> Result<FinishedHandshake, AcceptError> {
     accept_with(tcp, received, config, None).await
 }
 
@@ -72,7 +72,7 @@ pub(super) async fn accept_with(
     mut received: Vec<u8>,
     config: Arc<ServerConfig>,
     records_per_key: Option<u64>,
-) -> Result<Accepted, AcceptError> {
+) -> Result<FinishedHandshake, AcceptError> {
     let mut conn = UnbufferedServerConnection::new(config)?;
     let mut outgoing: Vec<u8> = Vec::new();
     // rustls sees the received bytes one whole record at a time, and none past the record
@@ -161,7 +161,7 @@ pub(super) async fn accept_with(
     let tx = Keys::new(secrets.tx).ok_or(AcceptError::UnsupportedSuite)?;
     let shared = Arc::new(Shared::new(Schedule::Rustls(kernel)));
     let (r, w) = tcp.into_split();
-    Ok(Accepted {
+    Ok(FinishedHandshake {
         stream: TlsStream {
             read: TlsRead {
                 half: r,

@@ -37,9 +37,10 @@ pub(crate) use error::{ConnError, LocalError, PeerMisbehaved};
 use read::{FrameReader, ReadLoop};
 use write::{Writer, write_with_timeout};
 
-/// How a connection arrived, as decided by the HTTP layer.
+/// A connection handed over to the relay to speak DERP on, with how it arrived, as the HTTP
+/// layer (or the QUIC front, or an embedder's [`crate::Server::accept`]) found it.
 #[derive(Debug)]
-pub(crate) struct Accepted {
+pub(crate) struct Handover {
     pub(crate) transport: Transport,
     /// Bytes that arrived after the HTTP request head; they belong to the DERP stream.
     pub(crate) initial: BytesMut,
@@ -64,7 +65,7 @@ pub(crate) struct Accepted {
     pub(crate) detach: bool,
 }
 
-impl Accepted {
+impl Handover {
     fn transport_label(&self) -> TransportLabel {
         match (&self.quic, self.framing) {
             (Some(_), _) => TransportLabel::Quic,
@@ -76,23 +77,23 @@ impl Accepted {
 
 /// Runs a DERP connection to completion. Never panics on peer input; every error closes only
 /// this connection.
-pub(crate) async fn serve(shared: Arc<ServerState>, accepted: Accepted) {
-    let _ = serve_counted(shared, accepted).await;
+pub(crate) async fn serve(shared: Arc<ServerState>, handover: Handover) {
+    let _ = serve_counted(shared, handover).await;
 }
 
 /// [`serve`], returning how the connection ended (already logged and counted).
 pub(crate) async fn serve_counted(
     shared: Arc<ServerState>,
-    accepted: Accepted,
+    handover: Handover,
 ) -> Result<(), ConnError> {
-    let label = accepted.transport_label();
+    let label = handover.transport_label();
     shared.metrics.accepts.inc();
     shared.metrics.accepts_by_transport[label as usize].inc();
-    if accepted.framing == Framing::WebSocket {
+    if handover.framing == Framing::WebSocket {
         shared.metrics.websocket_accepts.inc();
     }
-    let remote = accepted.remote;
-    let result = run(shared.clone(), accepted, label).await;
+    let remote = handover.remote;
+    let result = run(shared.clone(), handover, label).await;
     count_end(&shared, remote, &result);
     result
 }
@@ -111,10 +112,10 @@ fn count_end(shared: &ServerState, remote: SocketAddr, result: &Result<(), ConnE
 
 async fn run(
     shared: Arc<ServerState>,
-    accepted: Accepted,
+    handover: Handover,
     label: TransportLabel,
 ) -> Result<(), ConnError> {
-    let Accepted {
+    let Handover {
         transport,
         initial,
         remote,
@@ -124,7 +125,7 @@ async fn run(
         quic,
         guard,
         detach,
-    } = accepted;
+    } = handover;
     // derper samples plain and TLS TCP connections only; WebSocket ones count as non-TCP.
     let socket_cookie = (framing == Framing::Raw && quic.is_none())
         .then(|| crate::tcpinfo::cookie(&transport))
@@ -544,8 +545,8 @@ async fn loopback_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
         .await
         .expect("bind");
     let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"));
-    let (client, accepted) = tokio::join!(client, listener.accept());
-    (accepted.expect("accept").0, client.expect("connect"))
+    let (client, handover) = tokio::join!(client, listener.accept());
+    (handover.expect("accept").0, client.expect("connect"))
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use derp_io::Transport;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::debug;
 
-use super::{Accepted, ConnError, Framing, LocalError, PeerMisbehaved};
+use super::{ConnError, Framing, Handover, LocalError, PeerMisbehaved};
 use crate::listen::ConnGuard;
 use crate::metrics::{HandshakeResult, TransportLabel};
 use crate::quic::{Conn, Incoming, PREAMBLE, QuicLink, QuicListener, close_code};
@@ -100,7 +100,7 @@ async fn serve_incoming(
     conn.fold_path_counts(&shared.metrics);
 }
 
-/// [`serve_incoming`] once quinn accepted the connection: the handshake, the DERP
+/// [`serve_incoming`] once quinn handover the connection: the handshake, the DERP
 /// connection, the close and its log line.
 async fn serve_accepted(
     shared: &Arc<ServerState>,
@@ -202,7 +202,7 @@ async fn serve_connection(
         }
     };
     let link = QuicLink::new(conn.clone(), remote);
-    let accepted = Accepted {
+    let handover = Handover {
         transport: Transport::Halves(Box::new(recv), Box::new(send)),
         initial: BytesMut::new(),
         remote,
@@ -214,7 +214,7 @@ async fn serve_connection(
         guard: ConnGuard::none(),
         detach: false,
     };
-    let result = super::serve_counted(shared.clone(), accepted).await;
+    let result = super::serve_counted(shared.clone(), handover).await;
     close_code_for(shared, &link, &result)
 }
 

@@ -173,7 +173,7 @@ impl Drop for SClient {
 
 /// The server's stream once its handshake with OpenSSL is done.
 async fn accepted_stream(
-    accepted: tokio::task::JoinHandle<Result<Accepted, AcceptError>>,
+    accepted: tokio::task::JoinHandle<Result<FinishedHandshake, AcceptError>>,
     name: &str,
 ) -> TlsStream {
     accepted
@@ -189,7 +189,7 @@ async fn server_for(
     records_per_key: Option<u64>,
 ) -> (
     std::net::SocketAddr,
-    tokio::task::JoinHandle<Result<Accepted, AcceptError>>,
+    tokio::task::JoinHandle<Result<FinishedHandshake, AcceptError>>,
 ) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");

@@ -14,7 +14,7 @@
 //! - when the input runs out, what is left is an incomplete frame the decoder must wait for.
 
 use std::cell::Cell;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{Ipv6Addr, SocketAddr};
 
 use bytes::BytesMut;
 use derp_proto::frame::{
@@ -452,8 +452,7 @@ fn check_client_msg(msg: &RelayToClient, frame: &Frame<'_>) {
                 Some(raw) => {
                     let mut octets = [0u8; 16];
                     octets.copy_from_slice(&raw[..16]);
-                    let v6 = Ipv6Addr::from(octets);
-                    let ip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
+                    let ip = Ipv6Addr::from(octets).to_canonical();
                     SocketAddr::new(ip, u16::from_be_bytes([raw[16], raw[17]]))
                 }
                 None => SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
@@ -482,8 +481,7 @@ fn check_client_msg(msg: &RelayToClient, frame: &Frame<'_>) {
             let raw = &body[..18];
             let mut octets = [0u8; 16];
             octets.copy_from_slice(&raw[..16]);
-            let v6 = Ipv6Addr::from(octets);
-            let ip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
+            let ip = Ipv6Addr::from(octets).to_canonical();
             assert_eq!(
                 *addr,
                 SocketAddr::new(ip, u16::from_be_bytes([raw[16], raw[17]]))

@@ -52,11 +52,7 @@ pub fn stun(data: &[u8]) {
             Err(StunError::NotSuccessResponse)
         );
 
-        let unmapped = match addr.ip() {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(addr.ip(), IpAddr::V4),
-            ip @ IpAddr::V4(_) => ip,
-        };
-        let want = SocketAddr::new(unmapped, addr.port());
+        let want = SocketAddr::new(addr.ip().to_canonical(), addr.port());
         assert_eq!(response_round_trip(&tx, addr), (tx, want));
     }
 }

@@ -244,10 +244,7 @@ fn parse_ip(host: &str) -> anyhow::Result<Option<BindIp>> {
         return Ok(None);
     };
     // An IPv4-mapped address is bound as IPv4, as Go does.
-    let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-        v4 => v4,
-    };
+    let ip = ip.to_canonical();
     if ip.is_unspecified() {
         return Ok(Some(BindIp::Any));
     }

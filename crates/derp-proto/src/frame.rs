@@ -438,13 +438,8 @@ fn put_addr(buf: &mut impl BufMut, addr: &SocketAddr) {
 pub(crate) fn peer_present_addr(bytes: &[u8; 18]) -> SocketAddr {
     let mut octets = [0u8; 16];
     octets.copy_from_slice(&bytes[..16]);
-    let ip = Ipv6Addr::from(octets);
     let port = u16::from_be_bytes([bytes[16], bytes[17]]);
-    let ip = match ip.to_ipv4_mapped() {
-        Some(v4) => IpAddr::V4(v4),
-        None => IpAddr::V6(ip),
-    };
-    SocketAddr::new(ip, port)
+    SocketAddr::new(Ipv6Addr::from(octets).to_canonical(), port)
 }
 
 /// The 8-byte magic at the start of a ServerKey payload: `"DERP🔑"`.

@@ -144,7 +144,7 @@ pub fn parse_generic_binding_request(packet: &[u8]) -> Result<TxId, StunError> {
 /// expects that family back, and Tailscale's parser unmaps the address anyway, so this is also
 /// what a Tailscale client ends up with.
 pub fn binding_response(tx: &TxId, addr: SocketAddr, out: &mut [u8; MAX_RESPONSE_LEN]) -> usize {
-    let (family, ip): (u8, [u8; 16]) = match unmap(addr.ip()) {
+    let (family, ip): (u8, [u8; 16]) = match addr.ip().to_canonical() {
         IpAddr::V4(v4) => (FAMILY_IPV4, v4.to_ipv6_mapped().octets()),
         IpAddr::V6(v6) => (FAMILY_IPV6, v6.octets()),
     };
@@ -308,17 +308,9 @@ fn read_address(value: &[u8], tx: Option<&TxId>) -> Result<SocketAddr, StunError
     let ip = if addr_len == 4 {
         IpAddr::V4(Ipv4Addr::new(ip[0], ip[1], ip[2], ip[3]))
     } else {
-        unmap(IpAddr::V6(Ipv6Addr::from(ip)))
+        Ipv6Addr::from(ip).to_canonical()
     };
     Ok(SocketAddr::new(ip, port))
-}
-
-/// Turns `::ffff:a.b.c.d` into `a.b.c.d`; other addresses are returned unchanged.
-fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        IpAddr::V4(_) => ip,
-    }
 }
 
 /// One attribute: its type, its unpadded value, and where its 4-byte header starts in the

@@ -334,7 +334,7 @@ fn remote_in_rollout(ip: IpAddr, percent: f64) -> bool {
     if percent == 1.0 {
         return true;
     }
-    let ip = unmap(ip);
+    let ip = ip.to_canonical();
     if ip.is_loopback() {
         return rand::random::<f64>() < 0.5;
     }
@@ -351,7 +351,7 @@ pub fn address_in_rollout(ip: IpAddr, percent: f64) -> bool {
 
 /// The number in [0, 1) a client's address draws (see [`address_in_rollout`]).
 fn rollout_draw(ip: IpAddr) -> f64 {
-    let bytes = match unmap(ip) {
+    let bytes = match ip.to_canonical() {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
         IpAddr::V6(v6) => v6.octets(),
     };
@@ -362,13 +362,6 @@ fn rollout_draw(ip: IpAddr) -> f64 {
     };
     let mut pcg = Pcg::new(half(0..8), half(8..16));
     (pcg.next_u64() & ((1 << 53) - 1)) as f64 / (1u64 << 53) as f64
-}
-
-fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
 }
 
 /// Go's `math/rand/v2` PCG: a 128-bit LCG with the DXSM output function.
@@ -427,7 +420,7 @@ fn document(ips: Option<&BTreeMap<String, Vec<IpAddr>>>) -> Vec<u8> {
 
 /// An address as Go's `net.IP.String` writes it: IPv4-mapped IPv6 addresses as IPv4.
 fn go_ip_string(ip: IpAddr) -> String {
-    unmap(ip).to_string()
+    ip.to_canonical().to_string()
 }
 
 /// A JSON string as Go's `encoding/json` writes it (HTML-safe: `<`, `>` and `&` escaped).

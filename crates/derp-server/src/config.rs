@@ -122,10 +122,7 @@ impl IpCidr {
     /// (`::ffff:a.b.c.d`, as a dual-stack socket reports IPv4 peers) are one address: either
     /// matches an IPv4 network and an IPv6 network written in the mapped form alike.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-            v4 => v4,
-        };
+        let ip = ip.to_canonical();
         match (self.addr, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
                 let mask = u32::MAX

@@ -367,11 +367,7 @@ fn route(
 /// (see [`names_a_proxy`]); so is every request on a connection from a PROXY protocol
 /// balancer or a trusted HTTP proxy (see `respond`), whatever client address they name.
 fn debug_allowed(shared: &ServerState, req: &Request<Incoming>, remote: SocketAddr) -> bool {
-    let ip = remote.ip();
-    let ip = match ip {
-        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
-        v4 => v4,
-    };
+    let ip = remote.ip().to_canonical();
     let proxied = req
         .headers()
         .keys()

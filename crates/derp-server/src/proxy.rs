@@ -272,9 +272,10 @@ impl ProxyProtocol {
                 },
             ) => (
                 HeaderCommand::Proxy,
+                // IPv4-mapped addresses as IPv4, as the rest of the server sees IPv4 clients.
                 Some(Proxied {
-                    client: unmapped(source),
-                    dialed: unmapped(destination),
+                    client: SocketAddr::new(source.ip().to_canonical(), source.port()),
+                    dialed: SocketAddr::new(destination.ip().to_canonical(), destination.port()),
                 }),
             ),
             (Command::Proxy, Addresses::Udp { .. }) => {
@@ -290,7 +291,6 @@ impl ProxyProtocol {
     }
 }
 
-/// IPv4-mapped IPv6 addresses as IPv4, as the rest of the server sees IPv4 clients.
 /// A proxied connection's two ends, as its PROXY protocol header names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Proxied {
@@ -299,10 +299,6 @@ pub struct Proxied {
     /// The address the client connected to (the balancer's, not derpd's): where an IP
     /// certificate must be valid.
     pub dialed: SocketAddr,
-}
-
-fn unmapped(addr: SocketAddr) -> SocketAddr {
-    SocketAddr::new(addr.ip().to_canonical(), addr.port())
 }
 
 /// A connection accepted on a TCP listener, once the PROXY protocol header that opens it

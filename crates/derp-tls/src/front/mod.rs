@@ -41,7 +41,6 @@ pub use options::{
     CertInfo, CertOrigin, DEFAULT_CLIENT_HELLO_TIMEOUT, DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
     DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsOptions, TlsRecords,
 };
-pub(crate) use resolver::unmap;
 use resolver::{CertState, Resolver, offers_alpn, server_config, serving_provider, sni_of};
 
 /// ALPN protocol of TLS-ALPN-01 validation connections (RFC 8737).
@@ -263,7 +262,7 @@ impl TlsFront {
         key: PrivateKeyDer<'static>,
         origin: CertOrigin,
     ) -> Result<CertInfo, TlsError> {
-        let ip = unmap(ip);
+        let ip = ip.to_canonical();
         let slot = self.ip_slot(ip)?;
         let Some(leaf) = chain.first().cloned() else {
             return Err(TlsError::Pem("empty certificate chain".into()));
@@ -341,7 +340,7 @@ impl TlsFront {
         if self.inner.ip_slots.is_none() {
             return Ok(None);
         }
-        let local = unmap(local);
+        let local = local.to_canonical();
         let slot = self.ip_slot(local).map_err(io::Error::other)?;
         if slot.cert.load().is_none() {
             let sni = sni();
@@ -351,7 +350,7 @@ impl TlsFront {
                     .trim_start_matches('[')
                     .trim_end_matches(']')
                     .parse::<IpAddr>()
-                    .is_ok_and(|named| unmap(named) == local),
+                    .is_ok_and(|named| named.to_canonical() == local),
             };
             if wants_ip {
                 wait_for_ip_cert(&slot, local).await?;

@@ -53,7 +53,7 @@ impl ResolvesServerCert for Resolver {
             match sni.map(|name| name.trim_start_matches('[').trim_end_matches(']')) {
                 None => return cert.load_full(),
                 Some(name) => match name.parse::<IpAddr>() {
-                    Ok(named) if unmap(named) == *ip => return cert.load_full(),
+                    Ok(named) if named.to_canonical() == *ip => return cert.load_full(),
                     Ok(named) => {
                         debug!(%named, %ip, "refusing a certificate for another address");
                         return None;
@@ -115,14 +115,6 @@ pub(super) fn sni_of(received: &[u8]) -> Option<String> {
     }
     let accepted = acceptor.accept().ok()??;
     accepted.client_hello().server_name().map(str::to_owned)
-}
-
-/// An IPv4-mapped IPv6 address as the IPv4 address it is.
-pub(crate) fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
 }
 
 /// `base` with only the TLS 1.3 suites derpd's record layer seals and opens

@@ -6,7 +6,7 @@ use std::io;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwapOption;
 use derp_proto::PublicKey;
@@ -336,12 +336,12 @@ impl TlsFront {
         local: IpAddr,
         sni: impl FnOnce() -> Option<String>,
         http11: bool,
-    ) -> io::Result<Option<Arc<ServerConfig>>> {
+    ) -> Result<Option<Arc<ServerConfig>>, HandshakeError> {
         if self.inner.ip_slots.is_none() {
             return Ok(None);
         }
         let local = local.to_canonical();
-        let slot = self.ip_slot(local).map_err(io::Error::other)?;
+        let slot = self.ip_slot(local)?;
         if slot.cert.load().is_none() {
             let sni = sni();
             let wants_ip = match sni.as_deref() {
@@ -547,7 +547,7 @@ impl TlsFront {
         mut tcp: TcpStream,
         mut received: Vec<u8>,
         dialed: Option<IpAddr>,
-    ) -> io::Result<Option<(Transport, &'static str)>> {
+    ) -> Result<Option<(Transport, &'static str)>, HandshakeError> {
         let local = match dialed {
             Some(ip) => ip,
             None => tcp.local_addr()?.ip(),
@@ -557,7 +557,7 @@ impl TlsFront {
                 derp_io::tls::ClientHello::Hello { tls13: true, alpn }
                     if self.inner.options.records == TlsRecords::Derpd =>
                 {
-                    Ok::<_, io::Error>(Hello::Tls13(alpn))
+                    Ok::<_, HandshakeError>(Hello::Tls13(alpn))
                 }
                 _ => Ok(Hello::Rustls(Box::new(
                     accept_client_hello(&mut tcp, &mut received).await?,
@@ -565,7 +565,7 @@ impl TlsFront {
             }
         })
         .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no ClientHello in time"))?;
+        .map_err(|_| HandshakeError::HelloTimeout)?;
         match hello? {
             Hello::Tls13(alpn) => {
                 let offers = |p: &[u8]| alpn.iter().any(|a| a == p);
@@ -575,9 +575,7 @@ impl TlsFront {
                     false => self.ip_config(local, || sni_of(&received), http11).await?,
                 };
                 let config = for_ip.unwrap_or_else(|| self.config_for(acme, http11));
-                let done = derp_io::tls::accept(tcp, received, config)
-                    .await
-                    .map_err(io::Error::other)?;
+                let done = derp_io::tls::accept(tcp, received, config).await?;
                 if done.alpn.as_deref() == Some(ACME_TLS_ALPN) {
                     return Ok(None);
                 }
@@ -626,28 +624,28 @@ impl TlsFront {
 
 /// Waits for the first certificate of `ip` (or the failure of the attempt under way). Fails
 /// at once while issuance is backing off after a failure, as derper does.
-async fn wait_for_ip_cert(slot: &IpSlot, ip: IpAddr) -> io::Result<()> {
+async fn wait_for_ip_cert(slot: &IpSlot, ip: IpAddr) -> Result<(), IpCertError> {
     let mut status = slot.status.subscribe();
     let start = *status.borrow_and_update();
     if slot.cert.load().is_some() {
         return Ok(());
     }
     if let Some(at) = start.retry_at.filter(|at| *at > SystemTime::now()) {
-        return Err(io::Error::other(format!(
-            "cert issuance for {ip} failed recently; next attempt in {:?}",
-            at.duration_since(SystemTime::now()).unwrap_or_default()
-        )));
+        return Err(IpCertError::BackingOff {
+            ip,
+            retry_in: at.duration_since(SystemTime::now()).unwrap_or_default(),
+        });
     }
     loop {
         if status.changed().await.is_err() {
-            return Err(io::Error::other("the front is gone"));
+            return Err(IpCertError::FrontGone);
         }
         let now = *status.borrow_and_update();
         if now.installs > start.installs {
             return Ok(());
         }
         if now.failures > start.failures {
-            return Err(io::Error::other(format!("cert issuance for {ip} failed")));
+            return Err(IpCertError::Failed { ip });
         }
     }
 }
@@ -686,7 +684,7 @@ async fn read_client_hello(
 async fn accept_client_hello(
     tcp: &mut TcpStream,
     received: &mut Vec<u8>,
-) -> io::Result<rustls::server::Accepted> {
+) -> Result<rustls::server::Accepted, HandshakeError> {
     let mut acceptor = Acceptor::default();
     let mut fed = 0;
     loop {
@@ -702,24 +700,62 @@ async fn accept_client_hello(
                 let mut bytes = Vec::new();
                 let _ = alert.write_all(&mut bytes);
                 let _ = tcp.write_all(&bytes).await;
-                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+                return Err(HandshakeError::BadHello(e));
             }
         }
         if received.len() >= derp_io::tls::MAX_CLIENT_HELLO {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "ClientHello too large",
-            ));
+            return Err(HandshakeError::HelloTooLarge);
         }
         received.reserve(2048);
         if tcp.read_buf(received).await? == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
         }
     }
 }
 
 /// A handshake that lost its place in the unproven budget.
 struct Evicted;
+
+/// Why a handshake on the TLS listener failed (logged, and counted as `error`).
+#[derive(Debug, thiserror::Error)]
+enum HandshakeError {
+    /// Reading or writing the socket failed, or rustls's handshake did.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// No whole ClientHello within the front's `client_hello_timeout`.
+    #[error("no ClientHello in time")]
+    HelloTimeout,
+    /// A ClientHello longer than any real client sends.
+    #[error("ClientHello larger than {} bytes", derp_io::tls::MAX_CLIENT_HELLO)]
+    HelloTooLarge,
+    /// rustls refused the ClientHello (and sent the alert it chose).
+    #[error("bad ClientHello: {0}")]
+    BadHello(rustls::Error),
+    /// The TLS 1.3 handshake for derpd's record layer failed.
+    #[error(transparent)]
+    Handshake(#[from] derp_io::tls::AcceptError),
+    /// The IP address's certificate slot could not be set up.
+    #[error(transparent)]
+    Slot(#[from] TlsError),
+    /// The client wants the IP address's certificate and there is none to give.
+    #[error(transparent)]
+    IpCert(#[from] IpCertError),
+}
+
+/// Why a connection to one of the node's addresses has no certificate for that address.
+#[derive(Debug, thiserror::Error)]
+enum IpCertError {
+    /// Issuance failed a short while ago and is not tried again before `retry_in`, as
+    /// derper does.
+    #[error("cert issuance for {ip} failed recently; next attempt in {retry_in:?}")]
+    BackingOff { ip: IpAddr, retry_in: Duration },
+    /// The issuance this connection waited for failed.
+    #[error("cert issuance for {ip} failed")]
+    Failed { ip: IpAddr },
+    /// The slot stopped reporting while the connection waited for it.
+    #[error("the front is gone")]
+    FrontGone,
+}
 
 #[cfg(test)]
 mod tests {

@@ -490,6 +490,51 @@ async fn tls13_clients_fast_start_from_the_meta_certificate_and_tls12_clients_ge
     relay.stop().await;
 }
 
+/// Over TLS, a later request on a kept-alive connection (served by hyper, not by the HTTP
+/// front that reads the first) is held to the first request's head limit: hyper's default
+/// buffer, about 400 KB, would have taken this head in whole and answered it.
+#[tokio::test]
+async fn a_keep_alive_request_over_tls_gets_the_first_requests_head_limit() {
+    let ca = TestCa::new();
+    let relay = relay_with_ca_cert(&ca).await;
+    let mut s = raw_connect(&relay, raw_tls(&ca.cert, &[&rustls::version::TLS13])).await;
+    s.write_all(format!("HEAD /derp/probe HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .expect("probe");
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        within("probe answer", s.read_exact(&mut byte))
+            .await
+            .expect("read");
+        head.push(byte[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+
+    let mut big = format!("GET /derp/probe HTTP/1.1\r\nHost: {HOST}\r\nX-Pad: ").into_bytes();
+    big.resize(4 * derp_proto::upgrade::MAX_HEAD_LEN - 4, b'a');
+    big.extend_from_slice(b"\r\n\r\n");
+    // The server stops reading partway: the write may fail, and the close may overtake the
+    // answer.
+    let _ = s.write_all(&big).await;
+    let _ = s.flush().await;
+    let mut answer = Vec::new();
+    let closed = async {
+        while let Ok(n) = s.read_buf(&mut answer).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    within("the connection closed", closed).await;
+    assert!(
+        answer.is_empty() || answer.starts_with(b"HTTP/1.1 431"),
+        "{:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn wrong_sni_is_refused_for_a_dns_hostname() {
     let ca = TestCa::new();

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderValue};
@@ -240,6 +241,24 @@ async fn read_head(stream: &mut Transport, buf: &mut BytesMut) -> io::Result<Opt
     }
 }
 
+/// hyper's HTTP/1.1 server as every listener runs it (the main one after its first request,
+/// the metrics listener, `derp-tls`'s port-80 listener): each request head within
+/// `header_read_timeout`, and at most [`upgrade::MAX_HEAD_LEN`] bytes buffered, the bound the
+/// first request head of a main-listener connection has. hyper's own default (about 400 KB)
+/// would let every keep-alive request, and every request on the other listeners, hold that
+/// much; a longer head is answered 431 and the connection closed.
+pub fn http1_builder(header_read_timeout: Duration) -> hyper::server::conn::http1::Builder {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .max_buf_size(upgrade::MAX_HEAD_LEN);
+    builder
+}
+
+// hyper panics on a buffer limit below its minimum read buffer of 8 KiB.
+const _: () = assert!(upgrade::MAX_HEAD_LEN >= 8192);
+
 /// The connection's guard while hyper serves it: a `/derp` request upgraded through hyper
 /// takes it along to its DERP task.
 type GuardCell = Arc<Mutex<Option<ConnGuard>>>;
@@ -259,9 +278,7 @@ where
         let guard = guard.clone();
         async move { Ok::<_, Infallible>(respond(&shared, req, peer, &guard)) }
     });
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
+    let conn = http1_builder(header_timeout)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades();
     let remote = peer.remote;
@@ -449,9 +466,7 @@ pub(crate) async fn serve_metrics_conn(
             })
         }
     });
-    let result = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+    let result = http1_builder(HEADER_READ_TIMEOUT)
         .serve_connection(TokioIo::new(stream), service)
         .await;
     if let Err(e) = result {
@@ -746,7 +761,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     }
 }
 
-const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 const BAD_REQUEST: &[u8] =
     b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 
@@ -766,7 +781,7 @@ clients that cannot reach each other directly. It cannot read the traffic it car
 mod tests {
     use super::*;
 
-    const WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+    const WITHIN: Duration = Duration::from_secs(5);
 
     fn test_state() -> Arc<ServerState> {
         let config = crate::ServerConfig::new(derp_testkit::server_secret());
@@ -905,6 +920,98 @@ mod tests {
         assert_eq!(got, expected);
         drop(client);
         ends_in_time(serving).await;
+    }
+
+    /// A GET of `path` whose head is `len` bytes long, padded by one header.
+    fn padded_request(path: &str, len: usize, close: bool) -> Vec<u8> {
+        let start = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n");
+        let end = if close {
+            "Connection: close\r\n\r\n"
+        } else {
+            "\r\n"
+        };
+        let pad = len - start.len() - end.len() - "X-Pad: \r\n".len();
+        let mut out = start.into_bytes();
+        out.extend_from_slice(b"X-Pad: ");
+        out.resize(out.len() + pad, b'a');
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(end.as_bytes());
+        assert_eq!(out.len(), len);
+        out
+    }
+
+    /// Everything the server sends until it closes the connection. Sending a head it stops
+    /// reading may fail, and the close may come as a reset: both are the close looked for.
+    async fn answer_to(client: &mut tokio::net::TcpStream, request: &[u8]) -> Vec<u8> {
+        let _ = client.write_all(request).await;
+        let mut out = Vec::new();
+        let read = async {
+            while let Ok(n) = client.read_buf(&mut out).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        };
+        tokio::time::timeout(WITHIN, read)
+            .await
+            .expect("closed in time");
+        out
+    }
+
+    /// What a head over the limit must get: 431 and a close, or a close alone (a reset can
+    /// overtake the answer), but never an answer to the request.
+    fn refused(answer: &[u8]) -> bool {
+        answer.is_empty() || answer.starts_with(b"HTTP/1.1 431")
+    }
+
+    /// Four times the limit: well within hyper's default buffer of about 400 KB, which
+    /// would have taken it in whole and answered.
+    const OVER_THE_LIMIT: usize = 4 * upgrade::MAX_HEAD_LEN;
+
+    #[tokio::test]
+    async fn a_keep_alive_request_gets_the_first_requests_head_limit() {
+        let shared = test_state();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let probe = b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n";
+        for (len, served) in [(upgrade::MAX_HEAD_LEN - 512, true), (OVER_THE_LIMIT, false)] {
+            let (mut client, serving) = served_connection(&shared, &listener).await;
+            // The first request is read by the HTTP front; everything after it by hyper.
+            client.write_all(probe).await.expect("probe");
+            let first = read_head(&mut client).await;
+            assert!(first.starts_with(b"HTTP/1.1 200"), "{first:?}");
+            let answer = answer_to(&mut client, &padded_request("/derp/probe", len, true)).await;
+            if served {
+                assert!(answer.starts_with(b"HTTP/1.1 200"), "{len}: {answer:?}");
+            } else {
+                assert!(refused(&answer), "{len}: {answer:?}");
+            }
+            ends_in_time(serving).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn the_metrics_listener_refuses_a_head_over_the_limit() {
+        let shared = test_state();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        for (len, served) in [(upgrade::MAX_HEAD_LEN - 512, true), (OVER_THE_LIMIT, false)] {
+            let (client, accepted) =
+                tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+            let (stream, remote) = accepted.expect("accept");
+            let serving = tokio::spawn(serve_metrics_conn(shared.clone(), stream, remote));
+            let mut client = client.expect("connect");
+            let answer = answer_to(&mut client, &padded_request("/healthz", len, true)).await;
+            if served {
+                assert!(answer.starts_with(b"HTTP/1.1 200"), "{len}: {answer:?}");
+            } else {
+                assert!(refused(&answer), "{len}: {answer:?}");
+            }
+            ends_in_time(serving).await;
+        }
     }
 
     #[test]

@@ -72,7 +72,7 @@ pub use config::{
     KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
 pub use derp_io::{BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, tune_listener, tune_socket};
-pub use http::{Rewind, generate_204, text};
+pub use http::{Rewind, generate_204, http1_builder, text};
 pub use listen::{
     AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,
     DEFAULT_MAX_UNPROVEN_PER_SOURCE, Refusal, Unproven, UnprovenBudget,

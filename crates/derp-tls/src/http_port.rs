@@ -7,12 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use derp_server::{ConnGuard, Listener, Opened, ProxiedListener, Rewind, open_connection, text};
+use derp_server::{
+    ConnGuard, Listener, Opened, ProxiedListener, Rewind, http1_builder, open_connection, text,
+};
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -83,9 +85,7 @@ impl TlsFront {
                     let resp = this.route_http_port(&req, &base);
                     async move { Ok::<_, Infallible>(resp) }
                 });
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HEADER_READ_TIMEOUT)
+                let conn = http1_builder(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(Rewind::new(read.freeze(), tcp)), service);
                 tokio::select! {
                     _ = shutdown.cancelled() => {}
@@ -152,7 +152,94 @@ fn https_base(host: &str, port: u16) -> String {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
     use super::*;
+    use crate::TlsOptions;
+
+    const WITHIN: Duration = Duration::from_secs(5);
+
+    /// A GET of `/generate_204` whose head is `len` bytes long, padded by one header.
+    fn padded_request(len: usize) -> Vec<u8> {
+        let start = "GET /generate_204 HTTP/1.1\r\nHost: localhost\r\nX-Pad: ";
+        let mut out = start.as_bytes().to_vec();
+        out.resize(len - 4, b'a');
+        out.extend_from_slice(b"\r\n\r\n");
+        out
+    }
+
+    /// Reads up to and including the blank line that ends a head (a 204 has no body).
+    async fn read_head(client: &mut TcpStream) -> Vec<u8> {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            tokio::time::timeout(WITHIN, client.read_exact(&mut byte))
+                .await
+                .expect("in time")
+                .expect("read");
+            head.push(byte[0]);
+        }
+        head
+    }
+
+    /// Everything the listener sends until it closes the connection. Sending a head it stops
+    /// reading may fail, and the close may come as a reset: both are the close looked for.
+    async fn answer_to(client: &mut TcpStream, request: &[u8]) -> Vec<u8> {
+        let _ = client.write_all(request).await;
+        let mut out = Vec::new();
+        let read = async {
+            while let Ok(n) = client.read_buf(&mut out).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        };
+        tokio::time::timeout(WITHIN, read)
+            .await
+            .expect("closed in time");
+        out
+    }
+
+    /// Every request on the port-80 listener, the first and any later one, is held to the
+    /// request-head limit of the main listener: hyper's default buffer (about 400 KB) would
+    /// have taken these heads in whole and answered them.
+    #[tokio::test]
+    async fn a_request_head_over_the_limit_is_refused_first_or_later() {
+        let key = derp_testkit::server_secret().public_key();
+        let front = TlsFront::new(
+            &key,
+            TlsOptions::new("derp.test"),
+            &prometheus::Registry::new(),
+        )
+        .expect("front");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let shutdown = CancellationToken::new();
+        let serving = tokio::spawn({
+            let (front, shutdown) = (front.clone(), shutdown.clone());
+            async move { front.serve_http_port(listener, 443, shutdown).await }
+        });
+        let limit = derp_proto::upgrade::MAX_HEAD_LEN;
+        let refused = |answer: &[u8]| answer.is_empty() || answer.starts_with(b"HTTP/1.1 431");
+
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        client
+            .write_all(&padded_request(limit - 512))
+            .await
+            .expect("request");
+        let within = read_head(&mut client).await;
+        assert!(within.starts_with(b"HTTP/1.1 204"), "{within:?}");
+        let answer = answer_to(&mut client, &padded_request(4 * limit)).await;
+        assert!(refused(&answer), "a later request: {answer:?}");
+
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let answer = answer_to(&mut client, &padded_request(4 * limit)).await;
+        assert!(refused(&answer), "a first request: {answer:?}");
+
+        shutdown.cancel();
+        serving.await.expect("no panic").expect("served");
+    }
 
     #[test]
     fn redirect_base_leaves_out_the_default_port() {

@@ -1,5 +1,6 @@
 //! The server object: shared state, the accept loop and shutdown.
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -196,6 +197,17 @@ impl Server {
             guard,
             bytes::BytesMut::new(),
         ));
+    }
+
+    /// Runs `task` on the server's task tracker, so that [`Server::shutdown`] waits for it:
+    /// for work a listener the caller runs does on a connection before handing it over (a
+    /// TLS handshake). The task must end soon after [`Server::shutdown_token`] is cancelled,
+    /// or the shutdown waits that long.
+    pub fn spawn_task<F>(&self, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.shared.tasks.spawn(task);
     }
 
     /// The PROXY protocol the TCP listeners take, when configured

@@ -5,8 +5,9 @@
 //! What it does:
 //! - [`TlsFront`] accepts TCP connections under the server's accept limits and
 //!   unproven-connection budget (and, when the server takes the PROXY protocol, reads each
-//!   one's header first), runs the rustls handshake (TLS 1.2 minimum) with a deadline,
-//!   and hands the decrypted stream to
+//!   one's header first), runs the rustls handshake (TLS 1.2 minimum) with a deadline, on
+//!   the server's task tracker ([`Server::spawn_task`](derp_server::Server::spawn_task)) so
+//!   a shutdown waits for it, and hands the decrypted stream to
 //!   [`Server::spawn_guarded`](derp_server::Server::spawn_guarded): for a TLS 1.3 client,
 //!   derp-io's record layer on the keys rustls negotiated (offering only the suites it
 //!   implements); for a TLS 1.2 client, and for every client with [`TlsRecords::Rustls`],

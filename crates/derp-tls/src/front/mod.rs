@@ -442,7 +442,8 @@ impl TlsFront {
     /// passes the server's accept limits first and holds a place in its unproven budget
     /// through the TLS handshake and on until its DERP client is registered; a handshake
     /// evicted from the budget (to admit a newer connection) is abandoned. Each handshake
-    /// runs in its own task under a deadline; a finished one is served by `server`'s HTTP
+    /// runs in its own task on `server`'s tracker under a deadline, so that
+    /// [`Server::shutdown`] ends and waits for it; a finished one is served by `server`'s HTTP
     /// front exactly like a plain connection. Failures of accept are counted and waited out
     /// as [`Listener`] does for every listener. With the server's PROXY protocol on, each
     /// connection's header is read first, within the same deadline, and the connection is
@@ -463,10 +464,12 @@ impl TlsFront {
             derp_io::tune_socket(&tcp, server.tcp_options());
             let _ = tcp.set_nodelay(true);
             let this = self.clone();
-            let server = server.clone();
+            let relay = server.clone();
             let shutdown = shutdown.clone();
             let proxy = proxy.clone();
-            tokio::spawn(async move {
+            // On the server's tracker: a shutdown waits for handshakes under way as for
+            // connections, instead of returning while they still hold sockets and gauges.
+            server.spawn_task(async move {
                 let deadline = tokio::time::Instant::now() + this.inner.options.handshake_timeout;
                 let opened = open_connection(
                     proxy.as_ref(),
@@ -513,7 +516,7 @@ impl TlsFront {
                             .record_layers
                             .with_label_values(&[layer.name()])
                             .inc();
-                        server.spawn_guarded(transport, remote, guard);
+                        relay.spawn_guarded(transport, remote, guard);
                         "ok"
                     }
                     Some(Ok(Ok(Err(e)))) => {
@@ -860,6 +863,64 @@ mod tests {
         assert_eq!(ordered, dialed.ip());
         server.shutdown().await;
         serving.abort();
+    }
+
+    /// A handshake under way runs on the server's tracker: the shutdown ends it and returns
+    /// only once it has (its gauge is back to zero and its socket closed). Its deadlines are
+    /// an hour, so nothing but the shutdown can end it within the test.
+    #[tokio::test]
+    async fn a_shutdown_waits_for_the_handshakes_under_way() {
+        let registry = Registry::new();
+        let mut config = derp_server::ServerConfig::new(derp_testkit::server_secret());
+        config.handshake_timeout = Duration::from_secs(3600);
+        let server = Server::new(config, &registry).expect("server");
+        let options = TlsOptions {
+            handshake_timeout: Duration::from_secs(3600),
+            client_hello_timeout: Duration::from_secs(3600),
+            ..TlsOptions::new("derp.test")
+        };
+        let front = TlsFront::new(&server.public_key(), options, &registry).expect("front");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let (front, server) = (front.clone(), server.clone());
+            tokio::spawn(async move { front.serve(&server, listener).await })
+        };
+        let in_flight = || {
+            registry
+                .gather()
+                .iter()
+                .filter(|f| f.name() == "derp_tls_handshakes_in_flight")
+                .flat_map(|f| f.get_metric())
+                .map(|m| m.get_gauge().get_value())
+                .sum::<f64>()
+        };
+
+        // A client that connects and never sends its ClientHello.
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let started = async {
+            while in_flight() < 1.0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(derp_testkit::raw::STEP, started)
+            .await
+            .expect("the handshake started");
+
+        tokio::time::timeout(derp_testkit::raw::STEP, server.shutdown())
+            .await
+            .expect("the shutdown ended the handshake");
+        assert_eq!(
+            in_flight(),
+            0.0,
+            "the shutdown returned before the handshake ended"
+        );
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(derp_testkit::raw::STEP, client.read(&mut byte))
+            .await
+            .expect("closed in time");
+        assert!(matches!(read, Ok(0) | Err(_)), "closed: {read:?}");
+        serving.await.expect("no panic").expect("served");
     }
 
     /// A TLS 1.3 suite the record layer does not implement, added to the provider, is

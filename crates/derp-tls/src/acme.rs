@@ -67,14 +67,14 @@ impl ExternalAccount {
         use base64::Engine as _;
         use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
         if key_id.is_empty() {
-            return Err(TlsError::Acme("the EAB key ID is empty".into()));
+            return Err(TlsError::EabKeyIdEmpty);
         }
         let hmac_key = URL_SAFE_NO_PAD
             .decode(key)
             .or_else(|_| STANDARD.decode(key))
-            .map_err(|_| TlsError::Acme("invalid base64 encoding for EAB key".into()))?;
+            .map_err(|_| TlsError::EabKeyEncoding)?;
         if hmac_key.is_empty() {
-            return Err(TlsError::Acme("the EAB key is empty".into()));
+            return Err(TlsError::EabKeyEmpty);
         }
         Ok(Self {
             key_id: key_id.to_owned(),
@@ -196,10 +196,7 @@ impl AcmeClient {
             .ok()
             .and_then(|b| serde_json::from_slice::<AccountCredentials>(&b).ok());
         let account = match cached {
-            Some(credentials) => builder()
-                .from_credentials(credentials)
-                .await
-                .map_err(acme_err)?,
+            Some(credentials) => builder().from_credentials(credentials).await?,
             None => {
                 let contact = self
                     .config
@@ -223,16 +220,16 @@ impl AcmeClient {
                         eab.as_ref(),
                     )
                     .await
-                    .map_err(|e| match &self.config.external_account {
-                        Some(eab) => TlsError::Acme(format!(
-                            "registering an account at {} with external account binding key \
-                             ID {:?} (check --acme-eab-kid and --acme-eab-key): {e}",
-                            self.config.directory_url, eab.key_id
-                        )),
-                        None => TlsError::Acme(format!(
-                            "registering an account at {}: {e}",
-                            self.config.directory_url
-                        )),
+                    .map_err(|e| {
+                        let (directory, source) = (self.config.directory_url.clone(), Box::new(e));
+                        match &self.config.external_account {
+                            Some(eab) => TlsError::AcmeRegisterBound {
+                                directory,
+                                key_id: eab.key_id.clone(),
+                                source,
+                            },
+                            None => TlsError::AcmeRegister { directory, source },
+                        }
                     })?;
                 // Kept in memory even if it cannot be cached, so retries reuse the account
                 // instead of registering new ones.
@@ -281,7 +278,7 @@ impl AcmeManager {
             }
         };
         if config.challenges.is_empty() {
-            return Err(TlsError::Acme("no challenge type enabled".into()));
+            return Err(TlsError::NoChallengeType);
         }
         let client = Arc::new(AcmeClient::new(&front, config)?);
         Ok(Self {
@@ -453,7 +450,7 @@ pub(crate) async fn order_certificate(
 ) -> Result<Issued, TlsError> {
     let account = client.account().await?;
     client.orders.fetch_add(1, Ordering::Relaxed);
-    let mut order = account.new_order(new_order).await.map_err(acme_err)?;
+    let mut order = account.new_order(new_order).await?;
     let mut guard = ChallengeGuard {
         front,
         http_tokens: Vec::new(),
@@ -462,22 +459,23 @@ pub(crate) async fn order_certificate(
     {
         let mut authorizations = order.authorizations();
         while let Some(authz) = authorizations.next().await {
-            let mut authz = authz.map_err(acme_err)?;
+            let mut authz = authz?;
             match authz.status {
                 AuthorizationStatus::Valid => continue,
                 AuthorizationStatus::Pending => {}
-                other => {
-                    return Err(TlsError::Acme(format!("authorization is {other:?}")));
-                }
+                other => return Err(TlsError::AcmeAuthorization(other)),
             }
             let name = authz.identifier().to_string();
             let challenge_type = match kind {
                 ChallengeKind::TlsAlpn01 => ChallengeType::TlsAlpn01,
                 ChallengeKind::Http01 => ChallengeType::Http01,
             };
-            let mut challenge = authz.challenge(challenge_type).ok_or_else(|| {
-                TlsError::Acme(format!("server offers no {kind:?} challenge for {name}"))
-            })?;
+            let Some(mut challenge) = authz.challenge(challenge_type) else {
+                return Err(TlsError::AcmeNoChallenge {
+                    kind,
+                    identifier: name,
+                });
+            };
             let key_auth = challenge.key_authorization();
             match kind {
                 ChallengeKind::Http01 => {
@@ -490,20 +488,18 @@ pub(crate) async fn order_certificate(
                     guard.alpn_hosts.push(name.clone());
                 }
             }
-            challenge.set_ready().await.map_err(acme_err)?;
+            challenge.set_ready().await?;
         }
     }
-    let status = order.poll_ready(&POLL).await.map_err(acme_err)?;
+    let status = order.poll_ready(&POLL).await?;
     drop(guard);
     if status != OrderStatus::Ready {
-        return Err(TlsError::Acme(format!(
-            "order is {status:?} after the challenge (validation failed)"
-        )));
+        return Err(TlsError::AcmeValidation(status));
     }
     let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
     let csr = params.serialize_request(&key)?;
-    order.finalize_csr(csr.der()).await.map_err(acme_err)?;
-    let chain_pem = order.poll_certificate(&POLL).await.map_err(acme_err)?;
+    order.finalize_csr(csr.der()).await?;
+    let chain_pem = order.poll_certificate(&POLL).await?;
     let chain = load_certs_pem(chain_pem.as_bytes())?;
     Ok(Issued {
         chain_pem,
@@ -589,10 +585,6 @@ impl Drop for ChallengeGuard<'_> {
     }
 }
 
-pub(crate) fn acme_err(e: instant_acme::Error) -> TlsError {
-    TlsError::Acme(e.to_string())
-}
-
 /// Polling of orders: the first check after 250 ms, then doubling, for up to 90 s.
 const POLL: RetryPolicy = RetryPolicy::new().timeout(Duration::from_secs(90));
 /// Bound on one whole order, whatever the ACME server does.
@@ -636,6 +628,75 @@ impl AcmeHttp {
 
 type HttpResult = Result<BytesResponse, instant_acme::Error>;
 
+/// Why a request to the ACME server got no answer: the failures of the HTTPS client
+/// [`AcmeManager`] and [`IpCertManager`](crate::IpCertManager) talk to the server through.
+/// instant-acme passes them on as [`instant_acme::Error::Other`], which a [`TlsError`]
+/// holds.
+#[derive(Debug, thiserror::Error)]
+pub enum AcmeHttpError {
+    /// No answer within the bound on one request.
+    #[error("request to the acme server timed out")]
+    Timeout,
+    /// A URL from the directory is not `https`.
+    #[error("acme url {0} is not https")]
+    NotHttps(http::Uri),
+    /// A URL from the directory names no host.
+    #[error("acme url {0} has no host")]
+    NoHost(http::Uri),
+    /// A URL's path is not one.
+    #[error("acme url path: {0}")]
+    Path(#[source] http::uri::InvalidUri),
+    /// A URL's authority cannot be sent as the `Host` header.
+    #[error("acme url authority is not a header value")]
+    HostHeader(#[source] header::InvalidHeaderValue),
+    /// A URL's host is not a name TLS can check a certificate against.
+    #[error("{host} is not a tls server name")]
+    ServerName {
+        /// The host.
+        host: String,
+        /// Why it is not a server name.
+        source: rustls::pki_types::InvalidDnsNameError,
+    },
+    /// The TCP connection failed.
+    #[error("connecting to {authority}: {source}")]
+    Connect {
+        /// The server's host and port.
+        authority: http::uri::Authority,
+        /// What the socket said.
+        source: std::io::Error,
+    },
+    /// The TLS handshake failed.
+    #[error("tls to {authority}: {source}")]
+    Tls {
+        /// The server's host and port.
+        authority: http::uri::Authority,
+        /// What failed (rustls's error inside).
+        source: std::io::Error,
+    },
+    /// The HTTP/1.1 connection could not be set up.
+    #[error("http to {authority}: {source}")]
+    Http {
+        /// The server's host and port.
+        authority: http::uri::Authority,
+        /// What hyper said.
+        source: hyper::Error,
+    },
+    /// The request failed on the connection.
+    #[error("request to {authority}: {source}")]
+    Request {
+        /// The server's host and port.
+        authority: http::uri::Authority,
+        /// What hyper said.
+        source: hyper::Error,
+    },
+}
+
+impl From<AcmeHttpError> for instant_acme::Error {
+    fn from(e: AcmeHttpError) -> Self {
+        Self::Other(Box::new(e))
+    }
+}
+
 impl HttpClient for AcmeHttp {
     fn request(
         &self,
@@ -643,59 +704,67 @@ impl HttpClient for AcmeHttp {
     ) -> Pin<Box<dyn Future<Output = HttpResult> + Send>> {
         let tls = self.tls.clone();
         Box::pin(async move {
-            tokio::time::timeout(HTTP_TIMEOUT, send(tls, req))
+            let response = tokio::time::timeout(HTTP_TIMEOUT, send(tls, req))
                 .await
-                .map_err(|_| other("request to the acme server timed out"))?
+                .map_err(|_| AcmeHttpError::Timeout)??;
+            Ok(response)
         })
     }
-}
-
-fn other(msg: impl Into<String>) -> instant_acme::Error {
-    instant_acme::Error::Other(msg.into().into())
 }
 
 async fn send(
     tls: Arc<rustls::ClientConfig>,
     req: http::Request<BodyWrapper<Bytes>>,
-) -> HttpResult {
+) -> Result<BytesResponse, AcmeHttpError> {
     let (mut parts, body) = req.into_parts();
     let uri = parts.uri.clone();
     if uri.scheme_str() != Some("https") {
-        return Err(other(format!("acme url {uri} is not https")));
+        return Err(AcmeHttpError::NotHttps(uri));
     }
-    let (Some(host), Some(authority)) = (uri.host(), uri.authority()) else {
-        return Err(other(format!("acme url {uri} has no host")));
+    let (Some(host), Some(authority)) = (uri.host(), uri.authority().cloned()) else {
+        return Err(AcmeHttpError::NoHost(uri));
     };
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     let port = uri.port_u16().unwrap_or(443);
-    let tcp = TcpStream::connect((bare, port))
-        .await
-        .map_err(|e| other(format!("connecting to {authority}: {e}")))?;
-    let name = ServerName::try_from(bare.to_owned())
-        .map_err(|_| other(format!("{bare} is not a tls server name")))?;
-    let stream = tokio_rustls::TlsConnector::from(tls)
+    let tcp = match TcpStream::connect((bare, port)).await {
+        Ok(tcp) => tcp,
+        Err(source) => return Err(AcmeHttpError::Connect { authority, source }),
+    };
+    let name =
+        ServerName::try_from(bare.to_owned()).map_err(|source| AcmeHttpError::ServerName {
+            host: bare.to_owned(),
+            source,
+        })?;
+    let stream = match tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)
         .await
-        .map_err(|e| other(format!("tls to {authority}: {e}")))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| other(format!("http to {authority}: {e}")))?;
+    {
+        Ok(stream) => stream,
+        Err(source) => return Err(AcmeHttpError::Tls { authority, source }),
+    };
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await
+    {
+        Ok(pair) => pair,
+        Err(source) => return Err(AcmeHttpError::Http { authority, source }),
+    };
     tokio::spawn(async move {
         let _ = tokio::time::timeout(HTTP_TIMEOUT, conn).await;
     });
-    let host_header = HeaderValue::from_str(authority.as_str())
-        .map_err(|_| other("acme url authority is not a header value"))?;
+    let host_header =
+        HeaderValue::from_str(authority.as_str()).map_err(AcmeHttpError::HostHeader)?;
     parts.headers.insert(header::HOST, host_header);
     parts.uri = uri
         .path_and_query()
         .map_or("/", |p| p.as_str())
         .parse()
-        .map_err(|e: http::uri::InvalidUri| other(e.to_string()))?;
-    let resp = sender
+        .map_err(AcmeHttpError::Path)?;
+    match sender
         .send_request(http::Request::from_parts(parts, body))
         .await
-        .map_err(|e| other(format!("request to {authority}: {e}")))?;
-    Ok(BytesResponse::from(resp))
+    {
+        Ok(resp) => Ok(BytesResponse::from(resp)),
+        Err(source) => Err(AcmeHttpError::Request { authority, source }),
+    }
 }
 
 #[cfg(test)]
@@ -729,9 +798,22 @@ mod tests {
         );
         // Padded URL alphabet and unpadded standard alphabet of a length that needs padding
         // are refused, as by Go's decoders.
-        assert!(ExternalAccount::decode("k", "-_8Aa2U=").is_err());
-        assert!(ExternalAccount::decode("k", "+/8Aa2U").is_err());
-        assert!(ExternalAccount::decode("", "-_8Aa2V5").is_err());
+        assert!(matches!(
+            ExternalAccount::decode("k", "-_8Aa2U="),
+            Err(TlsError::EabKeyEncoding)
+        ));
+        assert!(matches!(
+            ExternalAccount::decode("k", "+/8Aa2U"),
+            Err(TlsError::EabKeyEncoding)
+        ));
+        assert!(matches!(
+            ExternalAccount::decode("", "-_8Aa2V5"),
+            Err(TlsError::EabKeyIdEmpty)
+        ));
+        assert!(matches!(
+            ExternalAccount::decode("k", ""),
+            Err(TlsError::EabKeyEmpty)
+        ));
         let debug = format!(
             "{:?}",
             ExternalAccount::decode("k", "-_8Aa2V5").expect("ok")

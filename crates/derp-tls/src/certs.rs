@@ -26,16 +26,16 @@ use super::x509::{Host, check_valid_for};
 pub fn load_certs_pem(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TlsError::Pem(format!("reading certificates: {e}")))?;
+        .map_err(TlsError::PemCertificates)?;
     if certs.is_empty() {
-        return Err(TlsError::Pem("no CERTIFICATE block found".into()));
+        return Err(TlsError::NoCertificate);
     }
     Ok(certs)
 }
 
 /// Parses the first private key (PKCS#8, PKCS#1 or SEC1) of a PEM file.
 pub fn load_key_pem(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_slice(pem).map_err(|e| TlsError::Pem(format!("reading key: {e}")))
+    PrivateKeyDer::from_pem_slice(pem).map_err(TlsError::PemKey)
 }
 
 /// The `sha256-raw:<hex>` pin of a certificate: what a DERP map's `CertName` carries for a
@@ -252,11 +252,11 @@ impl ManualCerts {
     /// The key on disk, to make a certificate for.
     fn existing_key(&self) -> Result<KeyPair, TlsError> {
         let key_pem = read(&self.key_path)?;
-        KeyPair::from_pem(&String::from_utf8_lossy(&key_pem)).map_err(|e| {
-            TlsError::Pem(format!(
-                "{} has no certificate and its key cannot sign a new one: {e}",
-                self.key_path.display()
-            ))
+        KeyPair::from_pem(&String::from_utf8_lossy(&key_pem)).map_err(|source| {
+            TlsError::KeyCannotSign {
+                path: self.key_path.clone(),
+                source,
+            }
         })
     }
 
@@ -389,7 +389,15 @@ mod tests {
         load_key_pem(key_pem.as_bytes()).unwrap();
         assert_eq!(chain.len(), 1);
         check_valid_for(&chain[0], &Host::Ip(ip)).unwrap();
-        assert!(check_valid_for(&chain[0], &Host::Ip("127.0.0.2".parse().unwrap())).is_err());
+        let err = check_valid_for(&chain[0], &Host::Ip("127.0.0.2".parse().unwrap())).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                TlsError::WrongHost { hostname, source: webpki::Error::CertNotValidForName(_) }
+                    if hostname == "127.0.0.2"
+            ),
+            "{err:?}"
+        );
         assert!(check_valid_for(&chain[0], &Host::Dns("localhost".into())).is_err());
         assert!(is_self_signed(&chain[0]));
         let (from, until) = validity(&chain[0]).unwrap();
@@ -446,17 +454,24 @@ mod tests {
             .load_or_generate()
             .unwrap_err();
         assert!(err.to_string().contains("cannot sign"), "{err}");
+        assert!(
+            matches!(&err, TlsError::KeyCannotSign { path, .. } if path == again.key_path()),
+            "{err:?}"
+        );
         assert!(!again.cert_path().exists());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn pem_errors_are_reported() {
-        assert!(load_certs_pem(b"").is_err());
-        assert!(
-            load_certs_pem(b"-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n")
-                .is_err()
-        );
-        assert!(load_key_pem(b"nothing here").is_err());
+        assert!(matches!(load_certs_pem(b""), Err(TlsError::NoCertificate)));
+        assert!(matches!(
+            load_certs_pem(b"-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n"),
+            Err(TlsError::PemCertificates(_))
+        ));
+        assert!(matches!(
+            load_key_pem(b"nothing here"),
+            Err(TlsError::PemKey(_))
+        ));
     }
 }

@@ -52,9 +52,7 @@ impl IpCertManager {
 
     pub(crate) fn with_client(front: TlsFront, client: Arc<AcmeClient>) -> Result<Self, TlsError> {
         if front.ip_slots().is_none() {
-            return Err(TlsError::Acme(
-                "IP address certificates need a front made with ip_certs".into(),
-            ));
+            return Err(TlsError::IpCertsNotEnabled);
         }
         Ok(Self { front, client })
     }

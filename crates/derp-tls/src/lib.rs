@@ -54,7 +54,7 @@ mod x509;
 use std::path::PathBuf;
 
 pub use acme::{
-    AcmeConfig, AcmeManager, ChallengeKind, ExternalAccount, GOOGLE_TRUST_SERVICES,
+    AcmeConfig, AcmeHttpError, AcmeManager, ChallengeKind, ExternalAccount, GOOGLE_TRUST_SERVICES,
     LETS_ENCRYPT_PRODUCTION,
 };
 pub use certs::{
@@ -80,9 +80,26 @@ pub enum TlsError {
         /// What went wrong.
         source: std::io::Error,
     },
-    /// PEM data held no usable certificate or key.
+    /// A certificate chain is empty, or a PEM file is cut short; the text says which.
     #[error("{0}")]
     Pem(String),
+    /// The certificates of a PEM file could not be read.
+    #[error("reading certificates: {0}")]
+    PemCertificates(#[source] rustls::pki_types::pem::Error),
+    /// A PEM file holds no certificate.
+    #[error("no CERTIFICATE block found")]
+    NoCertificate,
+    /// The private key of a PEM file could not be read.
+    #[error("reading key: {0}")]
+    PemKey(#[source] rustls::pki_types::pem::Error),
+    /// A key file without its certificate holds a key that cannot sign a new one.
+    #[error("{} has no certificate and its key cannot sign a new one: {source}", path.display())]
+    KeyCannotSign {
+        /// The key file.
+        path: PathBuf,
+        /// Why the key is unusable.
+        source: rcgen::Error,
+    },
     /// Generating a certificate or key failed.
     #[error("generating certificate: {0}")]
     Generate(#[from] rcgen::Error),
@@ -90,20 +107,84 @@ pub enum TlsError {
     #[error("tls: {0}")]
     Rustls(#[from] rustls::Error),
     /// The certificate is not valid for the configured hostname.
-    #[error("certificate is not valid for {hostname}: {reason}")]
+    #[error("certificate is not valid for {hostname}: {source}")]
     WrongHost {
         /// The configured hostname.
         hostname: String,
         /// Why the check failed.
-        reason: String,
+        source: webpki::Error,
     },
     /// The hostname is not usable for this certificate mode.
     #[error("invalid hostname {0:?}")]
     InvalidHostname(String),
-    /// The ACME server refused or failed a request.
+    /// IP address certificates were asked of a front made without
+    /// [`TlsOptions::ip_certs`].
+    #[error("IP address certificates need a front made with ip_certs")]
+    IpCertsNotEnabled,
+    /// IP address certificates were asked of a front made without
+    /// [`TlsOptions::ip_certs`], in words (the front's own check).
     #[error("acme: {0}")]
     Acme(String),
+    /// The External Account Binding's key ID is empty.
+    #[error("acme: the EAB key ID is empty")]
+    EabKeyIdEmpty,
+    /// The External Account Binding's key is base64 in neither alphabet CAs use.
+    #[error("acme: invalid base64 encoding for EAB key")]
+    EabKeyEncoding,
+    /// The External Account Binding's key is empty.
+    #[error("acme: the EAB key is empty")]
+    EabKeyEmpty,
+    /// ACME was set up with no challenge type to answer.
+    #[error("acme: no challenge type enabled")]
+    NoChallengeType,
+    /// The ACME server did not register an account.
+    #[error("acme: registering an account at {directory}: {source}")]
+    AcmeRegister {
+        /// The ACME directory URL.
+        directory: String,
+        /// The server's answer, or why there was none.
+        source: Box<instant_acme::Error>,
+    },
+    /// The ACME server did not register an account bound to an account with the CA (most
+    /// often a wrong key ID or key).
+    #[error(
+        "acme: registering an account at {directory} with external account binding key ID \
+         {key_id:?} (check --acme-eab-kid and --acme-eab-key): {source}"
+    )]
+    AcmeRegisterBound {
+        /// The ACME directory URL.
+        directory: String,
+        /// The External Account Binding's key ID.
+        key_id: String,
+        /// The server's answer, or why there was none.
+        source: Box<instant_acme::Error>,
+    },
+    /// An authorization of the order is neither pending nor valid.
+    #[error("acme: authorization is {0:?}")]
+    AcmeAuthorization(instant_acme::AuthorizationStatus),
+    /// The ACME server offers no challenge of the kind tried for an identifier.
+    #[error("acme: server offers no {kind:?} challenge for {identifier}")]
+    AcmeNoChallenge {
+        /// The challenge type tried.
+        kind: ChallengeKind,
+        /// The identifier (DNS name or IP address) to be validated.
+        identifier: String,
+    },
+    /// The order is not ready once its challenges were answered: validation failed.
+    #[error("acme: order is {0:?} after the challenge (validation failed)")]
+    AcmeValidation(instant_acme::OrderStatus),
+    /// A request to the ACME server failed, or the server refused it.
+    #[error("acme: {0}")]
+    AcmeRequest(#[source] Box<instant_acme::Error>),
     /// Registering metrics failed.
     #[error("registering metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+}
+
+// instant-acme's error holds the server's whole problem document; boxed, it does not make
+// every `Result<_, TlsError>` as large.
+impl From<instant_acme::Error> for TlsError {
+    fn from(e: instant_acme::Error) -> Self {
+        Self::AcmeRequest(Box::new(e))
+    }
 }

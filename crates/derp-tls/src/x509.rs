@@ -62,19 +62,17 @@ impl fmt::Display for Host {
 
 /// Checks that `leaf` is valid for `host` (DNS name or IP SAN). Expiry is not checked here.
 pub(crate) fn check_valid_for(leaf: &CertificateDer<'_>, host: &Host) -> Result<(), TlsError> {
-    let wrong = |reason: String| TlsError::WrongHost {
+    let wrong = |source| TlsError::WrongHost {
         hostname: host.to_string(),
-        reason,
+        source,
     };
-    let cert = webpki::EndEntityCert::try_from(leaf).map_err(|e| wrong(e.to_string()))?;
+    let cert = webpki::EndEntityCert::try_from(leaf).map_err(wrong)?;
     let name = match host {
-        Host::Dns(name) => {
-            ServerName::try_from(name.clone()).map_err(|_| wrong("bad name".into()))?
-        }
+        Host::Dns(name) => ServerName::try_from(name.clone())
+            .map_err(|_| TlsError::InvalidHostname(name.clone()))?,
         Host::Ip(ip) => ServerName::IpAddress((*ip).into()),
     };
-    cert.verify_is_valid_for_subject_name(&name)
-        .map_err(|e| wrong(e.to_string()))
+    cert.verify_is_valid_for_subject_name(&name).map_err(wrong)
 }
 
 /// The validity window of a certificate, or `None` if it does not parse.

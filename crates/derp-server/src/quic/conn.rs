@@ -536,10 +536,7 @@ impl std::fmt::Debug for DatagramSender<'_> {
 }
 
 fn reset_error(code: VarInt) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::ConnectionReset,
-        format!("stream reset by peer: code {code}"),
-    )
+    io::Error::new(io::ErrorKind::ConnectionReset, ReadError::Reset(code))
 }
 
 fn lost(e: ConnectionError) -> io::Error {
@@ -666,7 +663,7 @@ impl SendHalf {
                     }
                     return Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::BrokenPipe,
-                        format!("stream stopped by peer: code {code}"),
+                        WriteError::Stopped(code),
                     )));
                 }
                 Err(WriteError::ClosedStream) => {

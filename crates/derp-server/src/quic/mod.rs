@@ -104,12 +104,23 @@ pub const QUIC_KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// Why the QUIC listener could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum QuicError {
+    /// The TLS config's ALPN list is not exactly `derp`.
+    #[error("tls config unusable for QUIC: ALPN must be exactly \"derp\"")]
+    Alpn,
     /// The TLS config cannot serve QUIC (it needs TLS 1.3 and TLS13_AES_128_GCM_SHA256).
     #[error("tls config unusable for QUIC: {0}")]
-    Tls(String),
-    /// A setting is out of range.
-    #[error("invalid QUIC setting: {0}")]
-    Config(String),
+    Tls(#[source] quinn::crypto::rustls::NoInitialCipherSuite),
+    /// The idle timeout is longer than QUIC can advertise.
+    #[error("invalid QUIC setting: idle timeout {timeout:?} out of range")]
+    IdleTimeout {
+        /// The timeout asked for.
+        timeout: Duration,
+        /// Why quinn refused it.
+        source: quinn::VarIntBoundsExceeded,
+    },
+    /// Called outside a tokio runtime.
+    #[error("no tokio runtime: {0}")]
+    NoRuntime(#[source] tokio::runtime::TryCurrentError),
     /// The socket could not be used.
     #[error("udp socket: {0}")]
     Io(#[from] io::Error),
@@ -133,9 +144,9 @@ impl QuicListener {
         config: QuicConfig,
     ) -> Result<Self, QuicError> {
         if tls.alpn_protocols != [ALPN] {
-            return Err(QuicError::Tls("ALPN must be exactly \"derp\"".into()));
+            return Err(QuicError::Alpn);
         }
-        let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Tls(e.to_string()))?;
+        let crypto = QuicServerConfig::try_from(tls).map_err(QuicError::Tls)?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         // Path MTU discovery probes further over IPv4 (`derp_io::quic::mtu_upper_bound`):
         // the same config (and Retry token key) but for the transport settings.
@@ -151,9 +162,7 @@ impl QuicListener {
                 derp_io::quic::SERVER_CID_LEN,
             ))
         });
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(QuicError::Config("no tokio runtime".into()));
-        }
+        tokio::runtime::Handle::try_current().map_err(QuicError::NoRuntime)?;
         let (endpoint, incoming) =
             driver::Endpoint::new(socket, endpoint, Arc::new(server), Arc::new(server_v4))?;
         Ok(Self {
@@ -203,8 +212,11 @@ fn transport_config(config: &QuicConfig, peer: IpAddr) -> Result<TransportConfig
     // One DERP stream, opened by the client; the server never opens one.
     t.max_concurrent_bidi_streams(VarInt::from_u32(1));
     t.max_concurrent_uni_streams(VarInt::from_u32(0));
-    let idle = IdleTimeout::try_from(config.idle_timeout)
-        .map_err(|_| QuicError::Config("idle timeout out of range".into()))?;
+    let idle =
+        IdleTimeout::try_from(config.idle_timeout).map_err(|source| QuicError::IdleTimeout {
+            timeout: config.idle_timeout,
+            source,
+        })?;
     t.max_idle_timeout(Some(idle));
     t.keep_alive_interval(Some(config.keep_alive));
     // quinn refuses (PROTOCOL_VIOLATION) any datagram larger than this buffer, and

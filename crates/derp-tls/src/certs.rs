@@ -307,10 +307,9 @@ impl ManualCerts {
         // silently, serving a truncated chain; wait for the next reload instead.
         for (path, pem) in [(&self.cert_path, &cert_pem), (&self.key_path, &key_pem)] {
             if !ends_with_complete_block(pem) {
-                return Err(TlsError::Pem(format!(
-                    "{} ends in an incomplete PEM block (still being written?)",
-                    path.display()
-                )));
+                return Err(TlsError::IncompletePem {
+                    path: path.to_path_buf(),
+                });
             }
         }
         let chain = load_certs_pem(&cert_pem)?;

@@ -80,9 +80,15 @@ pub enum TlsError {
         /// What went wrong.
         source: std::io::Error,
     },
-    /// A certificate chain is empty, or a PEM file is cut short; the text says which.
-    #[error("{0}")]
-    Pem(String),
+    /// A certificate chain to serve holds no certificate.
+    #[error("empty certificate chain")]
+    EmptyChain,
+    /// A PEM file ends inside a block: caught while it was being written, most likely.
+    #[error("{} ends in an incomplete PEM block (still being written?)", path.display())]
+    IncompletePem {
+        /// The file.
+        path: PathBuf,
+    },
     /// The certificates of a PEM file could not be read.
     #[error("reading certificates: {0}")]
     PemCertificates(#[source] rustls::pki_types::pem::Error),
@@ -121,10 +127,6 @@ pub enum TlsError {
     /// [`TlsOptions::ip_certs`].
     #[error("IP address certificates need a front made with ip_certs")]
     IpCertsNotEnabled,
-    /// IP address certificates were asked of a front made without
-    /// [`TlsOptions::ip_certs`], in words (the front's own check).
-    #[error("acme: {0}")]
-    Acme(String),
     /// The External Account Binding's key ID is empty.
     #[error("acme: the EAB key ID is empty")]
     EabKeyIdEmpty,

@@ -223,7 +223,7 @@ impl TlsFront {
         origin: CertOrigin,
     ) -> Result<CertInfo, TlsError> {
         let Some(leaf) = chain.first().cloned() else {
-            return Err(TlsError::Pem("empty certificate chain".into()));
+            return Err(TlsError::EmptyChain);
         };
         check_valid_for(&leaf, &self.inner.certs.host)?;
         let mut served = chain;
@@ -265,7 +265,7 @@ impl TlsFront {
         let ip = ip.to_canonical();
         let slot = self.ip_slot(ip)?;
         let Some(leaf) = chain.first().cloned() else {
-            return Err(TlsError::Pem("empty certificate chain".into()));
+            return Err(TlsError::EmptyChain);
         };
         check_valid_for(&leaf, &Host::Ip(ip))?;
         let mut served = chain;
@@ -298,9 +298,7 @@ impl TlsFront {
     /// certificate).
     pub(crate) fn ip_slot(&self, ip: IpAddr) -> Result<Arc<IpSlot>, TlsError> {
         let Some(slots) = &self.inner.ip_slots else {
-            return Err(TlsError::Acme(
-                "IP address certificates are not enabled on this front".into(),
-            ));
+            return Err(TlsError::IpCertsNotEnabled);
         };
         slots.get_or_create(ip, || {
             let cert = Arc::new(ArcSwapOption::empty());

@@ -9,6 +9,7 @@ use tokio::net::TcpStream;
 
 use crate::harness::{RawClient, STEP, TestServer};
 use crate::metrics::http_get;
+use crate::tls::{TempDir, within};
 
 /// The RTT labels derper counts samples under.
 const RTT_LABELS: [&str; 8] = [
@@ -87,4 +88,71 @@ async fn live_connections_are_sampled_into_derp_tcp_rtt_and_listed_by_debug_traf
     );
     drop((a, b));
     srv.stop().await;
+}
+
+/// The kernel's statistics are asked for by the ports the relay's connections were accepted
+/// on: a listener added after the relay started (a TLS front, as derpd adds one) is covered
+/// without being announced, and its connections are sampled like the first listener's.
+#[tokio::test]
+async fn connections_of_a_listener_added_later_are_sampled_too() {
+    let srv = TestServer::start(ServerConfig {
+        tcp_rtt_interval: Some(Duration::from_millis(50)),
+        ..ServerConfig::new(derp_testkit::server_secret())
+    })
+    .await;
+    let dir = TempDir::new("rtt-tls");
+    let front = derp_tls::TlsFront::new(
+        &srv.server.public_key(),
+        derp_tls::TlsOptions::new("127.0.0.1"),
+        &srv.registry,
+    )
+    .expect("front");
+    let pin = derp_tls::ManualCerts::new(front.clone(), &dir.0)
+        .load_or_generate()
+        .expect("certificate")
+        .expect("a self-signed certificate for an IP hostname")
+        .pin;
+    let tls_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let tls_addr = tls_listener.local_addr().expect("addr");
+    let tls_task = {
+        let server = srv.server.clone();
+        tokio::spawn(async move { front.serve(&server, tls_listener).await.expect("tls serve") })
+    };
+
+    let plain = RawClient::connect(srv.addr).await;
+    let tls_config = derp_client::ClientConfig::new(
+        &format!("https://127.0.0.1:{}/derp", tls_addr.port()),
+        derp_proto::SecretKey::generate(&mut rand::rngs::OsRng),
+    )
+    .expect("config")
+    .with_cert_name(pin)
+    .with_connect_timeout(STEP);
+    let tls = within("TLS client", derp_client::Client::connect(&tls_config))
+        .await
+        .expect("TLS 1.3 client");
+    srv.eventually("both clients registered", |s| {
+        s.metric("derp_current_connections", &[]) == 2.0
+    })
+    .await;
+    // Two periods after both registered: each was checked (and found, or counted as an
+    // error) at the first, and sampled at the second.
+    let samples = |s: &TestServer| RTT_LABELS.iter().map(|l| rtt_samples(s, l)).sum::<f64>();
+    let before = samples(&srv);
+    srv.eventually("two more periods of samples, or an error", |s| {
+        samples(s) >= before + 4.0 || rtt_samples(s, "error") > 0.0
+    })
+    .await;
+    assert_eq!(
+        rtt_samples(&srv, "error"),
+        0.0,
+        "the kernel's statistics of both listeners' connections were read"
+    );
+    assert_eq!(rtt_samples(&srv, "non-tcp"), 0.0, "both are TCP clients");
+    drop((plain, tls));
+    srv.stop().await;
+    within("TLS listener stops", tls_task)
+        .await
+        .expect("TLS task");
 }

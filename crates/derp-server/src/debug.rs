@@ -85,10 +85,14 @@ pub(crate) fn traffic(shared: &Arc<ServerState>) -> Channel<Bytes> {
 async fn report_traffic(state: std::sync::Weak<ServerState>, mut sender: Sender<Bytes>) {
     let mut before: HashMap<u64, TcpStats> = HashMap::new();
     loop {
-        let Some(conns) = state.upgrade().map(|s| s.registry.summaries()) else {
+        let Some((conns, diag)) = state
+            .upgrade()
+            .map(|s| (s.registry.summaries(), s.sock_diag.clone()))
+        else {
             return;
         };
-        let sockets = match tokio::task::spawn_blocking(tcpinfo::dump).await {
+        let ports = tcpinfo::ports(&conns);
+        let sockets = match tokio::task::spawn_blocking(move || diag.dump(&ports)).await {
             Ok(Ok(sockets)) => sockets,
             Ok(Err(e)) => {
                 let _ = sender
@@ -101,7 +105,7 @@ async fn report_traffic(state: std::sync::Weak<ServerState>, mut sender: Sender<
         let mut out = String::new();
         let mut now = HashMap::with_capacity(conns.len());
         for conn in conns {
-            let Some(cookie) = conn.socket_cookie.map(|c| c.get()) else {
+            let Some(cookie) = conn.tcp_socket.map(|t| t.cookie.get()) else {
                 continue;
             };
             let Some(stats) = sockets.get(&cookie) else {

@@ -17,6 +17,15 @@ const WRITE_TIMED_OUT: u8 = 2;
 
 /// A registered connection, shared (as `Arc<ConnHandle>`) by the registry, the lookup layers
 /// and its own read loop and writer.
+/// A connection's TCP socket, as the kernel's statistics (`tcpinfo`) find it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TcpSocket {
+    pub(crate) cookie: NonZeroU64,
+    /// The socket's local port: for an accepted connection, its listener's, which is what
+    /// the statistics are asked for by.
+    pub(crate) port: u16,
+}
+
 #[derive(Debug)]
 pub(crate) struct ConnHandle {
     pub(crate) id: u64,
@@ -42,6 +51,10 @@ pub(crate) struct ConnHandle {
     /// The cookie of the connection's TCP socket, for reading the kernel's statistics
     /// (`tcpinfo`); `None` for WebSocket, QUIC and streams the relay does not hold as TCP.
     pub(crate) socket_cookie: Option<NonZeroU64>,
+    /// The local port of that socket (0 without one): the kernel's statistics are asked for
+    /// the sockets on the ports of registered connections only. It makes the handle 8 bytes
+    /// larger, within the same 368-byte allocation of glibc's malloc.
+    pub(crate) local_port: u16,
 }
 
 impl ConnHandle {
@@ -67,6 +80,7 @@ impl ConnHandle {
             cancel: Cancel::default(),
             queue: SendQueue::new(depth),
             socket_cookie: None,
+            local_port: 0,
         }
     }
 
@@ -89,10 +103,19 @@ impl ConnHandle {
         }
     }
 
-    /// Records the connection's TCP socket cookie (see [`ConnHandle::socket_cookie`]).
-    pub(crate) fn with_socket_cookie(mut self, cookie: Option<u64>) -> Self {
-        self.socket_cookie = cookie.and_then(NonZeroU64::new);
+    /// Records the connection's TCP socket (see [`ConnHandle::socket_cookie`]).
+    pub(crate) fn with_tcp_socket(mut self, socket: Option<TcpSocket>) -> Self {
+        self.socket_cookie = socket.map(|s| s.cookie);
+        self.local_port = socket.map_or(0, |s| s.port);
         self
+    }
+
+    /// The connection's TCP socket, as [`ConnHandle::with_tcp_socket`] recorded it.
+    pub(crate) fn tcp_socket(&self) -> Option<TcpSocket> {
+        self.socket_cookie.map(|cookie| TcpSocket {
+            cookie,
+            port: self.local_port,
+        })
     }
 
     /// Ends the connection: closes its queue (later pushes are dropped as

@@ -149,7 +149,7 @@ impl State {
 pub(crate) struct ConnSummary {
     pub(crate) id: u64,
     pub(crate) key: PublicKey,
-    pub(crate) socket_cookie: Option<std::num::NonZeroU64>,
+    pub(crate) tcp_socket: Option<crate::handle::TcpSocket>,
 }
 
 /// The server's client registry.
@@ -464,7 +464,7 @@ impl Registry {
             .map(|c| ConnSummary {
                 id: c.id,
                 key: c.key,
-                socket_cookie: c.socket_cookie,
+                tcp_socket: c.tcp_socket(),
             })
             .collect()
     }

@@ -50,6 +50,9 @@ pub(crate) struct ServerState {
     pub(crate) admission_refused: prometheus::IntCounterVec,
     /// `derp_tcp_rtt{le}`: derper's per-connection RTT samples (see `tcpinfo::RttSampler`).
     pub(crate) tcp_rtt: prometheus::IntCounterVec,
+    /// Reads the kernel's statistics of the relay's TCP sockets, for `derp_tcp_rtt` and
+    /// `/debug/traffic`.
+    pub(crate) sock_diag: crate::tcpinfo::SockDiag,
     /// When the relay was created, for `/debug/`'s uptime.
     pub(crate) started: std::time::Instant,
     /// The task that ends connections on shutdown was started.
@@ -103,6 +106,7 @@ impl ServerState {
             rate_limits: RateLimits::new(config.rate_limit, prometheus)?,
             admission_refused,
             tcp_rtt,
+            sock_diag: crate::tcpinfo::SockDiag::default(),
             started: std::time::Instant::now(),
             registry: Registry::new(metrics.clone(), public_key),
             keys,
@@ -178,7 +182,9 @@ impl ServerState {
 
 /// Samples the kernel's RTT of every registered connection into `derp_tcp_rtt` every
 /// `every`, while the relay lives (it is held weakly). Nothing per packet: one registry pass
-/// and one netlink dump, off the runtime's workers, per period.
+/// and one netlink dump of the sockets on the relay's ports (those its registered connections
+/// were accepted on, so a listener added later is covered), off the runtime's workers, per
+/// period.
 async fn sample_tcp_rtt(
     state: Weak<ServerState>,
     metric: prometheus::IntCounterVec,
@@ -189,14 +195,15 @@ async fn sample_tcp_rtt(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let conns = match state.upgrade() {
-            Some(state) => state.registry.summaries(),
+        let (conns, diag) = match state.upgrade() {
+            Some(state) => (state.registry.summaries(), state.sock_diag.clone()),
             None => return,
         };
         if conns.is_empty() {
             continue;
         }
-        let sockets = tokio::task::spawn_blocking(crate::tcpinfo::dump)
+        let ports = crate::tcpinfo::ports(&conns);
+        let sockets = tokio::task::spawn_blocking(move || diag.dump(&ports))
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         if let Err(e) = &sockets {

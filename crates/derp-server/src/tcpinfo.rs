@@ -1,21 +1,28 @@
 //! The kernel's view of the relay's TCP connections (Linux): each socket's smoothed round
 //! trip time and byte counts, for `derp_tcp_rtt` and `/debug/traffic`.
 //!
-//! Read in one netlink `sock_diag` dump of the host's TCP sockets with their `tcp_info`
-//! (what `ss -i` reads), and matched to connections by socket cookie, which the kernel gives
-//! every socket and never reuses while it runs. One dump covers every connection, so the
-//! cost is one batch of system calls per sampling period, whatever the number of clients,
-//! and nothing on the packet path. `getsockopt(TCP_INFO)` per socket would need the file
-//! descriptors of every connection's halves, and a safe wrapper that neither `socket2` nor
-//! `rustix` offers.
+//! Read in one netlink `sock_diag` dump of TCP sockets with their `tcp_info` (what `ss -i`
+//! reads), and matched to connections by socket cookie, which the kernel gives every socket
+//! and never reuses while it runs. One dump covers every connection, so the cost is one batch
+//! of system calls per sampling period, whatever the number of clients, and nothing on the
+//! packet path. `getsockopt(TCP_INFO)` per socket would need the file descriptors of every
+//! connection's halves, and a safe wrapper that neither `socket2` nor `rustix` offers.
+//!
+//! The dump asks the kernel only for sockets whose local port is one the relay's connections
+//! were accepted on (an `inet_diag` bytecode filter), so the statistics of other programs'
+//! connections on the host are never read, and a busy host's other sockets cost nothing.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
+use std::num::NonZeroU64;
 use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use derp_io::Transport;
 use prometheus::IntCounterVec;
 
+use crate::handle::TcpSocket;
 use crate::registry::ConnSummary;
 
 /// What the kernel says about one TCP socket.
@@ -27,17 +34,31 @@ pub(crate) struct TcpStats {
     pub(crate) bytes_sent: u64,
     /// `tcpi_bytes_received`.
     pub(crate) bytes_received: u64,
+    /// The socket's local port (`idiag_sport`).
+    pub(crate) port: u16,
 }
 
-/// The socket cookie of a connection's TCP socket: `None` for transports that are not one
-/// TCP socket the relay holds directly (QUIC, a boxed stream such as rustls's TLS 1.2).
-pub(crate) fn cookie(transport: &Transport) -> Option<u64> {
+/// The TCP socket of a connection: `None` for transports that are not one TCP socket the
+/// relay holds directly (QUIC, a boxed stream such as rustls's TLS 1.2).
+pub(crate) fn tcp_socket(transport: &Transport) -> Option<TcpSocket> {
     let tcp = match transport {
         Transport::Tcp(s) => s,
         Transport::Tls(s) => s.tcp(),
         Transport::Boxed(_) | Transport::Halves(..) => return None,
     };
-    socket_cookie(tcp)
+    Some(TcpSocket {
+        cookie: NonZeroU64::new(socket_cookie(tcp)?)?,
+        port: tcp.local_addr().ok()?.port(),
+    })
+}
+
+/// The local ports of `conns`' TCP sockets: what a dump for them asks the kernel for.
+pub(crate) fn ports(conns: &[ConnSummary]) -> BTreeSet<u16> {
+    conns
+        .iter()
+        .filter_map(|c| c.tcp_socket)
+        .map(|s| s.port)
+        .collect()
 }
 
 #[cfg(target_os = "linux")]
@@ -50,23 +71,104 @@ fn socket_cookie(_fd: impl AsFd) -> Option<u64> {
     None
 }
 
-/// Every TCP socket of the host that is not listening, by cookie. Blocking (a few system
-/// calls); callers run it off the runtime's workers.
-#[cfg(target_os = "linux")]
-pub(crate) fn dump() -> io::Result<HashMap<u64, TcpStats>> {
-    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketType, netlink};
+/// Reads the kernel's statistics of the relay's TCP sockets. Cheap to clone: the clones share
+/// what was learnt about the kernel.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SockDiag {
+    /// The kernel refused the port filter once; it would again, so later dumps ask for
+    /// every socket without it and keep only the relay's ports themselves.
+    filter_refused: Arc<AtomicBool>,
+}
 
-    let fd = rustix::net::socket(
-        AddressFamily::NETLINK,
-        SocketType::RAW,
-        Some(netlink::SOCK_DIAG),
-    )?;
+impl SockDiag {
+    /// The non-listening TCP sockets whose local port is one of `ports`, by cookie, with
+    /// their statistics. Blocking (a few system calls); callers run it off the runtime's
+    /// workers.
+    pub(crate) fn dump(&self, ports: &BTreeSet<u16>) -> io::Result<HashMap<u64, TcpStats>> {
+        self.dump_with(ports, port_filter(ports))
+    }
+
+    /// [`SockDiag::dump`] with the filter `program` (none: read every socket).
+    #[cfg(target_os = "linux")]
+    fn dump_with(
+        &self,
+        ports: &BTreeSet<u16>,
+        program: Option<Vec<u8>>,
+    ) -> io::Result<HashMap<u64, TcpStats>> {
+        use rustix::net::{AddressFamily, SocketType, netlink};
+
+        if ports.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let fd = rustix::net::socket(
+            AddressFamily::NETLINK,
+            SocketType::RAW,
+            Some(netlink::SOCK_DIAG),
+        )?;
+        let program = program.filter(|_| !self.filter_refused.load(Ordering::Relaxed));
+        if let Some(program) = program {
+            match query(&fd, Some(&program))? {
+                Answer::Sockets(sockets) => return Ok(sockets),
+                Answer::Refused(why) => {
+                    // The filter is given up only if the same request without it is
+                    // answered: a refusal of that too says nothing about the filter.
+                    let mut sockets = match query(&fd, None)? {
+                        Answer::Sockets(sockets) => sockets,
+                        Answer::Refused(e) => return Err(e),
+                    };
+                    if !self.filter_refused.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %why,
+                            "the kernel refused sock_diag's port filter; reading every TCP \
+                             socket of the host for derp_tcp_rtt and /debug/traffic instead"
+                        );
+                    }
+                    sockets.retain(|_, s| ports.contains(&s.port));
+                    return Ok(sockets);
+                }
+            }
+        }
+        match query(&fd, None)? {
+            Answer::Sockets(mut sockets) => {
+                sockets.retain(|_, s| ports.contains(&s.port));
+                Ok(sockets)
+            }
+            Answer::Refused(e) => Err(e),
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn dump_with(
+        &self,
+        _ports: &BTreeSet<u16>,
+        _program: Option<Vec<u8>>,
+    ) -> io::Result<HashMap<u64, TcpStats>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "TCP statistics are read on Linux only",
+        ))
+    }
+}
+
+/// What the kernel answered a dump request.
+enum Answer {
+    Sockets(HashMap<u64, TcpStats>),
+    /// An error message instead of a dump: the request itself was refused.
+    Refused(io::Error),
+}
+
+/// Dumps IPv4 then IPv6 TCP sockets on the `sock_diag` socket `fd`, filtered by `program`.
+#[cfg(target_os = "linux")]
+fn query(fd: &impl AsFd, program: Option<&[u8]>) -> io::Result<Answer> {
+    use rustix::net::{RecvFlags, SendFlags};
+
     let mut out = HashMap::new();
     let mut buf = vec![0u8; 64 * 1024];
     for (seq, family) in [(1u32, AF_INET), (2, AF_INET6)] {
-        rustix::net::send(&fd, &dump_request(seq, family), SendFlags::empty())?;
+        let request = dump_request(seq, family, program)?;
+        rustix::net::send(fd, &request, SendFlags::empty())?;
         'messages: loop {
-            let (n, _) = rustix::net::recv(&fd, &mut buf[..], RecvFlags::empty())?;
+            let (n, _) = rustix::net::recv(fd, &mut buf[..], RecvFlags::empty())?;
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -76,6 +178,12 @@ pub(crate) fn dump() -> io::Result<HashMap<u64, TcpStats>> {
             for msg in Messages(&buf[..n]) {
                 match msg? {
                     Message::Done => break 'messages,
+                    // The filter is checked when the first request arrives, before any
+                    // socket is sent; an error later is the dump's, not a refusal.
+                    Message::Error(e) if seq == 1 && out.is_empty() => {
+                        return Ok(Answer::Refused(e));
+                    }
+                    Message::Error(e) => return Err(e),
                     Message::Socket { cookie, stats } => {
                         out.insert(cookie, stats);
                     }
@@ -84,15 +192,7 @@ pub(crate) fn dump() -> io::Result<HashMap<u64, TcpStats>> {
             }
         }
     }
-    Ok(out)
-}
-
-#[cfg(not(target_os = "linux"))]
-pub(crate) fn dump() -> io::Result<HashMap<u64, TcpStats>> {
-    Err(io::Error::new(
-        io::ErrorKind::Unsupported,
-        "TCP statistics are read on Linux only",
-    ))
+    Ok(Answer::Sockets(out))
 }
 
 const AF_INET: u8 = 2;
@@ -105,16 +205,71 @@ const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 /// The `INET_DIAG_INFO` attribute carries `struct tcp_info`.
 const INET_DIAG_INFO: u16 = 2;
+/// The request attribute that carries a filter program.
+const INET_DIAG_REQ_BYTECODE: u16 = 1;
 const TCP_LISTEN: u32 = 10;
 const NLMSG_HDR_LEN: usize = 16;
+/// `struct inet_diag_req_v2`.
+const DIAG_REQ_LEN: usize = 56;
 /// `struct inet_diag_msg`.
 const DIAG_MSG_LEN: usize = 72;
 
-/// A dump request (`inet_diag_req_v2`) for every non-listening TCP socket of `family`,
-/// with `tcp_info`.
-fn dump_request(seq: u32, family: u8) -> Vec<u8> {
-    let mut req = Vec::with_capacity(NLMSG_HDR_LEN + 56);
-    let len = u32::try_from(NLMSG_HDR_LEN + 56).unwrap_or(u32::MAX);
+/// Operations of the filter program (`enum` in `linux/inet_diag.h`).
+const BC_JMP: u8 = 1;
+const BC_S_GE: u8 = 2;
+const BC_S_LE: u8 = 3;
+/// The program of one port: `sport >= p && sport <= p`, each comparison an operation and
+/// an operand (the port, in the operand's `no` field).
+const PORT_TEST_LEN: usize = 16;
+/// The operation after each port's test but the last: a match jumps to the end.
+const JMP_LEN: usize = 4;
+
+/// An `inet_diag` filter program that accepts a socket whose local port is one of `ports`
+/// (`None` for no ports, or too many for one request).
+///
+/// The kernel runs a program from its first operation; each operation moves `yes` or `no`
+/// bytes ahead, and the socket is accepted when the program ends exactly at its end (a jump
+/// past it, by 4, rejects). The ports are tested in turn: a failed comparison goes on to the
+/// next port's test (past the last one, a rejection); a port's test that holds falls
+/// through to a jump to the end. Built of `>=` and `<=` rather than `==`, which kernels
+/// before 4.16 do not know. The kernel also checks that every `no` lands on an operation
+/// reached by following `yes` from the start, which this layout meets.
+fn port_filter(ports: &BTreeSet<u16>) -> Option<Vec<u8>> {
+    let len = ports
+        .len()
+        .checked_mul(PORT_TEST_LEN + JMP_LEN)?
+        .checked_sub(JMP_LEN)?;
+    // The attribute's length is 16-bit (its header is 4 bytes), and so are the jumps.
+    if len > usize::from(u16::MAX) - 4 {
+        return None;
+    }
+    let op = |prog: &mut Vec<u8>, code: u8, yes: u8, no: usize| {
+        prog.extend_from_slice(&[code, yes]);
+        prog.extend_from_slice(&u16::try_from(no).unwrap_or(u16::MAX).to_ne_bytes());
+    };
+    let next_test = PORT_TEST_LEN + JMP_LEN;
+    let mut prog = Vec::with_capacity(len);
+    for &port in ports {
+        op(&mut prog, BC_S_GE, 8, next_test);
+        op(&mut prog, 0, 0, usize::from(port));
+        op(&mut prog, BC_S_LE, 8, next_test - 8);
+        op(&mut prog, 0, 0, usize::from(port));
+        let rest = len - prog.len();
+        if rest > 0 {
+            op(&mut prog, BC_JMP, 4, rest);
+        }
+    }
+    Some(prog)
+}
+
+/// A dump request (`inet_diag_req_v2`) for every non-listening TCP socket of `family`
+/// that `program` accepts, with `tcp_info`.
+fn dump_request(seq: u32, family: u8, program: Option<&[u8]>) -> io::Result<Vec<u8>> {
+    let attr_len = program.map_or(0, |p| 4 + p.len());
+    let total = NLMSG_HDR_LEN + DIAG_REQ_LEN + attr_len;
+    let too_long = || io::Error::new(io::ErrorKind::InvalidInput, "sock_diag: filter too long");
+    let len = u32::try_from(total).map_err(|_| too_long())?;
+    let mut req = Vec::with_capacity(total);
     req.extend_from_slice(&len.to_ne_bytes());
     req.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
     req.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
@@ -124,12 +279,24 @@ fn dump_request(seq: u32, family: u8) -> Vec<u8> {
     let states: u32 = 0xfff & !(1 << TCP_LISTEN);
     req.extend_from_slice(&states.to_ne_bytes());
     req.extend_from_slice(&[0u8; 48]);
-    req
+    if let Some(program) = program {
+        let attr_len = u16::try_from(attr_len).map_err(|_| too_long())?;
+        req.extend_from_slice(&attr_len.to_ne_bytes());
+        req.extend_from_slice(&INET_DIAG_REQ_BYTECODE.to_ne_bytes());
+        req.extend_from_slice(program);
+        req.resize(align4(req.len()), 0);
+    }
+    Ok(req)
 }
 
 enum Message {
     Done,
-    Socket { cookie: u64, stats: TcpStats },
+    /// The kernel's error (`NLMSG_ERROR`) instead of, or in the middle of, a dump.
+    Error(io::Error),
+    Socket {
+        cookie: u64,
+        stats: TcpStats,
+    },
     Other,
 }
 
@@ -157,7 +324,12 @@ impl Iterator for Messages<'_> {
                 let errno = body
                     .get(..4)
                     .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                Err(io::Error::from_raw_os_error(-errno))
+                // Zero is an acknowledgement, which these requests do not ask for.
+                Ok(if errno == 0 {
+                    Message::Other
+                } else {
+                    Message::Error(io::Error::from_raw_os_error(-errno))
+                })
             }
             SOCK_DIAG_BY_FAMILY => parse_socket(body),
             _ => Ok(Message::Other),
@@ -173,6 +345,8 @@ fn parse_socket(body: &[u8]) -> io::Result<Message> {
     let cookie_lo = u32_at(body, 44).ok_or_else(|| bad("cookie"))?;
     let cookie_hi = u32_at(body, 48).ok_or_else(|| bad("cookie"))?;
     let cookie = u64::from(cookie_lo) | (u64::from(cookie_hi) << 32);
+    // `idiag_sport`, in network byte order.
+    let port = u16::from_be_bytes([body[4], body[5]]);
     let mut attrs = &body[DIAG_MSG_LEN..];
     while attrs.len() >= 4 {
         let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
@@ -183,7 +357,10 @@ fn parse_socket(body: &[u8]) -> io::Result<Message> {
         if kind == INET_DIAG_INFO {
             return Ok(Message::Socket {
                 cookie,
-                stats: parse_tcp_info(&attrs[4..len]),
+                stats: TcpStats {
+                    port,
+                    ..parse_tcp_info(&attrs[4..len])
+                },
             });
         }
         attrs = attrs.get(align4(len)..).unwrap_or(&[]);
@@ -192,7 +369,8 @@ fn parse_socket(body: &[u8]) -> io::Result<Message> {
     Ok(Message::Other)
 }
 
-/// The fields of `struct tcp_info` we use; absent fields (older kernels) read as zero.
+/// The fields of `struct tcp_info` we use; absent fields (older kernels) read as zero. The
+/// port is not among them.
 fn parse_tcp_info(info: &[u8]) -> TcpStats {
     let u64_at = |at: usize| {
         info.get(at..at + 8).map_or(0, |b| {
@@ -210,6 +388,7 @@ fn parse_tcp_info(info: &[u8]) -> TcpStats {
         rtt_us: u32_at(info, 68).unwrap_or(0),
         bytes_sent,
         bytes_received: u64_at(128),
+        port: 0,
     }
 }
 
@@ -269,8 +448,8 @@ impl RttSampler {
         let mut seen = HashMap::with_capacity(conns.len());
         for conn in conns {
             let stats = conn
-                .socket_cookie
-                .and_then(|c| sockets.ok().and_then(|s| s.get(&c.get())));
+                .tcp_socket
+                .and_then(|t| sockets.ok().and_then(|s| s.get(&t.cookie.get())));
             let sampled = match self.seen.get(&conn.id) {
                 Some(&sampled) => {
                     if sampled && let Some(stats) = stats {
@@ -280,7 +459,7 @@ impl RttSampler {
                     }
                     sampled
                 }
-                None if conn.socket_cookie.is_none() => {
+                None if conn.tcp_socket.is_none() => {
                     self.metric.with_label_values(&["non-tcp"]).inc();
                     false
                 }
@@ -319,16 +498,141 @@ mod tests {
             server.read_exact(&mut [0; 1000]).await.expect("read");
             server.write_all(&[8; 300]).await.expect("write");
             client.read_exact(&mut [0; 300]).await.expect("read");
-            let server_cookie = cookie(&Transport::Tcp(server)).expect("cookie");
-            let sockets = tokio::task::spawn_blocking(dump)
+            let socket = tcp_socket(&Transport::Tcp(server)).expect("a TCP socket");
+            assert_eq!(socket.port, addr.port(), "the listener's port");
+            let ports = BTreeSet::from([socket.port]);
+            let sockets = tokio::task::spawn_blocking(move || SockDiag::default().dump(&ports))
                 .await
                 .expect("task")
                 .expect("dump");
-            let stats = sockets.get(&server_cookie).expect("our socket is listed");
+            let stats = sockets
+                .get(&socket.cookie.get())
+                .expect("our socket is listed");
             assert_eq!(stats.bytes_received, 1000, "{bind}");
             assert_eq!(stats.bytes_sent, 300, "{bind}");
             assert!(stats.rtt_us < 1_000_000, "{bind}: {stats:?}");
         }
+    }
+
+    /// A connected pair on a new listener: (its port, the accepted socket, the client's).
+    fn connected_pair(bind: &str) -> io::Result<(u16, std::net::TcpStream, std::net::TcpStream)> {
+        let listener = std::net::TcpListener::bind(bind)?;
+        let addr = listener.local_addr()?;
+        let client = std::net::TcpStream::connect(addr)?;
+        let (accepted, _) = listener.accept()?;
+        Ok((addr.port(), accepted, client))
+    }
+
+    fn cookie_of(socket: &std::net::TcpStream) -> u64 {
+        socket_cookie(socket).expect("cookie")
+    }
+
+    #[test]
+    fn the_dump_holds_the_relays_ports_and_no_other_programs_sockets() {
+        for bind in ["127.0.0.1:0", "[::1]:0"] {
+            let Ok(ours) = connected_pair(bind) else {
+                assert!(bind.contains("::1"), "IPv4 loopback must be available");
+                continue;
+            };
+            // A second listener of the relay (TLS beside plain, say), and another program's
+            // connection on a port of its own.
+            let ours_too = connected_pair(bind).expect("a second pair");
+            let theirs = connected_pair(bind).expect("another program's pair");
+            // The ports next to the other program's, and more, make a long program whose
+            // comparisons must be exact.
+            let mut ports = BTreeSet::from([ours.0, ours_too.0]);
+            ports.extend([theirs.0 - 1, theirs.0 + 1]);
+            ports.extend(1..40);
+            ports.remove(&theirs.0);
+            let diag = SockDiag::default();
+            let sockets = diag.dump(&ports).expect("dump");
+            assert!(sockets.contains_key(&cookie_of(&ours.1)), "{bind}: ours");
+            assert!(
+                sockets.contains_key(&cookie_of(&ours_too.1)),
+                "{bind}: ours too"
+            );
+            for (what, socket) in [
+                ("the other program's accepted socket", &theirs.1),
+                ("the other program's client", &theirs.2),
+                ("the client end of ours, on a port of its own", &ours.2),
+            ] {
+                assert!(
+                    !sockets.contains_key(&cookie_of(socket)),
+                    "{bind}: {what} was read"
+                );
+            }
+            assert!(
+                !diag.filter_refused.load(Ordering::Relaxed),
+                "the kernel took the filter"
+            );
+        }
+    }
+
+    #[test]
+    fn more_ports_than_one_request_holds_are_sorted_here() {
+        let ours = connected_pair("127.0.0.1:0").expect("pair");
+        let theirs = connected_pair("127.0.0.1:0").expect("another program's pair");
+        let mut ports: BTreeSet<u16> = (1..=u16::MAX).collect();
+        ports.remove(&theirs.0);
+        assert!(port_filter(&ports).is_none(), "too long for one attribute");
+        assert!(port_filter(&BTreeSet::new()).is_none());
+        let sockets = SockDiag::default().dump(&ports).expect("dump");
+        assert!(sockets.contains_key(&cookie_of(&ours.1)));
+        assert!(!sockets.contains_key(&cookie_of(&theirs.1)));
+    }
+
+    /// Log lines written while a test runs its closure on this thread.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_refused_filter_falls_back_to_the_whole_dump_with_one_warning() {
+        let ours = connected_pair("127.0.0.1:0").expect("pair");
+        let theirs = connected_pair("127.0.0.1:0").expect("another program's pair");
+        let diag = SockDiag::default();
+        let ports = BTreeSet::from([ours.0]);
+        // An operation code no kernel knows: the request is refused (EINVAL).
+        let refused = vec![255, 4, 4, 0];
+        let captured = Captured::default();
+        let logger = tracing_subscriber::fmt()
+            .with_writer({
+                let captured = captured.clone();
+                move || captured.clone()
+            })
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(logger, || {
+            for round in 0..3 {
+                let sockets = diag
+                    .dump_with(&ports, Some(refused.clone()))
+                    .expect("the dump without the filter");
+                assert!(sockets.contains_key(&cookie_of(&ours.1)), "round {round}");
+                assert!(
+                    !sockets.contains_key(&cookie_of(&theirs.1))
+                        && !sockets.contains_key(&cookie_of(&theirs.2)),
+                    "round {round}: another program's sockets are left out here instead"
+                );
+            }
+        });
+        assert!(diag.filter_refused.load(Ordering::Relaxed));
+        let logs = String::from_utf8(captured.0.lock().expect("lock").clone()).expect("utf-8");
+        assert_eq!(
+            logs.matches("WARN").count(),
+            1,
+            "one warning, not one per period: {logs}"
+        );
+        assert!(logs.contains("refused"), "{logs}");
     }
 
     #[test]
@@ -340,7 +644,7 @@ mod tests {
         let conn = |id: u64, cookie: u64| ConnSummary {
             id,
             key: derp_proto::PublicKey::from_bytes([id as u8; 32]),
-            socket_cookie: NonZeroU64::new(cookie),
+            tcp_socket: NonZeroU64::new(cookie).map(|cookie| TcpSocket { cookie, port: 443 }),
         };
         let sockets = HashMap::from([
             (
@@ -384,10 +688,10 @@ mod tests {
 
     #[test]
     fn broken_messages_are_errors_not_panics() {
-        let mut msg = dump_request(1, AF_INET);
+        let mut msg = dump_request(1, AF_INET, None).expect("request");
         msg[0] = 200;
         assert!(Messages(&msg).next().expect("one").is_err());
-        let mut short = dump_request(1, AF_INET);
+        let mut short = dump_request(1, AF_INET, None).expect("request");
         short[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
         assert!(Messages(&short).next().expect("one").is_err());
         assert!(Messages(&[1, 2, 3]).next().is_none());

@@ -127,8 +127,8 @@ async fn run(
         detach,
     } = handover;
     // derper samples plain and TLS TCP connections only; WebSocket ones count as non-TCP.
-    let socket_cookie = (framing == Framing::Raw && quic.is_none())
-        .then(|| crate::tcpinfo::cookie(&transport))
+    let tcp_socket = (framing == Framing::Raw && quic.is_none())
+        .then(|| crate::tcpinfo::tcp_socket(&transport))
         .flatten();
     let (read_half, mut write_half) = transport.split();
     let mut reader = FrameReader::new(read_half, framing, initial);
@@ -195,7 +195,7 @@ async fn run(
             can_mesh,
             config.send_queue_depth,
         )
-        .with_socket_cookie(socket_cookie),
+        .with_tcp_socket(tcp_socket),
     );
 
     if let Some(link) = &quic {

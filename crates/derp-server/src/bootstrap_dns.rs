@@ -59,6 +59,8 @@ pub const LIST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Distinct `?q=` names remembered for `bootstrap_dns_queried_domains` before the set is
 /// cleared.
 const MAX_QUERIED: usize = 500;
+/// The longest name DNS allows, in its text form.
+const MAX_NAME_LEN: usize = 253;
 
 /// One resolved list.
 #[derive(Debug, Default)]
@@ -254,6 +256,9 @@ impl BootstrapDns {
     /// `remote` the client's address.
     pub(crate) fn respond(&self, q: &str, remote: SocketAddr) -> Response<Full<Bytes>> {
         self.metrics.requests.inc();
+        if q.len() > MAX_NAME_LEN {
+            return name_too_long();
+        }
         if !q.is_empty() {
             self.remember_query(q);
             if let Some(unpublished) = self.unpublished.load().as_ref()
@@ -300,16 +305,35 @@ impl BootstrapDns {
 }
 
 /// `/bootstrap-dns` on the main listener, any method, no access control (as derper); with
-/// nothing configured, an empty document.
+/// nothing configured, an empty document. A `q` longer than a DNS name is refused either way.
 pub(crate) fn serve<B>(
     dns: Option<&BootstrapDns>,
     req: &http::Request<B>,
     remote: SocketAddr,
 ) -> Response<Full<Bytes>> {
+    let q = query_value(req.uri().query(), "q");
     match dns {
-        Some(dns) => dns.respond(&query_value(req.uri().query(), "q"), remote),
+        Some(dns) => dns.respond(&q, remote),
+        None if q.len() > MAX_NAME_LEN => name_too_long(),
         None => json_response(Bytes::new()),
     }
+}
+
+/// The answer to a `?q=` longer than any DNS name. derper takes any length and remembers it
+/// for `bootstrap_dns_queried_domains` (500 names of up to a request head each); no client
+/// asks for such a name, so it is refused before it is remembered or looked up.
+fn name_too_long() -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from(format!(
+        "bootstrap-dns: name longer than {MAX_NAME_LEN} bytes\n"
+    ))));
+    *resp.status_mut() = StatusCode::BAD_REQUEST;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
 }
 
 /// A TXT string as a rollout percentage: Go's `strconv.Atoi`, then 0..=100.
@@ -752,6 +776,77 @@ mod tests {
         assert_eq!(dns.metrics.queried_domains.get(), 0);
         dns.remember_query("again");
         assert_eq!(dns.metrics.queried_domains.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn names_longer_than_dns_allows_are_refused_and_not_remembered() {
+        let (dns, _registry) = recorded_setup();
+        dns.refresh().await;
+        let longest = "a".repeat(MAX_NAME_LEN);
+        let resp = dns.respond(&longest, client());
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(body(resp).await, testdata("all.json"));
+        assert_eq!(dns.metrics.queried_domains.get(), 1);
+        for len in [MAX_NAME_LEN + 1, 64 * 1024] {
+            let resp = dns.respond(&"a".repeat(len), client());
+            assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{len} bytes");
+            assert_eq!(resp.headers()[header::CONNECTION], "close");
+            assert_eq!(
+                String::from_utf8(body(resp).await).expect("utf-8"),
+                "bootstrap-dns: name longer than 253 bytes\n"
+            );
+        }
+        assert_eq!(dns.metrics.queried_domains.get(), 1, "not remembered");
+        assert_eq!(dns.metrics.requests.get(), 3, "counted as requests");
+        assert_eq!(
+            dns.metrics.unpublished_misses.get(),
+            1,
+            "only the first looked up"
+        );
+        assert_eq!(dns.queried.lock().expect("lock").len(), 1);
+        let too_long = |q: &str| {
+            let req = http::Request::get(format!("/bootstrap-dns?q={q}"))
+                .body(())
+                .expect("request");
+            serve(None, &req, client()).status()
+        };
+        assert_eq!(too_long(&longest), StatusCode::OK, "nothing configured");
+        assert_eq!(
+            too_long(&format!("{longest}a")),
+            StatusCode::BAD_REQUEST,
+            "nothing configured"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_bound_is_on_the_decoded_name_over_http_too() {
+        let (dns, _registry) = recorded_setup();
+        dns.refresh().await;
+        let mut config = crate::ServerConfig::new(derp_proto::SecretKey::from_bytes([1; 32]));
+        config.bootstrap_dns = Some(Arc::new(dns));
+        let state =
+            Arc::new(crate::state::ServerState::new(config, &Registry::new()).expect("state"));
+        // 253 bytes once decoded, 759 as written.
+        let escaped = "%61".repeat(MAX_NAME_LEN);
+        let answer = exchange(
+            &state,
+            &format!("GET /bootstrap-dns?q={escaped} HTTP/1.1\r\nHost: derp\r\n\r\n"),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        let answer = exchange(
+            &state,
+            &format!("GET /bootstrap-dns?q={escaped}b HTTP/1.1\r\nHost: derp\r\n\r\n"),
+        )
+        .await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{answer}"
+        );
+        assert!(
+            answer.ends_with("\r\n\r\nbootstrap-dns: name longer than 253 bytes\n"),
+            "{answer}"
+        );
     }
 
     #[test]

@@ -887,6 +887,33 @@ mod tests {
         assert!(!remote_in_rollout(ip("198.51.100.1"), 0.0));
     }
 
+    /// Tailscale's own vectors for derper's rollout test (`TestRemoteAddrMatchesPercent` in
+    /// `cmd/derper/bootstrap_dns_test.go`): 0 and 100 %, then a run of addresses at 50 %.
+    #[test]
+    fn tailscales_rollout_vectors_hold() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        assert!(!remote_in_rollout(ip("10.0.0.1"), 0.0));
+        assert!(remote_in_rollout(ip("10.0.0.1"), 1.0));
+        for (last, inside) in [
+            (4, true),
+            (5, true),
+            (6, false),
+            (7, true),
+            (8, false),
+            (9, true),
+            (10, true),
+        ] {
+            let addr = ip(&format!("1.2.3.{last}"));
+            assert_eq!(address_in_rollout(addr, 0.5), inside, "{addr}");
+            assert_eq!(remote_in_rollout(addr, 0.5), inside, "{addr}");
+            let mapped = IpAddr::V6(match addr {
+                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                IpAddr::V6(v6) => v6,
+            });
+            assert_eq!(remote_in_rollout(mapped, 0.5), inside, "{mapped}");
+        }
+    }
+
     #[test]
     fn percentages_parse_as_atoi_then_range() {
         assert_eq!(parse_percent("70"), Some(70));

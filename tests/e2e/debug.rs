@@ -39,11 +39,28 @@ async fn live_connections_are_sampled_into_derp_tcp_rtt_and_listed_by_debug_traf
     .await;
     assert_eq!(rtt_samples(&srv, "error"), 0.0, "the kernel had statistics");
     assert_eq!(rtt_samples(&srv, "non-tcp"), 0.0, "both are TCP clients");
-    // Loopback round trips are far below half a second, even on a loaded machine.
-    assert_eq!(rtt_samples(&srv, "inf"), 0.0);
+    // Which label a sample lands under depends on the round trip at the moment, which no
+    // loopback test controls (the label for a given RTT is tcpinfo's unit test); what holds
+    // whatever the timing is that every sample is under one of derper's labels.
+    let counted = RTT_LABELS.iter().map(|l| rtt_samples(&srv, l)).sum::<f64>();
     let scrape = http_get(srv.addr, "/debug/varz", "").await.1;
     assert!(scrape.contains("# TYPE derp_tcp_rtt counter"), "{scrape}");
-    assert!(scrape.contains("derp_tcp_rtt{le=\""), "{scrape}");
+    let mut in_scrape = 0.0;
+    for line in scrape.lines() {
+        let Some(rest) = line.strip_prefix("derp_tcp_rtt{le=\"") else {
+            continue;
+        };
+        let (label, value) = rest.split_once("\"} ").expect("a sample line");
+        assert!(
+            RTT_LABELS.contains(&label),
+            "a sample under {label:?}: {scrape}"
+        );
+        in_scrape += value.parse::<f64>().expect("a count");
+    }
+    assert!(
+        in_scrape >= counted && counted >= 4.0,
+        "{in_scrape} in the scrape, {counted} before it"
+    );
 
     // /debug/traffic: a line per connection with the kernel's byte counts, keyed by client.
     let mut s = TcpStream::connect(srv.addr).await.expect("connect");

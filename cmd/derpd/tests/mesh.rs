@@ -492,23 +492,42 @@ async fn nodes_named_alike_dial_every_entry_and_know_themselves_by_key() {
                 format!("-mesh-psk-file={}", mesh_key.display()),
                 format!("-mesh-with={mesh_with}"),
                 format!("--mesh-ca-file={}", ca_file.display()),
+                // The sibling's pings are the clock the no-redial check below runs by.
+                "--mesh-ping-interval=500ms".to_owned(),
             ])
         })
         .collect();
-    for (i, node) in nodes.iter().enumerate() {
+    let pings = |node: &Node| node.metric("derp_got_ping", &[]).unwrap_or(0.0);
+    let mut pinged = Vec::new();
+    for node in &nodes {
         node.wait_message("mesh entry is this node itself");
         node.wait_metric("derp_mesh_links_up", &[], |v| v == 1.0);
         node.wait_metric("derp_mesh_siblings", &[], |v| v == 1.0);
         // The connection to itself was closed (derper leaves it open): only the sibling's
         // link is connected here.
         node.wait_metric("derp_current_connections", &[], |v| v == 1.0);
-        let own = format!("localhost:{}", ports[i]);
-        assert_eq!(
-            node.metric("derp_mesh_reconnects", &[("sibling", &own)])
-                .unwrap_or(0.0),
-            0.0,
-            "the entry for this node itself is not redialed"
-        );
+        pinged.push(pings(node));
+    }
+    // A redial would come within the back-off's first ceiling (100 ms), and later ones
+    // within 200, 400, 800 and 1600 ms more: checked after each of seven sibling pings
+    // (500 ms apart), some 3.5 s in all.
+    for round in 1..=7 {
+        for (i, node) in nodes.iter().enumerate() {
+            let until = pinged[i] + f64::from(round);
+            node.wait_metric("derp_got_ping", &[], |v| v >= until);
+            let own = format!("localhost:{}", ports[i]);
+            assert_eq!(
+                node.metric("derp_mesh_reconnects", &[("sibling", &own)])
+                    .unwrap_or(0.0),
+                0.0,
+                "round {round}: the entry for this node itself was redialed"
+            );
+            let noticed = node
+                .log_text()
+                .matches("mesh entry is this node itself")
+                .count();
+            assert_eq!(noticed, 1, "round {round}: node {i} dialed itself again");
+        }
     }
 
     let urls = ports.map(|p| format!("https://localhost:{p}/derp"));

@@ -253,10 +253,17 @@ async fn a_connection_flood_past_the_accept_limit_is_refused_and_counted() {
     })
     .await;
     let refused_count = srv.metric("derp_accept_refused", &[("reason", "rate_limit")]);
-    // Ten tokens were left after a and b, and two more per second of the clock.
+    let open = srv.metric("derp_open_connections", &[]);
+    assert_eq!(
+        refused_count + open,
+        62.0,
+        "each of the 62 connections is either open or refused, once"
+    );
+    // Ten tokens were left after a and b, and two more per second of the clock: the first
+    // ten of the flood are let in whatever the clock did, and at most two more per second.
     let most_admitted = 10.0 + (2.0 * started.elapsed().as_secs_f64()).floor();
     assert!(
-        refused_count >= 60.0 - most_admitted,
+        (60.0 - most_admitted..=50.0).contains(&refused_count),
         "{refused_count} refused of 60 after {:?} of the clock",
         started.elapsed()
     );
@@ -393,7 +400,10 @@ async fn stalled_request_heads_from_many_sources_never_lock_out_a_good_client() 
         good.push(c);
         stalled.extend(flood);
     }
-    assert!(evicted() >= (5 * (FLOOD - BUDGET)) as f64);
+    // Every stalled connection was evicted but the BUDGET - 1 of the last round still held
+    // (the last good client took one place, then left the budget when it was admitted);
+    // the good clients themselves never were.
+    assert_eq!(evicted(), (5 * FLOOD - (BUDGET - 1)) as f64);
     let (first, rest) = good.split_at_mut(1);
     pair_works(&mut first[0], &mut rest[3], "after the floods").await;
     // Closed by the test, the stalled connections end at once instead of at their deadline.

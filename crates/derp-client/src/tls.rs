@@ -336,13 +336,62 @@ mod tests {
             CertName::parse(&pin).unwrap(),
             Some(CertName::Pin([0xab; 32]))
         );
-        assert!(CertName::parse("sha256-raw:abc").is_err());
-        assert!(CertName::parse(&format!("sha256-raw:{}", "zz".repeat(32))).is_err());
+        // A pin with too few digits, too many, or digits that are not hex is refused as a
+        // pin, never taken for a host name.
+        for bad in [
+            "sha256-raw:abc".to_owned(),
+            format!("sha256-raw:{}", "ab".repeat(33)),
+            format!("sha256-raw:{}", "zz".repeat(32)),
+            "sha256-raw:".to_owned(),
+        ] {
+            assert!(
+                matches!(
+                    CertName::parse(&bad),
+                    Err(ConnectError::InvalidConfig(
+                        "cert name sha256-raw: wants 64 hex digits"
+                    ))
+                ),
+                "{bad}: {:?}",
+                CertName::parse(&bad)
+            );
+        }
         assert_eq!(
             CertName::parse("derp.example.com").unwrap(),
             Some(CertName::Name("derp.example.com".into()))
         );
-        assert!(CertName::parse("bad name").is_err());
+        assert!(matches!(
+            CertName::parse("bad name"),
+            Err(ConnectError::InvalidConfig(
+                "cert name is not a valid host name"
+            ))
+        ));
+    }
+
+    /// A pin accepts the one certificate it names and refuses any other as a certificate
+    /// the application rejected, whatever its chain or names.
+    #[test]
+    fn a_pin_accepts_its_certificate_and_refuses_others_by_that_reason() {
+        let pinned = cert("derp.example.com", &[1]);
+        let other = cert("derp.example.com", &[1]);
+        let verifier = PinVerifier {
+            pin: Sha256::digest(pinned.as_ref()).into(),
+            provider: provider(),
+        };
+        let name = ServerName::try_from("derp.example.com").expect("name");
+        let check = |leaf: &CertificateDer<'_>| {
+            verifier.verify_server_cert(leaf, &[], &name, &[], UnixTime::now())
+        };
+        assert!(check(&pinned).is_ok());
+        assert!(
+            matches!(
+                check(&other),
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::ApplicationVerificationFailure
+                ))
+            ),
+            "{:?}",
+            check(&other).err()
+        );
     }
 
     fn cert(cn: &str, serial: &[u8]) -> CertificateDer<'static> {

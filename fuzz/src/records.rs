@@ -234,10 +234,11 @@ fn meaning(inner: &[u8]) -> Meaning {
 }
 
 /// Whether a record's header (RFC 8446, section 5.2) lets the reader wait for the rest of it:
-/// application data, TLS 1.2, room for a tag and a content type, at most 2^14 + 256 bytes.
+/// application data, room for a tag and a content type, at most 2^14 + 256 bytes. The legacy
+/// version is ignored (5.1).
 fn header_fits(record: &[u8]) -> bool {
     let len = usize::from(u16::from_be_bytes([record[3], record[4]]));
-    record[..3] == [APPLICATION_DATA, 3, 3] && (17..=(1 << 14) + 256).contains(&len)
+    record[0] == APPLICATION_DATA && (17..=(1 << 14) + 256).contains(&len)
 }
 
 /// Big-endian fields off the front of the program; zeros once it runs out.

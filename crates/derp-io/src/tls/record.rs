@@ -300,11 +300,9 @@ impl ReadState {
                 header[0]
             )));
         }
-        // Every TLS 1.3 record after the ClientHello says TLS 1.2 (RFC 8446, section 5.1);
-        // rustls and OpenSSL refuse any other.
-        if header[1..3] != [3, 3] {
-            return Err(protocol_error("unexpected tls record version"));
-        }
+        // The legacy version (header[1..3]) is ignored, as RFC 8446 (section 5.1) requires
+        // after the ClientHello. It is still part of the additional data (section 5.2), so
+        // a version changed in flight fails authentication.
         if len > MAX_CIPHERTEXT {
             return Err(protocol_error("tls record overflow"));
         }

@@ -534,8 +534,6 @@ async fn records_that_break_the_protocol_are_refused() {
         (vec![22, 3, 3, 0, 4, 24, 0, 0, 1], "record type"),
         // Longer than any record may be.
         (vec![23, 3, 3, 0x48, 0x01], "overflow"),
-        // A version other than TLS 1.2's in the header.
-        (vec![23, 3, 1, 0, 17], "version"),
         // Too short to hold a tag.
         (vec![23, 3, 3, 0, 3, 1, 2, 3], "too short"),
     ] {
@@ -726,8 +724,19 @@ async fn sealing_pair() -> (TlsStream, TcpStream, Keys) {
 
 /// A record sealed under `keys` whose inner plaintext is `inner` (content, type, padding).
 fn seal_raw(keys: &mut Keys, inner: &[u8]) -> Vec<u8> {
+    seal_with_version(keys, [3, 3], inner)
+}
+
+/// [`seal_raw`], with `version` as the header's legacy version.
+fn seal_with_version(keys: &mut Keys, version: [u8; 2], inner: &[u8]) -> Vec<u8> {
     let len = u16::try_from(inner.len() + TAG_LEN).expect("record length");
-    let header = [CONTENT_APPLICATION_DATA, 3, 3, (len >> 8) as u8, len as u8];
+    let header = [
+        CONTENT_APPLICATION_DATA,
+        version[0],
+        version[1],
+        (len >> 8) as u8,
+        len as u8,
+    ];
     let mut record = header.to_vec();
     record.extend_from_slice(inner);
     let tag = keys
@@ -787,6 +796,36 @@ async fn records_a_client_library_would_not_send_are_refused() {
         .expect("write");
     let e = read_error(&mut server).await;
     assert!(e.to_string().contains("handshake message"), "{e}");
+}
+
+/// RFC 8446, section 5.1: legacy_record_version MUST be ignored after the ClientHello. It is
+/// part of the additional data all the same, so changing it in flight is caught.
+#[tokio::test]
+async fn a_records_legacy_version_is_ignored_but_authenticated() {
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut records = Vec::new();
+    for (version, data) in [
+        ([3, 1], &b"tls 1.0 "[..]),
+        ([3, 4], b"tls 1.3 "),
+        ([0, 0], b"none "),
+        ([0xfe, 0xfd], b"dtls"),
+    ] {
+        let mut inner = data.to_vec();
+        inner.push(CONTENT_APPLICATION_DATA);
+        records.extend(seal_with_version(&mut keys, version, &inner));
+    }
+    records.extend(seal_raw(&mut keys, &[1, 0, CONTENT_ALERT]));
+    tcp.write_all(&records).await.expect("write");
+    let mut got = Vec::new();
+    server.read_to_end(&mut got).await.expect("a clean end");
+    assert_eq!(got, b"tls 1.0 tls 1.3 none dtls");
+
+    let (mut server, mut tcp, mut keys) = sealing_pair().await;
+    let mut record = seal_raw(&mut keys, b"changed\x17");
+    record[2] = 1;
+    tcp.write_all(&record).await.expect("write");
+    let e = read_error(&mut server).await;
+    assert!(e.to_string().contains("authentication"), "{e}");
 }
 
 #[tokio::test]

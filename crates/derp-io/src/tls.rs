@@ -25,7 +25,7 @@
 //! messages split over records after the handshake (a KeyUpdate must come whole, as every
 //! library sends it), or alerts after the handshake: a failed handshake sends the alert
 //! rustls chose, but a connection that breaks the protocol later is closed, the error
-//! returned to the caller.
+//! returned to the caller (by every read from then on; writes are refused).
 //!
 //! With the cargo feature `fuzzing`, the module `fuzzing` opens records under known secrets without a
 //! socket, for the fuzz targets; nothing that serves enables it.

@@ -6,7 +6,7 @@
 use std::io;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, ready};
 
 use ring::aead::Aad;
@@ -74,11 +74,16 @@ pub(super) fn key_update_at(records_per_key: u64) -> u64 {
         .max(1)
 }
 
-/// What both halves share: the key schedule (touched only on key updates) and whether the
-/// peer asked for a key update the sending half has yet to answer.
+/// What both halves share: the key schedule (touched only on key updates), whether the
+/// peer asked for a key update the sending half has yet to answer, and whether the reading
+/// half found the connection broken.
 pub(super) struct Shared {
     pub(super) schedule: Mutex<Schedule>,
     pub(super) update_requested: AtomicBool,
+    /// Set once the peer's records were refused or the peer sent an error alert: RFC 8446
+    /// (section 6.2) ends the connection both ways then, so the sending half takes no more
+    /// data.
+    pub(super) failed: OnceLock<RecordError>,
 }
 
 impl Shared {
@@ -86,6 +91,7 @@ impl Shared {
         Self {
             schedule: Mutex::new(schedule),
             update_requested: AtomicBool::new(false),
+            failed: OnceLock::new(),
         }
     }
 
@@ -146,6 +152,70 @@ pub(super) fn protocol_error(
     io::Error::new(io::ErrorKind::InvalidData, what)
 }
 
+/// Why the peer's records ended the connection: a record this layer refuses, or the peer's
+/// own error alert. Reads return it as an [`io::Error`] of [`RecordError::kind`].
+#[derive(Debug, Clone, thiserror::Error)]
+pub(super) enum RecordError {
+    #[error("unexpected tls record type {0} after the handshake")]
+    RecordType(u8),
+    /// The header's length is over 2^14 + 256.
+    #[error("tls record overflow")]
+    CiphertextOverflow,
+    #[error("tls record too short")]
+    TooShort,
+    #[error("tls record failed authentication")]
+    Authentication,
+    /// The inner plaintext is over 2^14 + 1.
+    #[error("tls record overflow")]
+    PlaintextOverflow,
+    #[error("tls record without a content type")]
+    NoContentType,
+    #[error("too many tls records without data")]
+    TooManyWithoutData,
+    #[error("unexpected tls content type {0}")]
+    ContentType(u8),
+    #[error("malformed tls alert")]
+    MalformedAlert,
+    #[error("unexpected tls handshake message after the handshake")]
+    HandshakeMessage,
+    /// rustls could not give the peer's next key.
+    #[error("tls key update: {0}")]
+    KeyUpdate(Arc<io::Error>),
+    #[error("tls alert {0} from the peer")]
+    PeerAlert(u8),
+}
+
+impl RecordError {
+    pub(super) fn kind(&self) -> io::ErrorKind {
+        match self {
+            Self::PeerAlert(_) => io::ErrorKind::ConnectionAborted,
+            _ => io::ErrorKind::InvalidData,
+        }
+    }
+}
+
+impl From<RecordError> for io::Error {
+    fn from(e: RecordError) -> Self {
+        io::Error::new(e.kind(), e)
+    }
+}
+
+/// Why the sending half refuses to write.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum WriteRefused {
+    /// The connection failed on the reading side (see [`Shared::failed`]).
+    #[error("tls connection failed: {0}")]
+    Failed(RecordError),
+}
+
+impl From<WriteRefused> for io::Error {
+    fn from(e: WriteRefused) -> Self {
+        // ConnectionAborted, not a failed write: the connection had already ended (derp-server's
+        // writer tells the two apart by this kind).
+        io::Error::new(io::ErrorKind::ConnectionAborted, e)
+    }
+}
+
 /// The receiving half without its socket: the record buffer, the peer's key and what the
 /// peer's records said so far. Reads go through [`ReadState::poll_read_with`], whose caller
 /// supplies the socket read.
@@ -159,9 +229,10 @@ pub(super) struct ReadState {
     pub(super) plain: Range<usize>,
     /// The peer sent close_notify, or ended the stream between records.
     pub(super) closed: bool,
-    /// A record failed after earlier records' plaintext was handed over; the next read
-    /// returns it.
-    pub(super) error: Option<io::Error>,
+    /// What ended the reading with an error. Every read from then on returns it: the records
+    /// after a bad one, or after the peer's error alert, must never be read (and a record
+    /// that failed after earlier records' plaintext was handed over fails the next read).
+    pub(super) failure: Option<(io::ErrorKind, Arc<io::Error>)>,
     /// Records in a row that carried no application data.
     pub(super) idle_records: u8,
     pub(super) shared: Arc<Shared>,
@@ -187,7 +258,7 @@ impl ReadState {
             pos: 0,
             plain: 0..0,
             closed: false,
-            error: None,
+            failure: None,
             idle_records: 0,
             shared,
         }
@@ -195,7 +266,7 @@ impl ReadState {
 
     /// Whether a read would return without touching the socket.
     pub(super) fn has_buffered(&self) -> bool {
-        if !self.plain.is_empty() || self.closed || self.error.is_some() {
+        if !self.plain.is_empty() || self.closed || self.failure.is_some() {
             return true;
         }
         let avail = &self.buf[self.pos..];
@@ -220,8 +291,8 @@ impl ReadState {
         out: &mut ReadBuf<'_>,
         mut fill: impl FnMut(&mut Vec<u8>) -> Poll<io::Result<usize>>,
     ) -> Poll<io::Result<()>> {
-        if let Some(e) = self.error.take() {
-            return Poll::Ready(Err(e));
+        if let Some((kind, e)) = &self.failure {
+            return Poll::Ready(Err(io::Error::new(*kind, e.clone())));
         }
         let mut copied = false;
         loop {
@@ -241,12 +312,12 @@ impl ReadState {
             let need = match self.open_next() {
                 Ok(Opened::Record) => continue,
                 Ok(Opened::NeedMore(need)) => need,
-                // What was handed over stands; the error comes with the next read.
-                Err(e) if copied => {
-                    self.error = Some(e);
-                    return Poll::Ready(Ok(()));
+                Err(e) => {
+                    let _ = self.shared.failed.set(e.clone());
+                    let e = self.fail(e.into());
+                    // What was handed over stands; the error comes with the next read.
+                    return Poll::Ready(if copied { Ok(()) } else { Err(e) });
                 }
-                Err(e) => return Poll::Ready(Err(e)),
             };
             if copied {
                 return Poll::Ready(Ok(()));
@@ -261,19 +332,34 @@ impl ReadState {
             if self.buf.capacity() - self.buf.len() < missing.max(READ_CHUNK / 8) {
                 self.buf.reserve(missing.max(READ_CHUNK));
             }
-            let n = ready!(fill(&mut self.buf))?;
+            let n = match ready!(fill(&mut self.buf)) {
+                Ok(n) => n,
+                Err(e) => return Poll::Ready(Err(self.fail(e))),
+            };
             if n == 0 {
                 if self.buf.is_empty() {
                     // The peer closed without close_notify; nothing was cut short.
                     self.closed = true;
                     return Poll::Ready(Ok(()));
                 }
-                return Poll::Ready(Err(io::Error::new(
+                return Poll::Ready(Err(self.fail(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     "tls record cut short by the end of the stream",
-                )));
+                ))));
             }
         }
+    }
+
+    /// Ends the reading with `e`: returns it, and keeps it for every later read. The records
+    /// still buffered will never be read, so the buffer goes.
+    fn fail(&mut self, e: io::Error) -> io::Error {
+        self.buf = Vec::new();
+        self.pos = 0;
+        self.plain = 0..0;
+        let kind = e.kind();
+        let e = Arc::new(e);
+        self.failure = Some((kind, e.clone()));
+        io::Error::new(kind, e)
     }
 }
 
@@ -287,7 +373,7 @@ pub(super) enum Opened {
 
 impl ReadState {
     /// Opens the record at `pos`, if it is all here.
-    pub(super) fn open_next(&mut self) -> io::Result<Opened> {
+    pub(super) fn open_next(&mut self) -> Result<Opened, RecordError> {
         let avail = &self.buf[self.pos..];
         if avail.len() < HEADER_LEN {
             return Ok(Opened::NeedMore(HEADER_LEN));
@@ -295,19 +381,16 @@ impl ReadState {
         let header: [u8; HEADER_LEN] = [avail[0], avail[1], avail[2], avail[3], avail[4]];
         let len = usize::from(u16::from_be_bytes([header[3], header[4]]));
         if header[0] != CONTENT_APPLICATION_DATA {
-            return Err(protocol_error(format!(
-                "unexpected tls record type {} after the handshake",
-                header[0]
-            )));
+            return Err(RecordError::RecordType(header[0]));
         }
         // The legacy version (header[1..3]) is ignored, as RFC 8446 (section 5.1) requires
         // after the ClientHello. It is still part of the additional data (section 5.2), so
         // a version changed in flight fails authentication.
         if len > MAX_CIPHERTEXT {
-            return Err(protocol_error("tls record overflow"));
+            return Err(RecordError::CiphertextOverflow);
         }
         if len < TAG_LEN + 1 {
-            return Err(protocol_error("tls record too short"));
+            return Err(RecordError::TooShort);
         }
         if avail.len() < HEADER_LEN + len {
             return Ok(Opened::NeedMore(HEADER_LEN + len));
@@ -319,17 +402,17 @@ impl ReadState {
             .keys
             .key
             .open_in_place(nonce, Aad::from(header), &mut self.buf[start..end])
-            .map_err(|_| protocol_error("tls record failed authentication"))?
+            .map_err(|_| RecordError::Authentication)?
             .len();
         self.keys.seq += 1;
         self.pos = end;
         if opened > MAX_FRAGMENT + 1 {
-            return Err(protocol_error("tls record overflow"));
+            return Err(RecordError::PlaintextOverflow);
         }
         // The content type is the last non-zero byte; zeros after it are padding.
         let content = &self.buf[start..start + opened];
         let Some(last) = content.iter().rposition(|&b| b != 0) else {
-            return Err(protocol_error("tls record without a content type"));
+            return Err(RecordError::NoContentType);
         };
         // Records that carry no data (empty ones, key updates) cost work and give nothing:
         // a run of them is cut off, as rustls does. close_notify ends the stream whatever
@@ -344,7 +427,7 @@ impl ReadState {
         } else if !close_notify {
             self.idle_records += 1;
             if self.idle_records > MAX_IDLE_RECORDS {
-                return Err(protocol_error("too many tls records without data"));
+                return Err(RecordError::TooManyWithoutData);
             }
         }
         match content[last] {
@@ -355,38 +438,31 @@ impl ReadState {
                 // sent as a warning by some clients before close_notify: passed over, as
                 // rustls does, and counted with the records that carry no data.
                 [ALERT_WARNING, ALERT_USER_CANCELED] => {}
-                [_, description] => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        format!("tls alert {description} from the peer"),
-                    ));
-                }
-                _ => return Err(protocol_error("malformed tls alert")),
+                [_, description] => return Err(RecordError::PeerAlert(description)),
+                _ => return Err(RecordError::MalformedAlert),
             },
             CONTENT_HANDSHAKE => self.handshake_message(start..start + last)?,
-            other => {
-                return Err(protocol_error(format!(
-                    "unexpected tls content type {other}"
-                )));
-            }
+            other => return Err(RecordError::ContentType(other)),
         }
         Ok(Opened::Record)
     }
 
     /// A post-handshake message: only KeyUpdate is allowed from a client, and as the last
     /// message of its record (a key change ends the record it is in).
-    fn handshake_message(&mut self, range: Range<usize>) -> io::Result<()> {
+    fn handshake_message(&mut self, range: Range<usize>) -> Result<(), RecordError> {
         match self.buf[range] {
             [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request @ (0 | 1)] => {
-                self.keys = self.shared.schedule().next_rx()?;
+                self.keys = self
+                    .shared
+                    .schedule()
+                    .next_rx()
+                    .map_err(|e| RecordError::KeyUpdate(Arc::new(e)))?;
                 if request == 1 {
                     self.shared.update_requested.store(true, Ordering::Release);
                 }
                 Ok(())
             }
-            _ => Err(protocol_error(
-                "unexpected tls handshake message after the handshake",
-            )),
+            _ => Err(RecordError::HandshakeMessage),
         }
     }
 }

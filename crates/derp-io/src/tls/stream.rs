@@ -10,7 +10,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
-use super::record::{CONTENT_ALERT, CONTENT_APPLICATION_DATA, MAX_FRAGMENT, ReadState, WriteState};
+use super::record::{
+    CONTENT_ALERT, CONTENT_APPLICATION_DATA, MAX_FRAGMENT, ReadState, WriteRefused, WriteState,
+};
 
 /// Plaintext sealed per write call at most, so the record buffer stays bounded when the
 /// caller hands over a large batch.
@@ -171,13 +173,16 @@ impl AsyncWrite for TlsWrite {
 
     /// Takes up to 64 KiB (`MAX_SEAL_PER_WRITE`) once earlier records are written, seals
     /// them and starts writing; what the socket does not take now goes out at the next
-    /// write or flush.
+    /// write or flush. Refuses once the reading half found the connection broken.
     fn poll_write_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if let Some(e) = this.state.shared.failed.get() {
+            return Poll::Ready(Err(WriteRefused::Failed(e.clone()).into()));
+        }
         ready!(this.poll_drain(cx))?;
         let total = bufs
             .iter()

@@ -798,6 +798,58 @@ async fn records_a_client_library_would_not_send_are_refused() {
     assert!(e.to_string().contains("handshake message"), "{e}");
 }
 
+/// Once a record is refused, or the peer sends an error alert, nothing after it is read:
+/// every later read fails the same way, and the connection takes no more writes (RFC 8446,
+/// section 6.2: the connection is over both ways).
+#[tokio::test]
+async fn after_a_failure_every_read_fails_the_same_way_and_writes_are_refused() {
+    use io::ErrorKind::{ConnectionAborted, InvalidData};
+    let mut over = vec![b'x'; MAX_FRAGMENT + 1];
+    over.push(CONTENT_APPLICATION_DATA);
+    let cases = [
+        (
+            "a fatal alert",
+            vec![2, 40, CONTENT_ALERT],
+            ConnectionAborted,
+        ),
+        ("an inner plaintext overflow", over, InvalidData),
+        ("no content type", vec![0, 0], InvalidData),
+        (
+            "a handshake message",
+            vec![4, 0, 0, 0, CONTENT_HANDSHAKE],
+            InvalidData,
+        ),
+    ];
+    for (what, inner, kind) in cases {
+        let (mut server, mut tcp, mut keys) = sealing_pair().await;
+        let mut records = seal_raw(&mut keys, b"before\x17");
+        records.extend(seal_raw(&mut keys, &inner));
+        records.extend(seal_raw(&mut keys, b"after\x17"));
+        records.extend(seal_raw(&mut keys, &[1, 0, CONTENT_ALERT]));
+        tcp.write_all(&records).await.expect("write");
+        let mut buf = [0u8; 64];
+        let n = server.read(&mut buf).await.expect("the record before");
+        assert_eq!(&buf[..n], b"before", "{what}");
+        let first = read_error(&mut server).await;
+        assert_eq!(first.kind(), kind, "{what}: {first}");
+        // What is buffered after the failure is never read, so it is not kept.
+        assert_eq!(server.read.state.buf.capacity(), 0, "{what}");
+        for _ in 0..3 {
+            let mut cx = Context::from_waker(Waker::noop());
+            assert!(server.read.poll_ready(&mut cx).is_ready(), "{what}");
+            let again = read_error(&mut server).await;
+            assert_eq!(again.kind(), first.kind(), "{what}: {again}");
+            assert_eq!(again.to_string(), first.to_string(), "{what}");
+        }
+        let e = server
+            .write_all(b"reply")
+            .await
+            .expect_err("no writes after a failure");
+        assert_eq!(e.kind(), ConnectionAborted, "{what}: {e}");
+        assert!(e.to_string().contains(&first.to_string()), "{what}: {e}");
+    }
+}
+
 /// RFC 8446, section 5.1: legacy_record_version MUST be ignored after the ClientHello. It is
 /// part of the additional data all the same, so changing it in flight is caught.
 #[tokio::test]

@@ -18,14 +18,15 @@
 //! rustls offers are implemented ([`SUPPORTED_SUITES`]); a server config must offer no
 //! other. A peer's records are held to RFC 8446 as rustls holds them: a run of more than
 //! 32 records without data is refused, a user_canceled warning is passed over, close_notify
-//! ends the stream (as does the end of the stream between records).
+//! ends the stream (as does the end of the stream between records). A failed handshake sends
+//! the alert rustls chose; a refused record later gets the one RFC 8446 asks for, sealed
+//! under the current key, before the connection closes. The error is returned to the caller
+//! by every read from then on, and writes are refused.
 //!
 //! What it does not do: TLS 1.2 (a client that cannot speak TLS 1.3 is served by rustls's
-//! buffered connection instead), early data (not enabled), the client side, handshake
+//! buffered connection instead), early data (not enabled), the client side, or handshake
 //! messages split over records after the handshake (a KeyUpdate must come whole, as every
-//! library sends it), or alerts after the handshake: a failed handshake sends the alert
-//! rustls chose, but a connection that breaks the protocol later is closed, the error
-//! returned to the caller (by every read from then on; writes are refused).
+//! library sends it).
 //!
 //! With the cargo feature `fuzzing`, the module `fuzzing` opens records under known secrets without a
 //! socket, for the fuzz targets; nothing that serves enables it.

@@ -22,10 +22,17 @@ pub(super) const CONTENT_ALERT: u8 = 21;
 pub(super) const CONTENT_HANDSHAKE: u8 = 22;
 pub(super) const CONTENT_APPLICATION_DATA: u8 = 23;
 /// Alert levels and the closure alerts (RFC 8446, section 6).
-const ALERT_WARNING: u8 = 1;
+pub(super) const ALERT_WARNING: u8 = 1;
 const ALERT_FATAL: u8 = 2;
-const ALERT_CLOSE_NOTIFY: u8 = 0;
+pub(super) const ALERT_CLOSE_NOTIFY: u8 = 0;
 const ALERT_USER_CANCELED: u8 = 90;
+/// The error alerts this side sends (RFC 8446, section 6.2).
+pub(super) const ALERT_UNEXPECTED_MESSAGE: u8 = 10;
+pub(super) const ALERT_BAD_RECORD_MAC: u8 = 20;
+pub(super) const ALERT_RECORD_OVERFLOW: u8 = 22;
+pub(super) const ALERT_ILLEGAL_PARAMETER: u8 = 47;
+pub(super) const ALERT_DECODE_ERROR: u8 = 50;
+pub(super) const ALERT_INTERNAL_ERROR: u8 = 80;
 /// The handshake message type of KeyUpdate, the only one a TLS 1.3 server takes after the
 /// handshake.
 pub(super) const HANDSHAKE_KEY_UPDATE: u8 = 24;
@@ -176,8 +183,18 @@ pub(super) enum RecordError {
     ContentType(u8),
     #[error("malformed tls alert")]
     MalformedAlert,
-    #[error("unexpected tls handshake message after the handshake")]
-    HandshakeMessage,
+    /// A handshake message of a type a server takes no more after the handshake.
+    #[error("unexpected tls handshake message {0} after the handshake")]
+    HandshakeMessage(u8),
+    #[error("tls handshake message KeyUpdate with request_update {0}")]
+    KeyUpdateRequest(u8),
+    /// A KeyUpdate with more behind it in its record: a handshake message across a key
+    /// change (RFC 8446, section 5.1).
+    #[error("tls handshake message KeyUpdate with more behind it in its record")]
+    AcrossKeyChange,
+    /// A KeyUpdate of the wrong length, or a handshake record too short for any message.
+    #[error("malformed tls handshake message")]
+    MalformedHandshake,
     /// rustls could not give the peer's next key.
     #[error("tls key update: {0}")]
     KeyUpdate(Arc<io::Error>),
@@ -191,6 +208,31 @@ impl RecordError {
             Self::PeerAlert(_) => io::ErrorKind::ConnectionAborted,
             _ => io::ErrorKind::InvalidData,
         }
+    }
+
+    /// The alert RFC 8446 asks this side to send before it closes: none after the peer's
+    /// own error alert (section 6.2: both sides just close).
+    pub(super) fn alert(&self) -> Option<u8> {
+        Some(match self {
+            // Section 5: an unexpected record type; 5.4: no content type; 5.1: a handshake
+            // message across a key change. Records without data are not wrong one by one,
+            // only too many of them (BoringSSL answers those with unexpected_message too).
+            Self::RecordType(_)
+            | Self::NoContentType
+            | Self::TooManyWithoutData
+            | Self::ContentType(_)
+            | Self::HandshakeMessage(_)
+            | Self::AcrossKeyChange => ALERT_UNEXPECTED_MESSAGE,
+            // Section 5.2: whatever cannot be deprotected, a record too short for its tag
+            // included.
+            Self::TooShort | Self::Authentication => ALERT_BAD_RECORD_MAC,
+            Self::CiphertextOverflow | Self::PlaintextOverflow => ALERT_RECORD_OVERFLOW,
+            // Section 4.6.3.
+            Self::KeyUpdateRequest(_) => ALERT_ILLEGAL_PARAMETER,
+            Self::MalformedAlert | Self::MalformedHandshake => ALERT_DECODE_ERROR,
+            Self::KeyUpdate(_) => ALERT_INTERNAL_ERROR,
+            Self::PeerAlert(_) => return None,
+        })
     }
 }
 
@@ -462,7 +504,10 @@ impl ReadState {
                 }
                 Ok(())
             }
-            _ => Err(RecordError::HandshakeMessage),
+            [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request] => Err(RecordError::KeyUpdateRequest(request)),
+            [HANDSHAKE_KEY_UPDATE, 0, 0, 1, _, _, ..] => Err(RecordError::AcrossKeyChange),
+            [HANDSHAKE_KEY_UPDATE, ..] | [] => Err(RecordError::MalformedHandshake),
+            [other, ..] => Err(RecordError::HandshakeMessage(other)),
         }
     }
 }
@@ -478,6 +523,8 @@ pub(super) struct WriteState {
     /// The sequence number at which this side seals a KeyUpdate and moves to a new key.
     pub(super) update_at: u64,
     pub(super) close_sent: bool,
+    /// The reading half's failure was taken up: its alert, if it calls for one, is sealed.
+    pub(super) failure_sealed: bool,
 }
 
 impl std::fmt::Debug for WriteState {
@@ -486,6 +533,7 @@ impl std::fmt::Debug for WriteState {
             .field("unsent", &(self.out.len() - self.sent))
             .field("keys", &self.keys)
             .field("close_sent", &self.close_sent)
+            .field("failure_sealed", &self.failure_sealed)
             .finish_non_exhaustive()
     }
 }
@@ -499,6 +547,7 @@ impl WriteState {
             shared,
             update_at,
             close_sent: false,
+            failure_sealed: false,
         }
     }
 
@@ -575,6 +624,37 @@ impl WriteState {
         if !requested && self.keys.seq < self.update_at {
             return Ok(());
         }
+        self.update_key()
+    }
+
+    /// Seals an alert, after a KeyUpdate if this key has no record left but that one.
+    pub(super) fn seal_alert(&mut self, level: u8, description: u8) -> io::Result<()> {
+        if self.keys.seq >= self.update_at {
+            self.update_key()?;
+        }
+        let alert = [level, description];
+        self.seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())
+    }
+
+    /// The reading half's failure, if it found one; the first call after it seals the alert
+    /// the failure calls for (RFC 8446, section 6.2), unless this side sent close_notify
+    /// already. The alert goes under the current key, which the peer still opens with: a
+    /// KeyUpdate it asked for is not owed on a connection that is ending.
+    pub(super) fn take_up_failure(&mut self) -> Option<RecordError> {
+        let failure = self.shared.failed.get()?.clone();
+        if !self.failure_sealed {
+            self.failure_sealed = true;
+            if let Some(description) = failure.alert().filter(|_| !self.close_sent) {
+                // Best effort: the peer not hearing why is no reason to hide the failure
+                // from the caller.
+                let _ = self.seal_alert(ALERT_FATAL, description);
+            }
+        }
+        Some(failure)
+    }
+
+    /// Seals a KeyUpdate and moves to the next key.
+    fn update_key(&mut self) -> io::Result<()> {
         // update_not_requested: this side's update needs no answer.
         let message = [HANDSHAKE_KEY_UPDATE, 0, 0, 1, 0];
         self.seal(

@@ -11,7 +11,8 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use super::record::{
-    CONTENT_ALERT, CONTENT_APPLICATION_DATA, MAX_FRAGMENT, ReadState, WriteRefused, WriteState,
+    ALERT_CLOSE_NOTIFY, ALERT_WARNING, CONTENT_APPLICATION_DATA, MAX_FRAGMENT, ReadState,
+    WriteRefused, WriteState,
 };
 
 /// Plaintext sealed per write call at most, so the record buffer stays bounded when the
@@ -180,8 +181,11 @@ impl AsyncWrite for TlsWrite {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if let Some(e) = this.state.shared.failed.get() {
-            return Poll::Ready(Err(WriteRefused::Failed(e.clone()).into()));
+        if let Some(e) = this.state.take_up_failure() {
+            // Whatever of the alert the socket takes now; the rest goes with the flush, the
+            // shutdown or the drop that ends the connection.
+            let _ = this.poll_drain(cx);
+            return Poll::Ready(Err(WriteRefused::Failed(e).into()));
         }
         ready!(this.poll_drain(cx))?;
         let total = bufs
@@ -211,25 +215,49 @@ impl AsyncWrite for TlsWrite {
         true
     }
 
+    /// Writes out what was sealed; once the reading half failed, that includes the alert the
+    /// failure calls for, and the flush then fails with the failure.
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        ready!(this.poll_drain(cx))?;
+        let failure = this.state.take_up_failure();
+        let drained = ready!(this.poll_drain(cx));
+        if let Some(e) = failure {
+            // The failure, not an error in sending its alert.
+            return Poll::Ready(Err(WriteRefused::Failed(e).into()));
+        }
+        drained?;
         Pin::new(&mut this.half).poll_flush(cx)
     }
 
-    /// Sends close_notify, then ends the TCP stream's sending side.
+    /// Sends close_notify, then ends the TCP stream's sending side. After the reading half
+    /// failed, the failure's alert goes instead of close_notify (RFC 8446, section 6.1: an
+    /// error alert closes the connection by itself), or nothing after the peer's own alert.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !this.state.close_sent {
+        if !this.state.close_sent && !this.state.failure_sealed {
             ready!(this.poll_drain(cx))?;
-            this.state.update_key_if_due()?;
-            // Level warning, description close_notify.
-            let alert = [1, 0];
-            this.state
-                .seal(CONTENT_ALERT, &[io::IoSlice::new(&alert)], 0, alert.len())?;
-            this.state.close_sent = true;
+            if this.state.take_up_failure().is_none() {
+                this.state.update_key_if_due()?;
+                this.state.seal_alert(ALERT_WARNING, ALERT_CLOSE_NOTIFY)?;
+                this.state.close_sent = true;
+            }
         }
         ready!(this.poll_drain(cx))?;
         Pin::new(&mut this.half).poll_shutdown(cx)
+    }
+}
+
+impl Drop for TlsWrite {
+    /// A connection dropped after its reading half failed still tells the peer why, as far
+    /// as the socket takes the alert at once: a drop cannot wait.
+    fn drop(&mut self) {
+        if self.state.take_up_failure().is_none() {
+            return;
+        }
+        let unsent = &self.state.out[self.state.sent..];
+        if !unsent.is_empty() {
+            let stream: &TcpStream = self.half.as_ref();
+            let _ = stream.try_write(unsent);
+        }
     }
 }

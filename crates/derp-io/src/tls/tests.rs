@@ -1,6 +1,8 @@
 //! The record layer's tests: against rustls's client here and in `suites` (every suite),
-//! against OpenSSL's in `openssl`, and beside rustls's own server in `differential`.
+//! against OpenSSL's in `openssl`, and beside rustls's own server in `differential`; the
+//! alerts it sends in `alerts`.
 
+mod alerts;
 mod differential;
 mod openssl;
 mod suites;

@@ -15,12 +15,19 @@
 //! themselves, and rustls's error for it would only change how a finished connection is
 //! counted), derpd ignores a record header's legacy version as RFC 8446 asks (rustls
 //! authenticates every record as if its header said TLS 1.2, so a record sealed under
-//! another version fails there), and derpd sends no alert when a record breaks the protocol
-//! (rustls sends a fatal one for most before it closes).
+//! another version fails there), and the fatal alert each sends before it closes is checked
+//! per scenario ([`Sends`]): derpd sends the one RFC 8446 asks for, which is rustls's for
+//! most; where rustls sends another or none, and where rustls answers a peer's error alert
+//! (which RFC 8446, section 6.2, only asks to close on), the scenario says so.
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::TlsAcceptor;
 
+use super::super::record::{
+    ALERT_BAD_RECORD_MAC as BAD_RECORD_MAC, ALERT_DECODE_ERROR as DECODE_ERROR,
+    ALERT_ILLEGAL_PARAMETER as ILLEGAL_PARAMETER, ALERT_RECORD_OVERFLOW as RECORD_OVERFLOW,
+    ALERT_UNEXPECTED_MESSAGE as UNEXPECTED_MESSAGE,
+};
 use super::*;
 
 /// One piece of the client's traffic.
@@ -53,6 +60,37 @@ fn close() -> Step {
 
 fn data(bytes: &[u8]) -> Step {
     Data(bytes.to_vec(), 0)
+}
+
+/// The fatal alert each server sends before it closes, if any.
+#[derive(Debug, Clone, Copy)]
+enum Sends {
+    /// Neither sends one.
+    Nothing,
+    /// Both send this one.
+    Both(u8),
+    /// derpd sends the one RFC 8446 asks for, rustls another or none.
+    Differ { derpd: u8, rustls: Option<u8> },
+    /// Only rustls sends one, to a peer's error alert.
+    RustlsOnly(u8),
+}
+
+use Sends::*;
+
+/// Alerts as the client got them: (level, description).
+type Alerts = Vec<(u8, u8)>;
+
+impl Sends {
+    /// The alerts derpd's client gets, and rustls's.
+    fn alerts(self) -> (Alerts, Alerts) {
+        let fatal = |d: Option<u8>| d.map(|d| (2, d)).into_iter().collect();
+        match self {
+            Nothing => (vec![], vec![]),
+            Both(d) => (fatal(Some(d)), fatal(Some(d))),
+            Differ { derpd, rustls } => (fatal(Some(derpd)), fatal(rustls)),
+            RustlsOnly(d) => (vec![], fatal(Some(d))),
+        }
+    }
 }
 
 /// How a server's reading ended.
@@ -237,7 +275,7 @@ async fn through_rustls(pki: &Pki, suite: Suite, steps: &[Step]) -> Outcome {
 }
 
 /// Client traffic that both servers must take alike, and how it must end for the server.
-fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
+fn scenarios() -> Vec<(&'static str, Vec<Step>, End, Sends)> {
     let big = pattern(MAX_FRAGMENT);
     let mut over = big.clone();
     over.extend_from_slice(&[CONTENT_APPLICATION_DATA, 0]);
@@ -258,6 +296,7 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
                 close(),
             ],
             End::Clean,
+            Nothing,
         ),
         (
             "key updates with and without a request between data",
@@ -273,6 +312,7 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
                 close(),
             ],
             End::Clean,
+            Nothing,
         ),
         (
             "32 key updates asking for one back, then data",
@@ -283,6 +323,7 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
             ]
             .concat(),
             End::Clean,
+            Nothing,
         ),
         (
             "33 key updates without data between",
@@ -293,51 +334,67 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
             ]
             .concat(),
             End::Error,
+            Differ {
+                derpd: UNEXPECTED_MESSAGE,
+                rustls: None,
+            },
         ),
         (
             "32 empty records, then close_notify",
             [vec![data(b"x")], vec![empty(); 32], vec![close()]].concat(),
             End::Clean,
+            Nothing,
         ),
         (
             "33 empty records",
             [vec![data(b"x"), Sync], vec![empty(); 33], vec![data(b"y")]].concat(),
             End::Error,
+            Differ {
+                derpd: UNEXPECTED_MESSAGE,
+                rustls: None,
+            },
         ),
         (
             "user_canceled, more data, close_notify",
             vec![data(b"a"), Alert(1, 90), data(b"b"), close()],
             End::Clean,
+            Nothing,
         ),
         (
             "close_notify as a fatal alert",
             vec![data(b"a"), Alert(2, 0), data(b"never read")],
             End::Clean,
+            Nothing,
         ),
         (
             "data after close_notify",
             vec![data(b"a"), close(), data(b"never read")],
             End::Clean,
+            Nothing,
         ),
         (
             "a fatal alert",
             vec![data(b"a"), Sync, Alert(2, 40), data(b"never read")],
             End::Error,
+            Nothing,
         ),
         (
             "a warning other than user_canceled",
             vec![data(b"a"), Sync, Alert(1, 42), data(b"never read")],
             End::Error,
+            RustlsOnly(DECODE_ERROR),
         ),
         (
             "an alert at a level that does not exist",
             vec![data(b"a"), Sync, Alert(3, 0), data(b"never read")],
             End::Error,
+            RustlsOnly(ILLEGAL_PARAMETER),
         ),
         (
             "a malformed alert",
             vec![data(b"a"), Sync, Inner(vec![1, 0, 0, CONTENT_ALERT])],
             End::Error,
+            Both(DECODE_ERROR),
         ),
         (
             "a tampered record",
@@ -348,26 +405,37 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
                 data(b"never read"),
             ],
             End::Error,
+            Both(BAD_RECORD_MAC),
         ),
         (
             "inner plaintext one byte over 2^14 + 1",
             vec![data(b"a"), Sync, Inner(over)],
             End::Error,
+            Both(RECORD_OVERFLOW),
         ),
         (
             "padding only, no content type",
             vec![data(b"a"), Sync, Inner(vec![0; 10])],
             End::Error,
+            Differ {
+                derpd: UNEXPECTED_MESSAGE,
+                rustls: None,
+            },
         ),
         (
             "an unknown content type",
             vec![data(b"a"), Sync, Inner(vec![1, 2, 3, 24])],
             End::Error,
+            Differ {
+                derpd: UNEXPECTED_MESSAGE,
+                rustls: Some(DECODE_ERROR),
+            },
         ),
         (
             "a change_cipher_spec inside a record",
             vec![data(b"a"), Sync, Inner(vec![1, 20])],
             End::Error,
+            Both(UNEXPECTED_MESSAGE),
         ),
         (
             "a handshake message other than KeyUpdate",
@@ -377,6 +445,10 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
                 Inner(vec![4, 0, 0, 1, 0, CONTENT_HANDSHAKE]),
             ],
             End::Error,
+            Differ {
+                derpd: UNEXPECTED_MESSAGE,
+                rustls: Some(DECODE_ERROR),
+            },
         ),
         (
             "a KeyUpdate with a request byte of 2",
@@ -386,6 +458,7 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
                 Inner(vec![24, 0, 0, 1, 2, CONTENT_HANDSHAKE]),
             ],
             End::Error,
+            Both(ILLEGAL_PARAMETER),
         ),
         (
             "a KeyUpdate with data behind it in its record",
@@ -395,11 +468,16 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
                 Inner(vec![24, 0, 0, 1, 0, b'x', CONTENT_HANDSHAKE]),
             ],
             End::Error,
+            Both(UNEXPECTED_MESSAGE),
         ),
         (
             "a plaintext alert after the handshake",
             vec![data(b"a"), Sync, Raw(vec![21, 3, 3, 0, 2, 2, 40])],
             End::Error,
+            Differ {
+                derpd: UNEXPECTED_MESSAGE,
+                rustls: Some(BAD_RECORD_MAC),
+            },
         ),
         (
             // rustls waits for records up to TLS 1.2's 2^14 + 2048 bytes and then fails to
@@ -407,16 +485,22 @@ fn scenarios() -> Vec<(&'static str, Vec<Step>, End)> {
             "a record over 2^14 + 256 bytes",
             vec![data(b"a"), Sync, Raw(oversized)],
             End::Error,
+            Differ {
+                derpd: RECORD_OVERFLOW,
+                rustls: Some(BAD_RECORD_MAC),
+            },
         ),
         (
             "a record too short for its tag",
             vec![data(b"a"), Sync, Raw(vec![23, 3, 3, 0, 3, 1, 2, 3])],
             End::Error,
+            Both(BAD_RECORD_MAC),
         ),
         (
             "a record cut short by the end of the stream",
             vec![data(b"a"), Sync, Raw(vec![23, 3, 3, 0, 40, 1, 2]), Fin],
             End::Error,
+            Nothing,
         ),
     ]
 }
@@ -426,7 +510,7 @@ async fn derpds_records_read_as_rustlss_in_every_suite() {
     let pki = pki();
     let mut differences = Vec::new();
     for suite in Suite::ALL {
-        for (what, steps, end) in scenarios() {
+        for (what, steps, end, sends) in scenarios() {
             // A hang is a difference too (a guard, not a measurement).
             let limit = std::time::Duration::from_secs(20);
             let Ok(derpd) = tokio::time::timeout(limit, through_derpd(&pki, suite, &steps)).await
@@ -439,12 +523,12 @@ async fn derpds_records_read_as_rustlss_in_every_suite() {
                 differences.push(format!("{suite:?}, {what}: rustls never finished"));
                 continue;
             };
-            if rustls.server_end != end {
+            let (derpds_alerts, rustlss_alerts) = sends.alerts();
+            if rustls.server_end != end || rustls.alerts != rustlss_alerts {
                 differences.push(format!("{suite:?}, {what}: rustls ended {rustls:?}"));
             }
-            // rustls may answer a broken record with a fatal alert; derpd closes without one.
             let mut expected = rustls.clone();
-            expected.alerts.clear();
+            expected.alerts = derpds_alerts;
             if derpd != expected {
                 differences.push(format!(
                     "{suite:?}, {what}:\n  derpd  {derpd:?}\n  rustls {rustls:?}"
@@ -493,8 +577,8 @@ async fn a_legacy_version_other_than_tls_1_2_is_ignored_by_derpd_and_fails_rustl
         assert_eq!(derpd.client_read, b"abc", "{suite:?}");
         assert!(derpd.close_notify, "{suite:?}");
         assert_eq!(rustls.server_read, b"a", "{suite:?}");
+        assert!(derpd.alerts.is_empty(), "{suite:?}");
         assert_eq!(rustls.server_end, End::Error, "{suite:?}");
-        const BAD_RECORD_MAC: u8 = 20;
         assert_eq!(rustls.alerts, [(2, BAD_RECORD_MAC)], "{suite:?}");
     }
 }

@@ -2,7 +2,7 @@
 //! misreading of RFC 8446 shared with rustls cannot pass both ends), in every suite: bytes
 //! both ways (records of every size from the server, OpenSSL's own record sizes and its
 //! padding from the client), key updates from either side, with and without a request for
-//! one back, and close_notify both ways.
+//! one back, close_notify both ways, and the alert for records the server refuses.
 //!
 //! `openssl` comes from scripts/test-tools; without it these tests fail, naming the
 //! install command.
@@ -334,5 +334,32 @@ async fn openssl_key_updates_and_close_notify_in_every_suite() {
             "{name}: no close_notify"
         );
         server.shutdown().await.expect("close_notify");
+    }
+}
+
+/// OpenSSL reads the alert the server sends when it refuses its records: 33 KeyUpdates in a
+/// row (`k`, each sent before the next is typed) are more records without data than the
+/// server takes, and RFC 8446 has unexpected_message for them. s_client names the alert it
+/// received in the error it prints.
+#[tokio::test]
+async fn openssl_reads_the_alert_for_records_the_server_refuses_in_every_suite() {
+    let pki = pki();
+    for name in OPENSSL_SUITES {
+        let (addr, accepted) = server_for(&pki, None).await;
+        let mut client = SClient::start(addr, name, &[]);
+        let mut server = accepted_stream(accepted, name).await;
+        let reader = tokio::spawn(async move {
+            let e = read_error(&mut server).await;
+            server.shutdown().await.expect("shutdown");
+            e
+        });
+        for _ in 0..=MAX_IDLE_RECORDS {
+            client.send(b"k\n");
+            client.stderr_until(b"KEYUPDATE").await;
+        }
+        let e = reader.await.expect("server task");
+        assert!(e.to_string().contains("without data"), "{name}: {e}");
+        client.stderr_until(b"alert unexpected message").await;
+        client.stderr_until(b"SSL alert number 10").await;
     }
 }

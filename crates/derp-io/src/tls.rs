@@ -21,7 +21,8 @@
 //! ends the stream (as does the end of the stream between records). A failed handshake sends
 //! the alert rustls chose; a refused record later gets the one RFC 8446 asks for, sealed
 //! under the current key, before the connection closes. The error is returned to the caller
-//! by every read from then on, and writes are refused.
+//! by every read from then on, and writes are refused, as they are after this side's
+//! close_notify.
 //!
 //! What it does not do: TLS 1.2 (a client that cannot speak TLS 1.3 is served by rustls's
 //! buffered connection instead), early data (not enabled), the client side, or handshake

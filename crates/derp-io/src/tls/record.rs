@@ -248,13 +248,21 @@ pub(super) enum WriteRefused {
     /// The connection failed on the reading side (see [`Shared::failed`]).
     #[error("tls connection failed: {0}")]
     Failed(RecordError),
+    /// This side sent close_notify: nothing may follow it (RFC 8446, section 6.1).
+    #[error("tls write after close_notify")]
+    Closed,
 }
 
 impl From<WriteRefused> for io::Error {
     fn from(e: WriteRefused) -> Self {
-        // ConnectionAborted, not a failed write: the connection had already ended (derp-server's
-        // writer tells the two apart by this kind).
-        io::Error::new(io::ErrorKind::ConnectionAborted, e)
+        let kind = match e {
+            // Not a failed write: the connection had already ended (derp-server's writer
+            // tells the two apart by this kind).
+            WriteRefused::Failed(_) => io::ErrorKind::ConnectionAborted,
+            // What a TCP socket says to a write after its own shutdown.
+            WriteRefused::Closed => io::ErrorKind::BrokenPipe,
+        };
+        io::Error::new(kind, e)
     }
 }
 

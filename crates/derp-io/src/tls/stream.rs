@@ -174,7 +174,8 @@ impl AsyncWrite for TlsWrite {
 
     /// Takes up to 64 KiB (`MAX_SEAL_PER_WRITE`) once earlier records are written, seals
     /// them and starts writing; what the socket does not take now goes out at the next
-    /// write or flush. Refuses once the reading half found the connection broken.
+    /// write or flush. Refuses once the reading half found the connection broken, and after
+    /// close_notify.
     fn poll_write_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -186,6 +187,9 @@ impl AsyncWrite for TlsWrite {
             // shutdown or the drop that ends the connection.
             let _ = this.poll_drain(cx);
             return Poll::Ready(Err(WriteRefused::Failed(e).into()));
+        }
+        if this.state.close_sent {
+            return Poll::Ready(Err(WriteRefused::Closed.into()));
         }
         ready!(this.poll_drain(cx))?;
         let total = bufs
@@ -232,15 +236,17 @@ impl AsyncWrite for TlsWrite {
     /// Sends close_notify, then ends the TCP stream's sending side. After the reading half
     /// failed, the failure's alert goes instead of close_notify (RFC 8446, section 6.1: an
     /// error alert closes the connection by itself), or nothing after the peer's own alert.
+    /// Either is sealed at the first call, behind what is not written yet, so that no write
+    /// gets in after it while it waits for the socket.
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if !this.state.close_sent && !this.state.failure_sealed {
-            ready!(this.poll_drain(cx))?;
-            if this.state.take_up_failure().is_none() {
-                this.state.update_key_if_due()?;
-                this.state.seal_alert(ALERT_WARNING, ALERT_CLOSE_NOTIFY)?;
-                this.state.close_sent = true;
-            }
+        if !this.state.close_sent
+            && !this.state.failure_sealed
+            && this.state.take_up_failure().is_none()
+        {
+            this.state.update_key_if_due()?;
+            this.state.seal_alert(ALERT_WARNING, ALERT_CLOSE_NOTIFY)?;
+            this.state.close_sent = true;
         }
         ready!(this.poll_drain(cx))?;
         Pin::new(&mut this.half).poll_shutdown(cx)

@@ -8,15 +8,16 @@ mod openssl;
 mod suites;
 
 use std::io::{self, Read as _, Write as _};
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Waker};
+use std::task::{Context, Poll, Waker};
 
 use ring::aead::Aad;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::ServerConfig;
 use rustls::{ClientConfig, ClientConnection, RootCertStore, SupportedProtocolVersion};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream as ClientStream;
@@ -497,6 +498,63 @@ async fn close_notify_ends_each_direction_cleanly() {
     server.shutdown().await.expect("server close_notify");
     // rustls reports an end without close_notify as an error; this one is clean.
     assert_eq!(client.read_to_end(&mut buf).await.expect("client eof"), 0);
+}
+
+/// Nothing follows the server's close_notify: a write after it is refused (`BrokenPipe`, as
+/// TCP refuses a write after its own shutdown) and seals nothing, also while the
+/// close_notify still waits for the socket, where a write would otherwise queue behind it.
+#[tokio::test]
+async fn writes_after_close_notify_are_refused() {
+    let pki = pki();
+    let (mut server, mut peer) = peer_pair(&pki, Suite::Aes128Gcm, None).await;
+    server.shutdown().await.expect("close_notify");
+    let sealed = server.write.state.keys.seq;
+    let e = server.write_all(b"late").await.expect_err("refused");
+    assert_eq!(e.kind(), io::ErrorKind::BrokenPipe, "{e}");
+    assert!(e.to_string().contains("close_notify"), "{e}");
+    assert_eq!(server.write.state.keys.seq, sealed);
+    assert_eq!(peer.recv().await, Sent::Alert(1, 0));
+    assert_eq!(peer.recv().await, Sent::End);
+
+    let (mut server, mut peer) = peer_pair(&pki, Suite::Chacha20Poly1305, None).await;
+    // Small socket buffers, so that the socket pushes back soon.
+    socket2::SockRef::from(server.tcp())
+        .set_send_buffer_size(4096)
+        .expect("send buffer");
+    socket2::SockRef::from(&peer.tcp)
+        .set_recv_buffer_size(4096)
+        .expect("receive buffer");
+    let mut cx = Context::from_waker(Waker::noop());
+    let chunk = pattern(MAX_FRAGMENT);
+    let mut written = 0;
+    loop {
+        match Pin::new(&mut server).poll_write(&mut cx, &chunk) {
+            Poll::Ready(Ok(n)) => written += n,
+            Poll::Ready(Err(e)) => panic!("write: {e}"),
+            Poll::Pending => break,
+        }
+    }
+    assert!(Pin::new(&mut server).poll_shutdown(&mut cx).is_pending());
+    assert!(server.write.state.close_sent);
+    match Pin::new(&mut server).poll_write(&mut cx, b"late") {
+        Poll::Ready(Err(e)) => assert_eq!(e.kind(), io::ErrorKind::BrokenPipe, "{e}"),
+        other => panic!("a write behind close_notify: {other:?}"),
+    }
+    let reader = tokio::spawn(async move {
+        let mut got = 0;
+        loop {
+            match peer.recv().await {
+                Sent::Data(data) => got += data.len(),
+                Sent::Alert(1, 0) => break,
+                other => panic!("before close_notify: {other:?}"),
+            }
+        }
+        assert_eq!(peer.recv().await, Sent::End, "after close_notify");
+        got
+    });
+    server.shutdown().await.expect("close_notify");
+    drop(server);
+    assert_eq!(reader.await.expect("reader"), written);
 }
 
 /// The server's stream after a handshake, and the client's raw socket with the client's

@@ -166,6 +166,17 @@ impl TlsRelay {
             .sum()
     }
 
+    /// A counter without labels.
+    pub(crate) fn unlabelled_counter(&self, name: &str) -> u64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric())
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
+    }
+
     pub(crate) async fn stop(self) {
         self.server.shutdown().await;
         let _ = self.task.await;

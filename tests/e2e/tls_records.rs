@@ -72,8 +72,8 @@ impl Relay {
         Self { tls, cert }
     }
 
-    /// A derp-client config whose TLS 1.3 offers `suite` alone.
-    fn client(&self, suite: rustls::CipherSuite) -> ClientConfig {
+    /// A rustls client config that offers TLS 1.3 with `suite` alone.
+    fn tls_config(&self, suite: rustls::CipherSuite) -> Arc<rustls::ClientConfig> {
         let mut provider = rustls::crypto::ring::default_provider();
         provider.cipher_suites.retain(|s| s.suite() == suite);
         let mut roots = RootCertStore::empty();
@@ -83,12 +83,17 @@ impl Relay {
             .expect("versions")
             .with_root_certificates(roots)
             .with_no_client_auth();
+        Arc::new(tls)
+    }
+
+    /// A derp-client config whose TLS 1.3 offers `suite` alone.
+    fn client(&self, suite: rustls::CipherSuite) -> ClientConfig {
         let url = format!("https://{HOST}:{}/derp", self.tls.addr.port());
         ClientConfig::new(&url, SecretKey::generate(&mut rand::rngs::OsRng))
             .expect("config")
             .with_dial_addr(self.tls.addr)
             .with_connect_timeout(STEP)
-            .with_tls_config(Arc::new(tls))
+            .with_tls_config(self.tls_config(suite))
     }
 
     /// Completed handshakes whose records `layer` seals and opens.
@@ -147,6 +152,34 @@ async fn every_suite_relays_through_derpds_record_layer() {
         assert_eq!(relay.connections("derpd"), 2 * (n as u64 + 1), "{suite:?}");
     }
     assert_eq!(relay.connections("rustls"), 0);
+    relay.stop().await;
+}
+
+/// A client that ends its TLS 1.3 stream with a TCP FIN alone, without close_notify, is read
+/// as having ended it, and counted in `derp_tls_truncations`.
+#[tokio::test]
+async fn a_stream_ended_without_close_notify_is_counted_as_a_truncation() {
+    let relay = Relay::start(TlsRecords::Derpd).await;
+    let truncations = || relay.tls.unlabelled_counter("derp_tls_truncations");
+    let before = truncations();
+    let connector = tokio_rustls::TlsConnector::from(relay.tls_config(SUITES[0].0));
+    let tcp = tokio::net::TcpStream::connect(relay.tls.addr)
+        .await
+        .expect("connect");
+    let name = rustls::pki_types::ServerName::try_from(HOST).expect("name");
+    let client = within("handshake", connector.connect(name, tcp))
+        .await
+        .expect("handshake");
+    let (mut tcp, _) = client.into_inner();
+    tcp.shutdown().await.expect("fin");
+    // The relay closes once it has read the end: then the truncation is counted.
+    let mut rest = Vec::new();
+    within("the relay's end", tcp.read_to_end(&mut rest))
+        .await
+        .expect("read");
+    assert_eq!(relay.connections("derpd"), 1);
+    // The count is the process's: other tests' streams may be in it too.
+    assert!(truncations() > before, "{before} before");
     relay.stop().await;
 }
 

@@ -12,17 +12,18 @@
 //! one copy; sent bytes are copied once into the record buffer and sealed there. An idle
 //! connection holds no record buffer in either direction ([`TlsRead::release_idle`],
 //! [`TlsWrite::shrink_idle`]), and its reader can wait for the socket to become readable
-//! without reading. Key updates work both ways: a peer's KeyUpdate is followed (and answered
-//! before the next data when it asks), and the sending side updates its own key before the
-//! negotiated suite's confidentiality limit, as rustls gives it. The three TLS 1.3 suites
-//! rustls offers are implemented ([`SUPPORTED_SUITES`]); a server config must offer no
-//! other. A peer's records are held to RFC 8446 as rustls holds them: a run of more than
-//! 32 records without data is refused, a user_canceled warning is passed over, close_notify
-//! ends the stream (as does the end of the stream between records). A failed handshake sends
-//! the alert rustls chose; a refused record later gets the one RFC 8446 asks for, sealed
-//! under the current key, before the connection closes. The error is returned to the caller
-//! by every read from then on, and writes are refused, as they are after this side's
-//! close_notify.
+//! without reading. Key updates work both ways: a peer's KeyUpdate is followed (and
+//! answered before the next data when it asks), and the sending side updates its own key
+//! before the negotiated suite's confidentiality limit, as rustls gives it. The three TLS
+//! 1.3 suites rustls offers are implemented ([`SUPPORTED_SUITES`]); a server config must
+//! offer no other. A peer's records are held to RFC 8446 as rustls holds them (but for the
+//! header's legacy version, which RFC 8446 says to ignore and rustls checks): a run of more
+//! than 32 records without data is refused, a user_canceled warning is passed over,
+//! close_notify ends the stream (as does the end of the stream between records, logged and
+//! counted as a truncation: [`truncations`]). A failed handshake sends the alert rustls
+//! chose; a refused record later gets the one RFC 8446 asks for, sealed under the current
+//! key, before the connection closes. The error is returned to the caller by every read
+//! from then on, and writes are refused, as they are after this side's close_notify.
 //!
 //! What it does not do: TLS 1.2 (a client that cannot speak TLS 1.3 is served by rustls's
 //! buffered connection instead), early data (not enabled), the client side, or handshake
@@ -45,7 +46,7 @@ mod stream;
 pub use handshake::{AcceptError, FinishedHandshake, accept};
 pub use hello::{ClientHello, MAX_CLIENT_HELLO};
 pub use record::{SUPPORTED_SUITES, supports};
-pub use stream::{TlsRead, TlsStream, TlsWrite};
+pub use stream::{TlsRead, TlsStream, TlsWrite, truncations};
 
 #[cfg(test)]
 mod tests;

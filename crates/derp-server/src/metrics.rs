@@ -409,6 +409,7 @@ impl Metrics {
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
         registry.register(Box::new(FdCollector::new()?))?;
+        registry.register(Box::new(TlsTruncations::new()?))?;
         Ok(Self {
             accepts: r.counter("derp_accepts", "connections accepted, before the handshake")?,
             current_connections: r.gauge(
@@ -675,6 +676,44 @@ impl prometheus::core::Collector for FdCollector {
             self.gauge.set(dir.count() as i64);
         }
         self.gauge.collect()
+    }
+}
+
+/// `derp_tls_truncations`, read from derp-io's process-wide count at scrape time: TLS 1.3
+/// streams on derpd's record layer whose client ended its sending without close_notify.
+/// The record layer reads such an end as the end of the stream (DERP frames delimit
+/// themselves), so this is where an operator sees the clients that do it.
+#[derive(Debug)]
+struct TlsTruncations {
+    counter: IntCounter,
+    /// Held while the counter catches up, so that two scrapes at once add each truncation once.
+    catching_up: std::sync::Mutex<()>,
+}
+
+impl TlsTruncations {
+    fn new() -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            counter: IntCounter::new(
+                "derp_tls_truncations",
+                "TLS 1.3 connections on derpd's record layer whose client ended its stream \
+                 without close_notify (read as the end of the stream)",
+            )?,
+            catching_up: std::sync::Mutex::new(()),
+        })
+    }
+}
+
+impl prometheus::core::Collector for TlsTruncations {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.counter.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let _held = self.catching_up.lock().unwrap_or_else(|e| e.into_inner());
+        let total = derp_io::tls::truncations();
+        self.counter
+            .inc_by(total.saturating_sub(self.counter.get()));
+        self.counter.collect()
     }
 }
 

@@ -279,6 +279,9 @@ pub(super) struct ReadState {
     pub(super) plain: Range<usize>,
     /// The peer sent close_notify, or ended the stream between records.
     pub(super) closed: bool,
+    /// The peer ended the stream between records without close_notify: a truncation
+    /// (RFC 8446, section 6.1), read as the end all the same.
+    pub(super) truncated: bool,
     /// What ended the reading with an error. Every read from then on returns it: the records
     /// after a bad one, or after the peer's error alert, must never be read (and a record
     /// that failed after earlier records' plaintext was handed over fails the next read).
@@ -308,6 +311,7 @@ impl ReadState {
             pos: 0,
             plain: 0..0,
             closed: false,
+            truncated: false,
             failure: None,
             idle_records: 0,
             shared,
@@ -388,8 +392,10 @@ impl ReadState {
             };
             if n == 0 {
                 if self.buf.is_empty() {
-                    // The peer closed without close_notify; nothing was cut short.
+                    // The peer closed without close_notify. DERP frames delimit themselves,
+                    // so no frame can have been cut short unnoticed: this is the end.
                     self.closed = true;
+                    self.truncated = true;
                     return Poll::Ready(Ok(()));
                 }
                 return Poll::Ready(Err(self.fail(io::Error::new(

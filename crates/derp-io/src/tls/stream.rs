@@ -4,6 +4,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -18,6 +19,17 @@ use super::record::{
 /// Plaintext sealed per write call at most, so the record buffer stays bounded when the
 /// caller hands over a large batch.
 const MAX_SEAL_PER_WRITE: usize = 64 * 1024;
+
+static TRUNCATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// The streams of this process whose peer ended its sending without close_notify (between
+/// records). Such an end reads as the end of the stream, DERP frames delimiting themselves,
+/// where RFC 8446 calls it a truncation; this count (with a debug log of each) is how an
+/// operator sees the clients that do it. A process-wide count: the record layer knows no
+/// metric registry.
+pub fn truncations() -> u64 {
+    TRUNCATIONS.load(Ordering::Relaxed)
+}
 
 /// A TLS 1.3 connection after its handshake. Read and write it whole, or split it.
 #[derive(Debug)]
@@ -123,9 +135,18 @@ impl AsyncRead for TlsRead {
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let Self { half, state } = self.get_mut();
-        state.poll_read_with(out, |buf| {
+        let was_closed = state.closed;
+        let read = state.poll_read_with(out, |buf| {
             tokio_util::io::poll_read_buf(Pin::new(&mut *half), cx, buf)
-        })
+        });
+        if state.truncated && !was_closed {
+            TRUNCATIONS.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                peer = ?half.peer_addr().ok(),
+                "tls peer ended its stream without close_notify"
+            );
+        }
+        read
     }
 }
 

@@ -557,6 +557,26 @@ async fn writes_after_close_notify_are_refused() {
     assert_eq!(reader.await.expect("reader"), written);
 }
 
+/// The end of the stream between records without close_notify reads as the end (DERP
+/// frames delimit themselves), told apart from close_notify: a truncation, counted.
+#[tokio::test]
+async fn an_end_without_close_notify_reads_as_the_end_and_counts_as_a_truncation() {
+    let (mut server, mut tcp, _conn) = raw_pair().await;
+    let before = truncations();
+    tcp.shutdown().await.expect("fin");
+    let mut buf = Vec::new();
+    assert_eq!(server.read_to_end(&mut buf).await.expect("an end"), 0);
+    assert!(server.read.state.truncated);
+    // Other tests' streams count too: at least this one.
+    assert!(truncations() > before);
+    assert_eq!(server.read(&mut [0; 8]).await.expect("still the end"), 0);
+
+    let (mut server, mut client) = pair().await;
+    client.shutdown().await.expect("close_notify");
+    assert_eq!(server.read_to_end(&mut buf).await.expect("an end"), 0);
+    assert!(!server.read.state.truncated);
+}
+
 /// The server's stream after a handshake, and the client's raw socket with the client's
 /// TLS state, to send records the client would not.
 async fn raw_pair() -> (TlsStream, TcpStream, ClientConnection) {

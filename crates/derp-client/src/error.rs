@@ -36,18 +36,56 @@ pub enum UrlError {
 }
 
 /// Why [`Client::connect`](crate::Client::connect) failed.
+///
+/// rustls's and quinn's errors are boxed: unboxed, they would make every
+/// `Result<_, ConnectError>`, and the errors that embed one, more than twice as large.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     /// The server URL could not be parsed.
     #[error("bad server url: {0}")]
     BadUrl(#[source] UrlError),
-    /// The TLS handshake failed (certificate not trusted, wrong name or pin, protocol error).
+    /// An extra root certificate (`ClientConfig::extra_roots`) cannot be trusted: it does not
+    /// parse as a CA certificate.
+    #[error("tls: extra root rejected: {source}")]
+    ExtraRoot {
+        /// Why rustls refused it.
+        source: Box<rustls::Error>,
+    },
+    /// The certificate verifier could not be built from the roots.
+    #[error("tls: building verifier: {source}")]
+    Verifier {
+        /// Why rustls could not build it.
+        source: Box<rustls::client::VerifierBuilderError>,
+    },
+    /// The crypto provider supports none of the TLS versions asked for.
+    #[error("tls: tls versions: {0}")]
+    TlsVersions(#[source] Box<rustls::Error>),
+    /// The TLS config cannot be used for QUIC: it offers no TLS 1.3 cipher suite QUIC can
+    /// start with (a caller's own `tls_config`, most likely).
     #[error("tls: {0}")]
-    Tls(String),
-    /// The QUIC connection could not be set up (handshake refused or failed, no common ALPN,
-    /// the server closed it with an error code).
+    QuicTlsConfig(#[source] quinn::crypto::rustls::NoInitialCipherSuite),
+    /// The TLS handshake failed: the server's certificate is not trusted, not valid for the
+    /// name or not the pinned one, the server sent an alert, or the protocol broke.
+    #[error("tls: {0}")]
+    TlsHandshake(#[source] Box<rustls::Error>),
+    /// The socket failed or was closed during the TLS handshake.
+    #[error("tls: {0}")]
+    TlsIo(#[source] io::Error),
+    /// The QUIC handshake failed in TLS: the connection was closed with a CRYPTO_ERROR
+    /// (codes 0x100-0x1ff, a TLS alert: untrusted certificate, no common ALPN).
+    #[error("tls: {0}")]
+    QuicTls(#[source] Box<quinn::ConnectionError>),
+    /// QUIC was asked for outside a tokio runtime.
+    #[error("quic: no tokio runtime: {0}")]
+    NoRuntime(#[source] tokio::runtime::TryCurrentError),
+    /// quinn refused to start the connection (a server name it cannot use, a stopping
+    /// endpoint).
     #[error("quic: {0}")]
-    Quic(String),
+    QuicConnect(#[source] Box<quinn::ConnectError>),
+    /// The QUIC connection could not be set up other than in TLS: no answer, a version not
+    /// spoken, the server refused it or closed it with an error code.
+    #[error("quic: {0}")]
+    QuicConnection(#[source] Box<quinn::ConnectionError>),
     /// A config value cannot be used (the reason says which).
     #[error("invalid client config: {0}")]
     InvalidConfig(&'static str),

@@ -90,6 +90,8 @@ pub use crate::writer::ClientWriter;
 pub use derp_io::quic::Congestion as QuicCongestion;
 pub use derp_proto::upgrade::UpgradeError;
 pub use derp_proto::ws::WsError;
+/// The quinn version this crate uses, whose errors the QUIC variants of [`ConnectError`] carry.
+pub use quinn;
 /// The rustls version this crate uses, for [`ClientConfig::tls_config`] and root certificates.
 pub use rustls;
 

@@ -26,7 +26,7 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
 
 async fn connect_inner(config: &ClientConfig) -> Result<Client, ConnectError> {
     let tls = tls::quic_client_config(config)?;
-    let crypto = QuicClientConfig::try_from(tls).map_err(|e| ConnectError::Tls(e.to_string()))?;
+    let crypto = QuicClientConfig::try_from(tls).map_err(ConnectError::QuicTlsConfig)?;
     let client = quinn::ClientConfig::new(Arc::new(crypto));
     let addrs = resolve(config, config.quic_dial_port()).await?;
     let mut last_err = None;
@@ -57,8 +57,8 @@ async fn connect_one(
         }
     });
     let socket = std::net::UdpSocket::bind(local)?;
-    let runtime =
-        quinn::default_runtime().ok_or_else(|| ConnectError::Quic("no tokio runtime".into()))?;
+    tokio::runtime::Handle::try_current().map_err(ConnectError::NoRuntime)?;
+    let runtime = Arc::new(quinn::TokioRuntime);
     let mut endpoint_config = EndpointConfig::default();
     endpoint_config.supported_versions(vec![QUIC_V1]);
     endpoint_config.cid_generator(|| {
@@ -72,7 +72,7 @@ async fn connect_one(
     let local_addr = endpoint.local_addr().ok();
     let connecting = endpoint
         .connect_with(client.clone(), addr, config.url.host())
-        .map_err(|e| ConnectError::Quic(e.to_string()))?;
+        .map_err(|e| ConnectError::QuicConnect(Box::new(e)))?;
     let conn = connecting.await.map_err(quic_error)?;
     let meta_key = conn
         .peer_identity()
@@ -102,8 +102,9 @@ async fn connect_one(
 }
 
 /// A QUIC error as a connect error: a failed TLS handshake (a CRYPTO_ERROR, 0x100-0x1ff:
-/// untrusted certificate, no common ALPN) is [`ConnectError::Tls`], as over TCP; the rest,
-/// including the server's application close codes, [`ConnectError::Quic`].
+/// untrusted certificate, no common ALPN) is [`ConnectError::QuicTls`], a TLS failure as over
+/// TCP; the rest, including the server's application close codes,
+/// [`ConnectError::QuicConnection`].
 fn quic_error(e: quinn::ConnectionError) -> ConnectError {
     let code = match &e {
         quinn::ConnectionError::TransportError(t) => Some(u64::from(t.code)),
@@ -111,8 +112,8 @@ fn quic_error(e: quinn::ConnectionError) -> ConnectError {
         _ => None,
     };
     match code {
-        Some(code) if (0x100..0x200).contains(&code) => ConnectError::Tls(e.to_string()),
-        _ => ConnectError::Quic(e.to_string()),
+        Some(code) if (0x100..0x200).contains(&code) => ConnectError::QuicTls(Box::new(e)),
+        _ => ConnectError::QuicConnection(Box::new(e)),
     }
 }
 
@@ -140,3 +141,50 @@ fn transport_config(config: &ClientConfig, server: IpAddr) -> TransportConfig {
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
 const DATAGRAM_RECEIVE_BUFFER: usize = 128 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use quinn::{ConnectionClose, ConnectionError, TransportErrorCode};
+
+    use super::*;
+
+    fn closed_by_peer(code: TransportErrorCode) -> ConnectionError {
+        ConnectionError::ConnectionClosed(ConnectionClose {
+            error_code: code,
+            frame_type: None,
+            reason: bytes::Bytes::new(),
+        })
+    }
+
+    #[test]
+    fn tls_alerts_are_told_from_other_quic_failures_by_close_code() {
+        // bad_certificate (42), as the server's TLS stack closes with it.
+        let err = quic_error(closed_by_peer(TransportErrorCode::crypto(42)));
+        assert!(matches!(err, ConnectError::QuicTls(_)), "{err:?}");
+        // unknown_ca (48): the client's own TLS refusing the server's certificate.
+        let local = quinn_proto::TransportError::from(TransportErrorCode::crypto(48));
+        let err = quic_error(ConnectionError::TransportError(local));
+        assert!(matches!(err, ConnectError::QuicTls(_)), "{err:?}");
+        assert!(err.to_string().starts_with("tls: "), "{err}");
+
+        let err = quic_error(closed_by_peer(TransportErrorCode::CONNECTION_REFUSED));
+        assert!(
+            matches!(
+                &err,
+                ConnectError::QuicConnection(e)
+                    if matches!(
+                        &**e,
+                        ConnectionError::ConnectionClosed(c)
+                            if c.error_code == TransportErrorCode::CONNECTION_REFUSED
+                    )
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().starts_with("quic: "), "{err}");
+        let err = quic_error(ConnectionError::TimedOut);
+        assert!(
+            matches!(&err, ConnectError::QuicConnection(e) if **e == ConnectionError::TimedOut),
+            "{err:?}"
+        );
+    }
+}

@@ -968,3 +968,82 @@ async fn refuses_bad_configs_before_dialing() {
         Err(ConnectError::BadUrl(_))
     ));
 }
+
+/// A TLS server on 127.0.0.1 with a fresh self-signed certificate for that address, for one
+/// handshake; returns its `https://` URL and the certificate.
+async fn self_signed_tls_server() -> (String, rustls::pki_types::CertificateDer<'static>) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".into()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let der = cert.der().clone();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![der.clone()],
+            rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der()).into(),
+        )
+        .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}/derp", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        if let Ok((tcp, _)) = listener.accept().await {
+            let _ = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(tls))
+                .accept(tcp)
+                .await;
+        }
+    });
+    (url, der)
+}
+
+#[tokio::test]
+async fn an_untrusted_certificate_is_a_tls_handshake_error_with_rustls_reason() {
+    let (url, _) = self_signed_tls_server().await;
+    let err = within(Client::connect(&config(&url, client_a_secret())))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ConnectError::TlsHandshake(e)
+                if **e == rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer)
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_certificate_other_than_the_pinned_one_is_a_tls_handshake_error() {
+    let (url, _) = self_signed_tls_server().await;
+    let cfg =
+        config(&url, client_a_secret()).with_cert_name(format!("sha256-raw:{}", "ab".repeat(32)));
+    let err = within(Client::connect(&cfg)).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ConnectError::TlsHandshake(e)
+                if **e == rustls::Error::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure)
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_hang_up_during_the_tls_handshake_is_a_tls_io_error() {
+    let (listener, url) = listen().await;
+    let url = url.replacen("http://", "https://", 1);
+    let server = tokio::spawn(async move {
+        let _ = listener.accept().await.unwrap();
+    });
+    let err = within(Client::connect(&config(&url, client_a_secret())))
+        .await
+        .unwrap_err();
+    within(server).await.unwrap();
+    // An end of stream or a reset, depending on whether the ClientHello was read.
+    assert!(matches!(err, ConnectError::TlsIo(_)), "{err:?}");
+    assert!(err.to_string().starts_with("tls: "), "{err}");
+}

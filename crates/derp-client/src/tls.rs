@@ -165,12 +165,16 @@ fn build(config: &ClientConfig, quic: bool) -> Result<Arc<rustls::ClientConfig>,
             for root in &config.extra_roots {
                 roots
                     .add(root.clone())
-                    .map_err(|e| ConnectError::Tls(format!("extra root rejected: {e}")))?;
+                    .map_err(|e| ConnectError::ExtraRoot {
+                        source: Box::new(e),
+                    })?;
             }
             let webpki =
                 WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
                     .build()
-                    .map_err(|e| ConnectError::Tls(format!("building verifier: {e}")))?;
+                    .map_err(|e| ConnectError::Verifier {
+                        source: Box::new(e),
+                    })?;
             match other {
                 Some(CertName::Name(name)) => {
                     let name = ServerName::try_from(name).map_err(|_| {
@@ -192,7 +196,7 @@ fn build(config: &ClientConfig, quic: bool) -> Result<Arc<rustls::ClientConfig>,
         builder.with_safe_default_protocol_versions()
     };
     let mut tls = builder
-        .map_err(|e| ConnectError::Tls(format!("tls versions: {e}")))?
+        .map_err(|e| ConnectError::TlsVersions(Box::new(e)))?
         .dangerous()
         .with_custom_certificate_verifier(verifier)
         .with_no_client_auth();
@@ -215,9 +219,18 @@ pub async fn handshake(
     let stream = tokio_rustls::TlsConnector::from(tls)
         .connect(server_name, tcp)
         .await
-        .map_err(|e| ConnectError::Tls(e.to_string()))?;
+        .map_err(handshake_error)?;
     let key = fast_start_key(stream.get_ref().1);
     Ok((stream, key))
+}
+
+/// tokio-rustls reports rustls's refusals inside an `io::Error`; they are taken out so that
+/// callers can tell an untrusted certificate from a reset socket.
+fn handshake_error(e: std::io::Error) -> ConnectError {
+    match e.downcast::<rustls::Error>() {
+        Ok(tls) => ConnectError::TlsHandshake(Box::new(tls)),
+        Err(io) => ConnectError::TlsIo(io),
+    }
 }
 
 /// Accepts exactly one leaf certificate, by hash; handshake signatures are still checked.
@@ -326,6 +339,8 @@ impl ServerCertVerifier for NameOverrideVerifier {
 
 #[cfg(test)]
 mod tests {
+    use derp_testkit::client_a_secret;
+
     use super::*;
 
     #[test]
@@ -432,6 +447,30 @@ mod tests {
         assert_eq!(
             CertName::parse(&pin).unwrap(),
             Some(CertName::Pin(Sha256::digest(der.as_ref()).into()))
+        );
+    }
+
+    #[test]
+    fn an_extra_root_that_does_not_parse_is_refused_with_rustls_reason() {
+        let config = ClientConfig::new("https://derp.example.com/derp", client_a_secret())
+            .unwrap()
+            .with_extra_root(CertificateDer::from(b"not a certificate".to_vec()));
+        let err = client_config(&config).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                ConnectError::ExtraRoot { source }
+                    if matches!(
+                        **source,
+                        rustls::Error::InvalidCertificate(CertificateError::BadEncoding)
+                    )
+            ),
+            "{err:?}"
+        );
+        assert!(std::error::Error::source(&err).is_some());
+        assert!(
+            err.to_string().starts_with("tls: extra root rejected: "),
+            "{err}"
         );
     }
 

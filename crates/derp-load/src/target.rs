@@ -376,16 +376,30 @@ pub fn describe_connect_error(e: &ConnectError) -> String {
             )
         }
         ConnectError::Timeout(_) => format!("{e} (server unreachable or overloaded)"),
-        other if other.to_string().to_ascii_lowercase().contains("tls") => format!(
+        other if is_tls(other) => format!(
             "{other} (https://, wss:// and quic:// need a certificate the client trusts: \
              --cert-name sha256-raw:<pin> for a self-signed node, or --ca FILE for a private CA)"
         ),
-        ConnectError::Quic(_) => format!(
+        ConnectError::QuicConnect(_) | ConnectError::QuicConnection(_) => format!(
             "{e} (is QUIC enabled on the server, and is that its UDP port? derpd serves it on \
              TLS nodes with --quic-port)"
         ),
         other => other.to_string(),
     }
+}
+
+/// Whether setting up TLS or its handshake failed, over TCP or QUIC.
+fn is_tls(e: &ConnectError) -> bool {
+    matches!(
+        e,
+        ConnectError::ExtraRoot { .. }
+            | ConnectError::Verifier { .. }
+            | ConnectError::TlsVersions(_)
+            | ConnectError::QuicTlsConfig(_)
+            | ConnectError::TlsHandshake(_)
+            | ConnectError::TlsIo(_)
+            | ConnectError::QuicTls(_)
+    )
 }
 
 /// A short, stable name for a connect error, for failure counts.
@@ -403,8 +417,10 @@ pub fn connect_error_kind(e: &ConnectError) -> String {
         ConnectError::Decode(_) | ConnectError::UnexpectedFrame { .. } => "bad_frame".into(),
         ConnectError::Handshake(_) => "handshake".into(),
         ConnectError::Connection(_) => "connection".into(),
-        ConnectError::Quic(_) => "quic".into(),
-        other if other.to_string().to_ascii_lowercase().contains("tls") => "tls".into(),
+        ConnectError::NoRuntime(_)
+        | ConnectError::QuicConnect(_)
+        | ConnectError::QuicConnection(_) => "quic".into(),
+        other if is_tls(other) => "tls".into(),
         _ => "other".into(),
     }
 }
@@ -519,4 +535,45 @@ pub enum SpawnError {
     /// Its listener on 127.0.0.1.
     #[error("listening on 127.0.0.1 for the in-process relay")]
     Listen(#[source] std::io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use derp_client::quinn::{ConnectionClose, ConnectionError, TransportErrorCode};
+    use derp_client::rustls;
+
+    use super::*;
+
+    #[test]
+    fn tls_and_quic_failures_keep_their_kinds_and_hints() {
+        let crypto_close = ConnectionError::ConnectionClosed(ConnectionClose {
+            error_code: TransportErrorCode::crypto(42),
+            frame_type: None,
+            reason: Default::default(),
+        });
+        let tls = [
+            ConnectError::ExtraRoot {
+                source: Box::new(rustls::Error::InvalidCertificate(
+                    rustls::CertificateError::BadEncoding,
+                )),
+            },
+            ConnectError::TlsHandshake(Box::new(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer,
+            ))),
+            ConnectError::TlsIo(std::io::ErrorKind::ConnectionReset.into()),
+            ConnectError::QuicTls(Box::new(crypto_close)),
+        ];
+        for e in &tls {
+            assert_eq!(connect_error_kind(e), "tls", "{e:?}");
+            assert!(describe_connect_error(e).contains("--cert-name"), "{e:?}");
+        }
+        let quic = ConnectError::QuicConnection(Box::new(ConnectionError::TimedOut));
+        assert_eq!(connect_error_kind(&quic), "quic");
+        assert!(describe_connect_error(&quic).contains("--quic-port"));
+        let no_runtime = tokio::runtime::Handle::try_current().expect_err("a plain test");
+        assert_eq!(
+            connect_error_kind(&ConnectError::NoRuntime(no_runtime)),
+            "quic"
+        );
+    }
 }

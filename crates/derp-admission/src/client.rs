@@ -2,7 +2,8 @@
 //! few pooled connections, and GETs over a Unix socket; every exchange under a deadline, with
 //! the response head and body capped.
 
-use std::path::Path;
+use std::io;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,14 +24,99 @@ use tracing::debug;
 use crate::AdmissionError;
 
 /// Why an exchange gave no usable response.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum Failure {
     /// No response head arrived: the server is down, unreachable, refused TLS, or did not
     /// answer in time.
-    Unreachable(String),
+    #[error(transparent)]
+    Unreachable(Unreachable),
     /// A response arrived but was unusable: a head that could not be read (too large, not
     /// HTTP), or a body too large, broken, or too slow.
-    BadBody(String),
+    #[error(transparent)]
+    BadBody(BadBody),
+}
+
+impl From<Unreachable> for Failure {
+    fn from(e: Unreachable) -> Self {
+        Self::Unreachable(e)
+    }
+}
+
+impl From<BadBody> for Failure {
+    fn from(e: BadBody) -> Self {
+        Self::BadBody(e)
+    }
+}
+
+/// Why no response head arrived.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Unreachable {
+    /// The TCP or Unix-socket connection was not made before the deadline.
+    #[error("connect timed out")]
+    ConnectTimeout,
+    /// The TCP connection was refused or failed.
+    #[error("connecting to {host}:{port}: {source}")]
+    Connect {
+        /// The host of the URL.
+        host: String,
+        /// The port.
+        port: u16,
+        /// Why it failed.
+        source: io::Error,
+    },
+    /// The Unix socket could not be connected to.
+    #[error("connecting to {}: {source}", socket.display())]
+    ConnectUnix {
+        /// The socket's path.
+        socket: PathBuf,
+        /// Why it failed.
+        source: io::Error,
+    },
+    /// The TLS handshake did not finish before the deadline.
+    #[error("tls handshake timed out")]
+    TlsTimeout,
+    /// rustls refused the server (an untrusted certificate, most likely) or the handshake.
+    /// Boxed: it is twice the size of any other variant.
+    #[error("tls: {0}")]
+    Tls(#[source] Box<rustls::Error>),
+    /// The socket failed or was closed during the TLS handshake.
+    #[error("tls: {0}")]
+    TlsIo(#[source] io::Error),
+    /// The HTTP/1.1 connection was not set up before the deadline.
+    #[error("http handshake timed out")]
+    HttpTimeout,
+    /// The HTTP/1.1 connection could not be set up.
+    #[error("http: {0}")]
+    Http(#[source] hyper::Error),
+    /// The request could not be built.
+    #[error("request: {0}")]
+    BuildRequest(#[source] http::Error),
+    /// The request could not be sent, or the connection failed before a response head.
+    #[error("request: {0}")]
+    Request(#[source] hyper::Error),
+    /// No response head arrived before the deadline.
+    #[error("no response in time")]
+    ResponseTimeout,
+}
+
+/// Why a response that arrived is unusable.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BadBody {
+    /// The response head could not be read: too large, or not HTTP.
+    #[error("response: {0}")]
+    Head(#[source] hyper::Error),
+    /// The body did not arrive before the deadline.
+    #[error("the response body did not arrive in time")]
+    BodyTimeout,
+    /// Reading the body failed.
+    #[error("reading the body: {0}")]
+    Body(#[source] hyper::Error),
+    /// The body is longer than the cap.
+    #[error("the response body is larger than {max} bytes")]
+    TooLarge {
+        /// The cap.
+        max: usize,
+    },
 }
 
 /// Where POSTs go, parsed once.
@@ -174,17 +260,17 @@ impl PostClient {
                 // Something answered, in a form derpd cannot read: the server is there, and
                 // failing open would admit whoever a broken answer is about.
                 Ok(Err(e)) if e.is_parse() || e.is_parse_too_large() || e.is_parse_status() => {
-                    return Err(Failure::BadBody(format!("response: {e}")));
+                    return Err(BadBody::Head(e).into());
                 }
                 Ok(Err(_)) if pooled => continue,
-                Ok(Err(e)) => return Err(Failure::Unreachable(format!("request: {e}"))),
-                Err(_) => return Err(Failure::Unreachable("no response in time".into())),
+                Ok(Err(e)) => return Err(Unreachable::Request(e).into()),
+                Err(_) => return Err(Unreachable::ResponseTimeout.into()),
             }
         };
         let status = resp.status();
         let body = timeout_at(deadline, read_capped(resp.into_body(), max_body))
             .await
-            .map_err(|_| Failure::BadBody("the response body did not arrive in time".into()))??;
+            .map_err(|_| BadBody::BodyTimeout)??;
         if !sender.is_closed() {
             // Ready again once the response is fully read, which it now is.
             if timeout_at(deadline, sender.ready())
@@ -221,17 +307,19 @@ impl PostClient {
         let t = &self.target;
         let tcp = timeout_at(deadline, TcpStream::connect((t.host.as_str(), t.port)))
             .await
-            .map_err(|_| Failure::Unreachable("connect timed out".into()))?
-            .map_err(|e| {
-                Failure::Unreachable(format!("connecting to {}:{}: {e}", t.host, t.port))
+            .map_err(|_| Unreachable::ConnectTimeout)?
+            .map_err(|source| Unreachable::Connect {
+                host: t.host.clone(),
+                port: t.port,
+                source,
             })?;
         let _ = tcp.set_nodelay(true);
         match (&self.tls, &t.tls) {
             (Some(connector), Some(name)) => {
                 let stream = timeout_at(deadline, connector.connect(name.clone(), tcp))
                     .await
-                    .map_err(|_| Failure::Unreachable("tls handshake timed out".into()))?
-                    .map_err(|e| Failure::Unreachable(format!("tls: {e}")))?;
+                    .map_err(|_| Unreachable::TlsTimeout)?
+                    .map_err(tls_error)?;
                 handshake(stream, deadline).await
             }
             _ => handshake(tcp, deadline).await,
@@ -250,8 +338,8 @@ where
             .handshake(TokioIo::new(io)),
     )
     .await
-    .map_err(|_| Failure::Unreachable("http handshake timed out".into()))?
-    .map_err(|e| Failure::Unreachable(format!("http: {e}")))?;
+    .map_err(|_| Unreachable::HttpTimeout)?
+    .map_err(Unreachable::Http)?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             debug!(error = %e, "admission connection ended");
@@ -272,12 +360,15 @@ pub(crate) async fn get_unix(
 ) -> Result<(StatusCode, Bytes), Failure> {
     let stream = timeout_at(deadline, tokio::net::UnixStream::connect(socket))
         .await
-        .map_err(|_| Failure::Unreachable("connect timed out".into()))?
-        .map_err(|e| Failure::Unreachable(format!("connecting to {}: {e}", socket.display())))?;
+        .map_err(|_| Unreachable::ConnectTimeout)?
+        .map_err(|source| Unreachable::ConnectUnix {
+            socket: socket.to_owned(),
+            source,
+        })?;
     let mut sender = handshake(stream, deadline).await?;
     let mut req = Request::get(path_and_query)
         .body(Full::new(Bytes::new()))
-        .map_err(|e| Failure::Unreachable(format!("request: {e}")))?;
+        .map_err(Unreachable::BuildRequest)?;
     req.headers_mut()
         .insert(header::HOST, HeaderValue::from_static(host));
     for (name, value) in extra {
@@ -286,29 +377,36 @@ pub(crate) async fn get_unix(
     }
     let resp = timeout_at(deadline, sender.send_request(req))
         .await
-        .map_err(|_| Failure::Unreachable("no response in time".into()))?
-        .map_err(|e| Failure::Unreachable(format!("request: {e}")))?;
+        .map_err(|_| Unreachable::ResponseTimeout)?
+        .map_err(Unreachable::Request)?;
     let status = resp.status();
     let body = timeout_at(deadline, read_capped(resp.into_body(), max_body))
         .await
-        .map_err(|_| Failure::BadBody("the response body did not arrive in time".into()))??;
+        .map_err(|_| BadBody::BodyTimeout)??;
     Ok((status, body))
 }
 
 async fn read_capped(mut body: Incoming, max: usize) -> Result<Bytes, Failure> {
     let mut out = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| Failure::BadBody(format!("reading the body: {e}")))?;
+        let frame = frame.map_err(BadBody::Body)?;
         if let Ok(data) = frame.into_data() {
             if out.len() + data.len() > max {
-                return Err(Failure::BadBody(format!(
-                    "the response body is larger than {max} bytes"
-                )));
+                return Err(BadBody::TooLarge { max }.into());
             }
             out.extend_from_slice(&data);
         }
     }
     Ok(out.freeze())
+}
+
+/// tokio-rustls reports rustls's refusals inside an `io::Error`; they are taken out so that
+/// an untrusted certificate is told from a reset socket.
+fn tls_error(e: io::Error) -> Unreachable {
+    match e.downcast::<rustls::Error>() {
+        Ok(tls) => Unreachable::Tls(Box::new(tls)),
+        Err(io) => Unreachable::TlsIo(io),
+    }
 }
 
 fn tls_config(
@@ -337,7 +435,93 @@ fn tls_config(
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
     use super::*;
+
+    async fn post(
+        url: &str,
+        max_body: usize,
+        within: Duration,
+    ) -> Result<(StatusCode, Bytes), Failure> {
+        let client = PostClient::new(Target::parse(url).expect("url"), &[]).expect("client");
+        let deadline = Instant::now() + within;
+        client
+            .post_json(Bytes::from_static(b"{}"), deadline, max_body)
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_server_that_is_not_listening_is_unreachable_with_the_connect_error() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").port()
+        };
+        let err = post(
+            &format!("http://127.0.0.1:{port}/verify"),
+            4096,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect_err("nothing listens there");
+        assert!(
+            matches!(
+                &err,
+                Failure::Unreachable(Unreachable::Connect { source, .. })
+                    if source.kind() == io::ErrorKind::ConnectionRefused
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .starts_with(&format!("connecting to 127.0.0.1:{port}: ")),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_server_that_never_answers_is_a_response_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/verify", listener.local_addr().expect("addr"));
+        let server = tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await.expect("accept");
+            let mut buf = Vec::new();
+            let _ = io.read_to_end(&mut buf).await;
+        });
+        let err = post(&url, 4096, Duration::from_millis(300))
+            .await
+            .expect_err("no answer");
+        assert!(
+            matches!(err, Failure::Unreachable(Unreachable::ResponseTimeout)),
+            "{err:?}"
+        );
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_cap_is_a_bad_body() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/verify", listener.local_addr().expect("addr"));
+        let server = tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await.expect("accept");
+            let mut buf = [0u8; 4096];
+            let _ = io.read(&mut buf).await;
+            let body = vec![b'x'; 100];
+            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+            let _ = io.write_all(head.as_bytes()).await;
+            let _ = io.write_all(&body).await;
+            let _ = io.read(&mut buf).await;
+        });
+        let err = post(&url, 10, Duration::from_secs(10))
+            .await
+            .expect_err("too large");
+        assert!(
+            matches!(err, Failure::BadBody(BadBody::TooLarge { max: 10 })),
+            "{err:?}"
+        );
+        server.abort();
+    }
 
     #[test]
     fn urls_parse_or_are_refused_clearly() {

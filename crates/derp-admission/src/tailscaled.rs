@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use crate::cache::{CacheConfig, Decision, DecisionCache};
-use crate::client::{Failure, get_unix};
+use crate::client::get_unix;
 use crate::metrics::{AdmissionMetrics, WarnLimiter};
 
 /// Where tailscaled listens on Linux unless told otherwise (derper's `--socket` default).
@@ -71,7 +71,7 @@ impl LocalTailscaled {
             }
         };
         match outcome {
-            Err(Failure::Unreachable(e) | Failure::BadBody(e)) => error(e),
+            Err(e) => error(e.to_string()),
             Ok((StatusCode::NOT_FOUND, _)) => {
                 self.metrics.request("tailscaled", "deny");
                 Decision {

@@ -108,12 +108,12 @@ impl VerifyUrl {
                         definite: false,
                     }
                 } else {
-                    refuse("unavailable", e)
+                    refuse("unavailable", e.to_string())
                 }
             }
             Err(Failure::BadBody(e)) => {
                 self.metrics.request("url", "error");
-                refuse("bad_response", e)
+                refuse("bad_response", e.to_string())
             }
             Ok((status, _)) if !status.is_success() => {
                 self.metrics.request("url", "error");

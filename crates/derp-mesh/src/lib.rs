@@ -42,7 +42,7 @@ pub use backoff::BackoffConfig;
 pub use metrics::ForwardDrop;
 /// The rustls version the mesh's TLS configuration is built with.
 pub use rustls;
-pub use sibling::{DialHost, Sibling, SiblingError, parse_mesh_with};
+pub use sibling::{DialHost, DialHostError, Sibling, SiblingError, parse_mesh_with};
 pub use trust::{TrustError, TrustSummary, mesh_tls_config};
 
 use link::{Link, LinkQueue};

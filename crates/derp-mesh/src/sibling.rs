@@ -9,7 +9,7 @@
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
-use derp_client::{Scheme, ServerUrl};
+use derp_client::{Scheme, ServerUrl, UrlError};
 
 /// One sibling node of the region.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,14 +59,42 @@ impl fmt::Display for Sibling {
 /// Why a `--mesh-with` entry was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SiblingError {
-    /// The entry is not a usable host, `host/dialhost` pair or URL.
-    #[error("mesh entry {entry:?}: {reason}")]
-    Invalid {
+    /// The entry, or the `https://host/derp` URL its host makes, is not a DERP URL.
+    #[error("mesh entry {entry:?}: {source}")]
+    Url {
         /// The entry as written.
         entry: String,
-        /// What is wrong with it.
-        reason: String,
+        /// Why the URL was refused.
+        source: UrlError,
     },
+    /// The entry is a URL of a scheme meshes do not use (ws://, wss://).
+    #[error("mesh entry {entry:?}: mesh URLs must be http://, https:// or quic://")]
+    Scheme {
+        /// The entry as written.
+        entry: String,
+    },
+    /// The `dialhost` of a `host/dialhost` entry is not usable.
+    #[error("mesh entry {entry:?}: {source}")]
+    DialHost {
+        /// The entry as written.
+        entry: String,
+        /// What is wrong with the dial host.
+        source: DialHostError,
+    },
+}
+
+/// Why the `dialhost` of a `host/dialhost` entry was refused.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum DialHostError {
+    /// Nothing follows the '/'.
+    #[error("empty dial host after '/'")]
+    Empty,
+    /// The port is not a number in 1..=65535.
+    #[error("bad port in dial host {0:?}")]
+    Port(String),
+    /// The host is neither an IP address nor a host name.
+    #[error("dial host {0:?} is not a name or address")]
+    NotANameOrAddress(String),
 }
 
 /// Parses a comma-separated `--mesh-with` list. Every entry is dialed, the node's own
@@ -83,16 +111,16 @@ pub fn parse_mesh_with(list: &str) -> Result<Vec<Sibling>, SiblingError> {
 }
 
 fn parse_entry(entry: &str) -> Result<Sibling, SiblingError> {
-    let invalid = |reason: String| SiblingError::Invalid {
+    let bad_url = |source| SiblingError::Url {
         entry: entry.to_owned(),
-        reason,
+        source,
     };
     if entry.contains("://") {
-        let url: ServerUrl = entry.parse().map_err(|e| invalid(format!("{e}")))?;
+        let url: ServerUrl = entry.parse().map_err(bad_url)?;
         if !matches!(url.scheme(), Scheme::Http | Scheme::Https | Scheme::Quic) {
-            return Err(invalid(
-                "mesh URLs must be http://, https:// or quic://".into(),
-            ));
+            return Err(SiblingError::Scheme {
+                entry: entry.to_owned(),
+            });
         }
         return Ok(Sibling {
             label: entry.to_owned(),
@@ -104,13 +132,14 @@ fn parse_entry(entry: &str) -> Result<Sibling, SiblingError> {
         Some((host, dial)) => (host, Some(dial)),
         None => (entry, None),
     };
-    let url: ServerUrl = format!("https://{host}/derp")
-        .parse()
-        .map_err(|e| invalid(format!("{e}")))?;
-    let dial = match dial {
-        None => None,
-        Some(d) => Some(parse_dial_host(d, url.port()).map_err(invalid)?),
-    };
+    let url: ServerUrl = format!("https://{host}/derp").parse().map_err(bad_url)?;
+    let dial = dial
+        .map(|d| parse_dial_host(d, url.port()))
+        .transpose()
+        .map_err(|source| SiblingError::DialHost {
+            entry: entry.to_owned(),
+            source,
+        })?;
     Ok(Sibling {
         label: entry.to_owned(),
         url,
@@ -120,9 +149,9 @@ fn parse_entry(entry: &str) -> Result<Sibling, SiblingError> {
 
 /// `dialhost`: an IP, `ip:port`, `[v6]:port`, a name or `name:port`. Without a port the
 /// URL's is used, as derper's dialer keeps the port of the address it was asked for.
-fn parse_dial_host(s: &str, default_port: u16) -> Result<DialHost, String> {
+fn parse_dial_host(s: &str, default_port: u16) -> Result<DialHost, DialHostError> {
     if s.is_empty() {
-        return Err("empty dial host after '/'".into());
+        return Err(DialHostError::Empty);
     }
     if let Ok(addr) = s.parse::<SocketAddr>() {
         return Ok(DialHost::Addr(addr));
@@ -140,7 +169,7 @@ fn parse_dial_host(s: &str, default_port: u16) -> Result<DialHost, String> {
                 .parse::<u16>()
                 .ok()
                 .filter(|p| *p != 0)
-                .ok_or_else(|| format!("bad port in dial host {s:?}"))?;
+                .ok_or_else(|| DialHostError::Port(s.to_owned()))?;
             (name, port)
         }
         None => (s, default_port),
@@ -150,7 +179,7 @@ fn parse_dial_host(s: &str, default_port: u16) -> Result<DialHost, String> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
     if !valid {
-        return Err(format!("dial host {s:?} is not a name or address"));
+        return Err(DialHostError::NotANameOrAddress(s.to_owned()));
     }
     Ok(DialHost::Name(name.to_owned(), port))
 }
@@ -215,19 +244,55 @@ mod tests {
     }
 
     #[test]
-    fn bad_entries_are_refused() {
-        for bad in [
-            "ws://h/derp",
-            "ftp://h",
-            "h/",
-            "h/bad name",
-            "h/x:0",
-            "h/x:port",
-            "bad host",
-            "h:99999",
+    fn bad_entries_are_refused_with_what_is_wrong() {
+        let url = |entry: &str, source| SiblingError::Url {
+            entry: entry.into(),
+            source,
+        };
+        let dial = |entry: &str, source| SiblingError::DialHost {
+            entry: entry.into(),
+            source,
+        };
+        for (bad, want) in [
+            (
+                "ws://h/derp",
+                SiblingError::Scheme {
+                    entry: "ws://h/derp".into(),
+                },
+            ),
+            ("ftp://h", url("ftp://h", UrlError::UnsupportedScheme)),
+            ("h/", dial("h/", DialHostError::Empty)),
+            (
+                "h/bad name",
+                dial(
+                    "h/bad name",
+                    DialHostError::NotANameOrAddress("bad name".into()),
+                ),
+            ),
+            ("h/x:0", dial("h/x:0", DialHostError::Port("x:0".into()))),
+            (
+                "h/x:port",
+                dial("h/x:port", DialHostError::Port("x:port".into())),
+            ),
+            ("bad host", url("bad host", UrlError::InvalidHost)),
+            ("h:99999", url("h:99999", UrlError::InvalidPort)),
         ] {
-            assert!(parse_mesh_with(bad).is_err(), "{bad}");
+            assert_eq!(parse_mesh_with(bad), Err(want), "{bad}");
         }
         assert_eq!(parse_mesh_with(" , ,"), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn a_url_that_does_not_parse_keeps_the_parse_error_as_its_source() {
+        let err = parse_mesh_with("https://h:0/derp").expect_err("port 0");
+        let source = std::error::Error::source(&err).expect("a source");
+        assert_eq!(
+            source.downcast_ref::<UrlError>(),
+            Some(&UrlError::InvalidPort)
+        );
+        assert_eq!(
+            err.to_string(),
+            "mesh entry \"https://h:0/derp\": url port is not valid"
+        );
     }
 }

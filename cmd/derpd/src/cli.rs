@@ -124,13 +124,20 @@ pub(crate) struct Cli {
     #[arg(long, value_delimiter = ',', action = ArgAction::Set, requires = "proxy_protocol")]
     pub(crate) proxy_protocol_from: Vec<derp_server::IpCidr>,
 
-    /// HTTP reverse proxies (CIDR) whose X-Forwarded-For (or, without it, X-Real-IP)
-    /// headers name a DERP client's address (nginx's http module, which cannot send PROXY
-    /// protocol); they must append to X-Forwarded-For or overwrite it. From anyone else
-    /// those headers are ignored. Comma separated; given more than once, the last list wins
-    /// (it replaces, never adds: a later flag narrows an earlier one).
+    /// HTTP reverse proxies (CIDR) whose --forwarded-header names a DERP client's address
+    /// (nginx's http module, which cannot send PROXY protocol). From anyone else no header is
+    /// believed. Comma separated; given more than once, the last list wins (it replaces,
+    /// never adds: a later flag narrows an earlier one).
     #[arg(long, value_delimiter = ',', action = ArgAction::Set)]
     pub(crate) trust_forwarded_from: Vec<derp_server::IpCidr>,
+
+    /// The one header the --trust-forwarded-from proxies set, and the only one read: the
+    /// other is passed on as the client wrote it. x-forwarded-for: the proxies append to it
+    /// (nginx's $proxy_add_x_forwarded_for) or overwrite it, and the rightmost entry that is
+    /// not a trusted proxy is the client. x-real-ip: they overwrite it with the address they
+    /// saw (nginx's `X-Real-IP $remote_addr`). Only with --trust-forwarded-from.
+    #[arg(long, value_enum, default_value_t = ForwardedHeaderArg::XForwardedFor)]
+    pub(crate) forwarded_header: ForwardedHeaderArg,
 
     /// Also serve Prometheus metrics at /metrics on this address (e.g. 127.0.0.1:9090),
     /// without access control.
@@ -273,6 +280,7 @@ const GO_KINDS: &GoKinds = &[
     ("proxy-protocol", GoKind::Bool),
     ("proxy-protocol-from", GoKind::String),
     ("trust-forwarded-from", GoKind::String),
+    ("forwarded-header", GoKind::String),
     ("metrics-addr", GoKind::String),
     ("packet-metrics", GoKind::Bool),
     ("mesh-psk-file", GoKind::String),
@@ -422,6 +430,24 @@ fn parse_restart_duration(s: &str) -> Result<Duration, String> {
         ));
     }
     Ok(d)
+}
+
+/// The header of `--forwarded-header`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ForwardedHeaderArg {
+    /// X-Forwarded-For, a list each proxy appends to.
+    XForwardedFor,
+    /// X-Real-IP, one address the proxy sets.
+    XRealIp,
+}
+
+impl From<ForwardedHeaderArg> for derp_server::ForwardedHeader {
+    fn from(arg: ForwardedHeaderArg) -> Self {
+        match arg {
+            ForwardedHeaderArg::XForwardedFor => Self::XForwardedFor,
+            ForwardedHeaderArg::XRealIp => Self::XRealIp,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -614,22 +640,27 @@ mod tests {
             "10.0.0.0/8,127.0.0.1",
             "--trust-forwarded-from",
             "127.0.0.1",
+            "--forwarded-header",
+            "x-real-ip",
         ])
         .expect("parses");
         assert!(cli.proxy_protocol);
         assert_eq!(cli.proxy_protocol_from.len(), 2);
         assert_eq!(cli.trust_forwarded_from.len(), 1);
+        assert_eq!(cli.forwarded_header, ForwardedHeaderArg::XRealIp);
         for bad in [
             &["--proxy-protocol"][..],
             &["--proxy-protocol-from", "10.0.0.0/8"],
             &["--proxy-protocol", "--proxy-protocol-from", "10.0.0.0/40"],
             &["--trust-forwarded-from", "nonsense"],
+            &["--forwarded-header", "forwarded"],
         ] {
             let args = std::iter::once("derpd").chain(bad.iter().copied());
             assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
         }
         let defaults = Cli::try_parse_from(["derpd"]).expect("parses");
         assert!(!defaults.proxy_protocol && defaults.trust_forwarded_from.is_empty());
+        assert_eq!(defaults.forwarded_header, ForwardedHeaderArg::XForwardedFor);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Flags that mean something only beside another setting: the certificate mode, TLS, DERP
-//! over QUIC, the mesh links. Every combination in which a flag cannot act is found here, in
-//! one place, which the start and `--check` both run before anything branches on those
-//! settings.
+//! over QUIC, the mesh links, trusted HTTP proxies. Every combination in which a flag cannot
+//! act is found here, in one place, which the start and `--check` both run before anything
+//! branches on those settings.
 //!
 //! Such a combination is refused when derper refuses it, or when the flag is derpd's own (no
 //! derper command line carries it, and an operator who wrote it expects it to act). derper's
@@ -46,6 +46,7 @@ const ACME_DERPERS: &[&str] = &["acme_email", "acme_eab_kid", "acme_eab_key"];
 const MANUAL_OWN: &[&str] = &["cert_reload_interval"];
 const QUIC_OWN: &[&str] = &["quic_congestion"];
 const MESH_OWN: &[&str] = &["mesh_ca_file", "mesh_ping_interval"];
+const FORWARDED_OWN: &[&str] = &["forwarded_header"];
 
 /// Why TLS is off, as the messages say it.
 const NO_TLS: &str = "the listener serves plain HTTP (TLS is served only when --addr's port \
@@ -65,6 +66,7 @@ pub(crate) fn review(cli: &Cli, tls: bool, listen_port: u16) -> Review {
     }
     quic(cli, tls, listen_port, &mut r);
     mesh(cli, &mut r);
+    forwarded(cli, &mut r);
     r
 }
 
@@ -270,6 +272,19 @@ fn mesh(cli: &Cli, r: &mut Review) {
     }
 }
 
+/// A header is believed only from the proxies `--trust-forwarded-from` lists: without them,
+/// naming the header would look like a setting that acts when nothing reads it.
+fn forwarded(cli: &Cli, r: &mut Review) {
+    let own = given(cli, FORWARDED_OWN);
+    if cli.trust_forwarded_from.is_empty() && !own.is_empty() {
+        r.errors.push(format!(
+            "{} {} for the HTTP proxies of --trust-forwarded-from, which names none",
+            names(&own),
+            is_are(&own)
+        ));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,6 +313,7 @@ mod tests {
             MANUAL_OWN,
             QUIC_OWN,
             MESH_OWN,
+            FORWARDED_OWN,
         ]
         .concat()
         {
@@ -463,6 +479,28 @@ mod tests {
                 "--mesh-ca-file",
                 "/ca.pem",
                 "--mesh-ping-interval=0",
+            ])
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn the_forwarded_header_needs_trusted_proxies() {
+        assert_eq!(
+            errors(&["--forwarded-header", "x-real-ip"]),
+            [
+                "--forwarded-header is for the HTTP proxies of --trust-forwarded-from, which \
+              names none"
+            ]
+        );
+        // Given with its default value, it is still given.
+        assert_eq!(errors(&["--forwarded-header=x-forwarded-for"]).len(), 1);
+        assert!(
+            errors(&[
+                "--trust-forwarded-from",
+                "127.0.0.1/32",
+                "--forwarded-header",
+                "x-real-ip"
             ])
             .is_empty()
         );

@@ -135,6 +135,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     config.debug_allow = cli.debug_allow_cidr.clone();
     config.proxy_protocol = cli.proxy_protocol.then(|| cli.proxy_protocol_from.clone());
     config.trust_forwarded_from = cli.trust_forwarded_from.clone();
+    config.forwarded_header = cli.forwarded_header.into();
     if cli.proxy_protocol {
         info!(
             from = %cidrs_text(&cli.proxy_protocol_from),
@@ -144,7 +145,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if !cli.trust_forwarded_from.is_empty() {
         info!(
             from = %cidrs_text(&cli.trust_forwarded_from),
-            "X-Forwarded-For and X-Real-IP name DERP clients on connections from these proxies"
+            header = config.forwarded_header.name(),
+            "a forwarded header names DERP clients on connections from these proxies"
         );
     }
     config.packet_metrics = cli.packet_metrics;

@@ -487,7 +487,7 @@ fn check_shows_a_list_flag_given_twice_narrowed_to_its_last_list() {
     assert!(ok, "{out}");
     let line = out
         .lines()
-        .find(|l| l.contains("X-Forwarded-For / X-Real-IP name DERP clients"))
+        .find(|l| l.contains("X-Forwarded-For (and no other header) names DERP clients"))
         .unwrap_or_else(|| panic!("no forwarded-headers line:\n{out}"));
     assert!(
         line.ends_with("on connections from 192.0.2.1/32"),

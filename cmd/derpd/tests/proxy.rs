@@ -24,6 +24,7 @@ use derp_client::rustls::pki_types::{CertificateDer, ServerName};
 use derp_client::{Client, ClientConfig, TransportKind};
 use derp_proto::PublicKey;
 use derp_testkit::child::LoggedChild;
+use derp_testkit::raw::{RawClient, plain_info};
 use support::{DERPD, Node, STEP, TempDir, expect_packet, free_port, secret};
 
 const HOST: &str = "derp.example.com";
@@ -226,6 +227,34 @@ fn wait_logged(node: &mut Node, message: &str, field: &str, ip: &str) {
         let a: SocketAddr = v["fields"][field].as_str()?.parse().ok()?;
         (m.starts_with(message) && a.ip() == ip).then_some(())
     });
+}
+
+/// The address derpd logged for the client `key` when it connected.
+fn connected_from(node: &Node, key: &PublicKey) -> SocketAddr {
+    let short = key.short();
+    node.find_log("the client's connected line", |v| {
+        let f = &v["fields"];
+        (f["message"].as_str()? == "client connected" && f["key"].as_str()? == short)
+            .then(|| f["remote"].as_str()?.parse().ok())?
+    })
+}
+
+/// A TCP connection from `source` to `to`.
+async fn connect_from(source: &str, to: SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(SocketAddr::new(source.parse().expect("ip"), 0))
+        .expect("bind");
+    socket.connect(to).await.expect("connect")
+}
+
+/// A DERP client speaking the wire format itself on `stream` (after whatever the caller
+/// wrote on it): its upgrade request carries `extra_headers` (each line ending in CRLF), and
+/// it is registered when this returns.
+async fn raw_client_on(stream: tokio::net::TcpStream, extra_headers: &str) -> RawClient {
+    let mut c = RawClient::upgrade_on(stream, secret(), extra_headers).await;
+    c.handshake(plain_info()).await;
+    c
 }
 
 /// A client of `url` (dialled at 127.0.0.1:`port`) from `source`, trusting `root`, and its
@@ -608,6 +637,38 @@ async fn nginx_http_passes_upgrades_and_names_clients_in_forwarded_headers() {
         s.read_to_string(&mut answer).expect("read");
         assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
     }
+}
+
+/// nginx that sets only `X-Real-IP` passes on a client's own `X-Forwarded-For` as the client
+/// wrote it: with `--forwarded-header x-real-ip` derpd reads the header nginx set, and
+/// nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_sets_only_x_real_ip_is_read_by_that_header_alone() {
+    let dir = TempDir::new("nginx-real-ip");
+    let derpd = start_derpd(&args(&[
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--trust-forwarded-from",
+        "127.0.0.1/32",
+        "--forwarded-header",
+        "x-real-ip",
+    ]));
+    let port = free_port();
+    let body = format!(
+        "http {{\n{}server {{\n listen 127.0.0.1:{port};\n location /derp {{\n\
+         proxy_pass http://{};\n proxy_http_version 1.1;\n\
+         proxy_set_header Upgrade $http_upgrade;\n proxy_set_header Connection \"upgrade\";\n\
+         proxy_set_header X-Real-IP $remote_addr;\n }}\n}}\n}}\n",
+        nginx_http_paths(&dir),
+        derpd.addr
+    );
+    let mut proxy = nginx(&dir, &body);
+    proxy.wait_listening(port, STEP);
+
+    let stream = connect_from(CLIENT_A, SocketAddr::from(([127, 0, 0, 1], port))).await;
+    let forger = raw_client_on(stream, "X-Forwarded-For: 203.0.113.7\r\n").await;
+    let seen = connected_from(&derpd, &forger.key);
+    assert_eq!(seen.ip().to_string(), CLIENT_A, "the client forged {seen}");
 }
 
 #[test]

@@ -65,9 +65,12 @@ pub struct ServerConfig {
     /// [`ProxyProtocol`](crate::ProxyProtocol).
     pub proxy_protocol: Option<Vec<IpCidr>>,
     /// Networks of HTTP reverse proxies (nginx's `http` module, which cannot send PROXY
-    /// protocol) whose `X-Forwarded-For` / `X-Real-IP` headers name the client of a DERP
-    /// upgrade. From anyone else those headers are ignored for addressing.
+    /// protocol) whose [`forwarded_header`](Self::forwarded_header) names the client of a
+    /// request. From anyone else no header is believed for addressing.
     pub trust_forwarded_from: Vec<IpCidr>,
+    /// The one header those proxies set: the other is never read, since a proxy passes it on
+    /// as the client wrote it. `X-Forwarded-For` by default.
+    pub forwarded_header: ForwardedHeader,
     /// What `/bootstrap-dns` serves; `None` answers with an empty document, as derper does
     /// with no names configured. The embedder runs its refresh task
     /// ([`BootstrapDns::run`](crate::BootstrapDns::run)).
@@ -103,9 +106,31 @@ impl ServerConfig {
             tcp: TcpOptions::default(),
             proxy_protocol: None,
             trust_forwarded_from: Vec::new(),
+            forwarded_header: ForwardedHeader::default(),
             bootstrap_dns: None,
             tcp_rtt_interval: Some(TCP_RTT_INTERVAL),
             debug_info: Vec::new(),
+        }
+    }
+}
+
+/// The request header in which trusted HTTP proxies name the client they pass a request on
+/// for (see `proxy.rs` for why only one is read).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For`, a list each proxy appends to; the rightmost untrusted entry.
+    #[default]
+    XForwardedFor,
+    /// `X-Real-IP`, one address the proxy sets.
+    XRealIp,
+}
+
+impl ForwardedHeader {
+    /// The header's name, as written in logs and docs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::XForwardedFor => "X-Forwarded-For",
+            Self::XRealIp => "X-Real-IP",
         }
     }
 }

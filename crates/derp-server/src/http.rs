@@ -144,7 +144,8 @@ fn forwarded_in_head(shared: &ServerState, head: &[u8]) -> Option<std::net::IpAd
     let mut req = httparse::Request::new(&mut headers);
     req.parse(head).ok()?;
     let pairs = req.headers.iter().map(|h| (h.name, h.value));
-    crate::proxy::forwarded_client(pairs, &shared.config.trust_forwarded_from)
+    let config = &shared.config;
+    crate::proxy::forwarded_client(pairs, config.forwarded_header, &config.trust_forwarded_from)
 }
 
 /// [`forwarded_in_head`] for a request hyper parsed.
@@ -153,7 +154,8 @@ fn forwarded_in_request<B>(shared: &ServerState, req: &Request<B>) -> Option<std
         .headers()
         .iter()
         .map(|(name, value)| (name.as_str(), value.as_bytes()));
-    crate::proxy::forwarded_client(pairs, &shared.config.trust_forwarded_from)
+    let config = &shared.config;
+    crate::proxy::forwarded_client(pairs, config.forwarded_header, &config.trust_forwarded_from)
 }
 
 /// Runs DERP on an upgraded stream: answers the upgrade (unless the client asked for fast

@@ -68,8 +68,8 @@ pub use bootstrap_dns::{
     REFRESH_INTERVAL as BOOTSTRAP_DNS_REFRESH_INTERVAL, Resolver, address_in_rollout,
 };
 pub use config::{
-    DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, HANDSHAKE_TIMEOUT, HomePage, IpCidr,
-    KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
+    DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, ForwardedHeader, HANDSHAKE_TIMEOUT, HomePage,
+    IpCidr, KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
 pub use derp_io::{BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, tune_listener, tune_socket};
 pub use http::{Rewind, generate_204, http1_builder, text};

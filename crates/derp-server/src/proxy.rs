@@ -1,5 +1,5 @@
 //! Connections that come through a proxy: the PROXY protocol header a TCP load balancer puts
-//! in front of each connection it passes on, and the `X-Forwarded-For` / `X-Real-IP` headers
+//! in front of each connection it passes on, and the `X-Forwarded-For` or `X-Real-IP` header
 //! of an HTTP reverse proxy (which cannot send PROXY protocol). Either way the client's
 //! address takes the proxy's place for everything after it: the per-source unproven cap,
 //! logs, admission requests, PeerPresent.
@@ -16,12 +16,23 @@
 //!
 //! **Forwarded headers** (`forwarded_client`): believed only on connections from the networks
 //! of `--trust-forwarded-from`, which, like a balancer's, are not capped per source until a
-//! DERP upgrade names its client. The client is the rightmost `X-Forwarded-For` entry that is
-//! not itself a trusted proxy: each proxy appends the address it saw connecting, so walking
-//! from the right through trusted hops reaches the first address a trusted proxy saw from
-//! outside, and everything left of it was written by parties nobody vouches for. When every
-//! entry is a trusted proxy, the leftmost is taken. Without a usable `X-Forwarded-For`, a
-//! single `X-Real-IP` is taken. The port is unknown, so it is 0.
+//! DERP upgrade names its client. Only the one header the operator names
+//! ([`ForwardedHeader`], `--forwarded-header`) is read: a proxy passes on every header it does
+//! not set itself, so a second header would be the client's own words wherever the proxy sets
+//! only the first (nginx with `X-Real-IP $remote_addr` alone passes a client's
+//! `X-Forwarded-For` through unchanged).
+//!
+//! - `X-Forwarded-For` (the default: the shipped nginx recipe appends to it with
+//!   `$proxy_add_x_forwarded_for`, and this rule makes an appended list trustworthy): the
+//!   client is the rightmost entry that is not itself a trusted proxy. Each proxy appends the
+//!   address it saw connecting, so walking from the right through trusted hops reaches the
+//!   first address a trusted proxy saw from outside, and everything left of it was written by
+//!   parties nobody vouches for. When every entry is a trusted proxy, the leftmost is taken.
+//!   An entry on the walk that is no address makes the list unusable.
+//! - `X-Real-IP`: one line holding one address, which the proxy must overwrite (nginx's
+//!   `proxy_set_header` replaces the client's); two lines name nobody.
+//!
+//! The port is unknown, so it is 0.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -34,7 +45,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::config::IpCidr;
+use crate::config::{ForwardedHeader, IpCidr};
 use crate::listen::ConnGuard;
 
 /// Which listener a connection came in on, for the metrics' `listener` label.
@@ -358,40 +369,38 @@ pub async fn open_connection<S: AsyncRead + Unpin>(
     })
 }
 
-/// The client an HTTP reverse proxy at a trusted address says it passes a request on for
-/// (see the module docs for the rule): `None` when neither header gives a usable address.
-/// `headers` yields every header of the request as (name, value); names in any case.
+/// The client an HTTP reverse proxy at a trusted address says it passes a request on for, in
+/// `header` (see the module docs for the rule): `None` when the header gives no usable
+/// address. `headers` yields every header of the request as (name, value); names in any case.
 pub(crate) fn forwarded_client<'a>(
     headers: impl Iterator<Item = (&'a str, &'a [u8])>,
+    header: ForwardedHeader,
     trusted: &[IpCidr],
 ) -> Option<IpAddr> {
-    let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.contains(ip));
-    let mut entries: Vec<&[u8]> = Vec::new();
-    let mut real_ips = Vec::new();
-    for (name, value) in headers {
-        if name.eq_ignore_ascii_case("x-forwarded-for") {
+    let mut values = headers
+        .filter(|(name, _)| name.eq_ignore_ascii_case(header.name()))
+        .map(|(_, value)| value);
+    match header {
+        ForwardedHeader::XForwardedFor => {
             // Several header lines are one list, in order (RFC 9110, 5.3).
-            entries.extend(value.split(|&b| b == b','));
-        } else if name.eq_ignore_ascii_case("x-real-ip") {
-            real_ips.push(value);
+            let entries: Vec<&[u8]> = values.flat_map(|v| v.split(|&b| b == b',')).collect();
+            let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.contains(ip));
+            let mut client = None;
+            for entry in entries.iter().rev() {
+                // A trusted hop wrote something that is no address: the list is unusable.
+                let ip = forwarded_ip(entry)?;
+                client = Some(ip);
+                if !is_trusted(ip) {
+                    break;
+                }
+            }
+            client
         }
+        ForwardedHeader::XRealIp => match (values.next(), values.next()) {
+            (Some(one), None) => forwarded_ip(one),
+            _ => None,
+        },
     }
-    let mut from_list = None;
-    for entry in entries.iter().rev() {
-        let Some(ip) = forwarded_ip(entry) else {
-            // A trusted hop wrote something that is no address: the list is unusable.
-            from_list = None;
-            break;
-        };
-        from_list = Some(ip);
-        if !is_trusted(ip) {
-            break;
-        }
-    }
-    from_list.or_else(|| match real_ips.as_slice() {
-        [one] => forwarded_ip(one),
-        _ => None,
-    })
 }
 
 /// One address of a forwarded header: `ip`, `ipv4:port`, `[ipv6]` or `[ipv6]:port`, with
@@ -416,9 +425,21 @@ mod tests {
         list.iter().map(|n| n.parse().expect("cidr")).collect()
     }
 
-    fn client(headers: &[(&str, &str)], trusted: &[&str]) -> Option<IpAddr> {
+    fn named_in(
+        header: ForwardedHeader,
+        headers: &[(&str, &str)],
+        trusted: &[&str],
+    ) -> Option<IpAddr> {
         let pairs = headers.iter().map(|(n, v)| (*n, v.as_bytes()));
-        forwarded_client(pairs, &nets(trusted))
+        forwarded_client(pairs, header, &nets(trusted))
+    }
+
+    fn client(headers: &[(&str, &str)], trusted: &[&str]) -> Option<IpAddr> {
+        named_in(ForwardedHeader::XForwardedFor, headers, trusted)
+    }
+
+    fn real_ip_client(headers: &[(&str, &str)], trusted: &[&str]) -> Option<IpAddr> {
+        named_in(ForwardedHeader::XRealIp, headers, trusted)
     }
 
     fn ip(s: &str) -> Option<IpAddr> {
@@ -480,13 +501,13 @@ mod tests {
         );
     }
 
+    /// The header the operator did not name is never read: a proxy that sets only the other
+    /// one passes it on as the client wrote it.
     #[test]
-    fn x_real_ip_stands_in_only_for_a_missing_or_unusable_list() {
+    fn only_the_named_header_is_read() {
         let trusted = ["127.0.0.1"];
-        assert_eq!(
-            client(&[("X-Real-IP", "203.0.113.8")], &trusted),
-            ip("203.0.113.8")
-        );
+        // X-Forwarded-For: a lone X-Real-IP is the client's own, whatever the list says.
+        assert_eq!(client(&[("X-Real-IP", "203.0.113.8")], &trusted), None);
         assert_eq!(
             client(
                 &[
@@ -497,7 +518,7 @@ mod tests {
             ),
             ip("198.51.100.2")
         );
-        // Garbage where a trusted hop wrote: the list is not used.
+        // Garbage where a trusted hop wrote: the list is not used, and nothing stands in.
         assert_eq!(
             client(
                 &[
@@ -506,18 +527,40 @@ mod tests {
                 ],
                 &trusted
             ),
+            None
+        );
+        assert_eq!(client(&[("Host", "x")], &trusted), None);
+        assert_eq!(client(&[("X-Forwarded-For", "")], &trusted), None);
+
+        // X-Real-IP (nginx with `proxy_set_header X-Real-IP $remote_addr` and nothing else):
+        // the client's own X-Forwarded-For came through untouched and names nobody.
+        assert_eq!(
+            real_ip_client(
+                &[
+                    ("X-Forwarded-For", "198.51.100.2"),
+                    ("x-real-ip", "203.0.113.8")
+                ],
+                &trusted
+            ),
             ip("203.0.113.8")
+        );
+        assert_eq!(
+            real_ip_client(&[("X-Forwarded-For", "198.51.100.2")], &trusted),
+            None
+        );
+        assert_eq!(
+            real_ip_client(&[("X-Real-IP", " [2001:db8::8]:443 ")], &trusted),
+            ip("2001:db8::8")
         );
         // Two X-Real-IP lines: which one? Neither.
         assert_eq!(
-            client(
+            real_ip_client(
                 &[("X-Real-IP", "203.0.113.8"), ("X-Real-IP", "203.0.113.9")],
                 &trusted
             ),
             None
         );
-        assert_eq!(client(&[("Host", "x")], &trusted), None);
-        assert_eq!(client(&[("X-Forwarded-For", "")], &trusted), None);
+        assert_eq!(real_ip_client(&[("X-Real-IP", "unknown")], &trusted), None);
     }
 }
 

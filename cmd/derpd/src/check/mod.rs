@@ -281,7 +281,8 @@ fn check_proxies(cli: &Cli, ip: std::net::IpAddr, tls: bool, quic: bool, r: &mut
         r.ok(
             "proxy",
             format!(
-                "X-Forwarded-For / X-Real-IP name DERP clients on connections from {}",
+                "{} (and no other header) names DERP clients on connections from {}",
+                derp_server::ForwardedHeader::from(cli.forwarded_header).name(),
                 crate::cidrs_text(&cli.trust_forwarded_from)
             ),
         );

@@ -565,5 +565,10 @@ pub fn flags_that_cannot_act_together() -> Vec<(Vec<&'static str>, &'static str)
             ]),
             "--mesh-ca-file is trusted by https:// and quic:// mesh links only",
         ),
+        (
+            plain(&["--forwarded-header", "x-real-ip"]),
+            "--forwarded-header is for the HTTP proxies of --trust-forwarded-from, which names \
+             none",
+        ),
     ]
 }

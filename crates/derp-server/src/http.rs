@@ -361,23 +361,37 @@ fn route(
         return probe(req.method());
     }
     if upgrade::is_derp_path(path) {
-        let forwarded = peer
-            .forwarder
-            .then(|| forwarded_in_request(shared, &req))
-            .flatten();
-        let remote = forwarded.map_or(peer.remote, |ip| SocketAddr::new(ip, 0));
+        let (remote, forwarded) = client_of(shared, &req, peer);
         return derp_via_hyper(shared, req, remote, forwarded, guard);
     }
     match path {
         "/generate_204" => generate_204(&req),
         "/robots.txt" => browser_headers(text(StatusCode::OK, "User-agent: *\nDisallow: /\n")),
+        // The rollout share is drawn from the client's address: behind an HTTP proxy the
+        // proxy's would put every client on one side.
         "/bootstrap-dns" => browser_headers(crate::bootstrap_dns::serve(
             shared.config.bootstrap_dns.as_deref(),
             &req,
-            peer.remote,
+            client_of(shared, &req, peer).0,
         )),
         _ => home(&shared.config.home),
     }
+}
+
+/// Whose request `req` is: the client a trusted HTTP proxy names in it (also returned alone,
+/// port 0), or else the connection's client as admitted (a PROXY protocol header's, or the
+/// socket's peer).
+fn client_of<B>(
+    shared: &ServerState,
+    req: &Request<B>,
+    peer: Peer,
+) -> (SocketAddr, Option<std::net::IpAddr>) {
+    let forwarded = peer
+        .forwarder
+        .then(|| forwarded_in_request(shared, req))
+        .flatten();
+    let remote = forwarded.map_or(peer.remote, |ip| SocketAddr::new(ip, 0));
+    (remote, forwarded)
 }
 
 /// Whether a request may see the `/debug/` pages (Prometheus text and the others): from

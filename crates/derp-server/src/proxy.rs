@@ -2,7 +2,7 @@
 //! in front of each connection it passes on, and the `X-Forwarded-For` or `X-Real-IP` header
 //! of an HTTP reverse proxy (which cannot send PROXY protocol). Either way the client's
 //! address takes the proxy's place for everything after it: the per-source unproven cap,
-//! logs, admission requests, PeerPresent.
+//! logs, admission requests, PeerPresent, the `/bootstrap-dns` rollout.
 //!
 //! **PROXY protocol** (`ProxyProtocol`): only peers in the configured networks may connect;
 //! anyone else is closed at accept. A listed peer must open with a valid header (version 1
@@ -723,6 +723,111 @@ mod listener_tests {
             .await;
         assert_eq!(answer(s).await, "");
         assert_eq!(count(&r, "derp_proxy_protocol_refused", "not_allowed"), 1.0);
+        server.shutdown().await;
+    }
+
+    /// Names for `/bootstrap-dns`: `pub.example` for everyone, `hidden.example` only to
+    /// clients in a 50 % rollout.
+    #[derive(Debug)]
+    struct Names;
+
+    impl crate::Resolver for Names {
+        fn lookup_ip<'a>(&'a self, name: &'a str) -> crate::LookupFuture<'a, Vec<IpAddr>> {
+            let found = match name {
+                "pub.example" => Ok(vec![IpAddr::from([192, 0, 2, 7])]),
+                "hidden.example" => Ok(vec![IpAddr::from([192, 0, 2, 1])]),
+                _ => Err(std::io::ErrorKind::NotFound.into()),
+            };
+            Box::pin(async move { found })
+        }
+
+        fn lookup_txt<'a>(&'a self, name: &'a str) -> crate::LookupFuture<'a, Vec<String>> {
+            let found = match name {
+                "rollout.example" => Ok(vec!["50".to_owned()]),
+                _ => Err(std::io::ErrorKind::NotFound.into()),
+            };
+            Box::pin(async move { found })
+        }
+    }
+
+    /// `/bootstrap-dns` draws a client's rollout share from the address its connection was
+    /// admitted with: a PROXY protocol header's client, or the client a trusted HTTP proxy
+    /// (here one behind the balancer) names; never the proxy's own.
+    #[tokio::test]
+    async fn bootstrap_dns_rolls_out_by_the_proxied_client() {
+        let in_rollout = |ip: &str| crate::address_in_rollout(ip.parse().expect("ip"), 0.5);
+        // An address on the other side of the rollout from `ip`: where answering by the
+        // wrong address gives the wrong answer.
+        let opposite = |ip: &str| {
+            (1..=254)
+                .map(|i| format!("203.0.113.{i}"))
+                .find(|c| in_rollout(c) != in_rollout(ip))
+                .expect("some addresses fall on each side")
+        };
+        let http_proxy = "192.0.2.10";
+
+        let registry = Registry::new();
+        let dns = crate::BootstrapDns::new(
+            crate::BootstrapDnsConfig {
+                published: "pub.example".into(),
+                unpublished: "hidden.example/rollout.example".into(),
+            },
+            Arc::new(Names),
+            &registry,
+        )
+        .expect("metrics");
+        dns.refresh().await;
+        let mut config = ServerConfig::new(derp_testkit::server_secret());
+        config.proxy_protocol = Some(vec!["127.0.0.1/32".parse().expect("cidr")]);
+        config.trust_forwarded_from = vec![format!("{http_proxy}/32").parse().expect("cidr")];
+        config.bootstrap_dns = Some(Arc::new(dns));
+        let server = Server::new(config, &registry).expect("server");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let s = server.clone();
+        tokio::spawn(async move { s.serve(listener).await });
+
+        let ask = |header_client: String, extra: String| async move {
+            let mut s = connect_from("127.0.0.1", addr).await;
+            let request = format!(
+                "GET /bootstrap-dns?q=hidden.example HTTP/1.1\r\nHost: x\r\n{extra}\
+                 Connection: close\r\n\r\n"
+            );
+            s.write_all(&[header_v2(&header_client), request.into_bytes()].concat())
+                .await
+                .expect("write");
+            let answer = answer(s).await;
+            assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+            answer.contains("hidden.example")
+        };
+        // The balancer's header names the client.
+        let client = opposite(http_proxy);
+        assert_eq!(
+            ask(format!("{client}:4000"), String::new()).await,
+            in_rollout(&client),
+            "{client} by its PROXY header"
+        );
+        // The header names an HTTP proxy, which names the client.
+        assert_eq!(
+            ask(
+                format!("{http_proxy}:4000"),
+                format!("X-Forwarded-For: {client}\r\n")
+            )
+            .await,
+            in_rollout(&client),
+            "{client} named by the trusted HTTP proxy {http_proxy}"
+        );
+        // A client that is no trusted proxy names nobody, itself included.
+        let named = opposite(&client);
+        assert_eq!(
+            ask(
+                format!("{client}:4000"),
+                format!("X-Forwarded-For: {named}\r\n")
+            )
+            .await,
+            in_rollout(&client),
+            "{client} naming {named}"
+        );
         server.shutdown().await;
     }
 

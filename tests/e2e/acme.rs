@@ -138,10 +138,10 @@ async fn ip_certificates_on_demand(v6: bool) {
         let listener = std::net::TcpListener::bind((host, http_port)).expect("port 80 listener");
         listener.set_nonblocking(true).expect("nonblocking");
         let listener = TcpListener::from_std(listener).expect("tokio listener");
-        let (front, s, port) = (relay.front.clone(), shutdown.clone(), relay.addr.port());
+        let (front, server, port) = (relay.front.clone(), relay.server.clone(), relay.addr.port());
         tasks.spawn(async move {
             front
-                .serve_http_port(listener, port, s)
+                .serve_http_port(&server, listener, port)
                 .await
                 .expect("port 80");
         });

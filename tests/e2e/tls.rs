@@ -694,8 +694,8 @@ async fn idle_port_80_connections_from_many_sources_never_lock_out_a_good_reques
     let evicted = || relay.counter("derp_http_port_unproven_evicted", ("cause", "budget"));
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let (front, shutdown) = (relay.front.clone(), relay.server.shutdown_token());
-    let task = tokio::spawn(async move { front.serve_http_port(listener, 443, shutdown).await });
+    let (front, server) = (relay.front.clone(), relay.server.clone());
+    let task = tokio::spawn(async move { front.serve_http_port(&server, listener, 443).await });
     let mut idle = Vec::new();
     for round in 0..5u8 {
         let mut flood = Vec::new();
@@ -741,8 +741,8 @@ async fn port_80_listener_redirects_answers_204_and_never_serves_derp() {
     let relay = TlsRelay::start(HOST).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let (front, shutdown) = (relay.front.clone(), relay.server.shutdown_token());
-    let task = tokio::spawn(async move { front.serve_http_port(listener, 8443, shutdown).await });
+    let (front, server) = (relay.front.clone(), relay.server.clone());
+    let task = tokio::spawn(async move { front.serve_http_port(&server, listener, 8443).await });
 
     let resp = http_request(
         addr,
@@ -1042,10 +1042,10 @@ async fn acme_http_01_is_answered_on_the_port_80_listener() {
     let pebble = Pebble::start(&dir.0, http_port, free_port()).await;
 
     let relay = TlsRelay::start(HOST).await;
-    let (front, shutdown) = (relay.front.clone(), relay.server.shutdown_token());
+    let (front, server) = (relay.front.clone(), relay.server.clone());
     let port = relay.addr.port();
     let http_task =
-        tokio::spawn(async move { front.serve_http_port(http_listener, port, shutdown).await });
+        tokio::spawn(async move { front.serve_http_port(&server, http_listener, port).await });
     let (manager, task) = run_acme(&relay, pebble.acme_config(&dir.0, ChallengeKind::Http01));
     let issued = wait_cert(&relay, &pebble).await;
     assert_eq!(issued.origin, CertOrigin::AcmeIssued);

@@ -284,9 +284,9 @@ pub(crate) async fn run_tls(
         // listener, which passes them on to each connection (on Linux).
         derp_server::tune_listener(&http, server.tcp_options());
         info!(addr = %http.local_addr()?, "port-80 listener (generate_204, acme, redirects)");
-        let (f, s) = (front.clone(), shutdown.clone());
+        let (f, s) = (front.clone(), server.clone());
         tasks.spawn(async move {
-            if let Err(e) = f.serve_http_port(http, listen.port(), s).await {
+            if let Err(e) = f.serve_http_port(&s, http, listen.port()).await {
                 warn!(error = %e, "http port listener stopped");
             }
         });

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use derp_server::{
-    ConnGuard, Listener, Opened, ProxiedListener, Rewind, http1_builder, open_connection, text,
+    ConnGuard, Listener, Opened, ProxiedListener, Rewind, Server, http1_builder, open_connection,
+    text,
 };
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
@@ -16,7 +17,6 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::front::TlsFront;
@@ -30,20 +30,23 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 
 impl TlsFront {
-    /// Serves the port-80 listener until `shutdown`: `/generate_204`, ACME HTTP-01 tokens, and
-    /// otherwise a redirect to `https://<hostname>[:https_port]<path>` for GET and HEAD (the
-    /// port is left out when it is 443) and 400 "Use HTTPS" for other methods. With
+    /// Serves the port-80 listener until `server` shuts down: `/generate_204`, ACME HTTP-01
+    /// tokens, and otherwise a redirect to `https://<hostname>[:https_port]<path>` for GET and
+    /// HEAD (the port is left out when it is 443) and 400 "Use HTTPS" for other methods. With
     /// [`TlsOptions::http_port_proxy_protocol`](super::TlsOptions::http_port_proxy_protocol) set, only its listed proxies may connect and
-    /// each connection opens with a PROXY protocol header, as on the TLS listener.
+    /// each connection opens with a PROXY protocol header, as on the TLS listener. Each
+    /// connection runs on `server`'s task tracker, so that [`Server::shutdown`] ends it and
+    /// waits for it.
     ///
     /// The redirect names the configured hostname rather than the request's `Host`, so this
     /// listener cannot be used to redirect to arbitrary sites.
     pub async fn serve_http_port(
         &self,
+        server: &Server,
         listener: TcpListener,
         https_port: u16,
-        shutdown: CancellationToken,
     ) -> std::io::Result<()> {
+        let shutdown = server.shutdown_token();
         // Every connection here is unproven for its whole (short) life: when the budget is
         // full the oldest makes room, so a flood of idle connections from many addresses
         // slows captive-portal checks and HTTP-01 validation down but never locks them out.
@@ -65,7 +68,10 @@ impl TlsFront {
             let base = base.clone();
             let shutdown = shutdown.clone();
             let proxy = proxy.clone();
-            tokio::spawn(async move {
+            // On the server's tracker: a shutdown waits for these as for the relay's own
+            // connections, instead of returning while they still hold sockets and budget
+            // places.
+            server.spawn_task(async move {
                 // The PROXY protocol header first, if any, under the head's own deadline.
                 let deadline = tokio::time::Instant::now() + HEADER_READ_TIMEOUT;
                 let opened = open_connection(
@@ -155,10 +161,38 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
+    use prometheus::Registry;
+
     use super::*;
     use crate::TlsOptions;
 
     const WITHIN: Duration = Duration::from_secs(5);
+
+    /// A port-80 listener on loopback in front of a relay, served until the relay shuts down:
+    /// the relay, the registry both share, the address, and the listener's task.
+    async fn http_port() -> (
+        Server,
+        Registry,
+        std::net::SocketAddr,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    ) {
+        let registry = Registry::new();
+        let config = derp_server::ServerConfig::new(derp_testkit::server_secret());
+        let server = Server::new(config, &registry).expect("server");
+        let front = TlsFront::new(
+            &server.public_key(),
+            TlsOptions::new("derp.test"),
+            &registry,
+        )
+        .expect("front");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = tokio::spawn({
+            let server = server.clone();
+            async move { front.serve_http_port(&server, listener, 443).await }
+        });
+        (server, registry, addr, serving)
+    }
 
     /// A GET of `/generate_204` whose head is `len` bytes long, padded by one header.
     fn padded_request(len: usize) -> Vec<u8> {
@@ -206,20 +240,7 @@ mod tests {
     /// have taken these heads in whole and answered them.
     #[tokio::test]
     async fn a_request_head_over_the_limit_is_refused_first_or_later() {
-        let key = derp_testkit::server_secret().public_key();
-        let front = TlsFront::new(
-            &key,
-            TlsOptions::new("derp.test"),
-            &prometheus::Registry::new(),
-        )
-        .expect("front");
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let shutdown = CancellationToken::new();
-        let serving = tokio::spawn({
-            let (front, shutdown) = (front.clone(), shutdown.clone());
-            async move { front.serve_http_port(listener, 443, shutdown).await }
-        });
+        let (server, _registry, addr, serving) = http_port().await;
         let limit = derp_proto::upgrade::MAX_HEAD_LEN;
         let refused = |answer: &[u8]| answer.is_empty() || answer.starts_with(b"HTTP/1.1 431");
 
@@ -237,7 +258,49 @@ mod tests {
         let answer = answer_to(&mut client, &padded_request(4 * limit)).await;
         assert!(refused(&answer), "a first request: {answer:?}");
 
-        shutdown.cancel();
+        server.shutdown().await;
+        serving.await.expect("no panic").expect("served");
+    }
+
+    /// A connection of the port-80 listener runs on the relay's tracker: the relay's shutdown
+    /// ends it and returns only once it has (its budget place given back, its socket closed),
+    /// though its own deadlines (the request head's 10 s, the connection's 60 s) are far off.
+    #[tokio::test]
+    async fn a_shutdown_waits_for_the_port_80_connections() {
+        let (server, registry, addr, serving) = http_port().await;
+        let unproven = || {
+            registry
+                .gather()
+                .iter()
+                .filter(|f| f.name() == "derp_http_port_unproven_connections")
+                .flat_map(|f| f.get_metric())
+                .map(|m| m.get_gauge().get_value())
+                .sum::<f64>()
+        };
+        // A client that connects and sends nothing.
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let accepted = async {
+            while unproven() < 1.0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(WITHIN, accepted)
+            .await
+            .expect("the connection was accepted");
+
+        tokio::time::timeout(WITHIN, server.shutdown())
+            .await
+            .expect("the shutdown ended the connection");
+        assert_eq!(
+            unproven(),
+            0.0,
+            "the shutdown returned before the connection ended"
+        );
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(WITHIN, client.read(&mut byte))
+            .await
+            .expect("closed in time");
+        assert!(matches!(read, Ok(0) | Err(_)), "closed: {read:?}");
         serving.await.expect("no panic").expect("served");
     }
 

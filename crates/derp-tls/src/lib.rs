@@ -30,8 +30,8 @@
 //! - [`TlsFront::quic_server_config`] gives the same certificates to DERP over QUIC (TLS 1.3,
 //!   ALPN `derp`, no TLS-ALPN-01 answers) for `derp_server::QuicListener`.
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
-//!   HTTP-01 answers, and redirects to HTTPS (behind the PROXY protocol too). It never serves
-//!   DERP.
+//!   HTTP-01 answers, and redirects to HTTPS (behind the PROXY protocol too), each connection
+//!   on the server's task tracker as the TLS handshakes are. It never serves DERP.
 //! - Names the temporary file a file is written through ([`temp_path`]) and sweeps those left
 //!   by processes killed mid-write ([`remove_stale_temps`]), for its own files and derpd's
 //!   key file.

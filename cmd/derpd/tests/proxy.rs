@@ -7,6 +7,11 @@
 //! and 127.0.0.3, the proxy from 127.0.0.1, and derpd's log and its per-source unproven cap
 //! see the clients.
 //!
+//! The trust boundaries are tested here too, each against the condition it guards: forwarded
+//! headers from a peer that is not a trusted proxy (also when the PROXY protocol names that
+//! peer), a PROXY header a client sends behind the balancer's, the port-80 listener's peers,
+//! and the proxied address reaching the admission request and PeerPresent.
+//!
 //! HAProxy and nginx come from `scripts/test-tools install`; a missing one fails the test
 //! with that line.
 
@@ -21,11 +26,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use derp_client::rustls::pki_types::{CertificateDer, ServerName};
-use derp_client::{Client, ClientConfig, TransportKind};
-use derp_proto::PublicKey;
+use derp_client::{Client, ClientConfig, ReceivedFrame, TransportKind};
+use derp_proto::proxy_protocol::{self, Addresses, Command as ProxyCommand};
+use derp_proto::{MeshKey, PublicKey};
 use derp_testkit::child::LoggedChild;
 use derp_testkit::raw::{RawClient, plain_info};
-use support::{DERPD, Node, STEP, TempDir, expect_packet, free_port, secret};
+use support::{
+    DERPD, Node, STEP, TempDir, expect_packet, free_port, recv_until, secret, write_mesh_key,
+};
 
 const HOST: &str = "derp.example.com";
 const WEB_HOST: &str = "www.example.com";
@@ -199,6 +207,31 @@ fn start_tls_derpd(certs: &Path, extra: &[&str]) -> Node {
     start_derpd(&a)
 }
 
+/// The port of derpd's port-80 listener, as it logged it.
+fn port_80(derpd: &Node) -> u16 {
+    derpd
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("port-80 listener"))
+        .find_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            v["fields"]["addr"].as_str()?.parse::<SocketAddr>().ok()
+        })
+        .expect("the port-80 listener's address")
+        .port()
+}
+
+/// Everything derpd answers on a connection from `source` to 127.0.0.1:`port` that sends
+/// `bytes`, until it closes (nothing when it closes at once).
+fn exchange(source: &str, port: u16, bytes: &[u8]) -> String {
+    let mut s = stalled(source, port, 1).remove(0);
+    s.set_read_timeout(Some(STEP)).expect("timeout");
+    let _ = s.write_all(bytes);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// The address a log line of derpd's gave, as `field`, for messages starting with `message`.
 fn logged_addresses(node: &Node, message: &str, field: &str) -> Vec<SocketAddr> {
     node.log_text()
@@ -359,16 +392,7 @@ async fn haproxy_in_tcp_mode_passes_clients_with_their_addresses_and_fast_start(
         &certs,
         &["--http-port", "0", "--max-unproven-per-source", "2"],
     );
-    let http_port: u16 = derpd
-        .log_text()
-        .lines()
-        .filter(|l| l.contains("port-80 listener"))
-        .find_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).ok()?;
-            v["fields"]["addr"].as_str()?.parse::<SocketAddr>().ok()
-        })
-        .expect("the port-80 listener's address")
-        .port();
+    let http_port = port_80(&derpd);
     let (tls_port, web_port) = (free_port(), free_port());
     let config = substitute(
         &recipe("haproxy-tcp.cfg"),
@@ -680,14 +704,7 @@ fn without_a_valid_header_or_from_an_unlisted_peer_a_connection_is_refused_and_c
         "--proxy-protocol-from",
         "127.0.0.1/32",
     ]));
-    let send = |source: &str, bytes: &[u8]| -> String {
-        let mut s = stalled(source, derpd.addr.port(), 1).remove(0);
-        s.set_read_timeout(Some(STEP)).expect("timeout");
-        let _ = s.write_all(bytes);
-        let mut out = Vec::new();
-        let _ = s.read_to_end(&mut out);
-        String::from_utf8_lossy(&out).into_owned()
-    };
+    let send = |source: &str, bytes: &[u8]| exchange(source, derpd.addr.port(), bytes);
     let probe = b"GET /derp/probe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
     let refused = |reason: &str| {
         derpd
@@ -733,6 +750,410 @@ fn without_a_valid_header_or_from_an_unlisted_peer_a_connection_is_refused_and_c
         ),
         Some(1.0)
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// The trust boundaries
+
+/// An admission server for `--verify-client-url` on loopback: admits every client and keeps
+/// each question's key and source, so a test sees whose address derpd asked about. Stops
+/// accepting when dropped.
+struct AdmissionServer {
+    url: String,
+    asked: Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AdmissionServer {
+    async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}/verify", listener.local_addr().expect("addr"));
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let task = tokio::spawn({
+            let asked = asked.clone();
+            async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    tokio::spawn(answer_admission(stream, asked.clone()));
+                }
+            }
+        });
+        Self { url, asked, task }
+    }
+
+    /// The source derpd gave when it asked about `key`. derpd asks before it answers the
+    /// client's handshake, so once a client is registered its question is here.
+    fn source_of(&self, key: &PublicKey) -> String {
+        let key = key.to_string();
+        self.asked
+            .lock()
+            .expect("questions")
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, source)| source.clone())
+            .unwrap_or_else(|| panic!("derpd never asked about {key}"))
+    }
+}
+
+impl Drop for AdmissionServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One question (a POST of `{"NodePublic":…,"Source":…}`), recorded and admitted.
+async fn answer_admission(
+    mut stream: tokio::net::TcpStream,
+    asked: Arc<std::sync::Mutex<Vec<(String, String)>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::new();
+    let mut body_at = None;
+    loop {
+        if body_at.is_none() {
+            body_at = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|end| {
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                (end + 4, len)
+            });
+        }
+        if let Some((at, len)) = body_at
+            && buf.len() >= at + len
+        {
+            let question: serde_json::Value =
+                serde_json::from_slice(&buf[at..at + len]).expect("a JSON question");
+            let field = |name: &str| question[name].as_str().unwrap_or_default().to_owned();
+            asked
+                .lock()
+                .expect("questions")
+                .push((field("NodePublic"), field("Source")));
+            let answer = r#"{"Allow":true}"#;
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+            return;
+        }
+        let mut chunk = [0u8; 4096];
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// A keep-alive `/derp/probe` on `stream`, its answer read to the end and no further.
+async fn probe(stream: &mut tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(b"GET /derp/probe HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("probe");
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let byte = tokio::time::timeout(STEP, stream.read_u8()).await;
+        head.push(byte.expect("in time").expect("the probe's answer"));
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("content-length: 0\r\n"), "{head}");
+}
+
+/// `n` DERP upgrades from `source` to `to` that never send their ClientInfo, each carrying
+/// `extra_headers`: unproven connections, each past its request head (answered 101) when
+/// this returns.
+async fn stalled_upgrades(
+    source: &str,
+    to: SocketAddr,
+    extra_headers: &str,
+    n: usize,
+) -> Vec<RawClient> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let stream = connect_from(source, to).await;
+        out.push(RawClient::upgrade_on(stream, secret(), extra_headers).await);
+    }
+    out
+}
+
+/// A peer outside --trust-forwarded-from that sends X-Forwarded-For and X-Real-IP is its own
+/// address to everything: the log, the admission server and the per-source budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_headers_from_a_peer_that_is_no_trusted_proxy_name_nobody() {
+    let admission = AdmissionServer::start().await;
+    let derpd = start_derpd(&args(&[
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--trust-forwarded-from",
+        "127.0.0.1/32",
+        "--verify-client-url",
+        &admission.url,
+        "--max-unproven-per-source",
+        "2",
+    ]));
+    let forged = "X-Forwarded-For: 203.0.113.7\r\nX-Real-IP: 203.0.113.7\r\n";
+    let c = raw_client_on(connect_from(CLIENT_A, derpd.addr).await, forged).await;
+    assert_eq!(connected_from(&derpd, &c.key).ip().to_string(), CLIENT_A);
+    assert_eq!(admission.source_of(&c.key), CLIENT_A);
+    // The same upgrade as a connection's second request, which hyper reads instead.
+    let mut stream = connect_from(CLIENT_A, derpd.addr).await;
+    probe(&mut stream).await;
+    let c = raw_client_on(stream, forged).await;
+    assert_eq!(connected_from(&derpd, &c.key).ip().to_string(), CLIENT_A);
+    assert_eq!(admission.source_of(&c.key), CLIENT_A);
+
+    // The budget: loopback peers are not capped per source, a client a proxy names is. Three
+    // handshakes that stall after their upgrades, from the untrusted peer, cost nobody
+    // anything; from the trusted proxy, the third is over 203.0.113.7's cap of two.
+    let per_source = || {
+        derpd
+            .metric("derp_unproven_evicted", &[("cause", "per_source")])
+            .unwrap_or(0.0)
+    };
+    let _untrusted = stalled_upgrades(CLIENT_A, derpd.addr, forged, 3).await;
+    assert_eq!(
+        per_source(),
+        0.0,
+        "the untrusted peer's headers were believed"
+    );
+    let _trusted = stalled_upgrades("127.0.0.1", derpd.addr, forged, 3).await;
+    derpd.wait_metric("derp_unproven_evicted", &[("cause", "per_source")], |n| {
+        n == 1.0
+    });
+}
+
+/// With a balancer's PROXY protocol and trusted HTTP proxies both on, whether a forwarded
+/// header is believed is judged on the address the PROXY header names, never on the
+/// balancer's socket (which is itself in --trust-forwarded-from here): a client behind the
+/// balancer names nobody; an HTTP proxy behind it (nginx behind HAProxy) names its client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_balancer_trust_is_judged_on_the_address_its_header_names() {
+    let admission = AdmissionServer::start().await;
+    let derpd = start_derpd(&args(&[
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--proxy-protocol",
+        "--proxy-protocol-from",
+        "127.0.0.1/32",
+        "--trust-forwarded-from",
+        "127.0.0.1/32",
+        "--verify-client-url",
+        &admission.url,
+        "--max-unproven-per-source",
+        "2",
+    ]));
+    let through_balancer = |client: &'static str| async move {
+        let mut s = connect_from("127.0.0.1", derpd.addr).await;
+        let header = format!("PROXY TCP4 {client} 127.0.0.1 4000 80\r\n");
+        tokio::io::AsyncWriteExt::write_all(&mut s, header.as_bytes())
+            .await
+            .expect("header");
+        s
+    };
+    let forged = |ip: &str| format!("X-Forwarded-For: {ip}\r\nX-Real-IP: {ip}\r\n");
+
+    let c = raw_client_on(through_balancer(CLIENT_A).await, &forged("203.0.113.7")).await;
+    assert_eq!(connected_from(&derpd, &c.key).to_string(), "127.0.0.2:4000");
+    assert_eq!(admission.source_of(&c.key), CLIENT_A);
+    let c = raw_client_on(through_balancer("127.0.0.1").await, &forged("203.0.113.9")).await;
+    assert_eq!(connected_from(&derpd, &c.key).to_string(), "203.0.113.9:0");
+    assert_eq!(admission.source_of(&c.key), "203.0.113.9");
+
+    // The budget: the header puts each connection on the client's source, capped at two,
+    // where headers naming three other addresses cannot take them out of it.
+    let mut stalled = Vec::new();
+    for ip in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+        let stream = through_balancer(CLIENT_A).await;
+        stalled.push(RawClient::upgrade_on(stream, secret(), &forged(ip)).await);
+    }
+    assert_eq!(
+        derpd.metric("derp_unproven_evicted", &[("cause", "per_source")]),
+        Some(1.0),
+        "the client behind the balancer moved itself to other sources"
+    );
+}
+
+/// A client behind a listed balancer that sends a PROXY protocol header of its own after the
+/// balancer's: one header opens a connection, and what follows is the client's request, which
+/// a PROXY header is not. It is answered as the bad request it is, as nobody's connection.
+#[test]
+fn a_proxy_header_after_the_balancers_is_request_bytes() {
+    let derpd = start_derpd(&args(&[
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--proxy-protocol",
+        "--proxy-protocol-from",
+        "127.0.0.1/32",
+    ]));
+    let balancers = b"PROXY TCP4 127.0.0.2 127.0.0.1 4000 80\r\n";
+    let forged_v1 = b"PROXY TCP4 203.0.113.9 127.0.0.1 5000 80\r\n".to_vec();
+    let mut forged_v2 = Vec::new();
+    let addresses = Addresses::Tcp {
+        source: "203.0.113.9:5000".parse().expect("addr"),
+        destination: "127.0.0.1:80".parse().expect("addr"),
+    };
+    proxy_protocol::write_v2(ProxyCommand::Proxy, &addresses, &[], &mut forged_v2).expect("fits");
+    let upgrade = derp_testkit::raw::UpgradeRequest {
+        host: "x",
+        path: "/derp",
+        extra_headers: "",
+    }
+    .to_bytes();
+    for forged in [forged_v1, forged_v2] {
+        let answer = exchange(
+            "127.0.0.1",
+            derpd.addr.port(),
+            &[balancers.as_slice(), &forged, &upgrade].concat(),
+        );
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+    }
+    assert_eq!(
+        derpd.metric(
+            "derp_proxy_protocol_headers",
+            &[("listener", "main"), ("command", "proxy")]
+        ),
+        Some(2.0),
+        "one header per connection"
+    );
+    assert!(
+        logged_addresses(&derpd, "client connected", "remote").is_empty(),
+        "{}",
+        derpd.log_text()
+    );
+}
+
+/// The port-80 listener, with the PROXY protocol on, takes nobody but the listed balancers,
+/// whatever an unlisted peer's header or forwarded headers say; without it, a PROXY line is
+/// request bytes there too.
+#[test]
+fn the_port_80_listener_takes_no_header_from_an_unlisted_peer() {
+    let dir = TempDir::new("port-80-trust");
+    let certs = dir.path("certs");
+    certificate(&certs, HOST);
+    let get = b"GET /generate_204 HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 127.0.0.1\r\n\
+                X-Real-IP: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    let header = |client: &str| format!("PROXY TCP4 {client} 127.0.0.1 4000 80\r\n").into_bytes();
+
+    let derpd = start_tls_derpd(
+        &certs,
+        &["--http-port", "0", "--trust-forwarded-from", "127.0.0.1/32"],
+    );
+    let port = port_80(&derpd);
+    let not_allowed = || {
+        derpd
+            .metric(
+                "derp_proxy_protocol_refused",
+                &[("listener", "http_port"), ("reason", "not_allowed")],
+            )
+            .unwrap_or(0.0)
+    };
+    // From an unlisted peer, with a header naming a listed balancer or without one: closed
+    // unanswered.
+    let answer = exchange(
+        CLIENT_A,
+        port,
+        &[header("127.0.0.1"), get.to_vec()].concat(),
+    );
+    assert_eq!(answer, "");
+    assert_eq!(not_allowed(), 1.0);
+    assert_eq!(exchange(CLIENT_A, port, get), "");
+    assert_eq!(not_allowed(), 2.0);
+    // A listed balancer is served.
+    let answer = exchange(
+        "127.0.0.1",
+        port,
+        &[header(CLIENT_A), get.to_vec()].concat(),
+    );
+    assert!(answer.starts_with("HTTP/1.1 204"), "{answer}");
+    drop(derpd);
+
+    let plain = start_derpd(&args(&[
+        "--certmode",
+        "manual",
+        "--hostname",
+        HOST,
+        "--certdir",
+        &certs.display().to_string(),
+        "--cert-reload-interval",
+        "0",
+        "--http-port",
+        "0",
+    ]));
+    let answer = exchange(
+        CLIENT_A,
+        port_80(&plain),
+        &[header("203.0.113.9"), get.to_vec()].concat(),
+    );
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+}
+
+/// What the module docs of derp-server's proxy.rs claim: the client's address a proxy gives
+/// takes the proxy's place in the admission request and in the PeerPresent a mesh watcher
+/// gets, through a trusted HTTP proxy's X-Forwarded-For and through a balancer's PROXY
+/// header alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxied_address_reaches_admission_and_peer_present() {
+    let dir = TempDir::new("proxied-address");
+    let key_file = dir.path("mesh.key");
+    let mesh_key: MeshKey = write_mesh_key(&key_file).parse().expect("mesh key");
+    let admission = AdmissionServer::start().await;
+    for balancer in [false, true] {
+        let mut flags = args(&[
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--mesh-psk-file",
+            &key_file.display().to_string(),
+            "--verify-client-url",
+            &admission.url,
+        ]);
+        flags.extend(args(if balancer {
+            &["--proxy-protocol", "--proxy-protocol-from", "127.0.0.1/32"]
+        } else {
+            &["--trust-forwarded-from", "127.0.0.1/32"]
+        }));
+        let derpd = start_derpd(&flags);
+        let watcher = ClientConfig::new(&format!("http://{}/derp", derpd.addr), secret())
+            .expect("config")
+            .with_mesh_key(mesh_key)
+            .with_can_ack_pings(false)
+            .with_proxy_header(balancer)
+            .with_connect_timeout(STEP);
+        let mut watcher = Client::connect(&watcher)
+            .await
+            .expect("the watcher connects");
+        watcher.watch_conns().await.expect("watch");
+
+        let mut stream = connect_from("127.0.0.1", derpd.addr).await;
+        let (extra, want) = if balancer {
+            let header = b"PROXY TCP4 198.51.100.4 127.0.0.1 5000 80\r\n";
+            tokio::io::AsyncWriteExt::write_all(&mut stream, header)
+                .await
+                .expect("header");
+            ("", "198.51.100.4:5000")
+        } else {
+            ("X-Forwarded-For: 198.51.100.4\r\n", "198.51.100.4:0")
+        };
+        let c = raw_client_on(stream, extra).await;
+        let present = recv_until(&mut watcher, "the client's PeerPresent", |f| match f {
+            ReceivedFrame::PeerPresent { peer, addr, .. } if *peer == c.key => Some(*addr),
+            _ => None,
+        })
+        .await;
+        assert_eq!(
+            present.to_string(),
+            want,
+            "PeerPresent (balancer: {balancer})"
+        );
+        assert_eq!(admission.source_of(&c.key), "198.51.100.4");
+        assert_eq!(connected_from(&derpd, &c.key).to_string(), want);
+    }
 }
 
 #[test]

@@ -795,6 +795,8 @@ clients that cannot reach each other directly. It cannot read the traffic it car
 
 #[cfg(test)]
 mod tests {
+    use derp_testkit::http::{answer_to, read_head};
+
     use super::*;
 
     const WITHIN: Duration = Duration::from_secs(5);
@@ -889,20 +891,6 @@ mod tests {
             .collect()
     }
 
-    /// Reads up to and including the blank line that ends a head.
-    async fn read_head(client: &mut tokio::net::TcpStream) -> Vec<u8> {
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            tokio::time::timeout(WITHIN, client.read_exact(&mut byte))
-                .await
-                .expect("in time")
-                .expect("read");
-            head.push(byte[0]);
-        }
-        head
-    }
-
     #[tokio::test]
     async fn an_upgrade_after_another_request_gets_the_same_101_through_hyper() {
         let shared = test_state();
@@ -915,13 +903,13 @@ mod tests {
             .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
             .await
             .expect("probe");
-        let probe = read_head(&mut client).await;
+        let probe = read_head(&mut client, WITHIN).await;
         assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
         client
             .write_all(&derp_request(false))
             .await
             .expect("request");
-        let head = read_head(&mut client).await;
+        let head = read_head(&mut client, WITHIN).await;
         let fast_path = upgrade::derp_response_head(&shared.public_key);
         assert_eq!(
             head.split(|&b| b == b'\r').next(),
@@ -956,24 +944,6 @@ mod tests {
         out
     }
 
-    /// Everything the server sends until it closes the connection. Sending a head it stops
-    /// reading may fail, and the close may come as a reset: both are the close looked for.
-    async fn answer_to(client: &mut tokio::net::TcpStream, request: &[u8]) -> Vec<u8> {
-        let _ = client.write_all(request).await;
-        let mut out = Vec::new();
-        let read = async {
-            while let Ok(n) = client.read_buf(&mut out).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        };
-        tokio::time::timeout(WITHIN, read)
-            .await
-            .expect("closed in time");
-        out
-    }
-
     /// What a head over the limit must get: 431 and a close, or a close alone (a reset can
     /// overtake the answer), but never an answer to the request.
     fn refused(answer: &[u8]) -> bool {
@@ -995,9 +965,14 @@ mod tests {
             let (mut client, serving) = served_connection(&shared, &listener).await;
             // The first request is read by the HTTP front; everything after it by hyper.
             client.write_all(probe).await.expect("probe");
-            let first = read_head(&mut client).await;
+            let first = read_head(&mut client, WITHIN).await;
             assert!(first.starts_with(b"HTTP/1.1 200"), "{first:?}");
-            let answer = answer_to(&mut client, &padded_request("/derp/probe", len, true)).await;
+            let answer = answer_to(
+                &mut client,
+                &padded_request("/derp/probe", len, true),
+                WITHIN,
+            )
+            .await;
             if served {
                 assert!(answer.starts_with(b"HTTP/1.1 200"), "{len}: {answer:?}");
             } else {
@@ -1020,7 +995,8 @@ mod tests {
             let (stream, remote) = accepted.expect("accept");
             let serving = tokio::spawn(serve_metrics_conn(shared.clone(), stream, remote));
             let mut client = client.expect("connect");
-            let answer = answer_to(&mut client, &padded_request("/healthz", len, true)).await;
+            let answer =
+                answer_to(&mut client, &padded_request("/healthz", len, true), WITHIN).await;
             if served {
                 assert!(answer.starts_with(b"HTTP/1.1 200"), "{len}: {answer:?}");
             } else {

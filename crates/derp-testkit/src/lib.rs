@@ -5,12 +5,14 @@
 //! suite reads, the three fixed node keys they use, a once-per-binary tracing setup, and a
 //! DERP client that speaks the wire format itself over plain TCP ([`raw`]: an async one for
 //! tests, a blocking one for derp-load's closed loop), and a helper program run beside a
-//! test with its output in a file ([`child`]). What it does not provide: servers,
+//! test with its output in a file ([`child`]), and an HTTP peer's reads of a response head and
+//! of everything until the close ([`http`]). What it does not provide: servers,
 //! TLS, WebSocket or QUIC clients; those live in the crates under test, so this crate can
 //! depend on `derp-proto` alone (and tokio) and be a dev-dependency of everything else
 //! without cycles (and a dependency of `derp-load`, whose closed loop runs the blocking client).
 
 pub mod child;
+pub mod http;
 pub mod raw;
 
 use std::sync::Once;

@@ -163,6 +163,8 @@ mod tests {
 
     use prometheus::Registry;
 
+    use derp_testkit::http::{answer_to, read_head};
+
     use super::*;
     use crate::TlsOptions;
 
@@ -203,38 +205,6 @@ mod tests {
         out
     }
 
-    /// Reads up to and including the blank line that ends a head (a 204 has no body).
-    async fn read_head(client: &mut TcpStream) -> Vec<u8> {
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            tokio::time::timeout(WITHIN, client.read_exact(&mut byte))
-                .await
-                .expect("in time")
-                .expect("read");
-            head.push(byte[0]);
-        }
-        head
-    }
-
-    /// Everything the listener sends until it closes the connection. Sending a head it stops
-    /// reading may fail, and the close may come as a reset: both are the close looked for.
-    async fn answer_to(client: &mut TcpStream, request: &[u8]) -> Vec<u8> {
-        let _ = client.write_all(request).await;
-        let mut out = Vec::new();
-        let read = async {
-            while let Ok(n) = client.read_buf(&mut out).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        };
-        tokio::time::timeout(WITHIN, read)
-            .await
-            .expect("closed in time");
-        out
-    }
-
     /// Every request on the port-80 listener, the first and any later one, is held to the
     /// request-head limit of the main listener: hyper's default buffer (about 400 KB) would
     /// have taken these heads in whole and answered them.
@@ -249,13 +219,13 @@ mod tests {
             .write_all(&padded_request(limit - 512))
             .await
             .expect("request");
-        let within = read_head(&mut client).await;
+        let within = read_head(&mut client, WITHIN).await;
         assert!(within.starts_with(b"HTTP/1.1 204"), "{within:?}");
-        let answer = answer_to(&mut client, &padded_request(4 * limit)).await;
+        let answer = answer_to(&mut client, &padded_request(4 * limit), WITHIN).await;
         assert!(refused(&answer), "a later request: {answer:?}");
 
         let mut client = TcpStream::connect(addr).await.expect("connect");
-        let answer = answer_to(&mut client, &padded_request(4 * limit)).await;
+        let answer = answer_to(&mut client, &padded_request(4 * limit), WITHIN).await;
         assert!(refused(&answer), "a first request: {answer:?}");
 
         server.shutdown().await;

@@ -230,14 +230,21 @@ fn exchange(source: &str, port: u16, bytes: &[u8]) -> String {
     s.set_read_timeout(Some(STEP)).expect("timeout");
     let _ = s.write_all(bytes);
     let mut out = Vec::new();
-    if let Err(e) = s.read_to_end(&mut out) {
+    let read = s.read_to_end(&mut out);
+    answered(read, &out, "derpd neither answered nor closed")
+}
+
+/// What a read until the close gave, as text, unless it timed out: a reset or an end
+/// without close_notify is still the server's close, but a timeout is no answer at all.
+fn answered(read: std::io::Result<usize>, out: &[u8], what: &str) -> String {
+    if let Err(e) = read {
         assert!(
             !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
-            "derpd neither answered nor closed within {STEP:?}; read so far: {:?}",
-            String::from_utf8_lossy(&out)
+            "{what} within {STEP:?}; read so far: {:?}",
+            String::from_utf8_lossy(out)
         );
     }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8_lossy(out).into_owned()
 }
 
 /// The address a log line of derpd's gave, as `field`, for messages starting with `message`.
@@ -358,15 +365,8 @@ fn https_get(port: u16, sni: &str, root: &CertificateDer<'static>, path: &str) -
     .expect("request");
     let mut out = Vec::new();
     // nginx may close without close_notify (an UnexpectedEof): what arrived is the answer.
-    // A read that timed out is not an answer.
-    if let Err(e) = tls.read_to_end(&mut out) {
-        assert!(
-            !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
-            "no answer to GET {path} within {STEP:?}; read so far: {:?}",
-            String::from_utf8_lossy(&out)
-        );
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    let read = tls.read_to_end(&mut out);
+    answered(read, &out, &format!("no answer to GET {path}"))
 }
 
 /// Opens `n` TCP connections from `source` to 127.0.0.1:`port` that send nothing.
@@ -391,7 +391,7 @@ fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
     matches!(s.read(&mut b), Ok(0) | Err(_)) && {
         // A timeout is not a close.
         s.set_nonblocking(true).expect("nonblocking");
-        !matches!(s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        !matches!(s.read(&mut b), Err(e) if e.kind() == ErrorKind::WouldBlock)
     }
 }
 

@@ -134,6 +134,21 @@ pub enum ConnectError {
     Connection(#[source] ClientError),
 }
 
+impl ConnectError {
+    /// Why the server's certificate was refused over TCP, when that is why the connect
+    /// failed: not trusted, not valid for the name, or not the pinned one
+    /// (`ApplicationVerificationFailure`).
+    pub fn certificate_error(&self) -> Option<&rustls::CertificateError> {
+        match self {
+            Self::TlsHandshake(e) => match &**e {
+                rustls::Error::InvalidCertificate(why) => Some(why),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
 impl From<ClientError> for ConnectError {
     fn from(e: ClientError) -> Self {
         match e {

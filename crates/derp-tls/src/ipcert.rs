@@ -1,7 +1,8 @@
 //! Certificates for the node's own IP addresses (RFC 8738 identifiers), obtained on demand:
-//! the first client that connects to an address without a hostname makes the TLS front ask
-//! for one (see [`TlsOptions::ip_certs`](crate::TlsOptions::ip_certs)), and from then on
-//! this manager keeps that address's certificate valid.
+//! the first client that connects without a hostname makes the TLS front ask for one (the
+//! configured address's with an IP hostname, else the address the client connected to; see
+//! [`TlsOptions::ip_certs`](crate::TlsOptions::ip_certs)), and from then on this manager
+//! keeps that address's certificate valid.
 //!
 //! As derper's `--acme-ip-certs`: HTTP-01 only (the CA connects to port 80 of the address,
 //! so the port-80 listener must be reachable there), the CA's `shortlived` profile when its

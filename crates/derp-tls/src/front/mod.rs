@@ -325,34 +325,25 @@ impl TlsFront {
         })
     }
 
-    /// With IP certificates on, the config for a connection to `local`: its address's, once
-    /// that has a certificate (or the client named a DNS host), after waiting for the first
-    /// issuance when the client wants the address's certificate. `sni` is asked for only
-    /// while the address has none. `None` when IP certificates are off.
+    /// With IP certificates on, the config for a connection to `local` whose client asks
+    /// for an address's certificate (no SNI, or an address as SNI), after waiting for that
+    /// address's first issuance. `None` when IP certificates are off or the client named a
+    /// DNS host: the hostname's config then serves it.
     async fn ip_config(
         &self,
         local: IpAddr,
-        sni: impl FnOnce() -> Option<String>,
+        sni: Option<&str>,
         http11: bool,
     ) -> Result<Option<Arc<ServerConfig>>, HandshakeError> {
         if self.inner.ip_slots.is_none() {
             return Ok(None);
         }
-        let local = local.to_canonical();
-        let slot = self.ip_slot(local)?;
+        let Some(ip) = self.ip_wanted(local.to_canonical(), sni)? else {
+            return Ok(None);
+        };
+        let slot = self.ip_slot(ip)?;
         if slot.cert.load().is_none() {
-            let sni = sni();
-            let wants_ip = match sni.as_deref() {
-                None => true,
-                Some(name) => name
-                    .trim_start_matches('[')
-                    .trim_end_matches(']')
-                    .parse::<IpAddr>()
-                    .is_ok_and(|named| named.to_canonical() == local),
-            };
-            if wants_ip {
-                wait_for_ip_cert(&slot, local).await?;
-            }
+            wait_for_ip_cert(&slot, ip).await?;
         }
         Ok(Some(if http11 {
             slot.http11.clone()
@@ -361,6 +352,29 @@ impl TlsFront {
         }))
     }
 
+    /// The address whose certificate a connection to `local` naming `sni` is served, or
+    /// `None` for a DNS name. With an IP `--hostname` that is the configured address, not
+    /// the socket's: behind 1:1 NAT (the usual cloud VM) the socket's is a private address
+    /// no CA will certify, while the configured one is what clients dial.
+    fn ip_wanted(&self, local: IpAddr, sni: Option<&str>) -> Result<Option<IpAddr>, IpCertError> {
+        let named = match sni {
+            None => None,
+            Some(name) => match parse_ip_sni(name) {
+                Some(ip) => Some(ip),
+                None => return Ok(None),
+            },
+        };
+        let configured = match self.hostname() {
+            Host::Ip(ip) => Some(ip.to_canonical()),
+            Host::Dns(_) => None,
+        };
+        let ip = named.or(configured).unwrap_or(local);
+        if Some(ip) == configured || ip == local {
+            Ok(Some(ip))
+        } else {
+            Err(IpCertError::NotOurs { ip })
+        }
+    }
     /// The rustls config for DERP over QUIC
     /// ([`QuicListener::bind`](derp_server::QuicListener::bind)): the same certificates as
     /// this front (hot reload, ACME, the meta certificate), TLS 1.3 only, ALPN `derp`, and no
@@ -573,7 +587,10 @@ impl TlsFront {
                 let (acme, http11) = (offers(ACME_TLS_ALPN), offers(HTTP11_ALPN));
                 let for_ip = match acme {
                     true => None,
-                    false => self.ip_config(local, || sni_of(&received), http11).await?,
+                    false => {
+                        let sni = self.ip_slots().and_then(|_| sni_of(&received));
+                        self.ip_config(local, sni.as_deref(), http11).await?
+                    }
                 };
                 let config = for_ip.unwrap_or_else(|| self.config_for(acme, http11));
                 let done = derp_io::tls::accept(tcp, received, config).await?;
@@ -591,7 +608,7 @@ impl TlsFront {
                 let sni = hello.server_name().map(str::to_owned);
                 let for_ip = match acme {
                     true => None,
-                    false => self.ip_config(local, || sni, http11).await?,
+                    false => self.ip_config(local, sni.as_deref(), http11).await?,
                 };
                 let config = for_ip.unwrap_or_else(|| self.config_for(acme, http11));
                 let stream = StartHandshake::from_parts(*accepted, tcp)
@@ -649,6 +666,16 @@ async fn wait_for_ip_cert(slot: &IpSlot, ip: IpAddr) -> Result<(), IpCertError> 
             return Err(IpCertError::Failed { ip });
         }
     }
+}
+
+/// An SNI that names an address (some clients send one, bracketed or not, though RFC 6066
+/// forbids it), canonical.
+fn parse_ip_sni(name: &str) -> Option<IpAddr> {
+    name.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+        .ok()
+        .map(|ip| ip.to_canonical())
 }
 
 /// Which handshake a ClientHello gets.
@@ -753,6 +780,10 @@ enum IpCertError {
     /// The issuance this connection waited for failed.
     #[error("cert issuance for {ip} failed")]
     Failed { ip: IpAddr },
+    /// The client named an address that is neither the configured one nor the one it
+    /// connected to: no certificate, and no order a CA would refuse.
+    #[error("no certificate for {ip}: not this node's address")]
+    NotOurs { ip: IpAddr },
     /// The slot stopped reporting while the connection waited for it.
     #[error("the front is gone")]
     FrontGone,
@@ -861,6 +892,154 @@ mod tests {
         assert_eq!(ordered, dialed.ip());
         server.shutdown().await;
         serving.abort();
+    }
+
+    /// A front with IP certificates on for `hostname`, serving on 127.0.0.1, with the queue
+    /// of addresses it orders for taken in the manager's place (the test is the issuer).
+    async fn ip_front(
+        hostname: &str,
+    ) -> (
+        Server,
+        TlsFront,
+        std::net::SocketAddr,
+        tokio::sync::mpsc::UnboundedReceiver<IpAddr>,
+        tokio::task::JoinHandle<io::Result<()>>,
+    ) {
+        let registry = Registry::new();
+        let config = derp_server::ServerConfig::new(derp_testkit::server_secret());
+        let server = Server::new(config, &registry).expect("server");
+        let options = TlsOptions {
+            ip_certs: true,
+            ..TlsOptions::new(hostname)
+        };
+        let front = TlsFront::new(&server.public_key(), options, &registry).expect("front");
+        let requests = front
+            .ip_slots()
+            .expect("IP certificates on")
+            .take_requests()
+            .expect("the order queue");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let serving = {
+            let (front, server) = (front.clone(), server.clone());
+            tokio::spawn(async move { front.serve(&server, listener).await })
+        };
+        (server, front, addr, requests, serving)
+    }
+
+    /// A self-signed certificate for `ip` alone, as a CA would issue for an address.
+    fn cert_for(ip: IpAddr) -> (CertificateDer<'static>, PrivateKeyDer<'static>) {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.subject_alt_names = vec![rcgen::SanType::IpAddress(ip)];
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.self_signed(&key).expect("cert");
+        (
+            cert.der().clone(),
+            PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+    }
+
+    /// Connects to `addr` as a client dialing `ip` by address (no SNI), trusting `root`.
+    async fn handshake_by_address(
+        addr: std::net::SocketAddr,
+        ip: IpAddr,
+        root: CertificateDer<'static>,
+    ) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(root).expect("root");
+        let client = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let tcp = TcpStream::connect(addr).await?;
+        tokio_rustls::TlsConnector::from(Arc::new(client))
+            .connect(rustls::pki_types::ServerName::IpAddress(ip.into()), tcp)
+            .await
+    }
+
+    /// Behind 1:1 NAT the socket's local address is a private one; with an IP hostname the
+    /// certificate ordered and served is the configured address's, whichever local address
+    /// the connection arrived on.
+    #[tokio::test]
+    async fn with_an_ip_hostname_the_configured_address_is_ordered_and_served() {
+        let configured: IpAddr = [127, 0, 0, 2].into();
+        let (server, front, addr, mut requests, serving) = ip_front("127.0.0.2").await;
+        assert_ne!(addr.ip(), configured);
+
+        let client = tokio::spawn(async move {
+            let (cert, key) = cert_for(configured);
+            let connecting = handshake_by_address(addr, configured, cert.clone());
+            (cert, key, connecting.await)
+        });
+        let ordered = tokio::time::timeout(derp_testkit::raw::STEP, requests.recv())
+            .await
+            .expect("an order in time")
+            .expect("the queue is open");
+        assert_eq!(ordered, configured);
+        // The test plays the issuer: the waiting handshake gets what is installed.
+        let (cert, key) = cert_for(configured);
+        front
+            .install_ip(configured, vec![cert], key, CertOrigin::Other)
+            .expect("installed");
+        let (_, _, first) = client.await.expect("client");
+        // The first client trusted another self-signed certificate for the same address:
+        // refused, which shows it was served the installed one for the configured address.
+        assert!(first.is_err(), "{first:?}");
+        let served = front
+            .ip_slot(configured)
+            .expect("slot")
+            .cert
+            .load_full()
+            .expect("installed");
+        let stream = handshake_by_address(addr, configured, served.cert[0].clone())
+            .await
+            .expect("a client dialing the configured address by IP verifies it");
+        assert_eq!(
+            stream.get_ref().1.peer_certificates().expect("chain")[0],
+            served.cert[0]
+        );
+        assert!(requests.try_recv().is_err(), "one order, for one address");
+        server.shutdown().await;
+        serving.abort();
+    }
+
+    /// Which address a connection is served for: the configured one for no SNI or its own
+    /// SNI, the socket's when there is no configured one, none for a DNS name, and a refusal
+    /// for an address that is not the node's.
+    #[tokio::test]
+    async fn the_address_served_follows_the_hostname_then_the_socket() {
+        let registry = Registry::new();
+        let key = derp_testkit::server_secret().public_key();
+        let front = |hostname: &str| {
+            let options = TlsOptions {
+                ip_certs: true,
+                ..TlsOptions::new(hostname)
+            };
+            TlsFront::new(&key, options, &registry).expect("front")
+        };
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+        let (public, private) = (ip("203.0.113.7"), ip("10.0.0.5"));
+
+        let by_ip = front("203.0.113.7");
+        let wanted = |sni| by_ip.ip_wanted(private, sni).map_err(|e| e.to_string());
+        assert_eq!(wanted(None), Ok(Some(public)));
+        assert_eq!(wanted(Some("203.0.113.7")), Ok(Some(public)));
+        assert_eq!(wanted(Some("[203.0.113.7]")), Ok(Some(public)));
+        assert_eq!(wanted(Some("derp.example.com")), Ok(None));
+        assert!(wanted(Some("198.51.100.1")).is_err());
+        let mapped = by_ip.ip_wanted(ip("::ffff:10.0.0.5").to_canonical(), None);
+        assert_eq!(mapped.ok(), Some(Some(public)));
+
+        let registry = Registry::new();
+        let options = TlsOptions {
+            ip_certs: true,
+            ..TlsOptions::new("derp.example.com")
+        };
+        let by_name = TlsFront::new(&key, options, &registry).expect("front");
+        let wanted = |sni| by_name.ip_wanted(public, sni).map_err(|e| e.to_string());
+        assert_eq!(wanted(None), Ok(Some(public)));
+        assert_eq!(wanted(Some("203.0.113.7")), Ok(Some(public)));
+        assert_eq!(wanted(Some("derp.example.com")), Ok(None));
+        assert!(wanted(Some("198.51.100.1")).is_err());
     }
 
     /// A handshake under way runs on the server's tracker: the shutdown ends it and returns

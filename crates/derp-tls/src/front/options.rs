@@ -39,8 +39,9 @@ pub struct TlsOptions {
     pub http_port_proxy_protocol: Option<ProxyProtocol>,
     /// Serve certificates for the node's own IP addresses, obtained on demand by an
     /// [`IpCertManager`](crate::IpCertManager): a client that sends no SNI (or the address
-    /// as SNI) gets the certificate of the address it connected to, and its handshake waits
-    /// for the first one to be issued. Clients naming the hostname get the hostname's
+    /// as SNI) gets the certificate of the hostname when it is an address (whatever local
+    /// address the connection arrived on: behind NAT that is a private one), else of the
+    /// address it connected to, and its handshake waits for the first one to be issued. Clients naming the hostname get the hostname's
     /// certificate as before.
     pub ip_certs: bool,
     /// Who seals and opens the records of TLS 1.3 connections; see [`TlsRecords`].

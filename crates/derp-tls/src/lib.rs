@@ -127,6 +127,18 @@ pub enum TlsError {
     /// [`TlsOptions::ip_certs`].
     #[error("IP address certificates need a front made with ip_certs")]
     IpCertsNotEnabled,
+    /// An address that is neither the configured hostname nor global unicast: no CA would
+    /// certify it.
+    #[error("no IP certificate for {0}: not the configured address, nor a global unicast one")]
+    IpNotEligible(std::net::IpAddr),
+    /// The front already keeps certificates for as many addresses as it may.
+    #[error("no IP certificate for {ip}: the node already has {max} addresses with one")]
+    IpSlotsFull {
+        /// The address refused.
+        ip: std::net::IpAddr,
+        /// The cap.
+        max: usize,
+    },
     /// The External Account Binding's key ID is empty.
     #[error("acme: the EAB key ID is empty")]
     EabKeyIdEmpty,

@@ -24,7 +24,7 @@ use tokio_rustls::StartHandshake;
 use tracing::{debug, warn};
 
 use super::TlsError;
-use super::ip_slots::{IpSlot, IpSlots, IpStatus};
+use super::ip_slots::{IpSlot, IpSlots, IpStatus, is_global_unicast};
 use super::meta::meta_certificate;
 use super::x509::{Host, check_valid_for, validity};
 use derp_io::Transport;
@@ -295,11 +295,15 @@ impl TlsFront {
     }
 
     /// The slot of the node's address `ip`, made on first use (which asks the manager for a
-    /// certificate).
+    /// certificate), for the configured address or a global unicast one only.
     pub(crate) fn ip_slot(&self, ip: IpAddr) -> Result<Arc<IpSlot>, TlsError> {
         let Some(slots) = &self.inner.ip_slots else {
             return Err(TlsError::IpCertsNotEnabled);
         };
+        let configured = matches!(self.hostname(), Host::Ip(c) if c.to_canonical() == ip);
+        if !configured && !is_global_unicast(ip) {
+            return Err(TlsError::IpNotEligible(ip));
+        }
         slots.get_or_create(ip, || {
             let cert = Arc::new(ArcSwapOption::empty());
             let config = |alpn: &[&[u8]]| {
@@ -792,6 +796,7 @@ enum IpCertError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ip_slots::MAX_IP_SLOTS;
 
     /// Every config a front serves offers exactly the TLS 1.3 suites derpd's record layer
     /// implements, and hands the keys over only when the record layer is to take them.
@@ -1040,6 +1045,80 @@ mod tests {
         assert_eq!(wanted(Some("203.0.113.7")), Ok(Some(public)));
         assert_eq!(wanted(Some("derp.example.com")), Ok(None));
         assert!(wanted(Some("198.51.100.1")).is_err());
+    }
+
+    /// Slots, and so orders, only for addresses a CA may certify: the configured one
+    /// whatever it is, else global unicast ones; and no more than the cap.
+    #[test]
+    fn slots_are_made_only_for_addresses_that_may_have_a_certificate() {
+        let key = derp_testkit::server_secret().public_key();
+        let front = |hostname: &str| {
+            let options = TlsOptions {
+                ip_certs: true,
+                ..TlsOptions::new(hostname)
+            };
+            TlsFront::new(&key, options, &Registry::new()).expect("front")
+        };
+        let ip = |s: &str| s.parse::<IpAddr>().expect("ip");
+
+        let by_name = front("derp.example.com");
+        for local in [
+            "127.0.0.1",
+            "10.0.0.5",
+            "172.17.0.1",
+            "100.64.0.1",
+            "fe80::1",
+            "fd00::1",
+        ] {
+            let err = by_name.ip_slot(ip(local)).expect_err(local);
+            assert!(matches!(err, TlsError::IpNotEligible(_)), "{local}: {err}");
+        }
+        for n in 0..MAX_IP_SLOTS {
+            by_name
+                .ip_slot(ip(&format!("203.0.113.{n}")))
+                .expect("a global address");
+        }
+        let err = by_name
+            .ip_slot(ip("198.51.100.1"))
+            .expect_err("over the cap");
+        assert!(matches!(err, TlsError::IpSlotsFull { .. }), "{err}");
+        by_name
+            .ip_slot(ip("203.0.113.0"))
+            .expect("an address with a slot keeps it");
+        assert_eq!(by_name.ip_slots().expect("on").len(), MAX_IP_SLOTS);
+
+        // Configured, a loopback address is the operator's choice (a test CA on loopback).
+        let by_ip = front("127.0.0.2");
+        by_ip
+            .ip_slot(ip("127.0.0.2"))
+            .expect("the configured address");
+        assert!(by_ip.ip_slot(ip("127.0.0.1")).is_err());
+    }
+
+    /// A client naming a DNS host never touches IP certificates, and one connecting by
+    /// address to a loopback socket with no configured address gets none: no slot, no
+    /// order, in either case.
+    #[tokio::test]
+    async fn no_slot_for_a_dns_name_nor_an_address_no_ca_would_certify() {
+        let (server, front, addr, mut requests, serving) = ip_front("derp.example.com").await;
+        let client = rustls::ClientConfig::builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        for name in [
+            rustls::pki_types::ServerName::try_from("derp.example.com").expect("name"),
+            rustls::pki_types::ServerName::IpAddress(addr.ip().into()),
+        ] {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            let done = tokio::time::timeout(derp_testkit::raw::STEP, connector.connect(name, tcp))
+                .await
+                .expect("an answer in time");
+            assert!(done.is_err(), "no certificate to verify: {done:?}");
+        }
+        assert!(requests.try_recv().is_err(), "no order");
+        assert_eq!(front.ip_slots().expect("on").len(), 0);
+        server.shutdown().await;
+        serving.abort();
     }
 
     /// A handshake under way runs on the server's tracker: the shutdown ends it and returns

@@ -9,16 +9,21 @@
 //! directory offers it (Let's Encrypt's six-day certificates, the only ones it issues for
 //! addresses), a certificate with the address as its only name, renewal when a third of its
 //! lifetime is left, and after a failure no new attempt for a minute, doubling up to 30
-//! minutes. Certificates are cached per address in the cert directory.
+//! minutes. Certificates are cached per address in the cert directory. Beyond derper, all
+//! addresses together place at most [`IP_ORDERS_PER_HOUR`] orders in any hour, so a failing
+//! address cannot spend the account's order limit that the hostname's renewals need.
 
+use std::collections::VecDeque;
+use std::future::Future;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use instant_acme::{Identifier, NewOrder};
 use rcgen::{CertificateParams, DistinguishedName, SanType};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -34,6 +39,45 @@ use super::front::{CertInfo, CertOrigin, TlsFront};
 pub const SHORT_LIVED_PROFILE: &str = "shortlived";
 /// The longest wait after failed attempts for one address.
 const MAX_BACKOFF: Duration = Duration::from_secs(30 * 60);
+/// Orders for IP certificates one manager places in any hour, over all addresses. They
+/// share the account with the hostname's certificate, and a CA limits an account's orders
+/// (Let's Encrypt: 300 new orders per 3 hours); addresses whose validation keeps failing
+/// must not use up what the hostname's renewals need.
+pub const IP_ORDERS_PER_HOUR: usize = 10;
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// The orders placed in the last hour, against [`IP_ORDERS_PER_HOUR`].
+#[derive(Debug)]
+struct OrderBudget {
+    per_hour: usize,
+    placed: VecDeque<Instant>,
+}
+
+impl OrderBudget {
+    fn new(per_hour: usize) -> Self {
+        Self {
+            per_hour,
+            placed: VecDeque::new(),
+        }
+    }
+
+    /// Takes a place for an order at `now`, or says how long until one is free.
+    fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        while self
+            .placed
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) >= HOUR)
+        {
+            self.placed.pop_front();
+        }
+        if self.placed.len() < self.per_hour {
+            self.placed.push_back(now);
+            return Ok(());
+        }
+        let oldest = self.placed.front().copied().unwrap_or(now);
+        Err((oldest + HOUR).saturating_duration_since(now))
+    }
+}
 
 /// Gets and renews certificates for the addresses clients connect to, on a front made with
 /// [`TlsOptions::ip_certs`](crate::TlsOptions::ip_certs).
@@ -41,6 +85,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30 * 60);
 pub struct IpCertManager {
     front: TlsFront,
     client: Arc<AcmeClient>,
+    budget: Arc<Mutex<OrderBudget>>,
 }
 
 impl IpCertManager {
@@ -55,7 +100,11 @@ impl IpCertManager {
         if front.ip_slots().is_none() {
             return Err(TlsError::IpCertsNotEnabled);
         }
-        Ok(Self { front, client })
+        Ok(Self {
+            front,
+            client,
+            budget: Arc::new(Mutex::new(OrderBudget::new(IP_ORDERS_PER_HOUR))),
+        })
     }
 
     /// Orders placed with the ACME server through this manager's account.
@@ -100,22 +149,58 @@ impl IpCertManager {
 
     /// Keeps `ip`'s certificate valid until `shutdown`.
     async fn keep(&self, ip: IpAddr, shutdown: CancellationToken) {
-        let mut current = match self.load_cached(ip) {
+        let current = match self.load_cached(ip) {
             Ok(found) => found,
             Err(e) => {
                 warn!(%ip, error = %e, "ignoring an unusable cached IP certificate");
                 None
             }
         };
+        self.keep_with(ip, current, shutdown, || self.obtain(ip))
+            .await;
+    }
+
+    /// [`Self::keep`] with `order` placing each order: after a failure the address waits,
+    /// doubling from the configured initial backoff up to [`MAX_BACKOFF`], and every order
+    /// takes a place in the manager's hourly budget first.
+    async fn keep_with<F, Fut>(
+        &self,
+        ip: IpAddr,
+        mut current: Option<CertInfo>,
+        shutdown: CancellationToken,
+        order: F,
+    ) where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<CertInfo, TlsError>>,
+    {
         let config = &self.client.config;
         let mut backoff = config.initial_backoff;
         loop {
             if !renewal_due(current.as_ref(), &shutdown).await {
                 return;
             }
+            let (taken, per_hour) = {
+                let mut budget = self.budget.lock().unwrap_or_else(|e| e.into_inner());
+                (budget.take(Instant::now()), budget.per_hour)
+            };
+            if let Err(wait) = taken {
+                warn!(
+                    %ip,
+                    retry_in = ?wait,
+                    per_hour,
+                    "acme: this hour's IP certificate orders are used up; the rest of the \
+                     account's order limit is left to the hostname's certificate"
+                );
+                self.report_failure(ip, wait);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                continue;
+            }
             let result = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                r = tokio::time::timeout(ORDER_TIMEOUT, self.obtain(ip)) => r,
+                r = tokio::time::timeout(ORDER_TIMEOUT, order()) => r,
             };
             let error = match result {
                 Ok(Ok(info)) => {
@@ -131,17 +216,23 @@ impl IpCertManager {
                 Err(_) => "the order timed out".to_owned(),
             };
             warn!(%ip, error, retry_in = ?backoff, "acme: no certificate for the address");
-            if let Ok(slot) = self.front.ip_slot(ip) {
-                slot.status.send_modify(|s| {
-                    s.failures += 1;
-                    s.retry_at = Some(SystemTime::now() + backoff);
-                });
-            }
+            self.report_failure(ip, backoff);
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(backoff) => {}
             }
             backoff = (backoff * 2).min(config.max_backoff.min(MAX_BACKOFF));
+        }
+    }
+
+    /// Tells handshakes waiting for `ip`'s certificate that none is coming for `retry_in`,
+    /// so they fail at once instead of waiting out their deadline.
+    fn report_failure(&self, ip: IpAddr, retry_in: Duration) {
+        if let Ok(slot) = self.front.ip_slot(ip) {
+            slot.status.send_modify(|s| {
+                s.failures += 1;
+                s.retry_at = Some(SystemTime::now() + retry_in);
+            });
         }
     }
 
@@ -215,6 +306,119 @@ fn ip_file_name(ip: IpAddr) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::{AcmeConfig, TlsOptions};
+    use prometheus::Registry;
+
+    #[test]
+    fn the_budget_allows_so_many_orders_in_any_hour() {
+        let mut budget = OrderBudget::new(3);
+        let start = Instant::now();
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        assert_eq!(budget.take(at(0)), Ok(()));
+        assert_eq!(budget.take(at(600)), Ok(()));
+        assert_eq!(budget.take(at(1200)), Ok(()));
+        assert_eq!(budget.take(at(1800)), Err(Duration::from_secs(1800)));
+        // The first order's place frees an hour after it, and only that one.
+        assert_eq!(budget.take(at(3600)), Ok(()));
+        assert_eq!(budget.take(at(3601)), Err(Duration::from_secs(599)));
+        assert_eq!(budget.take(at(4200)), Ok(()));
+    }
+
+    /// A manager for a front with a DNS hostname and IP certificates on; its orders are the
+    /// test's fake issuer, so the ACME settings are never used.
+    fn manager(initial_backoff: Duration) -> IpCertManager {
+        let options = TlsOptions {
+            ip_certs: true,
+            ..TlsOptions::new("derp.example.com")
+        };
+        let key = derp_testkit::server_secret().public_key();
+        let front = TlsFront::new(&key, options, &Registry::new()).expect("front");
+        let mut config = AcmeConfig::new(std::env::temp_dir().join("derp-tls-ipcert-unused"));
+        config.initial_backoff = initial_backoff;
+        IpCertManager::new(front, config).expect("manager")
+    }
+
+    /// Runs `manager.keep_with` for each of `ips` with an issuer that always fails, and
+    /// returns each order's address and time (from the start) until `until`.
+    async fn failing_orders(
+        manager: &IpCertManager,
+        ips: &[IpAddr],
+        until: Duration,
+    ) -> Vec<(IpAddr, Duration)> {
+        let start = Instant::now();
+        let shutdown = CancellationToken::new();
+        let (placed, mut orders) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = tokio::task::JoinSet::new();
+        for &ip in ips {
+            let (manager, shutdown, placed) = (manager.clone(), shutdown.clone(), placed.clone());
+            tasks.spawn(async move {
+                let order = || {
+                    let _ = placed.send((ip, start.elapsed()));
+                    async { Err(TlsError::EmptyChain) }
+                };
+                manager.keep_with(ip, None, shutdown, order).await;
+            });
+        }
+        let mut seen = Vec::new();
+        while let Some((ip, at)) = orders.recv().await {
+            if at >= until {
+                break;
+            }
+            seen.push((ip, at));
+        }
+        shutdown.cancel();
+        while tasks.join_next().await.is_some() {}
+        seen
+    }
+
+    /// A failing address is tried again after a wait that doubles, up to the cap.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_address_backs_off_exponentially_up_to_the_cap() {
+        let manager = manager(Duration::from_secs(60));
+        let ip: IpAddr = "203.0.113.7".parse().expect("ip");
+        let orders = failing_orders(&manager, &[ip], Duration::from_secs(4 * 3600)).await;
+        let gaps: Vec<u64> = orders
+            .windows(2)
+            .map(|w| (w[1].1 - w[0].1).as_secs())
+            .collect();
+        assert_eq!(
+            &gaps[..7],
+            &[60, 120, 240, 480, 960, 1800, 1800],
+            "{gaps:?}"
+        );
+        assert!(gaps[7..].iter().all(|g| *g == 1800), "{gaps:?}");
+    }
+
+    /// Addresses failing together place no more than the hourly budget in any hour, and
+    /// are served again once places free up.
+    #[tokio::test(start_paused = true)]
+    async fn failing_addresses_together_stay_within_the_hourly_budget() {
+        let manager = manager(Duration::from_secs(60));
+        let ips: Vec<IpAddr> = (1..=3)
+            .map(|n| format!("203.0.113.{n}").parse().expect("ip"))
+            .collect();
+        let orders = failing_orders(&manager, &ips, Duration::from_secs(4 * 3600)).await;
+        let times: Vec<Duration> = orders.iter().map(|(_, at)| *at).collect();
+        // Alone, each would order six times in the first hour: 18 together.
+        assert_eq!(
+            times.iter().filter(|t| **t < HOUR).count(),
+            IP_ORDERS_PER_HOUR
+        );
+        for (i, t) in times.iter().enumerate() {
+            let in_hour = times[i..].iter().filter(|u| **u < *t + HOUR).count();
+            assert!(
+                in_hour <= IP_ORDERS_PER_HOUR,
+                "{in_hour} orders in the hour from {t:?}"
+            );
+        }
+        for ip in &ips {
+            assert!(
+                orders.iter().any(|(o, at)| o == ip && *at >= HOUR),
+                "{ip} is still tried after the first hour"
+            );
+        }
+    }
 
     #[test]
     fn addresses_name_their_files_as_derper_does() {

@@ -24,9 +24,10 @@
 //!   port-80 listener, caching account and certificate in the cert directory and backing off
 //!   on failure.
 //! - [`IpCertManager`] gets certificates for the node's own IP addresses on demand (RFC 8738
-//!   identifiers, HTTP-01, the CA's short-lived profile when offered): a client connecting to
-//!   an address without a hostname gets that address's certificate
-//!   ([`TlsOptions::ip_certs`]).
+//!   identifiers, HTTP-01, the CA's short-lived profile when offered): a client connecting
+//!   without a hostname gets the configured address's certificate, or with a DNS hostname the
+//!   global address it connected to ([`TlsOptions::ip_certs`]), within an hourly budget of
+//!   orders.
 //! - [`TlsFront::quic_server_config`] gives the same certificates to DERP over QUIC (TLS 1.3,
 //!   ALPN `derp`, no TLS-ALPN-01 answers) for `derp_server::QuicListener`.
 //! - [`TlsFront::serve_http_port`] runs the plain-HTTP port-80 listener: `/generate_204`, ACME
@@ -65,7 +66,7 @@ pub use front::{
     CertInfo, CertOrigin, DEFAULT_CLIENT_HELLO_TIMEOUT, DEFAULT_HTTP_PORT_MAX_CONNECTIONS,
     DEFAULT_TLS_HANDSHAKE_TIMEOUT, TlsFront, TlsOptions, TlsRecords,
 };
-pub use ipcert::{IpCertManager, SHORT_LIVED_PROFILE};
+pub use ipcert::{IP_ORDERS_PER_HOUR, IpCertManager, SHORT_LIVED_PROFILE};
 pub use meta::meta_certificate;
 pub use temp_files::{remove_stale_temps, temp_path};
 

@@ -231,9 +231,11 @@ pub(crate) struct Cli {
     pub(crate) acme_eab_key: Option<String>,
 
     /// Get ACME certificates for the node's own IP addresses, on demand: a client connecting
-    /// by address (no SNI, or the address as SNI) gets a certificate for the address it
-    /// connected to, validated by HTTP-01 on --http-port. Lets --hostname be an IP address
-    /// with --certmode letsencrypt. The CA's short-lived profile is asked for when offered.
+    /// by address (no SNI, or the address as SNI) gets a certificate for --hostname when it
+    /// is an IP address (whatever address the socket sees, as behind 1:1 NAT), else for the
+    /// global address it connected to, validated by HTTP-01 on --http-port. Lets --hostname
+    /// be an IP address with --certmode letsencrypt. The CA's short-lived profile is asked
+    /// for when offered.
     /// Only with --certmode letsencrypt, as in derper (refused with manual or gcp).
     #[arg(long, default_value_t = false, action = ArgAction::Set, num_args = 0..=1,
           require_equals = true, default_missing_value = "true")]

@@ -6,14 +6,17 @@
 //! `scripts/lossy-link.py`, which does the same in user space on a TUN pair (python3). It
 //! needs root (CAP_NET_ADMIN) and iproute2: without them the test fails (it never passes
 //! without having run); `scripts/test` leaves it out when not run as root, and says so. It
-//! checks that round trips get through on both transports, and how many took a resend;
-//! speed across the link is measured by `scripts/bench-quic loss`, not asserted here.
+//! checks that round trips get through on both transports, that none came back faster than
+//! the link's delay allows and that the link did drop packets (a link that quietly stopped
+//! delaying or losing would otherwise leave the test passing while testing nothing), and how
+//! many took a resend; speed across the link is measured by `scripts/bench-quic loss`, not
+//! asserted here.
 
 use crate::support;
 use crate::tools;
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use derp_client::{Client, ClientConfig, ReceivedFrame};
 use derp_proto::SecretKey;
@@ -21,6 +24,15 @@ use support::{Launch, Node, Process, STEP, TempDir};
 
 const SERVER_IP: &str = "10.202.0.1";
 const CLIENT_IP: &str = "10.202.0.2";
+/// The link's one-way delay, each way.
+const DELAY_MS: u64 = 20;
+/// A relayed round trip crosses the link four times (A to derpd, derpd to B, and back), each
+/// after the full delay; the slack is for timer granularity, never for a shorter path.
+const RTT_FLOOR: Duration = Duration::from_millis(4 * DELAY_MS - 5);
+/// Datagrams sent across the link to nowhere after the round trips, so that 1 % loss drops
+/// some with near certainty (none in 2000 has odds of about 2e-9) whatever the round trips
+/// happened to send.
+const FILLER_DATAGRAMS: usize = 2000;
 /// Round trips each transport must complete.
 const ROUND_TRIPS: u32 = 30;
 /// How long a client waits for an echo before it sends the packet again: a datagram lost on
@@ -56,7 +68,7 @@ struct Link {
 
 enum LinkKind {
     Netem { veth: String },
-    UserSpace { _forwarder: Process },
+    UserSpace { forwarder: Process },
 }
 
 impl Drop for Link {
@@ -69,6 +81,27 @@ impl Drop for Link {
 }
 
 impl Link {
+    /// Packets the link has dropped so far, both directions together.
+    fn dropped(&self) -> u64 {
+        match &self.kind {
+            LinkKind::Netem { veth } => {
+                let there = veth.replacen("dnetem", "dnetemp", 1);
+                netem_dropped(&["qdisc", "show", "dev", veth])
+                    + netem_dropped(&["-n", &self.ns, "qdisc", "show", "dev", &there])
+            }
+            LinkKind::UserSpace { forwarder } => {
+                forwarder.signal("USR1");
+                let line = forwarder.wait_stdout("the user-space link's counts", |l| {
+                    l.starts_with("counts ").then(|| l.to_owned())
+                });
+                line.split_whitespace()
+                    .filter_map(|f| f.strip_prefix("lost="))
+                    .map(|n| n.parse::<u64>().unwrap_or_else(|_| panic!("{line}")))
+                    .sum()
+            }
+        }
+    }
+
     fn name(&self) -> &'static str {
         match self.kind {
             LinkKind::Netem { .. } => "tc netem",
@@ -96,7 +129,7 @@ fn make_link() -> Result<Link, String> {
             };
             let _ = ip(&["link", "del", veth]);
             link.kind = LinkKind::UserSpace {
-                _forwarder: user_space_link(&link.ns, id),
+                forwarder: user_space_link(&link.ns, id),
             };
             Ok(link)
         }
@@ -104,12 +137,34 @@ fn make_link() -> Result<Link, String> {
     }
 }
 
+/// The "dropped" count of the netem qdisc `tc -s <args>` shows.
+fn netem_dropped(args: &[&str]) -> u64 {
+    let mut all = vec!["-s"];
+    all.extend_from_slice(args);
+    let out = Command::new("tc").args(&all).output().expect("tc -s");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let netem = text
+        .split("qdisc ")
+        .find(|q| q.starts_with("netem "))
+        .unwrap_or_else(|| panic!("no netem qdisc in tc {}: {text}", all.join(" ")));
+    let after = netem
+        .split_once("(dropped ")
+        .unwrap_or_else(|| panic!("no dropped count: {netem}"))
+        .1;
+    after
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("dropped count: {netem}"))
+}
+
 /// A veth pair into `ns` with netem on both ends.
 fn netem_link(ns: &str, id: u32) -> Result<(), String> {
     let (here, there) = (format!("dnetem{id}"), format!("dnetemp{id}"));
     ip(&["link", "add", &here, "type", "veth", "peer", "name", &there])?;
     ip(&["link", "set", &there, "netns", ns])?;
-    let netem = ["root", "netem", "delay", "20ms", "loss", "1%"];
+    let delay = format!("{DELAY_MS}ms");
+    let netem = ["root", "netem", "delay", delay.as_str(), "loss", "1%"];
     let mut on_here = vec!["qdisc", "add", "dev", here.as_str()];
     on_here.extend_from_slice(&netem);
     run("tc", &on_here)?;
@@ -140,7 +195,7 @@ fn user_space_link(ns: &str, id: u32) -> Process {
         SERVER_IP,
         "-",
         CLIENT_IP,
-        "20",
+        &DELAY_MS.to_string(),
         "1",
         "1",
         &format!("dnl{id}"),
@@ -151,8 +206,9 @@ fn user_space_link(ns: &str, id: u32) -> Process {
 }
 
 /// Relays `ROUND_TRIPS` numbered packets A -> B -> A, one at a time, resending one whose
-/// echo has not come back after [`RESEND_AFTER`]. Returns how many sends it took.
-async fn round_trips(config: impl Fn(SecretKey) -> ClientConfig) -> u32 {
+/// echo has not come back after [`RESEND_AFTER`]. Returns how many sends it took and the
+/// shortest round trip, each timed from its first send.
+async fn round_trips(config: impl Fn(SecretKey) -> ClientConfig) -> (u32, Duration) {
     let (sa, sb) = (
         SecretKey::generate(&mut rand::rngs::OsRng),
         SecretKey::generate(&mut rand::rngs::OsRng),
@@ -172,9 +228,11 @@ async fn round_trips(config: impl Fn(SecretKey) -> ClientConfig) -> u32 {
         }
     });
     let mut sends = 0;
+    let mut shortest = Duration::MAX;
     let deadline = tokio::time::Instant::now() + 3 * STEP;
     for i in 0..ROUND_TRIPS {
         let payload = i.to_be_bytes();
+        let first_send = Instant::now();
         'resend: loop {
             assert!(
                 tokio::time::Instant::now() < deadline,
@@ -187,6 +245,7 @@ async fn round_trips(config: impl Fn(SecretKey) -> ClientConfig) -> u32 {
                 match tokio::time::timeout_at(wait, a_rx.recv()).await {
                     Err(_) => continue 'resend,
                     Ok(Ok(ReceivedFrame::RecvPacket { packet, .. })) if packet[..] == payload => {
+                        shortest = shortest.min(first_send.elapsed());
                         break 'resend;
                     }
                     Ok(Ok(_)) => {}
@@ -196,7 +255,7 @@ async fn round_trips(config: impl Fn(SecretKey) -> ClientConfig) -> u32 {
         }
     }
     echo.abort();
-    sends
+    (sends, shortest)
 }
 
 #[tokio::test]
@@ -244,11 +303,41 @@ async fn quic_and_tcp_across_a_lossy_delayed_link() {
                 .with_connect_timeout(STEP)
         }
     };
-    let tcp = round_trips(config(format!("https://{SERVER_IP}:8443/derp"))).await;
-    let quic = round_trips(config(format!("quic://{SERVER_IP}:8443"))).await;
+    let (tcp, tcp_rtt) = round_trips(config(format!("https://{SERVER_IP}:8443/derp"))).await;
+    let (quic, quic_rtt) = round_trips(config(format!("quic://{SERVER_IP}:8443"))).await;
     // Which link ran, and how often a loss cost a resend: context, not a check.
     println!(
-        "over {}: {ROUND_TRIPS} round trips took {tcp} sends over TLS/TCP, {quic} over QUIC",
+        "over {}: {ROUND_TRIPS} round trips took {tcp} sends over TLS/TCP (shortest \
+         {tcp_rtt:?}), {quic} over QUIC (shortest {quic_rtt:?})",
+        link.name()
+    );
+    for (transport, rtt) in [("TLS/TCP", tcp_rtt), ("QUIC", quic_rtt)] {
+        assert!(
+            rtt >= RTT_FLOOR,
+            "a round trip over {transport} took {rtt:?}: the {} link did not delay it \
+             ({DELAY_MS} ms each way, four crossings)",
+            link.name()
+        );
+    }
+    let filler = std::net::UdpSocket::bind(format!("{CLIENT_IP}:0")).expect("bind filler");
+    for i in 0..FILLER_DATAGRAMS {
+        // The discard port: nothing in derpd's namespace answers, the link only carries it.
+        let _ = filler.send_to(&i.to_be_bytes(), format!("{SERVER_IP}:9"));
+    }
+    // The user-space link counts a loss when it reads the datagram, which can be after
+    // send_to returns, so the count is read until it moves rather than once.
+    let deadline = Instant::now() + STEP;
+    let dropped = loop {
+        let dropped = link.dropped();
+        if dropped > 0 || Instant::now() > deadline {
+            break dropped;
+        }
+        std::thread::park_timeout(Duration::from_millis(50));
+    };
+    println!("the link dropped {dropped} packets");
+    assert!(
+        dropped > 0,
+        "the {} link dropped nothing of {FILLER_DATAGRAMS} datagrams and the round trips",
         link.name()
     );
 }

@@ -2,14 +2,16 @@
 //! derper's list (`tests/data/derper-flags.txt`, from derper 1.103.0) in each of Go's forms,
 //! the migration table of docs/operations.md held to that list, the README's flag table, and
 //! real derper command lines from Tailscale's docs and the Docker images people run it in.
-//! Everything runs `derpd --check`, which binds nothing and writes nothing.
+//! Nearly everything runs `derpd --check`, which binds nothing and writes nothing; the table's
+//! refused and ignored rows also start derpd (on an ephemeral loopback port, with its key in a
+//! temporary directory), since what they claim of a start is not --check's to show.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
 use crate::support;
 
-use support::{DERPD, TempDir};
+use support::{DERPD, Launch, Node, TempDir, run_to_exit};
 
 /// One flag of derper's list.
 #[derive(Debug)]
@@ -445,6 +447,287 @@ fn migration_table() -> (Vec<(String, String, String)>, String) {
     (rows, section.to_owned())
 }
 
+/// A command line whose `--check` shows what a "differs" row of the migration table says.
+struct Claim {
+    flag: &'static str,
+    /// Whether the arguments follow `Files::base()` (and so override it where they repeat it).
+    base: bool,
+    args: Vec<String>,
+    code: i32,
+    /// Text stdout and stderr together hold.
+    shows: &'static str,
+}
+
+impl Claim {
+    fn new(flag: &'static str, args: &[&str], code: i32, shows: &'static str) -> Self {
+        Self {
+            flag,
+            base: true,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            code,
+            shows,
+        }
+    }
+}
+
+/// For each "differs" row, what of its text `--check` can show.
+fn differs_claims(files: &Files) -> Vec<Claim> {
+    // A TLS listener with a name a CA would certify, so the ACME flags are read.
+    let tls = |rest: &[&str]| -> Vec<String> {
+        ["-a", "127.0.0.1:443", "-hostname", "derp.example.com"]
+            .iter()
+            .chain(rest)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let gcp = |key: &str| {
+        tls(&[
+            "-certmode=gcp",
+            "-acme-email=ops@example.com",
+            "-acme-eab-kid=kid-1",
+            &format!("-acme-eab-key={key}"),
+        ])
+    };
+    let dev = |rest: &[&str]| Claim {
+        flag: "dev",
+        base: false,
+        args: ["-dev", "-c", &files.key]
+            .iter()
+            .chain(rest)
+            .map(|s| s.to_string())
+            .collect(),
+        code: 0,
+        shows: "",
+    };
+    vec![
+        Claim {
+            shows: "127.0.0.1:3340/tcp (plain HTTP",
+            ..dev(&[])
+        },
+        Claim {
+            shows: "quic      off",
+            ..dev(&[])
+        },
+        Claim {
+            shows: "127.0.0.1:3340/tcp (plain HTTP",
+            ..dev(&["-a", ":443"])
+        },
+        Claim {
+            shows: "127.0.0.1:3345/tcp (plain HTTP",
+            ..dev(&["-a", "127.0.0.1:3345"])
+        },
+        Claim {
+            shows: "mesh key lets siblings in",
+            ..dev(&["-mesh-psk-file", &files.mesh_key])
+        },
+        Claim {
+            base: false,
+            ..Claim::new("version", &["-version"], 0, "derpd ")
+        },
+        Claim {
+            base: false,
+            ..Claim::new(
+                "version",
+                &["-version", "-nosuch"],
+                2,
+                "flag provided but not defined: -nosuch",
+            )
+        },
+        Claim::new(
+            "http-port",
+            &["-certmode=manual", "-http-port=65536"],
+            1,
+            "--http-port 65536: not a port",
+        ),
+        Claim::new(
+            "http-port",
+            &["-certmode=manual", "-http-port=-5"],
+            0,
+            "port-80 listener off",
+        ),
+        Claim::new(
+            "stun-port",
+            &["-stun-port=65536"],
+            2,
+            "65536 is not in 0..=65535",
+        ),
+        Claim {
+            args: ["-a", "127.0.0.1:443", "-certmode=manual", "-stun-port=443"]
+                .map(str::to_owned)
+                .to_vec(),
+            ..Claim::new(
+                "stun-port",
+                &[],
+                0,
+                "warn  quic      off: STUN has UDP port 443",
+            )
+        },
+        // Plain HTTP: derper would not look at the mode at all.
+        Claim::new(
+            "certmode",
+            &["-certmode=bogus"],
+            2,
+            "invalid value \"bogus\" for flag -certmode",
+        ),
+        // Where it is read: on a plain-HTTP listener --certdir is ignored, as in derper.
+        Claim::new(
+            "certdir",
+            &["-certmode=manual", "-certdir="],
+            1,
+            "--certdir is empty",
+        ),
+        Claim::new(
+            "hostname",
+            &["-certmode=manual"],
+            0,
+            "would generate a self-signed one for 127.0.0.1",
+        ),
+        Claim {
+            args: tls(&["-certmode=gcp", "-acme-email=ops@example.com"]),
+            ..Claim::new(
+                "acme-eab-kid",
+                &[],
+                1,
+                "--certmode=gcp requires --acme-eab-kid and --acme-eab-key",
+            )
+        },
+        Claim {
+            args: tls(&[
+                "-certmode=letsencrypt",
+                "-acme-eab-kid=kid-1",
+                "-acme-eab-key=zWNDZM6eQGHWpSRTPal5eIUYFTu7EajVIoguysqZ9wG44nMEtx3MUAsUDkMTQ12W",
+            ]),
+            ..Claim::new("acme-eab-kid", &[], 0, "is bound with EAB key ID \"kid-1\"")
+        },
+        // derper's two encodings: standard with padding, URL-safe without.
+        Claim {
+            args: gcp("+/v7+/v7+/v7+/v7+/v7+/v7+/v7+/v7+/v7+/v7+/s="),
+            ..Claim::new("acme-eab-key", &[], 0, "is bound with EAB key ID \"kid-1\"")
+        },
+        Claim {
+            args: gcp("-_v7-_v7-_v7-_v7-_v7-_v7-_v7-_v7-_v7-_v7-_s"),
+            ..Claim::new("acme-eab-key", &[], 0, "is bound with EAB key ID \"kid-1\"")
+        },
+        Claim {
+            args: tls(&["-hostname", "derp.tailscale.com"]),
+            ..Claim::new("acme-email", &[], 0, "no --acme-email")
+        },
+        Claim::new(
+            "acme-ip-certs",
+            &["-certmode=manual", "-acme-ip-certs"],
+            1,
+            "--acme-ip-certs requires --certmode=letsencrypt",
+        ),
+        Claim {
+            args: tls(&["-certmode=gcp", "-acme-ip-certs"]),
+            ..Claim::new(
+                "acme-ip-certs",
+                &[],
+                1,
+                "--acme-ip-certs requires --certmode=letsencrypt",
+            )
+        },
+        Claim::new(
+            "acme-ip-certs",
+            &["-acme-ip-certs"],
+            0,
+            "--acme-ip-certs are ignored",
+        ),
+        Claim {
+            args: tls(&["-acme-ip-certs", "-http-port=-1"]),
+            ..Claim::new(
+                "acme-ip-certs",
+                &[],
+                1,
+                "--acme-ip-certs needs the port-80 listener",
+            )
+        },
+        Claim::new(
+            "mesh-psk-file",
+            &["-mesh-psk-file="],
+            0,
+            "off (no --mesh-with, no mesh key)",
+        ),
+        Claim::new(
+            "mesh-with",
+            &["-mesh-with= a.example.com, ,b.example.com,"],
+            0,
+            "2 entries, each dialed (an entry that turns out to be this node, by the key that \
+             answers, is dropped): https://a.example.com/derp, https://b.example.com/derp",
+        ),
+        Claim::new(
+            "verify-client-url-fail-open",
+            &["-verify-client-url=https://headscale.example.com/verify"],
+            0,
+            "only https://headscale.example.com/verify (fail closed)",
+        ),
+        Claim::new(
+            "verify-client-url-fail-open",
+            &[
+                "-verify-client-url=https://headscale.example.com/verify",
+                "-verify-client-url-fail-open",
+            ],
+            0,
+            "only https://headscale.example.com/verify (fail open)",
+        ),
+        // base() is plain HTTP, where derper sets no limit.
+        Claim::new(
+            "accept-connection-limit",
+            &["-accept-connection-limit=50"],
+            0,
+            "accept 50/s, burst 50",
+        ),
+        Claim::new(
+            "accept-connection-limit",
+            &["-accept-connection-limit=0"],
+            2,
+            "the rate must be positive",
+        ),
+        Claim::new(
+            "accept-connection-limit",
+            &["-accept-connection-limit=-3"],
+            2,
+            "the rate must be positive",
+        ),
+        Claim::new(
+            "accept-connection-limit",
+            &["-accept-connection-limit=NaN"],
+            2,
+            "the rate must be positive",
+        ),
+        Claim::new(
+            "accept-connection-burst",
+            &["-accept-connection-burst=10"],
+            0,
+            "--accept-connection-burst has no effect without --accept-connection-limit",
+        ),
+        Claim::new(
+            "accept-connection-burst",
+            &["-accept-connection-limit=5", "-accept-connection-burst=0"],
+            2,
+            "invalid value \"0\" for flag -accept-connection-burst",
+        ),
+        Claim::new(
+            "accept-connection-burst",
+            &["-accept-connection-limit=5", "-accept-connection-burst=-1"],
+            2,
+            "invalid value \"-1\" for flag -accept-connection-burst",
+        ),
+        Claim::new(
+            "tcp-write-timeout",
+            &["-tcp-write-timeout=-1s"],
+            2,
+            "\"-1s\" is negative",
+        ),
+        Claim::new(
+            "tcp-write-timeout",
+            &["-tcp-write-timeout=0s"],
+            0,
+            "write timeout none",
+        ),
+    ]
+}
+
 /// The names `derpd --help` lists (long names and single letters), each line's names together.
 fn derpd_flag_names() -> Vec<Vec<String>> {
     let (code, help, _) = derpd(&["--help".to_owned()]);
@@ -473,6 +756,14 @@ fn the_migration_table_holds_every_derper_flag_once_and_says_true_things() {
     let by_name: BTreeMap<&str, &DerperFlag> = flags.iter().map(|f| (f.name.as_str(), f)).collect();
     let (rows, section) = migration_table();
     let files = Files::new("derper-table");
+    let claims = differs_claims(&files);
+    let check = |extra: &[String]| {
+        let mut args = vec!["--check".to_owned()];
+        args.extend(files.base());
+        args.extend(extra.iter().cloned());
+        let (code, out, err) = derpd(&args);
+        (code, format!("{out}{err}"))
+    };
     let mut seen = BTreeSet::new();
     for (flag, default, derpd_says) in &rows {
         let name = flag
@@ -497,20 +788,123 @@ fn the_migration_table_holds_every_derper_flag_once_and_says_true_things() {
             ["same", "differs", "refused", "ignored"].contains(&verdict),
             "-{name}: say same, differs, refused or ignored first: {derpd_says}"
         );
-        // What the table calls the same must be taken as derper takes it.
-        if verdict == "same" {
-            let mut args = vec!["--check".to_owned()];
-            args.extend(files.base());
-            if derper.kind == "bool" {
-                args.push(format!("-{name}={}", derper.default));
-            } else {
-                let (value, _, extra) = files.value(name);
-                args.extend(extra.iter().map(|s| s.to_string()));
-                args.push(format!("-{name}={value}"));
+        // Every form of a value the row speaks of: a boolean's non-default value (its
+        // default is what a command line without the flag already runs with), or the test
+        // value of the every-form test.
+        let (value, extra) = if derper.kind == "bool" {
+            (String::new(), vec![])
+        } else {
+            let (value, _, extra) = files.value(name);
+            (value, extra)
+        };
+        let non_default = (derper.kind == "bool").then(|| derper.default != "true");
+        let forms = forms(name, non_default, &value);
+        match verdict {
+            "same" => {
+                for form in &forms {
+                    let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+                    args.extend(form.iter().cloned());
+                    let (code, out) = check(&args);
+                    assert_eq!(code, 0, "-{name} is called the same; {form:?}: {out}");
+                    assert!(out.contains(USABLE), "{form:?}: {out}");
+                }
             }
-            let (code, out, err) = derpd(&args);
-            assert_eq!(code, 0, "-{name} is called the same: {out}{err}");
+            // The value that turns the refused thing on, without what else the every-form
+            // test adds (-secrets-url's -dev, where it is ignored).
+            "refused" => {
+                let refusal = format!("-{name}: derpd");
+                for form in &forms {
+                    let (code, out) = check(form);
+                    assert_eq!(code, 1, "-{name} is called refused; {form:?}: {out}");
+                    assert!(
+                        out.contains(&refusal) && out.contains("derpd would not start"),
+                        "want {refusal:?}: {form:?}: {out}"
+                    );
+                }
+                let dir = TempDir::new("derper-table-refused");
+                let key = dir.path("derper.key").display().to_string();
+                let mut args = files.base();
+                args.extend(["-a", "127.0.0.1:0", "-c", &key].map(str::to_owned));
+                args.extend(forms[0].iter().cloned());
+                let (status, log) = run_to_exit(
+                    &Launch::plain(),
+                    &args.iter().map(String::as_str).collect::<Vec<_>>(),
+                );
+                assert_eq!(
+                    status.code(),
+                    Some(1),
+                    "-{name}: a start refuses too: {log}"
+                );
+                assert!(log.contains(&format!("derpd: -{name}:")), "{log}");
+                assert!(
+                    !std::path::Path::new(&key).exists(),
+                    "-{name}: refused after writing the key"
+                );
+            }
+            "ignored" => {
+                let says = format!("-{name} ignored");
+                for form in &forms {
+                    let mut args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+                    args.extend(form.iter().cloned());
+                    let (code, out) = check(&args);
+                    assert_eq!(code, 0, "-{name} is called ignored; {form:?}: {out}");
+                    assert!(out.contains(&says), "want {says:?}: {form:?}: {out}");
+                }
+                let dir = TempDir::new("derper-table-ignored");
+                let key = dir.path("derper.key").display().to_string();
+                let mut args = files.base();
+                args.extend(["-a", "127.0.0.1:0", "-c", &key].map(str::to_owned));
+                args.extend(forms[0].iter().cloned());
+                let node = Node::start(&args);
+                node.find_log(&says, |v| {
+                    v["fields"]["message"]
+                        .as_str()?
+                        .starts_with(&says)
+                        .then_some(())
+                });
+            }
+            "differs" => {
+                let mine: Vec<&Claim> = claims.iter().filter(|c| c.flag == name).collect();
+                assert!(
+                    !mine.is_empty(),
+                    "-{name} is called different: add a claim of what --check shows for it"
+                );
+                for claim in mine {
+                    let (code, out) = if claim.base {
+                        check(&claim.args)
+                    } else {
+                        let mut args = vec!["--check".to_owned()];
+                        args.extend(claim.args.iter().cloned());
+                        let (code, out, err) = derpd(&args);
+                        (code, format!("{out}{err}"))
+                    };
+                    let what = format!("-{name}: {:?}: exit {code}\n{out}", claim.args);
+                    assert_eq!(code, claim.code, "{what}");
+                    assert!(out.contains(claim.shows), "want {:?}: {what}", claim.shows);
+                }
+                if non_default.is_some() {
+                    for form in &forms {
+                        let (code, out) = check(form);
+                        assert_eq!(code, 0, "-{name}; {form:?}: {out}");
+                        if name == "version" {
+                            assert!(out.starts_with("derpd "), "{form:?}: {out}");
+                        } else {
+                            assert!(out.contains(USABLE), "{form:?}: {out}");
+                        }
+                    }
+                }
+            }
+            _ => unreachable!("checked above"),
         }
+    }
+    for claim in &claims {
+        assert!(
+            rows.iter()
+                .any(|(f, _, says)| *f == format!("`-{}`", claim.flag)
+                    && says.starts_with("**differs**")),
+            "a claim for -{}, which has no \"differs\" row",
+            claim.flag
+        );
     }
     let missing: Vec<&str> = by_name
         .keys()

@@ -318,6 +318,8 @@ const LAST_USED_REFRESH: Duration = Duration::from_secs(30);
 /// part of the relay's API: it exists so those measure the code the relay runs, and only the
 /// `bench` feature (which `benches/` enables) compiles it.
 #[cfg(any(test, feature = "bench"))]
+// Without the feature only this crate's own tests use it, and not all of it.
+#[cfg_attr(not(feature = "bench"), allow(dead_code, unreachable_pub))]
 pub mod bench {
     use std::sync::Arc;
 

@@ -242,7 +242,7 @@ impl Registry {
         m.current_connections.inc();
         let present = Control::PeerPresent {
             peer: conn.key,
-            addr: conn.remote,
+            addr: conn.remote.get(),
             flags: conn.presence_flags,
         };
         broadcast(&state.watchers, || present.clone());
@@ -420,7 +420,7 @@ impl Registry {
             if let Some(active) = &entry.active {
                 conn.queue.push_control(Control::PeerPresent {
                     peer: active.key,
-                    addr: active.remote,
+                    addr: active.remote.get(),
                     flags: active.presence_flags,
                 });
             }

@@ -298,7 +298,7 @@ impl Established {
             debug!(remote = %handle.remote, key = %handle.key.short(), id = handle.id, "client disconnected");
             let result = result.and_then(|()| written_out(handle));
             if *detached {
-                count_end(shared, handle.remote, &result);
+                count_end(shared, handle.remote.get(), &result);
             }
             // Leaving the registry (when `self.registration` drops) closes the queues; the
             // writer (running, or resumed from its parked state by the close) then finishes

@@ -326,7 +326,7 @@ fn the_finder_sees_loops_between_submodules() {
         "use super::record::Keys;\n",
         "use crate::tls::record::Keys;\n",
         "use super::{self as tls, record::{Keys, Opened}};\n",
-        "fn f() -> super::super::tls::record::Keys { todo!() }\n",
+        "fn f(_: super::super::tls::record::Keys) {}\n",
         "use crate::{tls::{self, record}};\n",
     ] {
         let looped = tree(back, "use super::known::Known;\n");

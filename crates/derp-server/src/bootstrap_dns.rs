@@ -323,17 +323,12 @@ pub(crate) fn serve<B>(
 /// for `bootstrap_dns_queried_domains` (500 names of up to a request head each); no client
 /// asks for such a name, so it is refused before it is remembered or looked up.
 fn name_too_long() -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(Bytes::from(format!(
-        "bootstrap-dns: name longer than {MAX_NAME_LEN} bytes\n"
-    ))));
-    *resp.status_mut() = StatusCode::BAD_REQUEST;
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
-    resp
+    let body = format!("bootstrap-dns: name longer than {MAX_NAME_LEN} bytes\n");
+    closing_response(
+        StatusCode::BAD_REQUEST,
+        "text/plain; charset=utf-8",
+        body.into(),
+    )
 }
 
 /// A TXT string as a rollout percentage: Go's `strconv.Atoi`, then 0..=100.
@@ -473,14 +468,20 @@ fn go_json_string(s: &str, out: &mut String) {
 }
 
 fn json_response(body: Bytes) -> Response<Full<Bytes>> {
+    closing_response(StatusCode::OK, "application/json", body)
+}
+
+/// Every answer of `/bootstrap-dns` closes its connection: it is asked across regions and
+/// answered once, so the connection is not worth keeping.
+fn closing_response(
+    status: StatusCode,
+    content_type: &'static str,
+    body: Bytes,
+) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(body));
-    *resp.status_mut() = StatusCode::OK;
+    *resp.status_mut() = status;
     let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    // Asked across regions and answered once: not worth keeping the connection.
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(header::CONNECTION, HeaderValue::from_static("close"));
     resp
 }

@@ -12,6 +12,7 @@ use derp_proto::{PublicKey, ws};
 use tokio::sync::Notify;
 
 use crate::queue::{Batch, SendQueue};
+use crate::tcpinfo::RttMark;
 
 const WRITE_FAILED: u8 = 1;
 const WRITE_TIMED_OUT: u8 = 2;
@@ -56,6 +57,7 @@ pub(crate) struct ConnHandle {
     /// the sockets on the ports of registered connections only. It makes the handle 8 bytes
     /// larger, within the same 368-byte allocation of glibc's malloc.
     pub(crate) local_port: u16,
+    pub(crate) rtt_mark: RttMark,
 }
 
 impl ConnHandle {
@@ -82,6 +84,7 @@ impl ConnHandle {
             queue: SendQueue::new(depth),
             socket_cookie: None,
             local_port: 0,
+            rtt_mark: RttMark::default(),
         }
     }
 

@@ -147,7 +147,6 @@ impl State {
 /// A registered connection, as [`Registry::summaries`] lists it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConnSummary {
-    pub(crate) id: u64,
     pub(crate) key: PublicKey,
     pub(crate) tcp_socket: Option<crate::handle::TcpSocket>,
 }
@@ -456,17 +455,29 @@ impl Registry {
         self.lock().conns().all(|member| member.queue.is_drained())
     }
 
-    /// Every registered connection (duplicates included) with what the kernel statistics and
-    /// `/debug/traffic` need: one pass under the lock, off the packet path.
+    /// Every registered connection (duplicates included) with what `/debug/traffic` needs.
     pub(crate) fn summaries(&self) -> Vec<ConnSummary> {
-        self.lock()
-            .conns()
-            .map(|c| ConnSummary {
-                id: c.id,
+        self.collect_conns(|c| {
+            Some(ConnSummary {
                 key: c.key,
                 tcp_socket: c.tcp_socket(),
             })
-            .collect()
+        })
+    }
+
+    /// What `pick` takes from each registered connection (duplicates included), in one pass
+    /// under the lock, off the packet path. The list is allocated once, at its largest size:
+    /// grown by doubling, a list made every sampling period would leave its smaller copies
+    /// and up to half its length again to the allocator each time, in proportion to the
+    /// connections.
+    pub(crate) fn collect_conns<T>(
+        &self,
+        pick: impl FnMut(&Arc<ConnHandle>) -> Option<T>,
+    ) -> Vec<T> {
+        let state = self.lock();
+        let mut out = Vec::with_capacity(state.conns().count());
+        out.extend(state.conns().filter_map(pick));
+        out
     }
 
     /// Checks that the client map, its lock-free mirror and the gauges agree, as

@@ -190,26 +190,32 @@ async fn sample_tcp_rtt(
     metric: prometheus::IntCounterVec,
     every: std::time::Duration,
 ) {
-    let mut sampler = crate::tcpinfo::RttSampler::new(metric);
+    let sampler = crate::tcpinfo::RttSampler::new(metric);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let (conns, diag) = match state.upgrade() {
-            Some(state) => (state.registry.summaries(), state.sock_diag.clone()),
+        let (due, diag) = match state.upgrade() {
+            Some(state) => (sampler.due(&state.registry), state.sock_diag.clone()),
             None => return,
         };
-        if conns.is_empty() {
+        if due.is_empty() {
             continue;
         }
-        let ports = crate::tcpinfo::ports(&conns);
-        let sockets = tokio::task::spawn_blocking(move || diag.dump(&ports))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-        if let Err(e) = &sockets {
+        // Shared with the dump's thread so that the list, and with it every connection
+        // first seen this period, is counted even when that thread fails.
+        let due = Arc::new(std::sync::Mutex::new(due));
+        let reading = due.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            diag.read_rtts(&mut reading.lock().unwrap_or_else(|e| e.into_inner()))
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        if let Err(e) = &read {
             tracing::debug!(error = %e, "reading TCP statistics");
         }
-        sampler.tick(&conns, sockets.as_ref());
+        let due = due.lock().unwrap_or_else(|e| e.into_inner());
+        sampler.count(&due, read.as_ref().copied());
     }
 }
 

@@ -17,13 +17,13 @@ use std::io;
 use std::num::NonZeroU64;
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use derp_io::Transport;
 use prometheus::IntCounterVec;
 
-use crate::handle::TcpSocket;
-use crate::registry::ConnSummary;
+use crate::handle::{ConnHandle, TcpSocket};
+use crate::registry::{ConnSummary, Registry};
 
 /// What the kernel says about one TCP socket.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,20 +85,39 @@ impl SockDiag {
     /// their statistics. Blocking (a few system calls); callers run it off the runtime's
     /// workers.
     pub(crate) fn dump(&self, ports: &BTreeSet<u16>) -> io::Result<HashMap<u64, TcpStats>> {
-        self.dump_with(ports, port_filter(ports))
+        let mut out = HashMap::new();
+        self.each(ports, |cookie, stats| {
+            out.insert(cookie, stats);
+        })?;
+        Ok(out)
     }
 
-    /// [`SockDiag::dump`] with the filter `program` (none: read every socket).
+    /// Notes the RTT of each of `due`'s connections (sorted by cookie, as
+    /// [`RttSampler::due`] lists them) whose socket the kernel lists, from one dump of the
+    /// sockets on their ports. Blocking, as [`SockDiag::dump`].
+    pub(crate) fn read_rtts(&self, due: &mut [Due]) -> io::Result<()> {
+        let ports = due.iter().map(|d| d.conn.local_port).collect();
+        self.each(&ports, |cookie, stats| found(due, cookie, stats.rtt_us))
+    }
+
+    /// Hands each non-listening TCP socket whose local port is one of `ports` to `each`, as
+    /// the kernel lists them, keeping none.
+    fn each(&self, ports: &BTreeSet<u16>, each: impl FnMut(u64, TcpStats)) -> io::Result<()> {
+        self.each_with(ports, port_filter(ports), each)
+    }
+
+    /// [`SockDiag::each`] with the filter `program` (none: read every socket).
     #[cfg(target_os = "linux")]
-    fn dump_with(
+    fn each_with(
         &self,
         ports: &BTreeSet<u16>,
         program: Option<Vec<u8>>,
-    ) -> io::Result<HashMap<u64, TcpStats>> {
+        mut each: impl FnMut(u64, TcpStats),
+    ) -> io::Result<()> {
         use rustix::net::{AddressFamily, SocketType, netlink};
 
         if ports.is_empty() {
-            return Ok(HashMap::new());
+            return Ok(());
         }
         let fd = rustix::net::socket(
             AddressFamily::NETLINK,
@@ -106,43 +125,42 @@ impl SockDiag {
             Some(netlink::SOCK_DIAG),
         )?;
         let program = program.filter(|_| !self.filter_refused.load(Ordering::Relaxed));
-        if let Some(program) = program {
-            match query(&fd, Some(&program))? {
-                Answer::Sockets(sockets) => return Ok(sockets),
-                Answer::Refused(why) => {
-                    // The filter is given up only if the same request without it is
-                    // answered: a refusal of that too says nothing about the filter.
-                    let mut sockets = match query(&fd, None)? {
-                        Answer::Sockets(sockets) => sockets,
-                        Answer::Refused(e) => return Err(e),
-                    };
-                    if !self.filter_refused.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            error = %why,
-                            "the kernel refused sock_diag's port filter; reading every TCP \
-                             socket of the host for derp_tcp_rtt and /debug/traffic instead"
-                        );
-                    }
-                    sockets.retain(|_, s| ports.contains(&s.port));
-                    return Ok(sockets);
-                }
+        let refused = match program {
+            Some(program) => match query(&fd, Some(&program), &mut each)? {
+                Answer::Listed => return Ok(()),
+                Answer::Refused(why) => Some(why),
+            },
+            None => None,
+        };
+        let mut ours = |cookie, stats: TcpStats| {
+            if ports.contains(&stats.port) {
+                each(cookie, stats);
             }
+        };
+        if let Answer::Refused(e) = query(&fd, None, &mut ours)? {
+            return Err(e);
         }
-        match query(&fd, None)? {
-            Answer::Sockets(mut sockets) => {
-                sockets.retain(|_, s| ports.contains(&s.port));
-                Ok(sockets)
-            }
-            Answer::Refused(e) => Err(e),
+        // The filter is given up only once the same request without it was answered: a
+        // refusal of that too says nothing about the filter.
+        if let Some(why) = refused
+            && !self.filter_refused.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                error = %why,
+                "the kernel refused sock_diag's port filter; reading every TCP \
+                 socket of the host for derp_tcp_rtt and /debug/traffic instead"
+            );
         }
+        Ok(())
     }
 
     #[cfg(not(target_os = "linux"))]
-    fn dump_with(
+    fn each_with(
         &self,
         _ports: &BTreeSet<u16>,
         _program: Option<Vec<u8>>,
-    ) -> io::Result<HashMap<u64, TcpStats>> {
+        _each: impl FnMut(u64, TcpStats),
+    ) -> io::Result<()> {
         Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "TCP statistics are read on Linux only",
@@ -152,17 +170,23 @@ impl SockDiag {
 
 /// What the kernel answered a dump request.
 enum Answer {
-    Sockets(HashMap<u64, TcpStats>),
+    /// The dump, each socket handed over as it came.
+    Listed,
     /// An error message instead of a dump: the request itself was refused.
     Refused(io::Error),
 }
 
-/// Dumps IPv4 then IPv6 TCP sockets on the `sock_diag` socket `fd`, filtered by `program`.
+/// Dumps IPv4 then IPv6 TCP sockets on the `sock_diag` socket `fd`, filtered by `program`,
+/// into `each`.
 #[cfg(target_os = "linux")]
-fn query(fd: &impl AsFd, program: Option<&[u8]>) -> io::Result<Answer> {
+fn query(
+    fd: &impl AsFd,
+    program: Option<&[u8]>,
+    each: &mut impl FnMut(u64, TcpStats),
+) -> io::Result<Answer> {
     use rustix::net::{RecvFlags, SendFlags};
 
-    let mut out = HashMap::new();
+    let mut listed = false;
     let mut buf = vec![0u8; 64 * 1024];
     for (seq, family) in [(1u32, AF_INET), (2, AF_INET6)] {
         let request = dump_request(seq, family, program)?;
@@ -180,19 +204,20 @@ fn query(fd: &impl AsFd, program: Option<&[u8]>) -> io::Result<Answer> {
                     Message::Done => break 'messages,
                     // The filter is checked when the first request arrives, before any
                     // socket is sent; an error later is the dump's, not a refusal.
-                    Message::Error(e) if seq == 1 && out.is_empty() => {
+                    Message::Error(e) if seq == 1 && !listed => {
                         return Ok(Answer::Refused(e));
                     }
                     Message::Error(e) => return Err(e),
                     Message::Socket { cookie, stats } => {
-                        out.insert(cookie, stats);
+                        listed = true;
+                        each(cookie, stats);
                     }
                     Message::Other => {}
                 }
             }
         }
     }
-    Ok(Answer::Sockets(out))
+    Ok(Answer::Listed)
 }
 
 const AF_INET: u8 = 2;
@@ -405,17 +430,23 @@ fn bad(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("sock_diag: bad {what}"))
 }
 
-/// derper's `derp_tcp_rtt` label for a round-trip time.
-pub(crate) fn rtt_label(rtt_us: u32) -> &'static str {
+/// derper's `derp_tcp_rtt` labels: the round-trip times' buckets, then [`ERROR`].
+const LABELS: [&str; 9] = [
+    "10ms", "20ms", "50ms", "100ms", "150ms", "250ms", "500ms", "inf", "error",
+];
+const ERROR: usize = LABELS.len() - 1;
+
+/// Where in [`LABELS`] a round-trip time is counted.
+fn rtt_bucket(rtt_us: u32) -> usize {
     match rtt_us {
-        0..=10_000 => "10ms",
-        10_001..=20_000 => "20ms",
-        20_001..=50_000 => "50ms",
-        50_001..=100_000 => "100ms",
-        100_001..=150_000 => "150ms",
-        150_001..=250_000 => "250ms",
-        250_001..=500_000 => "500ms",
-        _ => "inf",
+        0..=10_000 => 0,
+        10_001..=20_000 => 1,
+        20_001..=50_000 => 2,
+        50_001..=100_000 => 3,
+        100_001..=150_000 => 4,
+        150_001..=250_000 => 5,
+        250_001..=500_000 => 6,
+        _ => 7,
     }
 }
 
@@ -423,56 +454,114 @@ pub(crate) fn rtt_label(rtt_us: u32) -> &'static str {
 /// (`non-tcp` when it is not a TCP socket the relay holds, `error` when the kernel has no
 /// statistics for it, and then it is never sampled), and at every later sampling period
 /// adds one to the label of its current smoothed RTT.
+///
+/// Where each connection stands is kept in its handle ([`RttMark`]) rather than in a map of
+/// the connections seen, and a period hands the kernel's statistics of its own connections
+/// straight to them ([`SockDiag::read_rtts`]): a map of the sockets dumped and one of the
+/// connections, remade every period, cost an idle relay several hundred bytes per
+/// connection that the allocator kept after each period.
 #[derive(Debug)]
 pub(crate) struct RttSampler {
     metric: IntCounterVec,
-    /// Connection ids seen before, and whether they are sampled.
-    seen: HashMap<u64, bool>,
+}
+
+/// A connection's place in `derp_tcp_rtt` sampling (see [`RttSampler`]); only the sampler
+/// reads or writes it.
+#[derive(Debug)]
+pub(crate) struct RttMark(AtomicU8);
+
+const UNSEEN: u8 = 0;
+const SAMPLED: u8 = 1;
+const NOT_SAMPLED: u8 = 2;
+
+impl Default for RttMark {
+    fn default() -> Self {
+        Self(AtomicU8::new(UNSEEN))
+    }
+}
+
+impl RttMark {
+    fn get(&self) -> u8 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, mark: u8) {
+        self.0.store(mark, Ordering::Relaxed);
+    }
+}
+
+/// A connection whose TCP socket a sampling period reads.
+#[derive(Debug)]
+pub(crate) struct Due {
+    cookie: u64,
+    /// The kernel's smoothed RTT, once [`SockDiag::read_rtts`] has found the socket.
+    rtt_us: Option<u32>,
+    conn: Arc<ConnHandle>,
 }
 
 impl RttSampler {
     pub(crate) fn new(metric: IntCounterVec) -> Self {
-        Self {
-            metric,
-            seen: HashMap::new(),
-        }
+        Self { metric }
     }
 
-    /// One sampling period over the registered connections `conns`, with the kernel's
-    /// statistics `sockets` (or why they could not be read).
-    pub(crate) fn tick(
-        &mut self,
-        conns: &[ConnSummary],
-        sockets: Result<&HashMap<u64, TcpStats>, &io::Error>,
-    ) {
-        let mut seen = HashMap::with_capacity(conns.len());
-        for conn in conns {
-            let stats = conn
-                .tcp_socket
-                .and_then(|t| sockets.ok().and_then(|s| s.get(&t.cookie.get())));
-            let sampled = match self.seen.get(&conn.id) {
-                Some(&sampled) => {
-                    if sampled && let Some(stats) = stats {
-                        self.metric
-                            .with_label_values(&[rtt_label(stats.rtt_us)])
-                            .inc();
-                    }
-                    sampled
+    /// A period's first half, under the registry lock: connections seen for the first time
+    /// without a TCP socket are counted (`non-tcp`) and never looked at again; the others
+    /// still sampled, or not yet seen, are listed by socket cookie for
+    /// [`SockDiag::read_rtts`].
+    pub(crate) fn due(&self, registry: &Registry) -> Vec<Due> {
+        let mut non_tcp = 0;
+        let mut due = registry.collect_conns(|conn| {
+            let mark = conn.rtt_mark.get();
+            match conn.socket_cookie {
+                _ if mark == NOT_SAMPLED => None,
+                Some(cookie) => Some(Due {
+                    cookie: cookie.get(),
+                    rtt_us: None,
+                    conn: conn.clone(),
+                }),
+                None => {
+                    non_tcp += 1;
+                    conn.rtt_mark.set(NOT_SAMPLED);
+                    None
                 }
-                None if conn.tcp_socket.is_none() => {
-                    self.metric.with_label_values(&["non-tcp"]).inc();
-                    false
-                }
-                None if stats.is_none() => {
-                    self.metric.with_label_values(&["error"]).inc();
-                    false
-                }
-                None => true,
-            };
-            seen.insert(conn.id, sampled);
+            }
+        });
+        if non_tcp != 0 {
+            self.metric.with_label_values(&["non-tcp"]).inc_by(non_tcp);
         }
-        // Connections that left are forgotten.
-        self.seen = seen;
+        due.sort_unstable_by_key(|d| d.cookie);
+        due
+    }
+
+    /// A period's second half, once [`SockDiag::read_rtts`] has read `due` (`read`: whether
+    /// the kernel's statistics could be read at all).
+    pub(crate) fn count(&self, due: &[Due], read: Result<(), &io::Error>) {
+        let mut counts = [0u64; LABELS.len()];
+        for d in due {
+            let rtt_us = d.rtt_us.filter(|_| read.is_ok());
+            match (d.conn.rtt_mark.get(), rtt_us) {
+                (SAMPLED, Some(rtt_us)) => counts[rtt_bucket(rtt_us)] += 1,
+                (UNSEEN, Some(_)) => d.conn.rtt_mark.set(SAMPLED),
+                (UNSEEN, None) => {
+                    counts[ERROR] += 1;
+                    d.conn.rtt_mark.set(NOT_SAMPLED);
+                }
+                // A sampled socket the kernel did not list this time, as derper skips it.
+                _ => {}
+            }
+        }
+        for (label, n) in LABELS.iter().zip(counts) {
+            if n != 0 {
+                self.metric.with_label_values(&[label]).inc_by(n);
+            }
+        }
+    }
+}
+
+/// The kernel listed socket `cookie`: if it is one of `due`'s, that is its RTT.
+fn found(due: &mut [Due], cookie: u64, rtt_us: u32) {
+    if let Ok(i) = due.binary_search_by_key(&cookie, |d| d.cookie) {
+        due[i].rtt_us = Some(rtt_us);
     }
 }
 
@@ -527,6 +616,20 @@ mod tests {
         socket_cookie(socket).expect("cookie")
     }
 
+    /// The cookies of the sockets that `diag` hands over for `ports`, with the filter
+    /// `program`.
+    fn listed(
+        diag: &SockDiag,
+        ports: &BTreeSet<u16>,
+        program: Option<Vec<u8>>,
+    ) -> io::Result<std::collections::HashSet<u64>> {
+        let mut cookies = std::collections::HashSet::new();
+        diag.each_with(ports, program, |cookie, _| {
+            cookies.insert(cookie);
+        })?;
+        Ok(cookies)
+    }
+
     #[test]
     fn the_dump_holds_the_relays_ports_and_no_other_programs_sockets() {
         for bind in ["127.0.0.1:0", "[::1]:0"] {
@@ -545,10 +648,10 @@ mod tests {
             ports.extend(1..40);
             ports.remove(&theirs.0);
             let diag = SockDiag::default();
-            let sockets = diag.dump(&ports).expect("dump");
-            assert!(sockets.contains_key(&cookie_of(&ours.1)), "{bind}: ours");
+            let sockets = listed(&diag, &ports, port_filter(&ports)).expect("dump");
+            assert!(sockets.contains(&cookie_of(&ours.1)), "{bind}: ours");
             assert!(
-                sockets.contains_key(&cookie_of(&ours_too.1)),
+                sockets.contains(&cookie_of(&ours_too.1)),
                 "{bind}: ours too"
             );
             for (what, socket) in [
@@ -557,7 +660,7 @@ mod tests {
                 ("the client end of ours, on a port of its own", &ours.2),
             ] {
                 assert!(
-                    !sockets.contains_key(&cookie_of(socket)),
+                    !sockets.contains(&cookie_of(socket)),
                     "{bind}: {what} was read"
                 );
             }
@@ -576,9 +679,9 @@ mod tests {
         ports.remove(&theirs.0);
         assert!(port_filter(&ports).is_none(), "too long for one attribute");
         assert!(port_filter(&BTreeSet::new()).is_none());
-        let sockets = SockDiag::default().dump(&ports).expect("dump");
-        assert!(sockets.contains_key(&cookie_of(&ours.1)));
-        assert!(!sockets.contains_key(&cookie_of(&theirs.1)));
+        let sockets = listed(&SockDiag::default(), &ports, None).expect("dump");
+        assert!(sockets.contains(&cookie_of(&ours.1)));
+        assert!(!sockets.contains(&cookie_of(&theirs.1)));
     }
 
     /// Log lines written while a test runs its closure on this thread.
@@ -614,13 +717,12 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(logger, || {
             for round in 0..3 {
-                let sockets = diag
-                    .dump_with(&ports, Some(refused.clone()))
+                let sockets = listed(&diag, &ports, Some(refused.clone()))
                     .expect("the dump without the filter");
-                assert!(sockets.contains_key(&cookie_of(&ours.1)), "round {round}");
+                assert!(sockets.contains(&cookie_of(&ours.1)), "round {round}");
                 assert!(
-                    !sockets.contains_key(&cookie_of(&theirs.1))
-                        && !sockets.contains_key(&cookie_of(&theirs.2)),
+                    !sockets.contains(&cookie_of(&theirs.1))
+                        && !sockets.contains(&cookie_of(&theirs.2)),
                     "round {round}: another program's sockets are left out here instead"
                 );
             }
@@ -635,55 +737,109 @@ mod tests {
         assert!(logs.contains("refused"), "{logs}");
     }
 
+    /// A connection of key `id` registered in `registry`, with TCP socket `socket`.
+    fn registered(registry: &Registry, id: u8, socket: Option<TcpSocket>) -> Arc<ConnHandle> {
+        let conn = Arc::new(
+            ConnHandle::new(
+                u64::from(id),
+                derp_proto::PublicKey::from_bytes([id; 32]),
+                ([127, 0, 0, 1], 1).into(),
+                0,
+                false,
+                8,
+            )
+            .with_tcp_socket(socket),
+        );
+        registry.register(&conn);
+        conn
+    }
+
+    /// A socket of cookie `cookie` (0: none) on the relay's port.
+    fn socket(cookie: u64) -> Option<TcpSocket> {
+        NonZeroU64::new(cookie).map(|cookie| TcpSocket { cookie, port: 443 })
+    }
+
+    fn registry() -> Registry {
+        let metrics = crate::Metrics::new(&prometheus::Registry::new()).expect("metrics");
+        Registry::new(metrics, derp_proto::PublicKey::from_bytes([0; 32]))
+    }
+
     #[test]
     fn each_connection_is_checked_once_then_sampled_every_period() {
-        use std::num::NonZeroU64;
         let metric = IntCounterVec::new(prometheus::Opts::new("derp_tcp_rtt", "rtt"), &["le"])
             .expect("metric");
-        let mut sampler = RttSampler::new(metric.clone());
-        let conn = |id: u64, cookie: u64| ConnSummary {
-            id,
-            key: derp_proto::PublicKey::from_bytes([id as u8; 32]),
-            tcp_socket: NonZeroU64::new(cookie).map(|cookie| TcpSocket { cookie, port: 443 }),
+        let sampler = RttSampler::new(metric.clone());
+        let registry = registry();
+        // The kernel knows sockets 11 and 12 (and one that is not the relay's).
+        let period = |read: Result<(), &io::Error>| {
+            let mut due = sampler.due(&registry);
+            for (cookie, rtt_us) in [(12, 120_000), (7, 1), (11, 30)] {
+                found(&mut due, cookie, rtt_us);
+            }
+            sampler.count(&due, read);
+            due.len()
         };
-        let sockets = HashMap::from([
-            (
-                11,
-                TcpStats {
-                    rtt_us: 30,
-                    ..TcpStats::default()
-                },
-            ),
-            (
-                12,
-                TcpStats {
-                    rtt_us: 120_000,
-                    ..TcpStats::default()
-                },
-            ),
-        ]);
-        let conns = [conn(1, 11), conn(2, 12), conn(3, 0), conn(4, 99)];
+        let conns =
+            [(1, 11), (2, 12), (3, 0), (4, 99)].map(|(id, c)| registered(&registry, id, socket(c)));
         let count = |label: &str| metric.with_label_values(&[label]).get();
-        sampler.tick(&conns, Ok(&sockets));
+        assert_eq!(
+            period(Ok(())),
+            3,
+            "every TCP connection is read when first seen"
+        );
         assert_eq!((count("non-tcp"), count("error"), count("10ms")), (1, 1, 0));
-        sampler.tick(&conns, Ok(&sockets));
-        sampler.tick(&conns, Ok(&sockets));
+        assert_eq!(period(Ok(())), 2, "only sampled connections are read again");
+        period(Ok(()));
         assert_eq!((count("10ms"), count("150ms")), (2, 2));
         assert_eq!((count("non-tcp"), count("error")), (1, 1), "counted once");
+
+        for conn in &conns[1..] {
+            registry.unregister(conn);
+        }
+        let late = registered(&registry, 5, socket(13));
         let failed = io::Error::other("no netlink");
-        sampler.tick(&[conn(1, 11), conn(5, 13)], Err(&failed));
+        assert_eq!(
+            period(Err(&failed)),
+            2,
+            "connections that left are not read"
+        );
         assert_eq!((count("10ms"), count("error")), (2, 2));
-        assert_eq!(sampler.seen.len(), 2, "connections that left are forgotten");
+        assert_eq!(late.rtt_mark.get(), NOT_SAMPLED);
+        assert_eq!(conns[0].rtt_mark.get(), SAMPLED);
+    }
+
+    #[tokio::test]
+    async fn a_period_reads_its_connections_rtt_from_the_kernel() {
+        let (server, _client) = crate::conn::loopback_pair().await;
+        let registry = registry();
+        let server = Transport::Tcp(server);
+        let conn = registered(&registry, 1, tcp_socket(&server));
+        let sampler = RttSampler::new(
+            IntCounterVec::new(prometheus::Opts::new("derp_tcp_rtt", "rtt"), &["le"])
+                .expect("metric"),
+        );
+        let mut due = sampler.due(&registry);
+        let due = tokio::task::spawn_blocking(move || {
+            SockDiag::default().read_rtts(&mut due).map(|()| due)
+        })
+        .await
+        .expect("task")
+        .expect("dump");
+        assert!(Arc::ptr_eq(&due[0].conn, &conn));
+        assert!(due[0].rtt_us.is_some(), "our socket is listed");
+        sampler.count(&due, Ok(()));
+        assert_eq!(conn.rtt_mark.get(), SAMPLED);
     }
 
     #[test]
     fn labels_are_derpers() {
-        assert_eq!(rtt_label(0), "10ms");
-        assert_eq!(rtt_label(10_000), "10ms");
-        assert_eq!(rtt_label(10_001), "20ms");
-        assert_eq!(rtt_label(150_000), "150ms");
-        assert_eq!(rtt_label(500_000), "500ms");
-        assert_eq!(rtt_label(500_001), "inf");
+        let label = |rtt_us| LABELS[rtt_bucket(rtt_us)];
+        assert_eq!(label(0), "10ms");
+        assert_eq!(label(10_000), "10ms");
+        assert_eq!(label(10_001), "20ms");
+        assert_eq!(label(150_000), "150ms");
+        assert_eq!(label(500_000), "500ms");
+        assert_eq!(label(500_001), "inf");
     }
 
     #[test]

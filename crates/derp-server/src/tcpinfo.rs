@@ -187,7 +187,7 @@ fn query(
     use rustix::net::{RecvFlags, SendFlags};
 
     let mut listed = false;
-    let mut buf = vec![0u8; 64 * 1024];
+    let mut buf = vec![0u8; DUMP_READ];
     for (seq, family) in [(1u32, AF_INET), (2, AF_INET6)] {
         let request = dump_request(seq, family, program)?;
         rustix::net::send(fd, &request, SendFlags::empty())?;
@@ -219,6 +219,12 @@ fn query(
     }
     Ok(Answer::Listed)
 }
+
+/// The buffer a dump is read into. The kernel fills each read of a dump up to the reader's
+/// buffer and never beyond it (at most 32 KiB, at least NLMSG_GOODSIZE: a page or 8 KiB,
+/// less overhead), so a smaller buffer loses nothing and costs only more reads; the heap of
+/// the thread that reads it keeps it resident after every period.
+const DUMP_READ: usize = 16 * 1024;
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -735,6 +741,37 @@ mod tests {
             "one warning, not one per period: {logs}"
         );
         assert!(logs.contains("refused"), "{logs}");
+    }
+
+    #[tokio::test]
+    async fn a_dump_longer_than_one_read_lists_every_socket() {
+        let mut pairs = Vec::new();
+        for _ in 0..100 {
+            pairs.push(crate::conn::loopback_pair().await);
+        }
+        // Both ends of every pair, each on a port of its own: 200 ports, and as many
+        // sockets.
+        let sockets: Vec<(u64, u16)> = pairs
+            .iter()
+            .flat_map(|(a, b)| [a, b])
+            .map(|s| {
+                let port = s.local_addr().expect("addr").port();
+                (socket_cookie(s).expect("cookie"), port)
+            })
+            .collect();
+        let ports = sockets.iter().map(|&(_, port)| port).collect();
+        let mut listed = Vec::new();
+        SockDiag::default()
+            .each(&ports, |cookie, _| listed.push(cookie))
+            .expect("dump");
+        assert!(
+            listed.len() * (NLMSG_HDR_LEN + DIAG_MSG_LEN) > DUMP_READ,
+            "{} sockets fit one read",
+            listed.len()
+        );
+        for (cookie, _) in sockets {
+            assert!(listed.contains(&cookie), "socket {cookie} listed");
+        }
     }
 
     /// A connection of key `id` registered in `registry`, with TCP socket `socket`.

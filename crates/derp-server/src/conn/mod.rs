@@ -203,12 +203,6 @@ async fn run(
         shared.metrics.quic_garbage_datagrams.inc_by(early);
     }
     let registration = Registration::new(shared.clone(), handle.clone(), not_ideal, label, detach);
-    let write_timeout = if can_mesh {
-        config.mesh_write_timeout
-    } else {
-        config.write_timeout
-    };
-
     // ServerInfo must be the first frame after ServerKey, so it is written before the writer
     // task starts draining whatever other clients have queued meanwhile. The handshake state
     // and its buffers are dropped here rather than held for the connection's lifetime.
@@ -238,7 +232,6 @@ async fn run(
                         handle.clone(),
                         write_half,
                         framing,
-                        write_timeout,
                         quic.clone(),
                     );
                     let established = Established {

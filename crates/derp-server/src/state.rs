@@ -204,17 +204,14 @@ async fn sample_tcp_rtt(
         }
         // Shared with the dump's thread so that the list, and with it every connection
         // first seen this period, is counted even when that thread fails.
-        let due = Arc::new(std::sync::Mutex::new(due));
+        let due = Arc::new(due);
         let reading = due.clone();
-        let read = tokio::task::spawn_blocking(move || {
-            diag.read_rtts(&mut reading.lock().unwrap_or_else(|e| e.into_inner()))
-        })
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+        let read = tokio::task::spawn_blocking(move || diag.read_rtts(&reading))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         if let Err(e) = &read {
             tracing::debug!(error = %e, "reading TCP statistics");
         }
-        let due = due.lock().unwrap_or_else(|e| e.into_inner());
         sampler.count(&due, read.as_ref().copied());
     }
 }

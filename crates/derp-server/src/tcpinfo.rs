@@ -95,7 +95,7 @@ impl SockDiag {
     /// Notes the RTT of each of `due`'s connections (sorted by cookie, as
     /// [`RttSampler::due`] lists them) whose socket the kernel lists, from one dump of the
     /// sockets on their ports. Blocking, as [`SockDiag::dump`].
-    pub(crate) fn read_rtts(&self, due: &mut [Due]) -> io::Result<()> {
+    pub(crate) fn read_rtts(&self, due: &[Due]) -> io::Result<()> {
         let ports = due.iter().map(|d| d.conn.local_port).collect();
         self.each(&ports, |cookie, stats| found(due, cookie, stats.rtt_us))
     }
@@ -471,14 +471,18 @@ pub(crate) struct RttSampler {
     metric: IntCounterVec,
 }
 
-/// A connection's place in `derp_tcp_rtt` sampling (see [`RttSampler`]); only the sampler
-/// reads or writes it.
+/// A connection's place in `derp_tcp_rtt` sampling (see [`RttSampler`]) in its low bits,
+/// and above them what this period's dump said of its socket, kept here rather than in the
+/// period's list; only the sampler reads or writes it.
 #[derive(Debug)]
 pub(crate) struct RttMark(AtomicU8);
 
 const UNSEEN: u8 = 0;
 const SAMPLED: u8 = 1;
 const NOT_SAMPLED: u8 = 2;
+const STATE: u8 = 0b11;
+/// This period's reading is stored as its bucket plus one; 0 is no reading.
+const READING_SHIFT: u8 = 2;
 
 impl Default for RttMark {
     fn default() -> Self {
@@ -488,11 +492,25 @@ impl Default for RttMark {
 
 impl RttMark {
     fn get(&self) -> u8 {
-        self.0.load(Ordering::Relaxed)
+        self.0.load(Ordering::Relaxed) & STATE
     }
 
-    fn set(&self, mark: u8) {
-        self.0.store(mark, Ordering::Relaxed);
+    fn set(&self, state: u8) {
+        self.0.store(state, Ordering::Relaxed);
+    }
+
+    /// The dump listed the socket, with a round-trip time in [`LABELS`]`[bucket]`.
+    fn note(&self, bucket: usize) {
+        let reading = u8::try_from(bucket + 1).unwrap_or(0) << READING_SHIFT;
+        self.set(self.get() | reading);
+    }
+
+    /// What this period's dump said, cleared for the next: the bucket of the socket's RTT,
+    /// or `None` if it was not listed.
+    fn take_reading(&self) -> Option<usize> {
+        let mark = self.0.load(Ordering::Relaxed);
+        self.set(mark & STATE);
+        usize::from(mark >> READING_SHIFT).checked_sub(1)
     }
 }
 
@@ -500,8 +518,6 @@ impl RttMark {
 #[derive(Debug)]
 pub(crate) struct Due {
     cookie: u64,
-    /// The kernel's smoothed RTT, once [`SockDiag::read_rtts`] has found the socket.
-    rtt_us: Option<u32>,
     conn: Arc<ConnHandle>,
 }
 
@@ -522,7 +538,6 @@ impl RttSampler {
                 _ if mark == NOT_SAMPLED => None,
                 Some(cookie) => Some(Due {
                     cookie: cookie.get(),
-                    rtt_us: None,
                     conn: conn.clone(),
                 }),
                 None => {
@@ -544,9 +559,9 @@ impl RttSampler {
     pub(crate) fn count(&self, due: &[Due], read: Result<(), &io::Error>) {
         let mut counts = [0u64; LABELS.len()];
         for d in due {
-            let rtt_us = d.rtt_us.filter(|_| read.is_ok());
-            match (d.conn.rtt_mark.get(), rtt_us) {
-                (SAMPLED, Some(rtt_us)) => counts[rtt_bucket(rtt_us)] += 1,
+            let reading = d.conn.rtt_mark.take_reading().filter(|_| read.is_ok());
+            match (d.conn.rtt_mark.get(), reading) {
+                (SAMPLED, Some(bucket)) => counts[bucket] += 1,
                 (UNSEEN, Some(_)) => d.conn.rtt_mark.set(SAMPLED),
                 (UNSEEN, None) => {
                     counts[ERROR] += 1;
@@ -565,9 +580,9 @@ impl RttSampler {
 }
 
 /// The kernel listed socket `cookie`: if it is one of `due`'s, that is its RTT.
-fn found(due: &mut [Due], cookie: u64, rtt_us: u32) {
+fn found(due: &[Due], cookie: u64, rtt_us: u32) {
     if let Ok(i) = due.binary_search_by_key(&cookie, |d| d.cookie) {
-        due[i].rtt_us = Some(rtt_us);
+        due[i].conn.rtt_mark.note(rtt_bucket(rtt_us));
     }
 }
 
@@ -809,9 +824,9 @@ mod tests {
         let registry = registry();
         // The kernel knows sockets 11 and 12 (and one that is not the relay's).
         let period = |read: Result<(), &io::Error>| {
-            let mut due = sampler.due(&registry);
+            let due = sampler.due(&registry);
             for (cookie, rtt_us) in [(12, 120_000), (7, 1), (11, 30)] {
-                found(&mut due, cookie, rtt_us);
+                found(&due, cookie, rtt_us);
             }
             sampler.count(&due, read);
             due.len()
@@ -855,17 +870,15 @@ mod tests {
             IntCounterVec::new(prometheus::Opts::new("derp_tcp_rtt", "rtt"), &["le"])
                 .expect("metric"),
         );
-        let mut due = sampler.due(&registry);
-        let due = tokio::task::spawn_blocking(move || {
-            SockDiag::default().read_rtts(&mut due).map(|()| due)
-        })
-        .await
-        .expect("task")
-        .expect("dump");
+        let due = sampler.due(&registry);
+        let due =
+            tokio::task::spawn_blocking(move || SockDiag::default().read_rtts(&due).map(|()| due))
+                .await
+                .expect("task")
+                .expect("dump");
         assert!(Arc::ptr_eq(&due[0].conn, &conn));
-        assert!(due[0].rtt_us.is_some(), "our socket is listed");
         sampler.count(&due, Ok(()));
-        assert_eq!(conn.rtt_mark.get(), SAMPLED);
+        assert_eq!(conn.rtt_mark.get(), SAMPLED, "our socket is listed");
     }
 
     #[test]

@@ -14,7 +14,6 @@
 use std::num::NonZeroUsize;
 use std::ops::Deref;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use derp_proto::PublicKey;
@@ -193,7 +192,7 @@ impl<'a> Router<'a> {
             // `peek_mut` does not reorder: recency is refreshed coarsely, which keeps the
             // list ordered by last-used time for `trim` and the hit path to one probe.
             let valid = match &peer.target {
-                Cached::Local(conn) => conn.active.load(Ordering::Acquire),
+                Cached::Local(conn) => conn.is_active(),
                 Cached::Forward(route) => route.is_current(),
             };
             if valid {

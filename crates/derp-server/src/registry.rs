@@ -205,7 +205,7 @@ impl Registry {
                 if let Members::One(first) = &entry.members {
                     m.current_dup_client_keys.inc();
                     m.current_dup_client_conns.add(2);
-                    first.is_dup.store(true, Ordering::Relaxed);
+                    first.set_dup(true);
                     entry.members = Members::Dup(Box::new(Dups {
                         last: Some(first.id),
                         history: vec![first.id],
@@ -216,7 +216,7 @@ impl Registry {
                 }
                 m.total_dup_client_conns.inc();
                 if let Members::Dup(dups) = &mut entry.members {
-                    conn.is_dup.store(true, Ordering::Relaxed);
+                    conn.set_dup(true);
                     dups.conns.push(conn.clone());
                     dups.last = Some(conn.id);
                     push_history(&mut dups.history, conn.id);
@@ -262,7 +262,7 @@ impl Registry {
             return;
         }
         m.current_connections.dec();
-        if conn.preferred.load(Ordering::Relaxed) {
+        if conn.is_preferred() {
             m.current_home_connections.dec();
         }
         let Members::Dup(dups) = &mut entry.members else {
@@ -291,7 +291,7 @@ impl Registry {
         m.current_dup_client_conns.dec();
         if let [only] = dups.conns.as_slice() {
             let only = only.clone();
-            only.is_dup.store(false, Ordering::Relaxed);
+            only.set_dup(false);
             entry.members = Members::One(only.clone());
             self.set_active(&mut entry.active, conn.key, Some(only));
             m.current_dup_client_conns.dec();
@@ -314,7 +314,7 @@ impl Registry {
     ) {
         let mirror = self.mirror.pin();
         if let Some(old) = slot.take() {
-            old.active.store(false, Ordering::Release);
+            old.set_active(false);
             if new.is_none() {
                 // Compare-and-delete: an entry that is not this connection's is never
                 // removed.
@@ -322,7 +322,7 @@ impl Registry {
             }
         }
         if let Some(conn) = &new {
-            conn.active.store(true, Ordering::Release);
+            conn.set_active(true);
             // Published only once the connection is marked active, so a reader never finds
             // an entry that fails revalidation.
             mirror.insert(key, conn.clone());
@@ -333,7 +333,7 @@ impl Registry {
     /// Under the default last-writer-is-active policy, a duplicate member that speaks becomes
     /// the active one.
     pub(crate) fn note_activity(&self, conn: &Arc<ConnHandle>) {
-        if conn.active.load(Ordering::Acquire) {
+        if conn.is_active() {
             // Already the active member: nothing changes, so no lock.
             return;
         }
@@ -492,7 +492,7 @@ impl Registry {
             .iter()
             .filter(|(key, entry)| match (&entry.active, mirror.get(*key)) {
                 (Some(active), Some(published)) => {
-                    !Arc::ptr_eq(active, published) || !active.active.load(Ordering::Acquire)
+                    !Arc::ptr_eq(active, published) || !active.is_active()
                 }
                 (None, None) => false,
                 _ => true,
@@ -713,8 +713,8 @@ mod tests {
         drop(state);
         // The last speaker leaving hands the role back to the other.
         reg.unregister(&b);
-        assert!(a.active.load(Ordering::Acquire));
-        assert!(!b.active.load(Ordering::Acquire));
+        assert!(a.is_active());
+        assert!(!b.is_active());
     }
 
     #[test]

@@ -8,7 +8,6 @@
 //! without the read loop.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
@@ -71,7 +70,7 @@ impl Routing<'_, '_> {
     /// One QUIC datagram: a SendPacket frame, or garbage to count.
     pub(crate) fn datagram(&mut self, cx: &mut BatchContext<'_>, datagram: &Bytes) {
         cx.counts.frames += 1;
-        if self.handle.is_dup.load(Ordering::Relaxed) {
+        if self.handle.is_dup() {
             self.shared.registry.note_activity(self.handle);
         }
         match derp_proto::decode_send_packet_datagram(datagram) {

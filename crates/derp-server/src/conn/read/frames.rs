@@ -3,7 +3,6 @@
 //! routed to its destination's queue (or a mesh peer's) as a `Bytes` slice of the read
 //! buffer.
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -52,7 +51,7 @@ impl<'a> ReadLoop<'a> {
             }
             let Some(frame) = frame else { break };
             cx.counts.frames += 1;
-            if self.handle.is_dup.load(Ordering::Relaxed) {
+            if self.handle.is_dup() {
                 self.shared.registry.note_activity(self.handle);
             }
             match frame {
@@ -150,7 +149,7 @@ impl<'a> ReadLoop<'a> {
     }
 
     fn note_preferred(&mut self, preferred: bool, now: Instant) {
-        let was = self.handle.preferred.swap(preferred, Ordering::Relaxed);
+        let was = self.handle.swap_preferred(preferred);
         if was == preferred {
             return;
         }

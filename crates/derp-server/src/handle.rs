@@ -401,6 +401,23 @@ mod tests {
         );
     }
 
+    /// Every registered connection is one `Arc<ConnHandle>`: the handle and 16 bytes of
+    /// counts, which glibc's malloc serves with an 8-byte header in 16-byte steps. A handle
+    /// of at most 328 bytes takes a 352-byte chunk, eight bytes more a 368-byte one. The
+    /// address is of alignment 1 so that it packs with the one-byte fields, and the
+    /// duplicate, active and preferred flags share a byte, which leaves room for the socket's
+    /// local port; a field added here must be paid for in the handle
+    /// (docs/bench-log/2026-12.md, "Idle connections and RTT sampling").
+    #[test]
+    fn a_connections_handle_fits_a_352_byte_allocation() {
+        let size = size_of::<ConnHandle>();
+        assert!(
+            size <= 328,
+            "a connection's handle is {size} bytes; at most 328 fit a 352-byte malloc chunk"
+        );
+        assert_eq!((size_of::<ClientAddr>(), align_of::<ClientAddr>()), (23, 1));
+    }
+
     #[test]
     fn a_client_address_reads_and_prints_as_the_socket_address_it_came_from() {
         for addr in [

@@ -560,6 +560,19 @@ mod tests {
         })
     }
 
+    /// Every idle connection's writer is parked in its queue as one `Box<Writer>`, which
+    /// glibc's malloc serves with an 8-byte header in 16-byte steps: at most 104 bytes take
+    /// a 112-byte chunk, eight more a 128-byte one (docs/bench-log/2026-12.md, "Idle
+    /// connections and RTT sampling").
+    #[test]
+    fn a_parked_writer_fits_a_112_byte_allocation() {
+        let size = size_of::<Writer>();
+        assert!(
+            size <= 104,
+            "a parked writer is {size} bytes; at most 104 fit a 112-byte malloc chunk"
+        );
+    }
+
     #[tokio::test]
     async fn a_parked_writer_holds_no_scratch_and_the_next_write_takes_it_back() {
         let (mut client, server_side) = tokio::io::duplex(1 << 16);

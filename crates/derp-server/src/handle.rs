@@ -12,7 +12,6 @@ use derp_proto::{PublicKey, ws};
 use tokio::sync::Notify;
 
 use crate::queue::{Batch, SendQueue};
-use crate::tcpinfo::RttMark;
 
 const WRITE_FAILED: u8 = 1;
 const WRITE_TIMED_OUT: u8 = 2;
@@ -225,6 +224,51 @@ impl fmt::Display for ClientAddr {
 impl fmt::Debug for ClientAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&self.get(), f)
+    }
+}
+
+/// Where a connection stands in `derp_tcp_rtt` sampling (not seen yet, sampled, never
+/// sampled) in its low bits, and above them what the period's dump said of its socket, kept
+/// here rather than in the period's list of connections. Only the sampler (`tcpinfo`) reads
+/// or writes it, one period at a time.
+#[derive(Debug)]
+pub(crate) struct RttMark(AtomicU8);
+
+impl RttMark {
+    pub(crate) const UNSEEN: u8 = 0;
+    pub(crate) const SAMPLED: u8 = 1;
+    pub(crate) const NOT_SAMPLED: u8 = 2;
+    const STATE: u8 = 0b11;
+    /// A reading is stored as its bucket plus one; 0 is none.
+    const READING_SHIFT: u8 = 2;
+
+    pub(crate) fn get(&self) -> u8 {
+        self.0.load(Ordering::Relaxed) & Self::STATE
+    }
+
+    /// Sets the state and clears any reading.
+    pub(crate) fn set(&self, state: u8) {
+        self.0.store(state, Ordering::Relaxed);
+    }
+
+    /// The dump listed the socket, with a round-trip time in bucket `bucket` (below 15).
+    pub(crate) fn note(&self, bucket: usize) {
+        let reading = u8::try_from(bucket + 1).unwrap_or(0) << Self::READING_SHIFT;
+        self.set(self.get() | reading);
+    }
+
+    /// What this period's dump said, cleared for the next: the bucket of the socket's RTT,
+    /// or `None` if it was not listed.
+    pub(crate) fn take_reading(&self) -> Option<usize> {
+        let mark = self.0.load(Ordering::Relaxed);
+        self.set(mark & Self::STATE);
+        usize::from(mark >> Self::READING_SHIFT).checked_sub(1)
+    }
+}
+
+impl Default for RttMark {
+    fn default() -> Self {
+        Self(AtomicU8::new(Self::UNSEEN))
     }
 }
 

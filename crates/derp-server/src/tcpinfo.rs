@@ -17,12 +17,12 @@ use std::io;
 use std::num::NonZeroU64;
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use derp_io::Transport;
 use prometheus::IntCounterVec;
 
-use crate::handle::{ConnHandle, TcpSocket};
+use crate::handle::{ConnHandle, RttMark, TcpSocket};
 use crate::registry::{ConnSummary, Registry};
 
 /// What the kernel says about one TCP socket.
@@ -471,49 +471,6 @@ pub(crate) struct RttSampler {
     metric: IntCounterVec,
 }
 
-/// A connection's place in `derp_tcp_rtt` sampling (see [`RttSampler`]) in its low bits,
-/// and above them what this period's dump said of its socket, kept here rather than in the
-/// period's list; only the sampler reads or writes it.
-#[derive(Debug)]
-pub(crate) struct RttMark(AtomicU8);
-
-const UNSEEN: u8 = 0;
-const SAMPLED: u8 = 1;
-const NOT_SAMPLED: u8 = 2;
-const STATE: u8 = 0b11;
-/// This period's reading is stored as its bucket plus one; 0 is no reading.
-const READING_SHIFT: u8 = 2;
-
-impl Default for RttMark {
-    fn default() -> Self {
-        Self(AtomicU8::new(UNSEEN))
-    }
-}
-
-impl RttMark {
-    fn get(&self) -> u8 {
-        self.0.load(Ordering::Relaxed) & STATE
-    }
-
-    fn set(&self, state: u8) {
-        self.0.store(state, Ordering::Relaxed);
-    }
-
-    /// The dump listed the socket, with a round-trip time in [`LABELS`]`[bucket]`.
-    fn note(&self, bucket: usize) {
-        let reading = u8::try_from(bucket + 1).unwrap_or(0) << READING_SHIFT;
-        self.set(self.get() | reading);
-    }
-
-    /// What this period's dump said, cleared for the next: the bucket of the socket's RTT,
-    /// or `None` if it was not listed.
-    fn take_reading(&self) -> Option<usize> {
-        let mark = self.0.load(Ordering::Relaxed);
-        self.set(mark & STATE);
-        usize::from(mark >> READING_SHIFT).checked_sub(1)
-    }
-}
-
 /// A connection whose TCP socket a sampling period reads.
 #[derive(Debug)]
 pub(crate) struct Due {
@@ -535,14 +492,14 @@ impl RttSampler {
         let mut due = registry.collect_conns(|conn| {
             let mark = conn.rtt_mark.get();
             match conn.socket_cookie {
-                _ if mark == NOT_SAMPLED => None,
+                _ if mark == RttMark::NOT_SAMPLED => None,
                 Some(cookie) => Some(Due {
                     cookie: cookie.get(),
                     conn: conn.clone(),
                 }),
                 None => {
                     non_tcp += 1;
-                    conn.rtt_mark.set(NOT_SAMPLED);
+                    conn.rtt_mark.set(RttMark::NOT_SAMPLED);
                     None
                 }
             }
@@ -561,11 +518,11 @@ impl RttSampler {
         for d in due {
             let reading = d.conn.rtt_mark.take_reading().filter(|_| read.is_ok());
             match (d.conn.rtt_mark.get(), reading) {
-                (SAMPLED, Some(bucket)) => counts[bucket] += 1,
-                (UNSEEN, Some(_)) => d.conn.rtt_mark.set(SAMPLED),
-                (UNSEEN, None) => {
+                (RttMark::SAMPLED, Some(bucket)) => counts[bucket] += 1,
+                (RttMark::UNSEEN, Some(_)) => d.conn.rtt_mark.set(RttMark::SAMPLED),
+                (RttMark::UNSEEN, None) => {
                     counts[ERROR] += 1;
-                    d.conn.rtt_mark.set(NOT_SAMPLED);
+                    d.conn.rtt_mark.set(RttMark::NOT_SAMPLED);
                 }
                 // A sampled socket the kernel did not list this time, as derper skips it.
                 _ => {}
@@ -762,7 +719,7 @@ mod tests {
     async fn a_dump_longer_than_one_read_lists_every_socket() {
         let mut pairs = Vec::new();
         for _ in 0..100 {
-            pairs.push(crate::conn::loopback_pair().await);
+            pairs.push(loopback_pair().await);
         }
         // Both ends of every pair, each on a port of its own: 200 ports, and as many
         // sockets.
@@ -787,6 +744,15 @@ mod tests {
         for (cookie, _) in sockets {
             assert!(listed.contains(&cookie), "socket {cookie} listed");
         }
+    }
+
+    async fn loopback_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"));
+        let (client, accepted) = tokio::join!(client, listener.accept());
+        (accepted.expect("accept").0, client.expect("connect"))
     }
 
     /// A connection of key `id` registered in `registry`, with TCP socket `socket`.
@@ -856,13 +822,13 @@ mod tests {
             "connections that left are not read"
         );
         assert_eq!((count("10ms"), count("error")), (2, 2));
-        assert_eq!(late.rtt_mark.get(), NOT_SAMPLED);
-        assert_eq!(conns[0].rtt_mark.get(), SAMPLED);
+        assert_eq!(late.rtt_mark.get(), RttMark::NOT_SAMPLED);
+        assert_eq!(conns[0].rtt_mark.get(), RttMark::SAMPLED);
     }
 
     #[tokio::test]
     async fn a_period_reads_its_connections_rtt_from_the_kernel() {
-        let (server, _client) = crate::conn::loopback_pair().await;
+        let (server, _client) = loopback_pair().await;
         let registry = registry();
         let server = Transport::Tcp(server);
         let conn = registered(&registry, 1, tcp_socket(&server));
@@ -878,7 +844,11 @@ mod tests {
                 .expect("dump");
         assert!(Arc::ptr_eq(&due[0].conn, &conn));
         sampler.count(&due, Ok(()));
-        assert_eq!(conn.rtt_mark.get(), SAMPLED, "our socket is listed");
+        assert_eq!(
+            conn.rtt_mark.get(),
+            RttMark::SAMPLED,
+            "our socket is listed"
+        );
     }
 
     /// A sampling period lists every TCP connection, and the allocator keeps the list's

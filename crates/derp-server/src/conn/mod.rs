@@ -533,7 +533,7 @@ const HANDSHAKE_READ: usize = 1024;
 /// A connected loopback TCP pair, for tests that need a real socket: (the server's end, the
 /// client's end).
 #[cfg(test)]
-pub(crate) async fn loopback_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+async fn loopback_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

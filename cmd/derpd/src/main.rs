@@ -11,6 +11,7 @@ mod goflags;
 mod keyfile;
 mod limits;
 mod listen;
+mod sd_notify;
 mod tls_setup;
 
 use std::net::SocketAddr;
@@ -81,6 +82,7 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     ignore_sighup_by_default();
+    let notify = sd_notify::Notifier::from_env();
     if let Some(e) = cli.compat.errors(cli.dev).into_iter().next() {
         bail!("{e}");
     }
@@ -223,12 +225,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 (port, config)
             });
             let extras = acme_extras(&cli);
-            tls_setup::run_tls(
-                &server, &registry, &cli.tls, &extras, listener, quic, backlog,
-            )
-            .await
+            let listeners = tls_setup::TlsListeners {
+                main: listener,
+                quic,
+                backlog,
+            };
+            tls_setup::run_tls(&server, &registry, &cli.tls, &extras, listeners, &notify).await
         } else {
             server.set_ready(true);
+            // The listener is bound and listening (as are STUN's and the metrics one): a
+            // connection made now is accepted.
+            notify.ready(&format!("serving DERP over plain HTTP on {local}"));
             server.serve(listener).await.context("serving")
         }
     });
@@ -246,6 +253,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     // Stop accepting first: the listener (and, in TLS mode, its side tasks) goes with it.
     drop(serve);
+    notify.stopping(&format!(
+        "shutting down: telling {} clients to reconnect, draining for up to {:?}",
+        server.local_clients(),
+        cli.drain_timeout
+    ));
     info!(
         drain_timeout = ?cli.drain_timeout,
         reconnect_in = ?cli.restart_reconnect_in,

@@ -20,6 +20,7 @@ use tracing::{info, warn};
 
 use crate::duration::parse_duration;
 use crate::goflags::{GoKind, GoKinds};
+use crate::sd_notify::Notifier;
 
 /// How the TLS certificate is obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -192,6 +193,14 @@ impl TlsArgs {
     }
 }
 
+/// The sockets a TLS node serves on: the main listener, the QUIC port and its settings (if
+/// any), and the backlog for the listeners bound here.
+pub(crate) struct TlsListeners {
+    pub(crate) main: TcpListener,
+    pub(crate) quic: Option<(u16, derp_server::QuicConfig)>,
+    pub(crate) backlog: Option<u32>,
+}
+
 /// Serves TLS on `listener` for `server` until the server shuts down: sets up the certificate
 /// (failing early if manual files are missing or unusable), the port-80 listener, and the
 /// reload and renewal tasks.
@@ -200,10 +209,14 @@ pub(crate) async fn run_tls(
     registry: &prometheus::Registry,
     args: &TlsArgs,
     extras: &AcmeExtras,
-    listener: TcpListener,
-    quic: Option<(u16, derp_server::QuicConfig)>,
-    backlog: Option<u32>,
+    listeners: TlsListeners,
+    notify: &Notifier,
 ) -> anyhow::Result<()> {
+    let TlsListeners {
+        main: listener,
+        quic,
+        backlog,
+    } = listeners;
     let listen = listener.local_addr()?;
     let options = TlsOptions {
         ip_certs: extras.ip_certs,
@@ -305,7 +318,22 @@ pub(crate) async fn run_tls(
 
     // Until a certificate is in service every handshake fails: not ready before that.
     let mut certs = front.cert_updates();
-    let (ready, s) = (server.clone(), shutdown.clone());
+    let (ready, s, notify) = (server.clone(), shutdown.clone(), notify.clone());
+    let mode = args
+        .certmode
+        .to_possible_value()
+        .map(|v| v.get_name().to_owned());
+    let mode = mode.unwrap_or_default();
+    let serving = format!(
+        "serving DERP over TLS on {listen} for {} (--certmode {mode})",
+        args.hostname
+    );
+    if !ip_only && certs.borrow().generation == 0 {
+        notify.status(&format!(
+            "listening on {listen}, waiting for a certificate for {} (--certmode {mode})",
+            args.hostname
+        ));
+    }
     tasks.spawn(async move {
         while !ip_only && certs.borrow_and_update().generation == 0 {
             tokio::select! {
@@ -314,6 +342,7 @@ pub(crate) async fn run_tls(
             }
         }
         ready.set_ready(true);
+        notify.ready(&serving);
     });
 
     info!(addr = %listen, key = %server.public_key(), hostname = %args.hostname, mode = ?args.certmode, "derpd listening (TLS)");

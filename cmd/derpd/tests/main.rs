@@ -14,6 +14,7 @@ mod limits;
 mod mesh;
 mod netem;
 mod netns;
+mod notify;
 mod proxy;
 mod restart;
 mod stun_client;

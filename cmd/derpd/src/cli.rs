@@ -941,14 +941,21 @@ mod tests {
     #[test]
     fn deploy_stop_timeouts_cover_the_drain() {
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/");
-        let unit = std::fs::read_to_string(format!("{root}systemd/derpd.service")).expect("unit");
-        let k8s = std::fs::read_to_string(format!("{root}kubernetes/base/statefulset.yaml"))
-            .expect("k8s");
+        let read = |rel: &str| std::fs::read_to_string(format!("{root}{rel}")).expect(rel);
+        let unit = read("systemd/derpd.service");
+        let k8s = read("kubernetes/base/statefulset.yaml");
+        let deb_unit = read("debian/derpd.service");
+        let deb_flags = read("debian/default");
         for (what, drain, stop) in [
             (
                 "systemd",
                 value_after(&unit, "    --drain-timeout"),
                 value_after(&unit, "TimeoutStopSec"),
+            ),
+            (
+                "the Debian package",
+                value_after(&deb_flags, "\n --drain-timeout"),
+                value_after(&deb_unit, "TimeoutStopSec"),
             ),
             (
                 "kubernetes",

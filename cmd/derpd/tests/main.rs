@@ -15,6 +15,7 @@ mod mesh;
 mod netem;
 mod netns;
 mod notify;
+mod package;
 mod proxy;
 mod restart;
 mod stun_client;

@@ -1,0 +1,297 @@
+//! The Debian package operators install: `scripts/package deb`, given the derpd these tests
+//! run (a release build would take minutes), builds a package whose file list, modes and
+//! control fields are exactly what they should be, whose unit verifies and keeps its sandbox,
+//! whose binary runs and whose shipped flags `derpd --check` refuses until the hostname is
+//! set (so the postinst does not start an unconfigured node), and which lintian passes.
+//!
+//! The tools (dpkg-dev, binutils, lintian, man-db, systemd) come from `scripts/test-tools
+//! install`; a missing one fails the test with that line. Nothing is installed on the host:
+//! the package is only built, read and extracted into a temporary directory.
+
+use crate::support;
+use crate::tools;
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use support::{DERPD, TempDir};
+
+/// Runs a command to completion: (success, stdout, stderr).
+fn run(cmd: &mut Command) -> (bool, String, String) {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A command that must succeed; its stdout.
+fn must(cmd: &mut Command) -> String {
+    let shown = format!("{cmd:?}");
+    let (ok, out, err) = run(cmd);
+    assert!(ok, "{shown} failed:\n{out}{err}");
+    out
+}
+
+fn tool(name: &str, package: &str) -> Command {
+    Command::new(tools::debian(name, package))
+}
+
+/// Builds the package into `dir` from the derpd under test; its path.
+fn build(dir: &Path) -> PathBuf {
+    let out = must(
+        Command::new(tools::repo().join("scripts/package"))
+            .arg("deb")
+            .arg(dir)
+            .args(["--binary", DERPD])
+            // The Maintainer field as shipped, whatever the environment says.
+            .env_remove("DEB_MAINTAINER"),
+    );
+    PathBuf::from(out.trim())
+}
+
+/// The paths and modes `dpkg-deb -c` lists: (mode, owner, path), directories ending in `/`.
+fn listing(deb: &Path) -> BTreeSet<(String, String, String)> {
+    must(tool("dpkg-deb", "dpkg").arg("-c").arg(deb))
+        .lines()
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert!(words.len() >= 6, "unexpected listing line {line:?}");
+            let path = words[5].trim_start_matches("./");
+            (words[0].to_owned(), words[1].to_owned(), path.to_owned())
+        })
+        .collect()
+}
+
+const DIR: &str = "drwxr-xr-x";
+const FILE: &str = "-rw-r--r--";
+const EXEC: &str = "-rwxr-xr-x";
+
+fn expected_listing() -> BTreeSet<(String, String, String)> {
+    [
+        (DIR, ""),
+        (DIR, "etc/"),
+        (DIR, "etc/default/"),
+        (FILE, "etc/default/derpd"),
+        (DIR, "lib/"),
+        (DIR, "lib/systemd/"),
+        (DIR, "lib/systemd/system/"),
+        (FILE, "lib/systemd/system/derpd.service"),
+        (DIR, "usr/"),
+        (DIR, "usr/bin/"),
+        (EXEC, "usr/bin/derpd"),
+        (DIR, "usr/share/"),
+        (DIR, "usr/share/doc/"),
+        (DIR, "usr/share/doc/derpd/"),
+        (FILE, "usr/share/doc/derpd/changelog.gz"),
+        (FILE, "usr/share/doc/derpd/copyright"),
+        (DIR, "usr/share/lintian/"),
+        (DIR, "usr/share/lintian/overrides/"),
+        (FILE, "usr/share/lintian/overrides/derpd"),
+        (DIR, "usr/share/man/"),
+        (DIR, "usr/share/man/man8/"),
+        (FILE, "usr/share/man/man8/derpd.8.gz"),
+    ]
+    .into_iter()
+    .map(|(mode, path)| (mode.to_owned(), "root/root".to_owned(), path.to_owned()))
+    .collect()
+}
+
+/// The control fields of the package.
+fn field(deb: &Path, name: &str) -> String {
+    must(tool("dpkg-deb", "dpkg").arg("-f").arg(deb).arg(name))
+        .trim()
+        .to_owned()
+}
+
+/// `derpd --check` on the flags of the package's /etc/default/derpd, read as the postinst
+/// reads them (the shell sources the file; the unquoted variable splits into words).
+fn check_default_flags(derpd: &Path, default: &Path) -> (bool, String) {
+    let (ok, out, err) = run(Command::new("sh")
+        .arg("-c")
+        .arg(". \"$1\" && exec \"$0\" --check $DERPD_ARGS")
+        .arg(derpd)
+        .arg(default));
+    (ok, format!("{out}{err}"))
+}
+
+#[test]
+fn the_debian_package_holds_what_it_should_and_passes_lintian() {
+    let dir = TempDir::new("package");
+    let deb = build(&dir.path("out"));
+    let version = env!("CARGO_PKG_VERSION");
+    let arch = must(tool("dpkg", "dpkg").arg("--print-architecture"))
+        .trim()
+        .to_owned();
+    assert_eq!(
+        deb.file_name().and_then(|n| n.to_str()),
+        Some(format!("derpd_{version}_{arch}.deb").as_str())
+    );
+
+    // Exactly these paths, modes and owners.
+    let listed = listing(&deb);
+    let expected = expected_listing();
+    assert_eq!(
+        listed,
+        expected,
+        "unexpected: {:?}\nmissing: {:?}",
+        listed.difference(&expected).collect::<Vec<_>>(),
+        expected.difference(&listed).collect::<Vec<_>>()
+    );
+
+    // The control fields.
+    assert_eq!(field(&deb, "Package"), "derpd");
+    assert_eq!(field(&deb, "Version"), version);
+    assert_eq!(field(&deb, "Architecture"), arch);
+    assert_eq!(field(&deb, "Section"), "net");
+    assert_eq!(field(&deb, "Priority"), "optional");
+    let depends = field(&deb, "Depends");
+    // Computed by dpkg-shlibdeps from the binary: glibc with a version, and passwd for the
+    // postinst's useradd.
+    assert!(depends.starts_with("libc6 (>= 2."), "{depends}");
+    assert!(depends.ends_with(", passwd"), "{depends}");
+    let root = dir.path("root");
+    must(tool("dpkg-deb", "dpkg").arg("-x").arg(&deb).arg(&root));
+    let binary = root.join("usr/bin/derpd");
+    let installed_kib: u64 = field(&deb, "Installed-Size").parse().expect("a number");
+    let binary_kib = std::fs::metadata(&binary).expect("binary").len() / 1024;
+    assert!(
+        installed_kib >= binary_kib && installed_kib < binary_kib + 64,
+        "Installed-Size {installed_kib} KiB for a {binary_kib} KiB binary"
+    );
+    // The control archive: these members, the maintainer scripts executable.
+    let control = dir.path("control");
+    must(tool("dpkg-deb", "dpkg").arg("-e").arg(&deb).arg(&control));
+    let members: BTreeSet<(String, u32)> = std::fs::read_dir(&control)
+        .expect("control")
+        .map(|e| {
+            let e = e.expect("entry");
+            let mode = e.metadata().expect("metadata").permissions().mode() & 0o7777;
+            (e.file_name().to_string_lossy().into_owned(), mode)
+        })
+        .collect();
+    let want: BTreeSet<(String, u32)> = [
+        ("conffiles", 0o644),
+        ("control", 0o644),
+        ("md5sums", 0o644),
+        ("postinst", 0o755),
+        ("postrm", 0o755),
+        ("prerm", 0o755),
+    ]
+    .into_iter()
+    .map(|(n, m)| (n.to_owned(), m))
+    .collect();
+    assert_eq!(members, want);
+    assert_eq!(
+        std::fs::read_to_string(control.join("conffiles")).expect("conffiles"),
+        "/etc/default/derpd\n"
+    );
+    for script in ["postinst", "prerm", "postrm"] {
+        must(Command::new("sh").arg("-n").arg(control.join(script)));
+    }
+    // The checksums are those of the files as extracted.
+    must(
+        Command::new("md5sum")
+            .args(["--check", "--quiet"])
+            .arg(control.join("md5sums"))
+            .current_dir(&root),
+    );
+
+    // The binary: stripped, and it runs.
+    let sections = must(tool("readelf", "binutils").args(["-S", "-W"]).arg(&binary));
+    assert!(
+        [".symtab", ".debug_info", ".debug_line"]
+            .iter()
+            .all(|s| !sections.contains(s)),
+        "the binary is not stripped:\n{sections}"
+    );
+    assert_eq!(
+        must(Command::new(&binary).arg("--version")).trim(),
+        format!("derpd {version}")
+    );
+
+    // The shipped flags: refused until --hostname is set, so the postinst does not start
+    // the node; usable once it is (with the state directory somewhere writable).
+    let default = root.join("etc/default/derpd");
+    let (ok, out) = check_default_flags(&binary, &default);
+    assert!(!ok && out.contains("--hostname \"\""), "{out}");
+    let state = dir.path("state");
+    let edited = dir.write(
+        "default-edited",
+        &std::fs::read_to_string(&default)
+            .expect("default")
+            .replace("--hostname= ", "--hostname=derp1.example.com ")
+            .replace("/var/lib/derpd", &state.display().to_string()),
+    );
+    let (ok, out) = check_default_flags(&binary, &edited);
+    assert!(ok, "{out}");
+    assert!(out.contains("TLS for derp1.example.com"), "{out}");
+
+    // The unit: verified with the binary and the man page it names, and as sandboxed as
+    // deploy/systemd's.
+    let unit_text =
+        std::fs::read_to_string(root.join("lib/systemd/system/derpd.service")).expect("unit");
+    for line in [
+        "Type=notify",
+        "EnvironmentFile=/etc/default/derpd",
+        "ExecStart=/usr/bin/derpd $DERPD_ARGS $DERPD_MESH_ARGS",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+        "User=derpd",
+        "StateDirectory=derpd",
+    ] {
+        assert!(
+            unit_text.lines().any(|l| l == line),
+            "the unit lost {line:?}"
+        );
+    }
+    let units = TempDir::new("package-unit");
+    let unit = units.write(
+        "derpd.service",
+        &unit_text.replace(
+            "ExecStart=/usr/bin/derpd ",
+            &format!("ExecStart={} ", binary.display()),
+        ),
+    );
+    let analyze = || {
+        let mut cmd = tool("systemd-analyze", "systemd");
+        cmd.env("MANPATH", root.join("usr/share/man"));
+        cmd
+    };
+    let (ok, out, err) = run(analyze().arg("verify").arg(&unit));
+    assert!(
+        ok && out.trim().is_empty() && err.trim().is_empty(),
+        "the unit does not verify:\n{out}{err}"
+    );
+    must(
+        analyze()
+            .args(["security", "--offline=true", "--threshold=20"])
+            .arg(&unit),
+    );
+    // deploy/systemd's mesh drop-in applies to the packaged unit as it is.
+    units.write(
+        "derpd.service.d/mesh.conf",
+        &std::fs::read_to_string(tools::repo().join("deploy/systemd/derpd.service.d/mesh.conf"))
+            .expect("drop-in"),
+    );
+    let (ok, out, err) = run(analyze().arg("verify").arg(&unit));
+    assert!(
+        ok && out.trim().is_empty() && err.trim().is_empty(),
+        "the unit with the mesh drop-in does not verify:\n{out}{err}"
+    );
+
+    // lintian: no error. Its warnings and notes are printed (shown when the test fails, and
+    // with --no-capture).
+    tools::debian("man", "man-db");
+    let (ok, out, err) = run(tool("lintian", "lintian")
+        .args(["--fail-on", "error", "--display-info"])
+        .arg(&deb));
+    println!("lintian {}:\n{out}{err}", deb.display());
+    assert!(ok, "lintian reports errors:\n{out}{err}");
+    assert!(!out.lines().any(|l| l.starts_with("E: ")), "{out}");
+}

@@ -192,8 +192,13 @@ fn the_debian_package_holds_what_it_should_and_passes_lintian() {
         std::fs::read_to_string(control.join("conffiles")).expect("conffiles"),
         "/etc/default/derpd\n"
     );
+    // The maintainer scripts are deploy/debian's, which the tests below run.
     for script in ["postinst", "prerm", "postrm"] {
-        must(Command::new("sh").arg("-n").arg(control.join(script)));
+        assert_eq!(
+            std::fs::read(control.join(script)).expect("script"),
+            std::fs::read(tools::repo().join("deploy/debian").join(script)).expect("script"),
+            "{script}"
+        );
     }
     // The checksums are those of the files as extracted.
     must(
@@ -294,4 +299,223 @@ fn the_debian_package_holds_what_it_should_and_passes_lintian() {
     println!("lintian {}:\n{out}{err}", deb.display());
     assert!(ok, "lintian reports errors:\n{out}{err}");
     assert!(!out.lines().any(|l| l.starts_with("E: ")), "{out}");
+}
+
+/// The maintainer scripts of deploy/debian (those the package ships), run against a scratch
+/// root (`$DPKG_ROOT`) with the commands that would change the host replaced by stubs that
+/// log their arguments: useradd and the other account tools, chown, runuser (which runs its
+/// command as the test's user), systemctl, deb-systemd-helper, deb-systemd-invoke and
+/// policy-rc.d.
+struct Scripts {
+    dir: TempDir,
+    root: PathBuf,
+}
+
+const STUBS: &[(&str, &str)] = &[
+    ("useradd", "touch \"$STUB_STATE/user\""),
+    ("userdel", "rm -f \"$STUB_STATE/user\""),
+    ("groupdel", ""),
+    ("getent", "[ -e \"$STUB_STATE/user\" ]"),
+    ("chown", ""),
+    (
+        "runuser",
+        "while [ \"$1\" != -- ]; do shift; done; shift; exec \"$@\"",
+    ),
+    ("systemctl", ""),
+    ("deb-systemd-helper", ""),
+    ("deb-systemd-invoke", ""),
+    ("policy-rc.d", "exit \"${STUB_POLICY:-0}\""),
+];
+
+impl Scripts {
+    /// A root with the binary under test, the shipped flags (or `flags`' edit of them) and,
+    /// with `systemd`, the directory that says systemd runs.
+    fn new(systemd: bool, edit_flags: impl Fn(&str, &Path) -> String) -> Self {
+        let dir = TempDir::new("maintscripts");
+        let root = dir.path("root");
+        for sub in ["usr/bin", "etc/default", "var/lib", "stubs", "state"] {
+            let base = if sub == "stubs" || sub == "state" {
+                &dir.0
+            } else {
+                &root
+            };
+            std::fs::create_dir_all(base.join(sub)).expect("dir");
+        }
+        if systemd {
+            std::fs::create_dir_all(root.join("run/systemd/system")).expect("dir");
+        }
+        std::os::unix::fs::symlink(DERPD, root.join("usr/bin/derpd")).expect("symlink");
+        let shipped =
+            std::fs::read_to_string(tools::repo().join("deploy/debian/default")).expect("flags");
+        std::fs::write(root.join("etc/default/derpd"), edit_flags(&shipped, &root)).expect("flags");
+        for (name, body) in STUBS {
+            let path = dir.0.join("stubs").join(name);
+            std::fs::write(
+                &path,
+                format!("#!/bin/sh\necho \"{name} $*\" >>\"$STUB_LOG\"\n{body}\n"),
+            )
+            .expect("stub");
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        Self { dir, root }
+    }
+
+    fn user_exists(&self) -> bool {
+        self.dir.0.join("state/user").exists()
+    }
+
+    /// Runs deploy/debian/`script` with `args`: (success, stdout and stderr, the stubs'
+    /// log lines, cleared for the next run).
+    fn run(&self, script: &str, args: &[&str], policy: i32) -> (bool, String, Vec<String>) {
+        let path = format!(
+            "{}:{}",
+            self.dir.0.join("stubs").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let log = self.dir.0.join("stubs.log");
+        let (ok, out, err) = run(Command::new("sh")
+            .arg(tools::repo().join("deploy/debian").join(script))
+            .args(args)
+            .env("PATH", path)
+            .env("DPKG_ROOT", &self.root)
+            .env("STUB_LOG", &log)
+            .env("STUB_STATE", self.dir.0.join("state"))
+            .env("STUB_POLICY", policy.to_string()));
+        let lines = std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let _ = std::fs::remove_file(&log);
+        (ok, format!("{out}{err}"), lines)
+    }
+}
+
+/// The shipped flags with --hostname set and the state directory in the scratch root.
+fn configured(shipped: &str, root: &Path) -> String {
+    shipped
+        .replace("--hostname= ", "--hostname=derp1.example.com ")
+        .replace(
+            "/var/lib/derpd",
+            &root.join("var/lib/derpd").display().to_string(),
+        )
+}
+
+fn has(log: &[String], line: &str) -> bool {
+    log.iter().any(|l| l == line)
+}
+
+fn starts(log: &[String]) -> Vec<&String> {
+    log.iter()
+        .filter(|l| l.starts_with("systemctl --no-block"))
+        .collect()
+}
+
+#[test]
+fn the_postinst_starts_a_first_install_only_when_its_flags_pass_check() {
+    // As shipped: the user, the state directory and the enablement, but no start, and
+    // the operator is told what to edit.
+    let s = Scripts::new(true, |shipped, _| shipped.to_owned());
+    let (ok, out, log) = s.run("postinst", &["configure"], 0);
+    assert!(ok, "{out}");
+    assert!(s.user_exists(), "{log:?}");
+    assert!(
+        log.iter()
+            .any(|l| l.starts_with("useradd --system --user-group --home-dir /var/lib/derpd")),
+        "{log:?}"
+    );
+    let state = s.root.join("var/lib/derpd");
+    let mode = std::fs::metadata(&state)
+        .expect("state dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+    assert!(
+        has(&log, &format!("chown derpd:derpd {}", state.display())),
+        "{log:?}"
+    );
+    assert!(
+        has(&log, "deb-systemd-helper enable derpd.service"),
+        "{log:?}"
+    );
+    assert!(has(&log, "systemctl --system daemon-reload"), "{log:?}");
+    assert!(
+        log.iter()
+            .any(|l| l.starts_with("runuser -u derpd -- sh -c")),
+        "{log:?}"
+    );
+    assert!(starts(&log).is_empty(), "{log:?}");
+    assert!(out.contains("ERROR tls       --hostname \"\""), "{out}");
+    assert!(out.contains("enabled but not started"), "{out}");
+    assert!(out.contains("/etc/default/derpd"), "{out}");
+
+    // Configured: started, without waiting for readiness.
+    let s = Scripts::new(true, configured);
+    let (ok, out, log) = s.run("postinst", &["configure"], 0);
+    assert!(ok, "{out}");
+    assert!(has(&log, "policy-rc.d derpd.service start"), "{log:?}");
+    assert_eq!(starts(&log), ["systemctl --no-block start derpd.service"]);
+    assert!(out.contains("derpd: started"), "{out}");
+
+    // Configured, but policy-rc.d forbids starting services (a chroot, an image build).
+    let s = Scripts::new(true, configured);
+    let (ok, out, log) = s.run("postinst", &["configure"], 101);
+    assert!(ok, "{out}");
+    assert!(starts(&log).is_empty(), "{log:?}");
+
+    // Without systemd running: enabled for when it does, nothing started.
+    let s = Scripts::new(false, configured);
+    let (ok, out, log) = s.run("postinst", &["configure"], 0);
+    assert!(ok, "{out}");
+    assert!(
+        has(&log, "deb-systemd-helper enable derpd.service"),
+        "{log:?}"
+    );
+    assert!(!log.iter().any(|l| l.starts_with("systemctl")), "{log:?}");
+}
+
+#[test]
+fn an_upgrade_restarts_a_running_derpd_and_a_purge_removes_its_state_and_user() {
+    let s = Scripts::new(true, |shipped, _| shipped.to_owned());
+    s.run("postinst", &["configure"], 0);
+    assert!(s.user_exists());
+    let state = s.root.join("var/lib/derpd");
+    std::fs::write(state.join("derper.key"), "{}").expect("key");
+
+    // An upgrade: the operator's enablement kept, no check (the node was configured once),
+    // a running derpd restarted (gracefully: systemd sends SIGTERM), a stopped one left.
+    let (ok, out, log) = s.run("postinst", &["configure", "0.0.9"], 0);
+    assert!(ok, "{out}");
+    assert!(!log.iter().any(|l| l.starts_with("useradd")), "{log:?}");
+    assert!(
+        has(&log, "deb-systemd-helper update-state derpd.service"),
+        "{log:?}"
+    );
+    assert!(!log.iter().any(|l| l.starts_with("runuser")), "{log:?}");
+    assert_eq!(
+        starts(&log),
+        ["systemctl --no-block try-restart derpd.service"]
+    );
+
+    // prerm: an upgrade leaves derpd running, a removal stops it.
+    let (ok, _, log) = s.run("prerm", &["upgrade", "0.2.0"], 0);
+    assert!(ok && log.is_empty(), "{log:?}");
+    let (ok, _, log) = s.run("prerm", &["remove"], 0);
+    assert!(ok, "{log:?}");
+    assert_eq!(log, ["deb-systemd-invoke stop derpd.service"]);
+
+    // Removal keeps the state and the user; purge deletes both.
+    let (ok, _, log) = s.run("postrm", &["remove"], 0);
+    assert!(ok, "{log:?}");
+    assert!(state.join("derper.key").exists());
+    assert!(s.user_exists());
+    let (ok, out, log) = s.run("postrm", &["purge"], 0);
+    assert!(ok, "{out}");
+    assert!(!state.exists(), "the state directory survived the purge");
+    assert!(!s.user_exists(), "{log:?}");
+    assert!(
+        has(&log, "deb-systemd-helper purge derpd.service"),
+        "{log:?}"
+    );
+    assert!(has(&log, "userdel derpd"), "{log:?}");
 }

@@ -319,11 +319,8 @@ pub(crate) async fn run_tls(
     // Until a certificate is in service every handshake fails: not ready before that.
     let mut certs = front.cert_updates();
     let (ready, s, notify) = (server.clone(), shutdown.clone(), notify.clone());
-    let mode = args
-        .certmode
-        .to_possible_value()
-        .map(|v| v.get_name().to_owned());
-    let mode = mode.unwrap_or_default();
+    let mode = args.certmode.to_possible_value();
+    let mode = mode.as_ref().map_or("", |v| v.get_name());
     let serving = format!(
         "serving DERP over TLS on {listen} for {} (--certmode {mode})",
         args.hostname

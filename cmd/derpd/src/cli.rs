@@ -182,6 +182,11 @@ pub(crate) struct Cli {
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub(crate) drain_timeout: Duration,
 
+    /// On SIGUSR2 (an upgrade in place), how long the new binary may take to serve on the
+    /// listeners it is handed and confirm; past it, this process kills it and keeps serving.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub(crate) upgrade_timeout: Duration,
+
     /// The Restarting frame sent to every client on shutdown: reconnect after this long.
     #[arg(long, default_value = "2s", value_parser = parse_restart_duration)]
     pub(crate) restart_reconnect_in: Duration,
@@ -290,6 +295,7 @@ const GO_KINDS: &GoKinds = &[
     ("mesh-ca-file", GoKind::String),
     ("mesh-ping-interval", GoKind::Duration),
     ("drain-timeout", GoKind::Duration),
+    ("upgrade-timeout", GoKind::Duration),
     ("restart-reconnect-in", GoKind::Duration),
     ("restart-try-for", GoKind::Duration),
     ("workers", GoKind::Int),
@@ -915,8 +921,10 @@ mod tests {
             "1500ms",
             "--restart-try-for",
             "5m",
+            "-upgrade-timeout=2m",
         ])
         .expect("parses");
+        assert_eq!(cli.upgrade_timeout, Duration::from_secs(120));
         assert_eq!(cli.mesh_with, "a.example,b.example/10.0.0.2");
         assert_eq!(cli.drain_timeout, Duration::from_secs(30));
         assert_eq!(cli.restart_reconnect_in, Duration::from_millis(1500));
@@ -925,6 +933,7 @@ mod tests {
         assert_eq!(defaults.drain_timeout, Duration::from_secs(10));
         assert_eq!(defaults.restart_reconnect_in, Duration::from_secs(2));
         assert_eq!(defaults.restart_try_for, Duration::from_secs(60));
+        assert_eq!(defaults.upgrade_timeout, Duration::from_secs(30));
         assert!(try_parse_from(["derpd", "--restart-try-for", "1200h"]).is_err());
     }
 

@@ -13,6 +13,7 @@ mod limits;
 mod listen;
 mod sd_notify;
 mod tls_setup;
+mod upgrade;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,6 +25,8 @@ use derp_server::{HomePage, LookupConfig, PeerCacheConfig, Server, ServerConfig}
 use tracing::{info, warn};
 
 use crate::cli::{Cli, LogFormat};
+use crate::upgrade::sockets::Sockets;
+use crate::upgrade::wire::ListenerKind;
 
 fn main() -> ExitCode {
     let cli = match cli::parse(std::env::args_os()) {
@@ -82,7 +85,50 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     ignore_sighup_by_default();
-    let notify = sd_notify::Notifier::from_env();
+    // Before anything can take long: SIGUSR2's default action ends the process.
+    let mut upgrades = upgrade::UpgradeSignal::new()?;
+    // At start-up, while the file at that path is still the one running.
+    let exe = upgrade::executable();
+    let (takeover, sockets) = match upgrade::takeover_from_env()? {
+        Some((takeover, handed)) => (Some(takeover), Sockets::adopting(handed)),
+        None => (None, Sockets::bind_here()),
+    };
+    let node = Node {
+        readiness: upgrade::Readiness::new(
+            sd_notify::Notifier::from_env(),
+            takeover.clone(),
+            sockets.clone(),
+        ),
+        sockets,
+        exe,
+    };
+    let result = serve_node(cli, node, &mut upgrades).await;
+    if let (Err(e), Some(takeover)) = (&result, &takeover) {
+        // The old process keeps serving; it logs this too.
+        takeover.refuse(&format!("{e:#}"));
+    }
+    result
+}
+
+/// What a start sets up before the flags are read: where its sockets come from, whom it
+/// tells that it serves, and the file an upgrade starts.
+struct Node {
+    readiness: upgrade::Readiness,
+    sockets: Sockets,
+    exe: anyhow::Result<upgrade::Executable>,
+}
+
+async fn serve_node(
+    cli: Cli,
+    node: Node,
+    upgrades: &mut upgrade::UpgradeSignal,
+) -> anyhow::Result<()> {
+    let Node {
+        readiness,
+        sockets,
+        exe,
+    } = node;
+    let notify = readiness.notifier().clone();
     if let Some(e) = cli.compat.errors(cli.dev).into_iter().next() {
         bail!("{e}");
     }
@@ -161,7 +207,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let server = Server::new(config, &registry).context("creating server")?;
     reloads.spawn(&server);
     let backlog = cli.limits.listen_backlog;
-    let listener = listen::bind_main(bind_ip, listen.port, backlog)?;
+    let listener = sockets.tcp(
+        ListenerKind::Main,
+        bind_ip.with_port(listen.port),
+        backlog,
+        || listen::bind_main(bind_ip, listen.port, backlog),
+    )?;
     let local = listener.local_addr()?;
     if !tls {
         info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
@@ -185,33 +236,40 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         None => None,
     };
 
-    let mut background = tokio::task::JoinSet::new();
+    let mut background = tokio::task::JoinSet::<()>::new();
+    // The tasks that serve STUN's socket and the metrics listener, ended when a successor
+    // takes them over.
+    let mut listening = tokio::task::JoinSet::<Result<(), derp_server::ServeError>>::new();
     if cli.stun {
         let stun_addr = with_port(local, cli.stun_port);
-        let socket = derp_server::bind_stun(stun_addr)
+        let socket = sockets
+            .udp(ListenerKind::Stun, stun_addr, || {
+                Ok(derp_server::bind_stun(stun_addr)?.into_std()?)
+            })
             .with_context(|| format!("binding STUN on {stun_addr}"))?;
+        let socket = tokio::net::UdpSocket::from_std(socket)?;
         info!(addr = %socket.local_addr()?, "STUN listening");
         let metrics = derp_server::StunMetrics::new(&registry).context("STUN metrics")?;
         let stun_config = derp_server::StunConfig {
             answer_generic: cli.stun_answer_generic,
         };
         let token = server.shutdown_token();
-        background.spawn(async move {
+        listening.spawn(async move {
             derp_server::serve_stun(socket, stun_config, metrics, token.cancelled_owned()).await;
             Ok(())
         });
     }
     let token = server.shutdown_token();
-    background.spawn(async move {
-        bootstrap_dns.run(token).await;
-        Ok(())
-    });
+    background.spawn(async move { bootstrap_dns.run(token).await });
     if let Some(addr) = cli.metrics_addr {
-        let metrics_listener = limits::bind(addr, backlog)
+        let metrics_listener = sockets
+            .tcp(ListenerKind::Metrics, addr, backlog, || {
+                Ok(limits::bind(addr, backlog)?)
+            })
             .with_context(|| format!("listening for metrics on {addr}"))?;
         info!(addr = %metrics_listener.local_addr()?, "metrics listening at /metrics");
         let server = server.clone();
-        background.spawn(async move { server.serve_metrics(metrics_listener).await });
+        listening.spawn(async move { server.serve_metrics(metrics_listener).await });
     }
 
     let mut signals = ShutdownSignals::new()?;
@@ -229,41 +287,90 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 main: listener,
                 quic,
                 backlog,
+                sockets: sockets.clone(),
             };
-            tls_setup::run_tls(&server, &registry, &cli.tls, &extras, listeners, &notify).await
+            tls_setup::run_tls(&server, &registry, &cli.tls, &extras, listeners, &readiness).await
         } else {
             server.set_ready(true);
             // The listener is bound and listening (as are STUN's and the metrics one): a
             // connection made now is accepted.
-            notify.ready(&format!("serving DERP over plain HTTP on {local}"));
+            readiness.ready(format!("serving DERP over plain HTTP on {local}"));
             server.serve(listener).await.context("serving")
         }
     });
-    tokio::select! {
-        r = &mut serve => {
-            r?;
-            // The listener ended without a signal: nothing left to drain for.
-            server.shutdown().await;
-            if let Some(mesh) = &mesh {
-                mesh.shutdown().await;
+    let upgrader = upgrade::Upgrader::new(exe, cli.upgrade_timeout, sockets.clone());
+    let mut attempt = None;
+    let handed_to = loop {
+        tokio::select! {
+            r = &mut serve => {
+                r?;
+                // The listener ended without a signal: nothing left to drain for.
+                server.shutdown().await;
+                if let Some(mesh) = &mesh {
+                    mesh.shutdown().await;
+                }
+                return Ok(());
             }
-            return Ok(());
+            _ = signals.recv() => break None,
+            () = upgrades.recv() => {
+                if attempt.is_some() {
+                    info!("SIGUSR2 ignored: an upgrade is under way");
+                } else if readiness.taking_over() {
+                    info!("SIGUSR2 ignored: this process is still taking over from the last one");
+                } else {
+                    info!("SIGUSR2: upgrading in place");
+                    attempt = Some(Box::pin(upgrader.run()));
+                }
+            }
+            outcome = async { attempt.as_mut().expect("polled only while under way").await },
+                if attempt.is_some() =>
+            {
+                attempt = None;
+                match outcome {
+                    upgrade::Outcome::HandedOver { pid } => break Some(pid),
+                    upgrade::Outcome::Failed(e) => warn!(
+                        error = %format!("{e:#}"),
+                        "upgrade failed; this process keeps every listener and goes on serving"
+                    ),
+                }
+            }
         }
-        _ = signals.recv() => {}
-    }
+    };
+    // A signal during an upgrade ends it: the new process is killed and reaped.
+    drop(attempt);
     // Stop accepting first: the listener (and, in TLS mode, its side tasks) goes with it.
     drop(serve);
-    notify.stopping(&format!(
-        "shutting down: telling {} clients to reconnect, draining for up to {:?}",
-        server.local_clients(),
-        cli.drain_timeout
-    ));
-    info!(
-        drain_timeout = ?cli.drain_timeout,
-        reconnect_in = ?cli.restart_reconnect_in,
-        try_for = ?cli.restart_try_for,
-        "shutting down: clients are told to reconnect elsewhere; a second signal exits at once"
-    );
+    match handed_to {
+        Some(pid) => {
+            // The successor accepts on every port now; this process's copies are closed so
+            // that it accepts and reads nothing more. systemd hears nothing from it: the
+            // successor is the main process.
+            listening.abort_all();
+            while listening.join_next().await.is_some() {}
+            sockets.release();
+            info!(
+                to = pid,
+                clients = server.local_clients(),
+                drain_timeout = ?cli.drain_timeout,
+                "handed every listener over; client connections are not handed over yet: \
+                 each is told to reconnect (Restarting) and drained; a signal exits at once"
+            );
+        }
+        None => {
+            notify.stopping(&format!(
+                "shutting down: telling {} clients to reconnect, draining for up to {:?}",
+                server.local_clients(),
+                cli.drain_timeout
+            ));
+            info!(
+                drain_timeout = ?cli.drain_timeout,
+                reconnect_in = ?cli.restart_reconnect_in,
+                try_for = ?cli.restart_try_for,
+                "shutting down: clients are told to reconnect elsewhere; a second signal exits \
+                 at once"
+            );
+        }
+    }
     let graceful = async {
         server
             .shutdown_gracefully(

@@ -10,8 +10,8 @@
 //! otherwise ignored: a node that serves must not stop because its supervisor went away.
 //!
 //! The variable stays in derpd's environment (removing it takes `unsafe` code, which the
-//! workspace forbids); derpd starts no other program, and one that it ever starts must be
-//! given the variable deliberately or not at all.
+//! workspace forbids). The one program derpd starts is its successor in an upgrade
+//! (`upgrade.rs`), which is given it deliberately: it tells systemd its PID with `MAINPID=`.
 
 use std::os::unix::net::UnixDatagram;
 use std::sync::Arc;
@@ -78,13 +78,6 @@ impl Notifier {
     /// Tells systemd that `pid` is now the service's main process, as a process that takes
     /// over from another one must (with `NotifyAccess=all`, since it is not the main process
     /// yet when it says so).
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "for a process that takes over the service from a running derpd"
-        )
-    )]
     pub(crate) fn main_pid(&self, pid: u32, status: &str) {
         self.send(&format!("MAINPID={pid}\nREADY=1\nSTATUS={status}"));
     }

@@ -20,7 +20,9 @@ use tracing::{info, warn};
 
 use crate::duration::parse_duration;
 use crate::goflags::{GoKind, GoKinds};
-use crate::sd_notify::Notifier;
+use crate::upgrade::Readiness;
+use crate::upgrade::sockets::Sockets;
+use crate::upgrade::wire::ListenerKind;
 
 /// How the TLS certificate is obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -199,6 +201,8 @@ pub(crate) struct TlsListeners {
     pub(crate) main: TcpListener,
     pub(crate) quic: Option<(u16, derp_server::QuicConfig)>,
     pub(crate) backlog: Option<u32>,
+    /// Where the port-80 and QUIC sockets come from.
+    pub(crate) sockets: Sockets,
 }
 
 /// Serves TLS on `listener` for `server` until the server shuts down: sets up the certificate
@@ -210,13 +214,15 @@ pub(crate) async fn run_tls(
     args: &TlsArgs,
     extras: &AcmeExtras,
     listeners: TlsListeners,
-    notify: &Notifier,
+    readiness: &Readiness,
 ) -> anyhow::Result<()> {
     let TlsListeners {
         main: listener,
         quic,
         backlog,
+        sockets,
     } = listeners;
+    let notify = readiness.notifier();
     let listen = listener.local_addr()?;
     let options = TlsOptions {
         ip_certs: extras.ip_certs,
@@ -291,7 +297,10 @@ pub(crate) async fn run_tls(
 
     if let Some(port) = args.http_port()? {
         let addr = crate::with_port(listen, port);
-        let http = crate::limits::bind(addr, backlog)
+        let http = sockets
+            .tcp(ListenerKind::HttpPort, addr, backlog, || {
+                Ok(crate::limits::bind(addr, backlog)?)
+            })
             .with_context(|| format!("listening on {addr} (--http-port; -1 disables it)"))?;
         // As derper's: the same keepalive and user timeout as the main listener. Set on the
         // listener, which passes them on to each connection (on Linux).
@@ -307,7 +316,10 @@ pub(crate) async fn run_tls(
 
     if let Some((port, quic_config)) = quic {
         let addr = crate::with_port(listen, port);
-        let socket = derp_server::quic::bind_udp(addr)
+        let socket = sockets
+            .udp(ListenerKind::Quic, addr, || {
+                Ok(derp_server::quic::bind_udp(addr)?)
+            })
             .with_context(|| format!("binding QUIC on {addr}/udp (--quic-port; -1 disables it)"))?;
         let quic = derp_server::QuicListener::bind(socket, front.quic_server_config(), quic_config)
             .context("setting up QUIC")?;
@@ -318,7 +330,7 @@ pub(crate) async fn run_tls(
 
     // Until a certificate is in service every handshake fails: not ready before that.
     let mut certs = front.cert_updates();
-    let (ready, s, notify) = (server.clone(), shutdown.clone(), notify.clone());
+    let (ready, s, readiness) = (server.clone(), shutdown.clone(), readiness.clone());
     let mode = args.certmode.to_possible_value();
     let mode = mode.as_ref().map_or("", |v| v.get_name());
     let serving = format!(
@@ -339,7 +351,7 @@ pub(crate) async fn run_tls(
             }
         }
         ready.set_ready(true);
-        notify.ready(&serving);
+        readiness.ready(serving);
     });
 
     info!(addr = %listen, key = %server.public_key(), hostname = %args.hostname, mode = ?args.certmode, "derpd listening (TLS)");

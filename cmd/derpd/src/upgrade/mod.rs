@@ -1,0 +1,581 @@
+//! Replacing the running binary without closing its ports: on SIGUSR2 derpd starts the file
+//! at the path it was started from (the new binary a package upgrade has just put there)
+//! with the same arguments and environment, hands it every listening socket over a socket
+//! pair, and once the new process serves on them and has told systemd it is the main
+//! process, stops accepting and ends its own connections as a graceful shutdown does.
+//!
+//! What goes across, and how, is [`wire`]'s; which sockets a process binds or takes over,
+//! [`sockets`]'. Client connections are not handed over: the old process tells each to
+//! reconnect (a Restarting frame) and drains them, and the ports never stop accepting.
+//!
+//! The channel is a `SOCK_SEQPACKET` socket pair, the new process's end given to it as its
+//! standard input, named by [`TAKEOVER_ENV`] in its environment: nothing has a name on the
+//! file system, and only the two processes hold an end. (Standard input, because a process
+//! takes an inherited descriptor under a number of its own choosing only with `unsafe` code,
+//! which the workspace forbids; the new process puts `/dev/null` there once it has its copy.)
+//!
+//! If the new process cannot be started, exits, refuses (a handover format it cannot read,
+//! or flags that need other listeners), or does not confirm within `--upgrade-timeout`, the
+//! old one kills and reaps it, logs why, and goes on serving: it never stopped accepting.
+
+pub(crate) mod sockets;
+pub(crate) mod wire;
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tracing::{error, info, warn};
+
+use crate::sd_notify::Notifier;
+use sockets::Sockets;
+use wire::{Listener, Message, RecvError};
+
+/// Set in the new process's environment: the old process's PID, and that its standard input
+/// is the handover channel.
+pub(crate) const TAKEOVER_ENV: &str = "DERPD_TAKEOVER_FROM";
+
+/// How long the new process waits for the old one's hello, sent as soon as it has started.
+const HELLO_WAIT: Duration = Duration::from_secs(10);
+/// How long the old process waits for `Done` once it has committed: the new process only has
+/// to tell systemd its PID.
+const DONE_WAIT: Duration = Duration::from_secs(10);
+/// How long a refusing new process may take to exit before it is killed.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+/// How long the new process waits for the old one's commit after confirming; the old one's
+/// `--upgrade-timeout` ends the wait sooner (it kills the new process).
+const COMMIT_WAIT: Duration = Duration::from_secs(3600);
+
+/// The file this process was started from, found at start-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Executable {
+    pub(crate) path: PathBuf,
+    /// How it was found, for the log and `--check`.
+    pub(crate) source: &'static str,
+}
+
+/// The path to start an upgrade from, decided once at start-up (before the file can have
+/// been replaced, and with the start-up directory and `PATH`).
+///
+/// `argv[0]`, made absolute against the working directory or found in `PATH` as the shell
+/// found it, is the path the operator or the service manager ran. It is used as it is, its
+/// symbolic links not resolved, so that a link switched to another version
+/// (`/usr/local/bin/derpd -> /opt/derpd-1.3/derpd`) starts the version it now points to;
+/// and because a package upgrade replaces the file at that path, starting the path starts
+/// the new file. It is trusted only if it names the very file running now (same device and
+/// inode as `/proc/self/exe` at start-up): `argv[0]` is whatever the parent wrote there.
+/// Otherwise the target of `/proc/self/exe` is the path, without the " (deleted)" the kernel
+/// appends once the file has been replaced; that target has every link resolved.
+pub(crate) fn executable() -> anyhow::Result<Executable> {
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    let cwd = std::env::current_dir().ok();
+    let path_var = std::env::var_os("PATH");
+    let named = resolve_argv0(&argv0, cwd.as_deref(), path_var.as_deref(), is_executable);
+    let running = std::fs::metadata("/proc/self/exe").ok();
+    if let (Some(path), Some(running)) = (&named, &running)
+        && let Ok(m) = std::fs::metadata(path)
+        && m.dev() == running.dev()
+        && m.ino() == running.ino()
+    {
+        return Ok(Executable {
+            path: path.clone(),
+            source: "argv[0]",
+        });
+    }
+    let link = std::fs::read_link("/proc/self/exe")
+        .context("neither argv[0] nor /proc/self/exe names the running binary")?;
+    Ok(Executable {
+        path: strip_deleted(link),
+        source: "/proc/self/exe",
+    })
+}
+
+/// `argv[0]` as an absolute path: with a slash, against `cwd`; without, the first
+/// executable file of that name in `path_var`'s directories.
+fn resolve_argv0(
+    argv0: &OsStr,
+    cwd: Option<&Path>,
+    path_var: Option<&OsStr>,
+    is_executable: impl Fn(&Path) -> bool,
+) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    if argv0.is_empty() {
+        return None;
+    }
+    // `.` components go (the kernel resolves the path the same way without them); `..` stay,
+    // as they may cross a symbolic link.
+    let absolute = |p: PathBuf| match cwd {
+        _ if p.is_absolute() => Some(p.components().collect()),
+        Some(cwd) => Some(cwd.join(p).components().collect()),
+        None => None,
+    };
+    if argv0.as_bytes().contains(&b'/') {
+        return absolute(PathBuf::from(argv0));
+    }
+    std::env::split_paths(path_var?)
+        .map(|dir| {
+            // An empty entry is the working directory, as for the shell.
+            if dir.as_os_str().is_empty() {
+                PathBuf::from(".").join(argv0)
+            } else {
+                dir.join(argv0)
+            }
+        })
+        .find(|p| is_executable(p))
+        .and_then(absolute)
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// `/proc/self/exe`'s target without the kernel's mark of a replaced file.
+fn strip_deleted(link: PathBuf) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    match link.as_os_str().as_bytes().strip_suffix(b" (deleted)") {
+        Some(path) => PathBuf::from(OsStr::from_bytes(path)),
+        None => link,
+    }
+}
+
+/// What the old process does for an upgrade.
+#[derive(Debug)]
+pub(crate) struct Upgrader {
+    exe: anyhow::Result<Executable>,
+    args: Vec<OsString>,
+    timeout: Duration,
+    sockets: Sockets,
+}
+
+/// How an upgrade ended.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// The process `pid` serves on every listener and is systemd's main process.
+    HandedOver { pid: u32 },
+    /// This process keeps everything.
+    Failed(anyhow::Error),
+}
+
+impl Upgrader {
+    pub(crate) fn new(
+        exe: anyhow::Result<Executable>,
+        timeout: Duration,
+        sockets: Sockets,
+    ) -> Self {
+        Self {
+            exe,
+            args: std::env::args_os().skip(1).collect(),
+            timeout,
+            sockets,
+        }
+    }
+
+    /// Starts the new process, hands it the listeners and waits for it to take over.
+    pub(crate) async fn run(&self) -> Outcome {
+        match self.try_run().await {
+            Ok(pid) => Outcome::HandedOver { pid },
+            Err(e) => Outcome::Failed(e),
+        }
+    }
+
+    async fn try_run(&self) -> anyhow::Result<u32> {
+        let exe = match &self.exe {
+            Ok(exe) => exe,
+            Err(e) => bail!("no path to start: {e:#}"),
+        };
+        let listeners = self.sockets.for_successor()?;
+        let (mine, theirs) = wire::pair().context("creating the handover channel")?;
+        let child = Command::new(&exe.path)
+            .args(&self.args)
+            .env(TAKEOVER_ENV, std::process::id().to_string())
+            .stdin(Stdio::from(theirs))
+            .spawn()
+            .with_context(|| format!("starting {}", exe.path.display()))?;
+        let mut child = ChildGuard(Some(child));
+        info!(
+            path = %exe.path.display(),
+            child = child.id(),
+            listeners = %self.sockets.describe(),
+            timeout = ?self.timeout,
+            "upgrade: started the new binary; handing it the listeners"
+        );
+        let timeout = self.timeout;
+        let exchange = tokio::task::spawn_blocking(move || {
+            exchange(&mine, listeners, timeout).map_err(|e| (e, mine))
+        })
+        .await
+        .context("the handover thread")?;
+        match exchange {
+            Ok(pid) => {
+                child.disarm();
+                Ok(pid)
+            }
+            Err((e, channel)) => {
+                // A process that refused exits by itself; give it the moment to, so its
+                // status says what it said.
+                let status = tokio::task::spawn_blocking(move || child.finish(&channel))
+                    .await
+                    .context("the handover thread")?;
+                Err(e.context(format!("the new process {status}")))
+            }
+        }
+    }
+}
+
+/// The old process's side of the exchange: the new process's PID once it has taken over.
+fn exchange(
+    channel: &OwnedFd,
+    listeners: Vec<(Listener, OwnedFd)>,
+    timeout: Duration,
+) -> anyhow::Result<u32> {
+    let deadline = Instant::now() + timeout;
+    let (described, fds): (Vec<Listener>, Vec<OwnedFd>) = listeners.into_iter().unzip();
+    let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+    let hello = Message::Hello {
+        version: wire::VERSION,
+        pid: std::process::id(),
+        listeners: described,
+    };
+    wire::send(channel, &hello, &borrowed).context("sending the listeners")?;
+    drop(fds);
+    let pid = match wire::recv(channel, deadline) {
+        Ok((Message::Ready { pid }, _)) => pid,
+        Ok((Message::Refuse { reason }, _)) => bail!("refused the handover: {reason}"),
+        Ok((other, _)) => bail!("sent {other:?} instead of confirming"),
+        Err(RecvError::TimedOut(_)) => {
+            bail!("did not confirm within {timeout:?} (--upgrade-timeout)")
+        }
+        Err(RecvError::Closed) => bail!("ended before confirming"),
+        Err(e) => return Err(e).context("waiting for the new process to confirm"),
+    };
+    wire::send(channel, &Message::Commit, &[]).context("committing the handover")?;
+    match wire::recv(channel, Instant::now() + DONE_WAIT) {
+        Ok((Message::Done, _)) => Ok(pid),
+        Ok((other, _)) => bail!("sent {other:?} instead of Done"),
+        Err(e) => Err(e).context("waiting for the new process to finish taking over"),
+    }
+}
+
+/// The new process, killed and reaped unless it took over.
+struct ChildGuard(Option<Child>);
+
+impl ChildGuard {
+    fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
+    fn disarm(&mut self) {
+        // Not waited for: it is the service now, and outlives this process.
+        self.0 = None;
+    }
+
+    /// Waits (a short while) for the channel to close, that is for the process to exit;
+    /// then kills it if it has not, reaps it, and says how it ended.
+    fn finish(mut self, channel: &OwnedFd) -> String {
+        let deadline = Instant::now() + EXIT_WAIT;
+        while let Ok(_) | Err(RecvError::Malformed(_)) = wire::recv(channel, deadline) {}
+        let Some(mut child) = self.0.take() else {
+            return "is gone".to_owned();
+        };
+        let pid = child.id();
+        match child.try_wait() {
+            Ok(Some(status)) => format!("(pid {pid}) exited: {status}"),
+            _ => {
+                let _ = child.kill();
+                match child.wait() {
+                    Ok(_) => format!("(pid {pid}) was killed"),
+                    Err(e) => format!("(pid {pid}) was killed; reaping it: {e}"),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The new process's side: the channel to the old process, until the takeover is over.
+#[derive(Clone, Debug)]
+pub(crate) struct Takeover {
+    channel: Arc<Mutex<Option<OwnedFd>>>,
+    from: u32,
+}
+
+/// Whether this process was started to take over, and if so the channel and what it was
+/// handed. A hello this derpd cannot read is refused (the old process is told why).
+pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Vec<(Listener, OwnedFd)>)>> {
+    let Some(from) = std::env::var_os(TAKEOVER_ENV) else {
+        return Ok(None);
+    };
+    let from: u32 = from
+        .to_str()
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("{TAKEOVER_ENV}={from:?}: not a process id"))?;
+    let channel = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("taking the handover channel")?;
+    // Standard input must not keep the channel open once this process is done with it: the
+    // old process reads its end's close as this one having exited.
+    let null = std::fs::File::open("/dev/null").context("opening /dev/null")?;
+    rustix::stdio::dup2_stdin(&null).context("putting /dev/null on standard input")?;
+    let takeover = Takeover {
+        channel: Arc::new(Mutex::new(Some(channel))),
+        from,
+    };
+    let received = {
+        let guard = takeover.lock();
+        let Some(channel) = guard.as_ref() else {
+            bail!("the handover channel is gone");
+        };
+        wire::recv(channel, Instant::now() + HELLO_WAIT)
+    };
+    let (listeners, fds) = match received {
+        Ok((Message::Hello { listeners, .. }, fds)) => (listeners, fds),
+        Ok((other, _)) => {
+            let e = format!("the running derpd (pid {from}) sent {other:?} instead of its hello");
+            takeover.refuse(&e);
+            bail!("{e}");
+        }
+        Err(e) => {
+            takeover.refuse(&e.to_string());
+            return Err(e).with_context(|| {
+                format!(
+                    "taking over from the running derpd (pid {from}), which was told so; \
+                     it keeps serving"
+                )
+            });
+        }
+    };
+    if listeners.len() != fds.len() {
+        let e = format!(
+            "the hello describes {} listeners but carries {} descriptors",
+            listeners.len(),
+            fds.len()
+        );
+        takeover.refuse(&e);
+        bail!("{e}");
+    }
+    info!(
+        from,
+        listeners = listeners.len(),
+        "taking over from the running derpd"
+    );
+    Ok(Some((takeover, listeners.into_iter().zip(fds).collect())))
+}
+
+impl Takeover {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<OwnedFd>> {
+        self.channel.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tells the old process this one will not take over, and why; it keeps serving. Does
+    /// nothing once the takeover is over.
+    pub(crate) fn refuse(&self, reason: &str) {
+        if let Some(channel) = self.lock().take() {
+            let refusal = Message::Refuse {
+                reason: reason.to_owned(),
+            };
+            if let Err(e) = wire::send(&channel, &refusal, &[]) {
+                warn!(error = %e, "telling the running derpd that this one does not take over");
+            }
+        }
+    }
+
+    /// Confirms to the old process that this one serves, waits for its commit, tells
+    /// systemd this process is the service's main one, and ends the exchange.
+    fn confirm(&self, notify: &Notifier, status: &str) -> anyhow::Result<()> {
+        let Some(channel) = self.lock().take() else {
+            bail!("the handover channel is gone");
+        };
+        let pid = std::process::id();
+        wire::send(&channel, &Message::Ready { pid }, &[]).context("confirming")?;
+        match wire::recv(&channel, Instant::now() + COMMIT_WAIT) {
+            Ok((Message::Commit, _)) => {}
+            Ok((other, _)) => bail!("the running derpd sent {other:?} instead of committing"),
+            Err(e) => return Err(e).context("waiting for the running derpd to commit"),
+        }
+        notify.main_pid(pid, status);
+        wire::send(&channel, &Message::Done, &[]).context("ending the handover")?;
+        Ok(())
+    }
+}
+
+/// Saying that this process serves: to systemd (`READY=1`), and for a process that takes
+/// over, to the old process first, then to systemd with `MAINPID=`. Cheap to clone.
+#[derive(Clone, Debug)]
+pub(crate) struct Readiness {
+    notify: Notifier,
+    takeover: Option<Takeover>,
+    sockets: Sockets,
+    /// Set while this process takes over: an upgrade of its own must wait until it has.
+    taking_over: Arc<AtomicBool>,
+}
+
+impl Readiness {
+    pub(crate) fn new(notify: Notifier, takeover: Option<Takeover>, sockets: Sockets) -> Self {
+        let taking_over = Arc::new(AtomicBool::new(takeover.is_some()));
+        Self {
+            notify,
+            takeover,
+            sockets,
+            taking_over,
+        }
+    }
+
+    pub(crate) fn notifier(&self) -> &Notifier {
+        &self.notify
+    }
+
+    /// Whether this process is still taking over from another.
+    pub(crate) fn taking_over(&self) -> bool {
+        self.taking_over.load(Ordering::Acquire)
+    }
+
+    /// Every listener is bound and serving; `status` says what it serves. A process that
+    /// takes over and cannot (flags that leave a handed listener unused, or the old process
+    /// gone) exits: the old process keeps or has taken back everything.
+    pub(crate) fn ready(&self, status: String) {
+        let Some(takeover) = self.takeover.clone() else {
+            self.notify.ready(&status);
+            return;
+        };
+        let (notify, sockets, flag) = (
+            self.notify.clone(),
+            self.sockets.clone(),
+            self.taking_over.clone(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = sockets.check_all_taken() {
+                takeover.refuse(&format!("{e:#}"));
+                error!(error = %format!("{e:#}"), "not taking over: the running derpd keeps serving");
+                std::process::exit(1);
+            }
+            let t = takeover.clone();
+            let confirmed = tokio::task::spawn_blocking(move || t.confirm(&notify, &status)).await;
+            match confirmed {
+                Ok(Ok(())) => {
+                    flag.store(false, Ordering::Release);
+                    info!(
+                        pid = std::process::id(),
+                        from = takeover.from,
+                        listeners = %sockets.describe(),
+                        "took over the listeners; this process is the service now"
+                    );
+                }
+                Ok(Err(e)) => {
+                    error!(error = %format!("{e:#}"), "taking over failed: the running derpd keeps serving");
+                    std::process::exit(1);
+                }
+                Err(e) => {
+                    error!(error = %e, "taking over failed: the running derpd keeps serving");
+                    std::process::exit(1);
+                }
+            }
+        });
+    }
+}
+
+/// SIGUSR2, listened for from start-up on, so that its default action (to end the process)
+/// never applies.
+#[derive(Debug)]
+pub(crate) struct UpgradeSignal(tokio::signal::unix::Signal);
+
+impl UpgradeSignal {
+    pub(crate) fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self(
+            signal(SignalKind::user_defined2()).context("listening for SIGUSR2")?,
+        ))
+    }
+
+    pub(crate) async fn recv(&mut self) {
+        if self.0.recv().await.is_none() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argv0_is_made_absolute_as_the_shell_found_it() {
+        let cwd = Path::new("/srv");
+        let path = OsStr::new("/usr/local/bin:/usr/bin");
+        let only = |want: &'static str| move |p: &Path| p == Path::new(want);
+        let r = |a: &str, f: &dyn Fn(&Path) -> bool| {
+            resolve_argv0(OsStr::new(a), Some(cwd), Some(path), f)
+        };
+        assert_eq!(
+            r("/usr/bin/derpd", &only("none")),
+            Some(PathBuf::from("/usr/bin/derpd"))
+        );
+        assert_eq!(
+            r("bin/derpd", &only("none")),
+            Some(PathBuf::from("/srv/bin/derpd"))
+        );
+        assert_eq!(
+            r("./derpd", &only("none")),
+            Some(PathBuf::from("/srv/derpd"))
+        );
+        assert_eq!(
+            r("../bin/derpd", &only("none")),
+            Some(PathBuf::from("/srv/../bin/derpd"))
+        );
+        assert_eq!(
+            r("derpd", &only("/usr/bin/derpd")),
+            Some(PathBuf::from("/usr/bin/derpd"))
+        );
+        assert_eq!(
+            r("derpd", &only("/usr/local/bin/derpd")),
+            Some(PathBuf::from("/usr/local/bin/derpd"))
+        );
+        assert_eq!(r("derpd", &only("/opt/derpd")), None);
+        assert_eq!(r("", &only("/usr/bin/derpd")), None);
+        // An empty PATH entry is the working directory.
+        assert_eq!(
+            resolve_argv0(
+                OsStr::new("derpd"),
+                Some(cwd),
+                Some(OsStr::new(":/usr/bin")),
+                |p: &Path| p == Path::new("./derpd")
+            ),
+            Some(PathBuf::from("/srv/derpd"))
+        );
+    }
+
+    #[test]
+    fn a_replaced_files_mark_is_stripped() {
+        assert_eq!(
+            strip_deleted(PathBuf::from("/usr/bin/derpd (deleted)")),
+            PathBuf::from("/usr/bin/derpd")
+        );
+        assert_eq!(
+            strip_deleted(PathBuf::from("/usr/bin/derpd")),
+            PathBuf::from("/usr/bin/derpd")
+        );
+    }
+
+    #[test]
+    fn the_running_test_binary_is_found() {
+        let exe = executable().expect("found");
+        let running = std::fs::metadata("/proc/self/exe").expect("exe");
+        let found = std::fs::metadata(&exe.path).expect("path");
+        assert_eq!((found.dev(), found.ino()), (running.dev(), running.ino()));
+    }
+}

@@ -207,20 +207,20 @@ impl Upgrader {
             "upgrade: started the new binary; handing it the listeners"
         );
         let timeout = self.timeout;
-        let exchange = tokio::task::spawn_blocking(move || {
-            exchange(&mine, listeners, timeout).map_err(|e| (e, mine))
-        })
-        .await
-        .context("the handover thread")?;
+        // The channel closes when the exchange ends: a new process still waiting on it after a
+        // failure reads that as the end, and exits.
+        let exchange = tokio::task::spawn_blocking(move || exchange(&mine, listeners, timeout))
+            .await
+            .context("the handover thread")?;
         match exchange {
             Ok(pid) => {
                 child.disarm();
                 Ok(pid)
             }
-            Err((e, channel)) => {
+            Err(e) => {
                 // A process that refused exits by itself; give it the moment to, so its
                 // status says what it said.
-                let status = tokio::task::spawn_blocking(move || child.finish(&channel))
+                let status = tokio::task::spawn_blocking(move || child.finish())
                     .await
                     .context("the handover thread")?;
                 Err(e.context(format!("the new process {status}")))
@@ -276,24 +276,27 @@ impl ChildGuard {
         self.0 = None;
     }
 
-    /// Waits (a short while) for the channel to close, that is for the process to exit;
-    /// then kills it if it has not, reaps it, and says how it ended.
-    fn finish(mut self, channel: &OwnedFd) -> String {
-        let deadline = Instant::now() + EXIT_WAIT;
-        while let Ok(_) | Err(RecvError::Malformed(_)) = wire::recv(channel, deadline) {}
+    /// Waits (a short while) for the process to exit, then kills it if it has not, reaps
+    /// it, and says how it ended.
+    fn finish(mut self) -> String {
         let Some(mut child) = self.0.take() else {
             return "is gone".to_owned();
         };
         let pid = child.id();
-        match child.try_wait() {
-            Ok(Some(status)) => format!("(pid {pid}) exited: {status}"),
-            _ => {
-                let _ = child.kill();
-                match child.wait() {
-                    Ok(_) => format!("(pid {pid}) was killed"),
-                    Err(e) => format!("(pid {pid}) was killed; reaping it: {e}"),
+        let deadline = Instant::now() + EXIT_WAIT;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return format!("(pid {pid}) exited: {status}"),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::park_timeout(Duration::from_millis(10));
                 }
+                _ => break,
             }
+        }
+        let _ = child.kill();
+        match child.wait() {
+            Ok(_) => format!("(pid {pid}) was killed"),
+            Err(e) => format!("(pid {pid}) was killed; reaping it: {e}"),
         }
     }
 }
@@ -351,7 +354,7 @@ pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Vec<(Liste
             bail!("{e}");
         }
         Err(e) => {
-            takeover.refuse(&e.to_string());
+            takeover.refuse(&error_text(&e));
             return Err(e).with_context(|| {
                 format!(
                     "taking over from the running derpd (pid {from}), which was told so; \
@@ -375,6 +378,18 @@ pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Vec<(Liste
         "taking over from the running derpd"
     );
     Ok(Some((takeover, listeners.into_iter().zip(fds).collect())))
+}
+
+/// An error and its sources, as one line.
+fn error_text(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 impl Takeover {

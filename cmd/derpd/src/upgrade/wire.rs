@@ -108,7 +108,7 @@ pub(crate) enum RecvError {
     Version(u64),
     #[error("unreadable message: {0}")]
     Malformed(String),
-    #[error("reading the channel: {0}")]
+    #[error("reading the channel")]
     Io(#[from] std::io::Error),
 }
 
@@ -171,6 +171,8 @@ fn recv_raw(channel: &OwnedFd, deadline: Instant) -> Result<(Vec<u8>, Vec<OwnedF
             Ok(got) => break got,
             Err(rustix::io::Errno::INTR) => continue,
             Err(rustix::io::Errno::AGAIN) => return Err(RecvError::TimedOut(left)),
+            // What a closed end with unread messages reads as.
+            Err(rustix::io::Errno::CONNRESET) => return Err(RecvError::Closed),
             Err(e) => return Err(RecvError::Io(e.into())),
         }
     };

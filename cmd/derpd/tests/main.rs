@@ -20,3 +20,4 @@ mod proxy;
 mod restart;
 mod stun_client;
 mod tls;
+mod upgrade;

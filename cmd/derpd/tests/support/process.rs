@@ -51,9 +51,14 @@ fn json(line: &str) -> Option<serde_json::Value> {
 
 impl Process {
     /// Spawns `cmd` with stdout and stderr piped (stdin closed) and starts collecting both.
-    pub fn spawn(mut cmd: Command) -> Self {
+    pub fn spawn(cmd: Command) -> Self {
+        Self::spawn_with_stdin(cmd, Stdio::null())
+    }
+
+    /// [`Process::spawn`] with `stdin` as standard input.
+    pub fn spawn_with_stdin(mut cmd: Command, stdin: Stdio) -> Self {
         let mut child = cmd
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -123,6 +128,27 @@ impl Process {
             let _ = reader.join();
         }
         status
+    }
+
+    /// Waits for the process to exit on its own, for at most `within`, without waiting for
+    /// the end of its output: a process it started (an upgrade's successor) holds the same
+    /// pipes and may write to them long after.
+    pub fn wait_status(&mut self, within: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not exit within {within:?}; log:\n{}",
+                self.pid,
+                self.log_text()
+            );
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
     }
 
     /// Waits for a JSON stderr line for which `pick` returns something, within [`STEP`].
@@ -204,6 +230,8 @@ impl Process {
 pub struct Launch {
     pub setup: String,
     pub wrapper: String,
+    /// The file to run instead of the built derpd (a copy of it elsewhere, say).
+    pub program: Option<String>,
 }
 
 impl Launch {
@@ -216,15 +244,23 @@ impl Launch {
     pub fn with_setup(setup: &str) -> Self {
         Self {
             setup: setup.to_owned(),
-            wrapper: String::new(),
+            ..Self::default()
+        }
+    }
+
+    /// The file at `path` (started by that path, which becomes its `argv[0]`).
+    pub fn program(path: &str) -> Self {
+        Self {
+            program: Some(path.to_owned()),
+            ..Self::default()
         }
     }
 
     /// In network namespace `ns` (needs root).
     pub fn in_netns(ns: &str) -> Self {
         Self {
-            setup: String::new(),
             wrapper: format!("ip netns exec {ns}"),
+            ..Self::default()
         }
     }
 
@@ -236,6 +272,7 @@ impl Launch {
         Self {
             setup: "trap '' XFSZ".to_owned(),
             wrapper: format!("prlimit --fsize={bytes}"),
+            ..Self::default()
         }
     }
 }
@@ -249,7 +286,7 @@ pub fn derpd_command(launch: &Launch, args: &[impl AsRef<str>]) -> Command {
             "{}\nexec {} \"$0\" \"$@\"",
             launch.setup, launch.wrapper
         ))
-        .arg(DERPD)
+        .arg(launch.program.as_deref().unwrap_or(DERPD))
         .args(args.iter().map(AsRef::as_ref))
         .env("RUST_LOG", "info");
     cmd

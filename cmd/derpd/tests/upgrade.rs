@@ -1,0 +1,359 @@
+//! Upgrading in place: SIGUSR2 starts the file now at derpd's path (a copy of the built
+//! binary here, replaced by another copy as a package upgrade replaces it) and hands it every
+//! listening socket; the new process serves on them at once, the old one tells its clients to
+//! reconnect and exits 0. A new binary that exits at once, refuses the handed sockets or never
+//! confirms leaves the old process serving, its clients connected.
+
+use crate::support;
+
+use std::net::{SocketAddr, UdpSocket};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use derp_client::{Client, ReceivedFrame};
+use support::{DERPD, Launch, Node, Process, STEP, TempDir, client, expect_packet, secret};
+
+/// Copies the built derpd to `dir`/derpd and returns the path.
+fn install(dir: &TempDir) -> PathBuf {
+    let path = dir.path("derpd");
+    std::fs::copy(DERPD, &path).expect("copy derpd");
+    path
+}
+
+/// Puts `contents` (or a fresh copy of the built derpd) at `path` as a package upgrade does:
+/// written beside it, then renamed over it, so the running file keeps its inode.
+fn replace(path: &Path, contents: Option<&str>) {
+    let before = std::fs::metadata(path).expect("installed").ino();
+    let new = path.with_extension("new");
+    match contents {
+        Some(text) => std::fs::write(&new, text).expect("write"),
+        None => {
+            std::fs::copy(DERPD, &new).expect("copy derpd");
+        }
+    }
+    std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&new, path).expect("rename");
+    assert_ne!(std::fs::metadata(path).expect("replaced").ino(), before);
+}
+
+/// A dev node started from `exe`, with a key file in `dir` (the successor keeps the key).
+fn start(exe: &Path, dir: &TempDir, more: &[&str]) -> Node {
+    let key = dir.path("derp.key").display().to_string();
+    let mut args = vec!["--dev", "-a", "127.0.0.1:0", "-c", &key];
+    args.extend_from_slice(more);
+    Node::start_with(&Launch::program(&exe.display().to_string()), &args, &[])
+}
+
+/// The address of the STUN socket the node logged.
+fn stun_addr(node: &Node) -> SocketAddr {
+    node.find_log("the STUN line", |v| {
+        (v["fields"]["message"] == "STUN listening")
+            .then(|| v["fields"]["addr"].as_str()?.parse().ok())?
+    })
+}
+
+/// A STUN binding request answered with the sender's address.
+fn stun_answers(addr: SocketAddr) {
+    let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    socket.set_read_timeout(Some(STEP)).expect("timeout");
+    let tx = derp_proto::stun::TxId::generate(&mut rand::rngs::OsRng);
+    socket
+        .send_to(&derp_proto::stun::binding_request(&tx), addr)
+        .expect("send");
+    let mut buf = [0u8; 1500];
+    let n = socket.recv(&mut buf).expect("a STUN answer");
+    let (got, mapped) = derp_proto::stun::parse_response(&buf[..n]).expect("a response");
+    assert_eq!(got.as_bytes(), tx.as_bytes());
+    assert_eq!(mapped, socket.local_addr().expect("addr"));
+}
+
+/// The inode of the socket listening (TCP) or bound (UDP) on 127.0.0.1:`port`.
+fn socket_inode(proto: &str, port: u16) -> u64 {
+    let table = std::fs::read_to_string(format!("/proc/net/{proto}")).expect("/proc/net");
+    let local = format!("0100007F:{port:04X}");
+    let state = if proto == "tcp" { "0A" } else { "07" };
+    table
+        .lines()
+        .skip(1)
+        .find_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.get(1) == Some(&local.as_str()) && f.get(3) == Some(&state))
+                .then(|| f.get(9)?.parse().ok())?
+        })
+        .unwrap_or_else(|| panic!("nothing on 127.0.0.1:{port}/{proto}"))
+}
+
+/// Whether process `pid` has the socket `inode` open.
+fn holds(pid: u32, inode: u64) -> bool {
+    let want = format!("socket:[{inode}]");
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(Result::ok)
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .any(|target| target.as_os_str() == want.as_str())
+        })
+        .unwrap_or(false)
+}
+
+/// Whether process `pid` has ended (gone, or a zombie nobody has reaped yet).
+fn ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// The process that took over: not the test's child (the old derpd started it), so stopped
+/// by its PID: SIGTERM in [`Successor::stop`], SIGKILL on drop.
+struct Successor(u32);
+
+impl Successor {
+    fn signal(&self, sig: &str) {
+        let _ = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &self.0.to_string()])
+            .status();
+    }
+
+    fn wait_ended(&self) {
+        let deadline = Instant::now() + STEP;
+        while !ended(self.0) {
+            assert!(Instant::now() < deadline, "{} did not exit", self.0);
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
+    }
+
+    fn stop(self) {
+        self.signal("TERM");
+        self.wait_ended();
+    }
+}
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        if !ended(self.0) {
+            self.signal("KILL");
+            self.wait_ended();
+        }
+    }
+}
+
+/// A client and its key.
+struct Peer {
+    client: Client,
+    key: derp_proto::PublicKey,
+}
+
+async fn peer(url: &str) -> Peer {
+    let s = secret();
+    let key = s.public_key();
+    Peer {
+        client: client(url, s).await,
+        key,
+    }
+}
+
+/// Two clients of `url` that can reach each other, proven by a packet each way.
+async fn pair(url: &str) -> (Peer, Peer) {
+    let mut a = peer(url).await;
+    let mut b = peer(url).await;
+    relays(&mut a, &mut b).await;
+    (a, b)
+}
+
+/// A packet from `a` reaches `b` and one from `b` reaches `a`.
+async fn relays(a: &mut Peer, b: &mut Peer) {
+    let payload: [u8; 8] = rand::random();
+    a.client
+        .send_packet(b.key, payload.to_vec())
+        .await
+        .expect("send");
+    expect_packet(&mut b.client, a.key, &payload).await;
+    b.client
+        .send_packet(a.key, payload.to_vec())
+        .await
+        .expect("send");
+    expect_packet(&mut a.client, b.key, &payload).await;
+}
+
+/// Waits for the old process's log line that the upgrade failed; returns its error.
+fn upgrade_failure(node: &Node) -> String {
+    node.wait_log("the upgrade's failure", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("upgrade failed; this process keeps every listener")
+            .then(|| v["fields"]["error"].as_str().map(str::to_owned))?
+    })
+}
+
+/// After a failed upgrade: the node still runs, its clients still relay, a new client
+/// connects and reaches an old one, and its listeners are its own alone.
+async fn still_serving(node: &mut Node, a: &mut Peer, b: &mut Peer) {
+    assert!(node.is_running(), "{}", node.log_text());
+    relays(a, b).await;
+    let mut c = peer(&node.url()).await;
+    relays(a, &mut c).await;
+    assert!(holds(node.pid(), socket_inode("tcp", node.addr.port())));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
+    let dir = TempDir::new("upgrade");
+    let exe = install(&dir);
+    let mut node = start(&exe, &dir, &["--metrics-addr", "127.0.0.1:0"]);
+    let stun = stun_addr(&node);
+    let metrics = node.metrics_addr.expect("metrics address");
+    let (mut a, mut b) = pair(&node.url()).await;
+
+    replace(&exe, None);
+    node.signal("USR2");
+    let pid: u32 = node.wait_log("the takeover", |v| {
+        (v["fields"]["message"] == "took over the listeners; this process is the service now")
+            .then(|| v["fields"]["pid"].as_u64())?
+            .map(|p| p as u32)
+    });
+    let successor = Successor(pid);
+    assert_ne!(pid, node.pid());
+    node.wait_message("handed every listener over");
+    // The new process is the new file: its path names a file, not a replaced one.
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{pid}/exe")).expect("exe"),
+        exe
+    );
+    // Clients of the old process are told to reconnect, and the old process exits 0.
+    for c in [&mut a.client, &mut b.client] {
+        support::recv_until(c, "Restarting", |f| {
+            matches!(f, ReceivedFrame::Restarting { .. }).then_some(())
+        })
+        .await;
+        support::expect_closed(c).await;
+    }
+    let status = node.wait_status(STEP);
+    assert_eq!(status.code(), Some(0), "{}", node.log_text());
+    // Every port is the new process's: its sockets are the ones listening, and they serve.
+    for (proto, port) in [
+        ("tcp", node.addr.port()),
+        ("udp", stun.port()),
+        ("tcp", metrics.port()),
+    ] {
+        assert!(
+            holds(pid, socket_inode(proto, port)),
+            "{port}/{proto} is not the new process's"
+        );
+    }
+    let (_c, _d) = pair(&node.url()).await;
+    stun_answers(stun);
+    assert!(support::http_get(metrics, "/metrics").starts_with("HTTP/1.1 200"));
+    successor.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_file_that_exits_at_once_leaves_the_old_process_serving() {
+    let dir = TempDir::new("upgrade-exits");
+    let exe = install(&dir);
+    let mut node = start(&exe, &dir, &[]);
+    let (mut a, mut b) = pair(&node.url()).await;
+    replace(&exe, Some("#!/bin/sh\nexit 3\n"));
+    node.signal("USR2");
+    let error = upgrade_failure(&node);
+    // Whether it ended before or after the listeners were sent is the scheduler's choice.
+    assert!(error.contains("exited: exit status: 3"), "{error}");
+    still_serving(&mut node, &mut a, &mut b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_process_whose_flags_need_other_listeners_refuses_and_the_old_serves_on() {
+    let dir = TempDir::new("upgrade-refuses");
+    let exe = install(&dir);
+    let mut node = start(&exe, &dir, &[]);
+    let (mut a, mut b) = pair(&node.url()).await;
+    // A wrapper that adds a listener the running process does not have.
+    replace(
+        &exe,
+        Some(&format!(
+            "#!/bin/sh\nexec {DERPD} \"$@\" --metrics-addr 127.0.0.1:0\n"
+        )),
+    );
+    node.signal("USR2");
+    let error = upgrade_failure(&node);
+    assert!(
+        error.contains("exited: exit status: 1: refused the handover"),
+        "{error}"
+    );
+    assert!(
+        error.contains("these flags need a metrics listener (TCP)"),
+        "{error}"
+    );
+    still_serving(&mut node, &mut a, &mut b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigusr2_is_ignored_and_a_silent_new_process_is_killed_at_the_deadline() {
+    let dir = TempDir::new("upgrade-silent");
+    let exe = install(&dir);
+    let mut node = start(&exe, &dir, &["--upgrade-timeout", "10s"]);
+    let (mut a, mut b) = pair(&node.url()).await;
+    // Starts, takes the channel, and never says a word.
+    replace(&exe, Some("#!/bin/sh\nexec sleep 600\n"));
+    node.signal("USR2");
+    let child: u32 = node.wait_log("the upgrade's start", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("upgrade: started the new binary")
+            .then(|| v["fields"]["child"].as_u64())?
+            .map(|p| p as u32)
+    });
+    node.signal("USR2");
+    node.wait_message("SIGUSR2 ignored: an upgrade is under way");
+    let error = upgrade_failure(&node);
+    assert!(error.contains("did not confirm within 10s"), "{error}");
+    assert!(error.contains("was killed"), "{error}");
+    // Killed and reaped by the old process.
+    assert!(!Path::new(&format!("/proc/{child}")).exists());
+    still_serving(&mut node, &mut a, &mut b).await;
+}
+
+/// The test as the old process: a hello of a format version this derpd does not read is
+/// refused on the channel, with the reason, and the new process exits.
+#[test]
+fn a_hello_of_an_unknown_version_is_refused() {
+    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
+    let (mine, theirs) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .expect("socketpair");
+    let mut cmd = support::derpd_command(
+        &Launch::plain(),
+        &["--log-format", "json", "--dev", "-a", "127.0.0.1:0"],
+    );
+    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
+    let mut derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
+    let hello = br#"{"type":"hello","version":2,"pid":1,"listeners":[]}"#;
+    rustix::net::send(&mine, hello, SendFlags::empty()).expect("send");
+    rustix::net::sockopt::set_socket_timeout(
+        &mine,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(STEP),
+    )
+    .expect("timeout");
+    let mut buf = [0u8; 4096];
+    let (n, _) = rustix::net::recv(&mine, &mut buf, RecvFlags::empty()).expect("an answer");
+    let answer: serde_json::Value = serde_json::from_slice(&buf[..n]).expect("json");
+    assert_eq!(answer["type"], "refuse", "{answer}");
+    assert_eq!(
+        answer["reason"], "handover format version 2; this derpd reads version 1 only",
+        "{answer}"
+    );
+    let status = derpd.wait_exit(STEP);
+    assert_eq!(status.code(), Some(1), "{}", derpd.log_text());
+    assert!(
+        derpd.log_text().contains("handover format version 2"),
+        "{}",
+        derpd.log_text()
+    );
+}

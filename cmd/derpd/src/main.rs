@@ -356,6 +356,12 @@ async fn serve_node(
                  each is told to reconnect (Restarting) and drained; a signal exits at once"
             );
         }
+        // A process still taking over is not the service yet: what systemd hears of a stop
+        // is the main process's to say.
+        None if readiness.taking_over() => info!(
+            "shutting down before taking over: the running derpd keeps serving; a second \
+             signal exits at once"
+        ),
         None => {
             notify.stopping(&format!(
                 "shutting down: telling {} clients to reconnect, draining for up to {:?}",

@@ -16,7 +16,7 @@ use tokio::net::{TcpSocket, TcpStream};
 
 /// A raw client with a small receive buffer, so that what the server sends it backs up in
 /// the server's queue.
-async fn small_buffer_client(addr: SocketAddr, secret: SecretKey) -> RawClient {
+pub(crate) async fn small_buffer_client(addr: SocketAddr, secret: SecretKey) -> RawClient {
     let socket = TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(4096).expect("rcvbuf");
     let stream = socket.connect(addr).await.expect("connect");

@@ -216,7 +216,13 @@ async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
     });
     let successor = Successor(pid);
     assert_ne!(pid, node.pid());
-    node.wait_message("handed every listener over");
+    // The two processes' lines come in either order.
+    node.find_log("the handover", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("handed every listener over")
+            .then_some(())
+    });
     // The new process is the new file: its path names a file, not a replaced one.
     assert_eq!(
         std::fs::read_link(format!("/proc/{pid}/exe")).expect("exe"),
@@ -247,6 +253,166 @@ async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
     stun_answers(stun);
     assert!(support::http_get(metrics, "/metrics").starts_with("HTTP/1.1 200"));
     successor.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_process_accepts_nothing_more_while_it_drains() {
+    let dir = TempDir::new("upgrade-drain");
+    let exe = install(&dir);
+    let mut node = start(
+        &exe,
+        &dir,
+        &[
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--tcp-write-timeout",
+            "0",
+            "--drain-timeout",
+            "10m",
+        ],
+    );
+    let stun = stun_addr(&node);
+    let metrics = node.metrics_addr.expect("metrics address");
+    // A receiver that never reads: the old process's drain waits on its queue.
+    let stuck = crate::restart::small_buffer_client(node.addr, secret()).await;
+    let mut sender = client(&node.url(), secret()).await;
+    for i in 0..64u8 {
+        sender
+            .send_packet(stuck.key, vec![i; 60_000])
+            .await
+            .expect("send");
+    }
+    sender.ping().await.expect("ping");
+    let inodes = [
+        socket_inode("tcp", node.addr.port()),
+        socket_inode("udp", stun.port()),
+        socket_inode("tcp", metrics.port()),
+    ];
+    assert!(inodes.iter().all(|i| holds(node.pid(), *i)));
+
+    replace(&exe, None);
+    node.signal("USR2");
+    let pid: u32 = node.wait_log("the handover", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("handed every listener over")
+            .then(|| v["fields"]["to"].as_u64())?
+            .map(|p| p as u32)
+    });
+    let successor = Successor(pid);
+    // Draining, and none of the ports is the old process's any more.
+    assert!(node.is_running(), "{}", node.log_text());
+    for inode in inodes {
+        assert!(
+            !holds(node.pid(), inode),
+            "the old process still holds {inode}"
+        );
+        assert!(holds(pid, inode), "the new process does not hold {inode}");
+    }
+    let (_c, _d) = pair(&node.url()).await;
+    // A signal ends the old process's drain at once, as a second one does a shutdown's.
+    node.signal("TERM");
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(1),
+        "{}",
+        node.log_text()
+    );
+    drop(stuck);
+    successor.stop();
+}
+
+/// The address a log line with `message` names.
+fn logged_addr(node: &Node, message: &'static str) -> SocketAddr {
+    node.find_log(message, |v| {
+        (v["fields"]["message"] == message).then(|| v["fields"]["addr"].as_str()?.parse().ok())?
+    })
+}
+
+/// The next datagram on the notify socket.
+fn notification(socket: &std::os::unix::net::UnixDatagram, node: &Node) -> String {
+    let mut buf = [0u8; 4096];
+    let n = socket
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("no notification: {e}; log:\n{}", node.log_text()));
+    String::from_utf8(buf[..n].to_vec()).expect("utf-8")
+}
+
+#[test]
+fn a_tls_node_hands_its_port_80_and_quic_sockets_and_its_successor_tells_systemd_its_pid() {
+    let dir = TempDir::new("upgrade-tls");
+    let exe = install(&dir);
+    let notify_path = dir.path("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).expect("bind");
+    notify.set_read_timeout(Some(STEP)).expect("timeout");
+    let certdir = dir.path("certs").display().to_string();
+    let key = dir.path("derp.key").display().to_string();
+    let mut node = Node::start_with(
+        &Launch::program(&exe.display().to_string()),
+        &[
+            "--dev",
+            "-a",
+            "127.0.0.1:0",
+            "-c",
+            &key,
+            "--certmode",
+            "manual",
+            "--hostname",
+            "127.0.0.1",
+            "--certdir",
+            &certdir,
+            "--cert-reload-interval",
+            "0",
+            "--http-port",
+            "0",
+            "--quic-port",
+            "0",
+        ],
+        &[(
+            "NOTIFY_SOCKET".to_owned(),
+            notify_path.display().to_string(),
+        )],
+    );
+    let http = logged_addr(&node, "port-80 listener (generate_204, acme, redirects)");
+    let quic = logged_addr(&node, "QUIC listening (DERP over QUIC)");
+    let stun = stun_addr(&node);
+    let ready = notification(&notify, &node);
+    assert!(ready.starts_with("READY=1\n"), "{ready:?}");
+
+    replace(&exe, None);
+    node.signal("USR2");
+    let taken = notification(&notify, &node);
+    let pid: u32 = taken
+        .strip_prefix("MAINPID=")
+        .and_then(|rest| rest.split_once('\n'))
+        .and_then(|(pid, _)| pid.parse().ok())
+        .unwrap_or_else(|| panic!("{taken:?}"));
+    let successor = Successor(pid);
+    assert!(
+        taken.contains("\nREADY=1\nSTATUS=serving DERP over TLS on"),
+        "{taken:?}"
+    );
+    let status = node.wait_status(STEP);
+    assert_eq!(status.code(), Some(0), "{}", node.log_text());
+    for (proto, port) in [
+        ("tcp", node.addr.port()),
+        ("tcp", http.port()),
+        ("udp", quic.port()),
+        ("udp", stun.port()),
+    ] {
+        assert!(
+            holds(pid, socket_inode(proto, port)),
+            "{port}/{proto} is not the new process's"
+        );
+    }
+    assert!(support::http_get(http, "/generate_204").starts_with("HTTP/1.1 204"));
+    stun_answers(stun);
+    // The old process said nothing to systemd after its successor did: the next word is
+    // the successor's own, when it stops.
+    successor.signal("TERM");
+    let stopping = notification(&notify, &node);
+    assert!(stopping.starts_with("STOPPING=1\n"), "{stopping:?}");
+    successor.wait_ended();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

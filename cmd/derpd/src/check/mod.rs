@@ -243,6 +243,7 @@ fn check(cli: &Cli, r: &mut Report) {
             }
         ),
     );
+    check_upgrade(cli, bind, tls, r);
     r.ok(
         "shutdown",
         format!(
@@ -252,6 +253,50 @@ fn check(cli: &Cli, r: &mut Report) {
             cli.restart_try_for,
             cli.drain_timeout,
             cli.drain_timeout + crate::CLOSE_GRACE,
+        ),
+    );
+}
+
+/// What SIGUSR2 would do: which file it starts, and what it hands that process (the
+/// listeners these flags bind; never, yet, the client connections).
+fn check_upgrade(cli: &Cli, bind: Option<(crate::listen::BindIp, u16)>, tls: bool, r: &mut Report) {
+    let exe = match crate::upgrade::executable() {
+        Ok(exe) => exe,
+        Err(e) => {
+            r.warn(
+                "upgrade",
+                format!("SIGUSR2 cannot upgrade in place: {e:#}; restart instead"),
+            );
+            return;
+        }
+    };
+    let mut handed = Vec::new();
+    if let Some((ip, port)) = bind {
+        handed.push(format!("{}/tcp", ip.describe(port)));
+        if tls && let Ok(Some(http)) = cli.tls.http_port() {
+            handed.push(format!("{}/tcp (port 80)", ip.describe(http)));
+        }
+        if cli.stun {
+            handed.push(format!("{}/udp (STUN)", ip.describe(cli.stun_port)));
+        }
+        if let Some(quic) = crate::quic_port(cli, tls, port) {
+            handed.push(format!("{}/udp (QUIC)", ip.describe(quic)));
+        }
+    }
+    if let Some(addr) = cli.metrics_addr {
+        handed.push(format!("{addr}/tcp (metrics)"));
+    }
+    r.ok(
+        "upgrade",
+        format!(
+            "SIGUSR2 (systemctl reload) starts {} (found by {}) with these flags and hands it \
+             {}; it has {:?} to serve on them (--upgrade-timeout), else the running derpd keeps \
+             them. Client connections are not handed over: each is told to reconnect \
+             (Restarting) and drained, as on SIGTERM",
+            exe.path.display(),
+            exe.source,
+            handed.join(", "),
+            cli.upgrade_timeout,
         ),
     );
 }

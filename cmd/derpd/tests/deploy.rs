@@ -125,6 +125,8 @@ fn systemd_unit_and_mesh_drop_in_verify_cleanly_and_stay_hardened() {
     let unit_text = read(&unit);
     for line in [
         "Type=notify",
+        "NotifyAccess=all",
+        "ExecReload=/bin/kill -USR2 $MAINPID",
         "SystemCallFilter=@system-service",
         "TimeoutStopSec=15",
         "--drain-timeout 10s",

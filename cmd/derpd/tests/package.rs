@@ -246,7 +246,8 @@ fn the_debian_package_holds_what_it_should_and_passes_lintian() {
         "Type=notify",
         "EnvironmentFile=/etc/default/derpd",
         "ExecStart=/usr/bin/derpd $DERPD_ARGS $DERPD_MESH_ARGS",
-        "ExecReload=/bin/kill -HUP $MAINPID",
+        "NotifyAccess=all",
+        "ExecReload=/bin/kill -USR2 $MAINPID",
         "User=derpd",
         "StateDirectory=derpd",
     ] {

@@ -300,15 +300,20 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
             .map(|p| p as u32)
     });
     let successor = Successor(pid);
-    // Draining, and none of the ports is the old process's any more.
-    assert!(node.is_running(), "{}", node.log_text());
+    // Draining, and none of the ports is the old process's any more (its listening tasks
+    // end as the runtime gets to them, so this waits for it).
     for inode in inodes {
-        assert!(
-            !holds(node.pid(), inode),
-            "the old process still holds {inode}"
-        );
         assert!(holds(pid, inode), "the new process does not hold {inode}");
+        let deadline = Instant::now() + STEP;
+        while holds(node.pid(), inode) {
+            assert!(
+                Instant::now() < deadline,
+                "the old process still holds {inode}"
+            );
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
     }
+    assert!(node.is_running(), "{}", node.log_text());
     let (_c, _d) = pair(&node.url()).await;
     // A signal ends the old process's drain at once, as a second one does a shutdown's.
     node.signal("TERM");

@@ -35,7 +35,7 @@ use tracing::{error, info, warn};
 
 use crate::sd_notify::Notifier;
 use sockets::Sockets;
-use wire::{Listener, Message, RecvError};
+use wire::{Handed, Listener, Message, RecvError};
 
 /// Set in the new process's environment: the old process's PID, and that its standard input
 /// is the handover channel.
@@ -230,11 +230,7 @@ impl Upgrader {
 }
 
 /// The old process's side of the exchange: the new process's PID once it has taken over.
-fn exchange(
-    channel: &OwnedFd,
-    listeners: Vec<(Listener, OwnedFd)>,
-    timeout: Duration,
-) -> anyhow::Result<u32> {
+fn exchange(channel: &OwnedFd, listeners: Handed, timeout: Duration) -> anyhow::Result<u32> {
     let deadline = Instant::now() + timeout;
     let (described, fds): (Vec<Listener>, Vec<OwnedFd>) = listeners.into_iter().unzip();
     let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
@@ -319,7 +315,7 @@ pub(crate) struct Takeover {
 
 /// Whether this process was started to take over, and if so the channel and what it was
 /// handed. A hello this derpd cannot read is refused (the old process is told why).
-pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Vec<(Listener, OwnedFd)>)>> {
+pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Handed)>> {
     let Some(from) = std::env::var_os(TAKEOVER_ENV) else {
         return Ok(None);
     };

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{Context, bail};
 
-use super::wire::{Listener, ListenerKind};
+use super::wire::{Handed, Listener, ListenerKind};
 
 /// The listening sockets of this process. Cheap to clone: the TLS setup binds some of them.
 #[derive(Clone, Debug, Default)]
@@ -20,9 +20,9 @@ pub(crate) struct Sockets {
 struct Inner {
     /// What the previous process handed and nothing has taken yet; `None` when this process
     /// binds its own.
-    handed: Option<Vec<(Listener, OwnedFd)>>,
+    handed: Option<Handed>,
     /// A duplicate of every socket in service, for a successor; `None` once handed over.
-    held: Option<Vec<(Listener, OwnedFd)>>,
+    held: Option<Handed>,
 }
 
 impl Sockets {
@@ -32,11 +32,11 @@ impl Sockets {
     }
 
     /// Sockets handed by the previous process, taken by kind.
-    pub(crate) fn adopting(handed: Vec<(Listener, OwnedFd)>) -> Self {
+    pub(crate) fn adopting(handed: Handed) -> Self {
         Self::with(Some(handed))
     }
 
-    fn with(handed: Option<Vec<(Listener, OwnedFd)>>) -> Self {
+    fn with(handed: Option<Handed>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(Inner {
                 handed,
@@ -163,7 +163,7 @@ impl Sockets {
     }
 
     /// The sockets in service, described, with duplicates of their fds for a successor.
-    pub(crate) fn for_successor(&self) -> anyhow::Result<Vec<(Listener, OwnedFd)>> {
+    pub(crate) fn for_successor(&self) -> anyhow::Result<Handed> {
         let inner = self.lock();
         let Some(held) = &inner.held else {
             bail!("the listeners were handed over already");

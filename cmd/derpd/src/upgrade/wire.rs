@@ -78,6 +78,9 @@ pub(crate) struct Listener {
     pub(crate) addr: SocketAddr,
 }
 
+/// Sockets as they go across: each described, with its fd.
+pub(crate) type Handed = Vec<(Listener, OwnedFd)>;
+
 /// A message of the exchange (the module's docs give its order).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]

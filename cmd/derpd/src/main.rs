@@ -352,8 +352,9 @@ async fn serve_node(
                 to = pid,
                 clients = server.local_clients(),
                 drain_timeout = ?cli.drain_timeout,
-                "handed every listener over; client connections are not handed over yet: \
-                 each is told to reconnect (Restarting) and drained; a signal exits at once"
+                "handed every listener over; client connections are not handed over (this \
+                 version hands over listening sockets only): each is told to reconnect \
+                 (Restarting) and drained; a signal exits at once"
             );
         }
         // A process still taking over is not the service yet: what systemd hears of a stop

@@ -11,7 +11,7 @@
 //!
 //! The variable stays in derpd's environment (removing it takes `unsafe` code, which the
 //! workspace forbids). The one program derpd starts is its successor in an upgrade
-//! (`upgrade.rs`), which is given it deliberately: it tells systemd its PID with `MAINPID=`.
+//! (`upgrade/`), which is given it deliberately: it tells systemd its PID with `MAINPID=`.
 
 use std::os::unix::net::UnixDatagram;
 use std::sync::Arc;

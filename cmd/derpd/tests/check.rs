@@ -100,7 +100,7 @@ fn check_binds_nothing_writes_nothing_and_says_what_would_run() {
     assert!(out.contains("drain up to 10s"), "{out}");
     assert!(
         out.contains(&format!(
-            "SIGUSR2 (systemctl reload) starts {DERPD} (found by argv[0]) with these flags and \
+            "SIGUSR2 starts {DERPD} (found by argv[0]) with these flags and \
              hands it {addr}/tcp, 127.0.0.1:{stun_port}/udp (STUN), {metrics_addr}/tcp \
              (metrics); it has 30s to serve on them"
         )),

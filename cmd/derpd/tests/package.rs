@@ -247,7 +247,7 @@ fn the_debian_package_holds_what_it_should_and_passes_lintian() {
         "EnvironmentFile=/etc/default/derpd",
         "ExecStart=/usr/bin/derpd $DERPD_ARGS $DERPD_MESH_ARGS",
         "NotifyAccess=all",
-        "ExecReload=/bin/kill -USR2 $MAINPID",
+        "ExecReload=/bin/kill -HUP $MAINPID",
         "User=derpd",
         "StateDirectory=derpd",
     ] {

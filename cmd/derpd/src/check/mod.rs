@@ -289,7 +289,7 @@ fn check_upgrade(cli: &Cli, bind: Option<(crate::listen::BindIp, u16)>, tls: boo
     r.ok(
         "upgrade",
         format!(
-            "SIGUSR2 (systemctl reload) starts {} (found by {}) with these flags and hands it \
+            "SIGUSR2 starts {} (found by {}) with these flags and hands it \
              {}; it has {:?} to serve on them (--upgrade-timeout), else the running derpd keeps \
              them. Client connections are not handed over: each is told to reconnect \
              (Restarting) and drained, as on SIGTERM",

@@ -277,10 +277,10 @@ impl Default for RttMark {
 /// Not a child of the server's shutdown token: a child token is a separate allocation of
 /// some 130 bytes per connection, and a future waiting on one is 72 bytes in the waiting
 /// task. The server ends every registered connection itself on shutdown
-/// ([`crate::registry::Registry::cancel_all`]). Tasks that wait with a future (the writer,
-/// the busy read loop) queue on `waiters`; the read loop's quiet wait, which every idle
-/// connection's task is parked in, leaves only its waker in `quiet`, so that wait holds no
-/// waiter of its own.
+/// ([`crate::registry::Registry::cancel_all`]). Tasks that wait with a future (the writer)
+/// queue on `waiters`; the read loop leaves only its waker in `quiet`: its quiet wait, which
+/// every idle connection's task is parked in, so that wait holds no waiter of its own, and
+/// its busy stretch, so that a read registers no waiter under a lock.
 #[derive(Debug, Default)]
 pub(crate) struct Cancel {
     cancelled: AtomicBool,

@@ -538,8 +538,8 @@ impl Registry {
             .for_each(|member| member.cancel.cancel());
     }
 
-    /// Wakes every registered connection's quiet read loop, to see that the server is
-    /// draining.
+    /// Wakes every registered connection's read loop, quiet or busy, to see that the server
+    /// is draining.
     pub(crate) fn wake_quiet_all(&self) {
         self.lock()
             .conns()

@@ -34,6 +34,11 @@ pub(crate) struct ServerState {
     /// Cancelled when a graceful shutdown begins: accept loops stop and read loops stop
     /// reading, while writers drain what is queued.
     pub(crate) draining: CancellationToken,
+    /// Set by the lifecycle task once `draining` is cancelled, before it wakes every read
+    /// loop: what a busy read loop checks on each wake-up. Reading the token itself takes its
+    /// lock, one lock every connection on every thread shares, and waiting on it registers a
+    /// waiter under that lock on every read.
+    pub(crate) drain_begun: AtomicBool,
     /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
     pub(crate) prometheus: prometheus::Registry,
     /// Every connection task, so shutdown can wait for them.
@@ -117,6 +122,7 @@ impl ServerState {
             next_conn_id: AtomicU64::new(1),
             shutdown: CancellationToken::new(),
             draining: CancellationToken::new(),
+            drain_begun: AtomicBool::new(false),
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
             ready: AtomicBool::new(false),
@@ -126,8 +132,8 @@ impl ServerState {
     }
 
     /// Starts, once, the task that carries the server's lifecycle to every registered
-    /// connection: when a graceful shutdown begins it wakes each quiet read loop to stop
-    /// reading, and on shutdown it cancels each connection. Connections hold no waiter on the
+    /// connection: when a graceful shutdown begins it sets `drain_begun` and wakes each read
+    /// loop to stop reading, and on shutdown it cancels each connection. Connections hold no waiter on the
     /// server's tokens themselves (see [`crate::handle::Cancel`]), so this one task is what
     /// ends them, whoever cancels the tokens. Started by the first registration, which runs
     /// on the runtime, rather than when the state is created, which may not: an embedder
@@ -228,6 +234,8 @@ async fn carry_lifecycle(
         _ = shutdown.cancelled() => {}
         _ = draining.cancelled() => {
             if let Some(state) = state.upgrade() {
+                // Before the wake-ups: a read loop woken reads the flag.
+                state.drain_begun.store(true, Ordering::Release);
                 state.registry.wake_quiet_all();
             }
             shutdown.cancelled().await;

@@ -90,6 +90,28 @@ impl Drop for QuietWait<'_, '_> {
     }
 }
 
+/// The busy read loop's waker, left with the connection's handle (see
+/// [`crate::handle::Cancel::register_quiet`]) for as long as this lives: taken back when the
+/// loop leaves its busy stretch, by any way, since the handle may outlive the task.
+struct WakerLeft<'h>(&'h ConnHandle);
+
+impl<'h> WakerLeft<'h> {
+    async fn register(handle: &'h ConnHandle) -> WakerLeft<'h> {
+        std::future::poll_fn(|cx| {
+            handle.cancel.register_quiet(cx.waker());
+            Poll::Ready(())
+        })
+        .await;
+        WakerLeft(handle)
+    }
+}
+
+impl Drop for WakerLeft<'_> {
+    fn drop(&mut self) {
+        self.0.cancel.clear_quiet();
+    }
+}
+
 pub(super) struct ReadLoop<'a> {
     shared: &'a Arc<ServerState>,
     handle: &'a Arc<ConnHandle>,
@@ -210,6 +232,23 @@ impl<'a> ReadLoop<'a> {
         // and cancelled on every read.
         let keepalive = tokio::time::sleep_until(self.next_keepalive);
         tokio::pin!(keepalive);
+        // The task's waker is left with the connection's handle once for the whole stretch,
+        // as the quiet wait leaves it, so that a cancel or a drain beginning wakes the loop
+        // and each wake-up reads two flags. Futures waiting on the connection's and the
+        // server's cancellation instead would register and drop a waiter under a lock on
+        // every read, the server's lock shared by every connection on every thread.
+        let _waker = WakerLeft::register(handle).await;
+        let ended = || {
+            std::future::poll_fn(|_| {
+                if handle.cancel.is_cancelled() {
+                    Poll::Ready(false)
+                } else if shared.drain_begun.load(Ordering::Acquire) {
+                    Poll::Ready(true)
+                } else {
+                    Poll::Pending
+                }
+            })
+        };
         loop {
             let congested = self.process_buffered()?;
             self.reader.release_if_empty();
@@ -230,9 +269,8 @@ impl<'a> ReadLoop<'a> {
             if let Some(at) = resume_at {
                 tokio::select! {
                     biased;
-                    _ = handle.cancel.cancelled() => return Ok(Stretch::Ended),
-                    _ = shared.draining.cancelled() => {
-                        self.drained = true;
+                    drained = ended() => {
+                        self.drained = drained;
                         return Ok(Stretch::Ended);
                     }
                     _ = &mut keepalive => {
@@ -245,10 +283,9 @@ impl<'a> ReadLoop<'a> {
             }
             let n = tokio::select! {
                 biased;
-                _ = handle.cancel.cancelled() => return Ok(Stretch::Ended),
-                _ = shared.draining.cancelled() => {
-                    // Graceful shutdown: nothing more is read, so what is queued can drain.
-                    self.drained = true;
+                // On a graceful shutdown nothing more is read, so what is queued can drain.
+                drained = ended() => {
+                    self.drained = drained;
                     return Ok(Stretch::Ended);
                 }
                 _ = &mut keepalive => {
@@ -522,6 +559,95 @@ mod tests {
         assert!(
             rl.reader.buf.is_empty(),
             "nothing was read after the drain began"
+        );
+    }
+
+    /// A relay whose keepalives never wake a read loop within a test's guard against hangs.
+    fn state_without_keepalives() -> Arc<ServerState> {
+        state(ServerConfig {
+            keepalive_interval: Duration::from_secs(24 * 3600),
+            ..ServerConfig::new(SecretKey::from_bytes([1; 32]))
+        })
+    }
+
+    /// Runs `fut`, failing the test with `what` if it has not ended after a minute. A guard
+    /// against a hang, not a timing: a loop that misses its wake-up never ends. The timer is
+    /// looked at first when it fires, so its wake-up cannot end the loop in its stead.
+    async fn guard_against_a_hang<T>(fut: impl Future<Output = T>, what: &str) -> T {
+        tokio::select! {
+            biased;
+            () = tokio::time::sleep(Duration::from_secs(60)) => panic!("hung: {what}"),
+            out = fut => out,
+        }
+    }
+
+    /// Has the client send a Ping and waits until the loop has handled it (its pong is
+    /// queued): the loop is then in its busy stretch, which it leaves only after a keepalive
+    /// period without reads.
+    async fn make_busy(conn: &ConnHandle, client: &mut tokio::net::TcpStream) {
+        let mut ping = BytesMut::new();
+        ClientToRelay::Ping([9; 8]).encode(&mut ping);
+        tokio::io::AsyncWriteExt::write_all(client, &ping)
+            .await
+            .expect("write");
+        until(|| !conn.queue.is_drained()).await;
+    }
+
+    #[tokio::test]
+    async fn a_busy_read_loop_sees_a_drain_begin_and_the_shutdown_end_it() {
+        let shared = &state_without_keepalives();
+        let conn = handle(1, 3);
+        shared.registry.register(&conn);
+        shared.watch_lifecycle();
+        let (mut rl, mut client) = tcp_read_loop(shared, &conn).await;
+        let run = async {
+            let (result, ()) = tokio::join!(rl.run(), async {
+                make_busy(&conn, &mut client).await;
+                assert!(
+                    conn.cancel.holds_quiet_waker(),
+                    "the busy loop left its waker"
+                );
+                // Only the server's lifecycle task, through the registry, tells the loop.
+                shared.draining.cancel();
+                until(|| !conn.cancel.holds_quiet_waker()).await;
+                assert!(!conn.cancel.is_cancelled());
+                tokio::io::AsyncWriteExt::write_all(&mut client, b"late")
+                    .await
+                    .expect("write");
+                shared.shutdown.cancel();
+            });
+            result
+        };
+        guard_against_a_hang(run, "the busy loop saw the drain")
+            .await
+            .expect("a drained loop ends cleanly");
+        assert!(rl.drained, "the loop stopped because the server drained");
+        assert!(
+            rl.reader.buf.is_empty(),
+            "nothing was read after the drain began"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_busy_read_loop_ends_on_cancel_and_leaves_no_waker_behind() {
+        let shared = &state_without_keepalives();
+        let conn = handle(1, 3);
+        shared.registry.register(&conn);
+        let (mut rl, mut client) = tcp_read_loop(shared, &conn).await;
+        let run = async {
+            let (result, ()) = tokio::join!(rl.run(), async {
+                make_busy(&conn, &mut client).await;
+                conn.cancel.cancel();
+            });
+            result
+        };
+        guard_against_a_hang(run, "the busy loop saw the cancel")
+            .await
+            .expect("a cancelled loop ends cleanly");
+        assert!(!rl.drained);
+        assert!(
+            !conn.cancel.holds_quiet_waker(),
+            "the handle, which may outlive the task in caches, keeps no waker"
         );
     }
 }

@@ -195,9 +195,10 @@ pub(crate) struct Cli {
     #[arg(long, default_value = "60s", value_parser = parse_restart_duration)]
     pub(crate) restart_try_for: Duration,
 
-    /// Worker threads that run connections; 0 means one per CPU. Most of a relay's CPU time
-    /// is the kernel's, in system calls on these threads and in network interrupts; see
-    /// docs/operations.md for how many to run.
+    /// Worker threads that run connections; 0 means the default: one where derpd may use at
+    /// most two CPUs, else one per CPU. Most of a relay's CPU time is the kernel's, in system
+    /// calls on these threads and in network interrupts; see docs/operations.md for how many
+    /// to run.
     #[arg(long, default_value_t = 0)]
     pub(crate) workers: usize,
 

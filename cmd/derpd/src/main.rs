@@ -49,18 +49,18 @@ fn main() -> ExitCode {
         return check::run(&cli);
     }
     init_logging(cli.log_format);
+    let workers = Workers::of(cli.workers);
     // One worker runs on a current-thread runtime: every task on the thread that drives
     // the sockets, with none of the multi-threaded scheduler's work stealing, idle-worker
     // bookkeeping and per-batch clock reads, which buy nothing with a single worker.
-    let mut builder = if cli.workers == 1 {
+    let mut builder = if workers.count == 1 {
         tokio::runtime::Builder::new_current_thread()
     } else {
-        tokio::runtime::Builder::new_multi_thread()
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(workers.count);
+        b
     };
     builder.enable_all();
-    if cli.workers > 1 {
-        builder.worker_threads(cli.workers);
-    }
     let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -68,13 +68,57 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    match runtime.block_on(run(cli, workers)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("derpd: {e:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// How many worker threads run connections, and why.
+pub(crate) struct Workers {
+    pub(crate) count: usize,
+    /// What the count was derived from: `--workers`, or the CPUs this process may use.
+    cpus: Option<usize>,
+}
+
+impl Workers {
+    /// `--workers N`, or for 0 the default: one worker where the process may use at most
+    /// two CPUs, else one per CPU. On two CPUs one worker spends less CPU per packet than
+    /// two (nothing crosses threads, and the other CPU is left to the kernel's network work
+    /// and TLS handshakes); docs/operations.md has the measurements and the trade-off.
+    pub(crate) fn of(flag: usize) -> Self {
+        if flag > 0 {
+            return Self {
+                count: flag,
+                cpus: None,
+            };
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            count: default_workers(cpus),
+            cpus: Some(cpus),
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        let runtime = if self.count == 1 {
+            "one worker thread (current-thread runtime)".to_owned()
+        } else {
+            format!("{} worker threads (multi-thread runtime)", self.count)
+        };
+        match self.cpus {
+            None => format!("{runtime}, as --workers says"),
+            Some(cpus) => format!("{runtime}: the default for {cpus} usable CPU(s)"),
+        }
+    }
+}
+
+/// The default worker count for `cpus` usable CPUs.
+fn default_workers(cpus: usize) -> usize {
+    if cpus <= 2 { 1 } else { cpus }
 }
 
 fn init_logging(format: LogFormat) {
@@ -90,7 +134,7 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+async fn run(cli: Cli, workers: Workers) -> anyhow::Result<()> {
     ignore_sighup_by_default();
     // Before anything can take long: SIGUSR2's default action ends the process.
     let mut upgrades = upgrade::UpgradeSignal::new()?;
@@ -221,6 +265,7 @@ async fn serve_node(
         || listen::bind_main(bind_ip, listen.port, backlog),
     )?;
     let local = listener.local_addr()?;
+    info!(workers = workers.count, "{}", workers.describe());
     if !tls {
         info!(addr = %local, key = %server.public_key(), dev = cli.dev, "derpd listening (plain HTTP)");
     }
@@ -697,6 +742,16 @@ const DEFAULT_ROOT_CONFIG: &str = "/var/lib/derper/derper.key";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_worker_on_two_cpus_or_fewer_else_one_per_cpu() {
+        assert_eq!(default_workers(1), 1);
+        assert_eq!(default_workers(2), 1);
+        assert_eq!(default_workers(3), 3);
+        assert_eq!(default_workers(16), 16);
+        assert_eq!(Workers::of(2).count, 2, "--workers is taken as given");
+        assert_eq!(Workers::of(1).count, 1);
+    }
 
     #[test]
     fn quic_port_defaults_to_the_tls_port() {

@@ -107,6 +107,16 @@ fn check_binds_nothing_writes_nothing_and_says_what_would_run() {
         "{out}"
     );
     assert!(
+        out.contains("usable CPU(s)"),
+        "the default worker count: {out}"
+    );
+    let (ok, pinned) = check(&[&args[..], &["--workers", "3"]].concat());
+    assert!(ok, "{pinned}");
+    assert!(
+        pinned.contains("3 worker threads (multi-thread runtime), as --workers says"),
+        "{pinned}"
+    );
+    assert!(
         out.ends_with(
             "derpd --check: the configuration is usable (nothing was bound or written)\n"
         ),

@@ -152,6 +152,7 @@ async fn run(cli: Cli, workers: Workers) -> anyhow::Result<()> {
         ),
         sockets,
         exe,
+        workers,
     };
     let result = serve_node(cli, node, &mut upgrades).await;
     if let (Err(e), Some(takeover)) = (&result, &takeover) {
@@ -167,6 +168,7 @@ struct Node {
     readiness: upgrade::Readiness,
     sockets: Sockets,
     exe: anyhow::Result<upgrade::Executable>,
+    workers: Workers,
 }
 
 async fn serve_node(
@@ -178,6 +180,7 @@ async fn serve_node(
         readiness,
         sockets,
         exe,
+        workers,
     } = node;
     let notify = readiness.notifier().clone();
     if let Some(e) = cli.compat.errors(cli.dev).into_iter().next() {

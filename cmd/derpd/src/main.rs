@@ -353,7 +353,8 @@ async fn serve_node(
             server.serve(listener).await.context("serving")
         }
     });
-    let upgrader = upgrade::Upgrader::new(exe, cli.upgrade_timeout, sockets.clone());
+    let upgrader =
+        upgrade::Upgrader::new(exe, cli.upgrade_timeout, sockets.clone(), notify.clone());
     let mut attempt = None;
     let handed_to = loop {
         tokio::select! {
@@ -366,7 +367,28 @@ async fn serve_node(
                 }
                 return Ok(());
             }
-            _ = signals.recv() => break None,
+            _ = signals.recv() => {
+                let Some(committed) = attempt.take().filter(|_| !upgrader.cancel()) else {
+                    // Dropped below: the new process is killed and reaped.
+                    break None;
+                };
+                // The new process is the service, or about to be: let the handover end
+                // (within the wait for its Done) rather than kill it.
+                info!("signal during an upgrade that is committed: finishing the handover first");
+                tokio::select! {
+                    outcome = committed => match outcome {
+                        upgrade::Outcome::HandedOver { pid } => break Some(pid),
+                        upgrade::Outcome::Failed(e) => {
+                            warn!(error = %format!("{e:#}"), "upgrade failed");
+                            break None;
+                        }
+                    },
+                    _ = signals.recv() => {
+                        eprintln!("derpd: second signal: exiting without draining");
+                        std::process::exit(SECOND_SIGNAL_EXIT);
+                    }
+                }
+            }
             () = upgrades.recv() => {
                 if attempt.is_some() {
                     info!("SIGUSR2 ignored: an upgrade is under way");
@@ -391,7 +413,8 @@ async fn serve_node(
             }
         }
     };
-    // A signal during an upgrade ends it: the new process is killed and reaped.
+    // A signal during an upgrade not yet committed ends it: the new process is killed and
+    // reaped.
     drop(attempt);
     // Stop accepting first: the listener (and, in TLS mode, its side tasks) goes with it.
     drop(serve);
@@ -414,10 +437,13 @@ async fn serve_node(
         }
         // A process still taking over is not the service yet: what systemd hears of a stop
         // is the main process's to say.
-        None if readiness.taking_over() => info!(
-            "shutting down before taking over: the running derpd keeps serving; a second \
-             signal exits at once"
-        ),
+        None if readiness.taking_over() => {
+            readiness.refuse("the new process got a signal to shut down before taking over");
+            info!(
+                "shutting down before taking over: the running derpd keeps serving; a second \
+                 signal exits at once"
+            );
+        }
         None => {
             notify.stopping(&format!(
                 "shutting down: telling {} clients to reconnect, draining for up to {:?}",

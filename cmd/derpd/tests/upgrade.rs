@@ -335,7 +335,7 @@ fn logged_addr(node: &Node, message: &'static str) -> SocketAddr {
 }
 
 /// The next datagram on the notify socket.
-fn notification(socket: &std::os::unix::net::UnixDatagram, node: &Node) -> String {
+fn notification(socket: &std::os::unix::net::UnixDatagram, node: &Process) -> String {
     let mut buf = [0u8; 4096];
     let n = socket
         .recv(&mut buf)
@@ -524,6 +524,241 @@ fn a_hello_of_an_unknown_version_is_refused() {
     assert_eq!(status.code(), Some(1), "{}", derpd.log_text());
     assert!(
         derpd.log_text().contains("handover format version 2"),
+        "{}",
+        derpd.log_text()
+    );
+}
+
+/// The new process the old one started, from its log line: guarded at once, so a test that
+/// fails later still stops it.
+fn started_successor(node: &Node) -> Successor {
+    Successor(node.wait_log("the upgrade's start", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("upgrade: started the new binary")
+            .then(|| v["fields"]["child"].as_u64())?
+            .map(|p| p as u32)
+    }))
+}
+
+/// What the test puts in the notify socket's queue so that the next process to notify
+/// blocks until the test reads.
+const FILLER: &str = "X-DERPD-TEST=filler";
+
+/// Fills the queue of the notify socket at `path`: whoever notifies next blocks in its send
+/// (datagrams to a full Unix socket wait for room) until [`after_fillers`] makes room.
+fn fill_notify_queue(path: &Path) -> usize {
+    let socket = std::os::unix::net::UnixDatagram::unbound().expect("socket");
+    socket.set_nonblocking(true).expect("nonblocking");
+    let mut sent = 0;
+    loop {
+        match socket.send_to(FILLER.as_bytes(), path) {
+            Ok(_) => sent += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return sent,
+            Err(e) => panic!("filling the notify queue: {e}"),
+        }
+    }
+}
+
+/// Reads the `fillers` and returns the notification that comes after them.
+fn after_fillers(
+    socket: &std::os::unix::net::UnixDatagram,
+    node: &Process,
+    fillers: usize,
+) -> String {
+    for _ in 0..fillers {
+        assert_eq!(notification(socket, node), FILLER);
+    }
+    notification(socket, node)
+}
+
+/// A dev node started from `exe` that notifies the socket at `notify` (bound by the test),
+/// once it has said READY=1.
+fn start_notifying(
+    exe: &Path,
+    dir: &TempDir,
+    notify: &Path,
+) -> (Node, std::os::unix::net::UnixDatagram) {
+    let socket = std::os::unix::net::UnixDatagram::bind(notify).expect("bind");
+    socket.set_read_timeout(Some(STEP)).expect("timeout");
+    let key = dir.path("derp.key").display().to_string();
+    let node = Node::start_with(
+        &Launch::program(&exe.display().to_string()),
+        &["--dev", "-a", "127.0.0.1:0", "-c", &key],
+        &[("NOTIFY_SOCKET".to_owned(), notify.display().to_string())],
+    );
+    let ready = notification(&socket, &node);
+    assert!(ready.starts_with("READY=1\n"), "{ready:?}");
+    (node, socket)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_process_that_dies_after_the_commit_leaves_the_old_one_the_service() {
+    let dir = TempDir::new("upgrade-dies-committed");
+    let exe = install(&dir);
+    let notify_path = dir.path("notify");
+    let (mut node, notify) = start_notifying(&exe, &dir, &notify_path);
+    let (mut a, mut b) = pair(&node.url()).await;
+    replace(&exe, None);
+    // The new process, once committed, blocks telling systemd its PID: it dies there,
+    // before it can say it is done.
+    let fillers = fill_notify_queue(&notify_path);
+    node.signal("USR2");
+    let successor = started_successor(&node);
+    node.wait_message("upgrade: committed");
+    successor.signal("KILL");
+    let said = after_fillers(&notify, &node, fillers);
+    assert!(
+        said.starts_with(&format!("MAINPID={}\nREADY=1\n", node.pid())),
+        "{said:?}; log:\n{}",
+        node.log_text()
+    );
+    let error = upgrade_failure(&node);
+    assert!(
+        error.contains("after the handover was committed"),
+        "{error}"
+    );
+    assert!(error.contains("signal: 9"), "{error}");
+    successor.wait_ended();
+    still_serving(&mut node, &mut a, &mut b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_committed_upgrade_leaves_the_new_process_the_service() {
+    let dir = TempDir::new("upgrade-term-committed");
+    let exe = install(&dir);
+    let notify_path = dir.path("notify");
+    let (mut node, notify) = start_notifying(&exe, &dir, &notify_path);
+    let (mut a, _b) = pair(&node.url()).await;
+    replace(&exe, None);
+    let fillers = fill_notify_queue(&notify_path);
+    node.signal("USR2");
+    let successor = started_successor(&node);
+    node.wait_message("upgrade: committed");
+    node.signal("TERM");
+    node.wait_message("signal during an upgrade that is committed");
+    let said = after_fillers(&notify, &node, fillers);
+    assert!(
+        said.starts_with(&format!("MAINPID={}\nREADY=1\n", successor.0)),
+        "{said:?}; log:\n{}",
+        node.log_text()
+    );
+    // The old process hands over and drains as after any upgrade.
+    support::recv_until(&mut a.client, "Restarting", |f| {
+        matches!(f, ReceivedFrame::Restarting { .. }).then_some(())
+    })
+    .await;
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    assert!(!ended(successor.0));
+    let (_c, _d) = pair(&node.url()).await;
+    // Nothing from the old process after the new one's MAINPID: the next word is the new
+    // process's own, when it stops.
+    successor.signal("TERM");
+    let stopping = notification(&notify, &node);
+    assert!(stopping.starts_with("STOPPING=1\n"), "{stopping:?}");
+    successor.wait_ended();
+}
+
+/// Sends `body` with `fds` attached, as the old process does.
+fn send_with_fds(
+    channel: &impl std::os::fd::AsFd,
+    body: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let mut space =
+        vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+    rustix::net::sendmsg(
+        channel,
+        &[std::io::IoSlice::new(body)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .expect("sendmsg");
+}
+
+/// The next message on the channel, as JSON.
+fn recv_message(channel: &impl std::os::fd::AsFd, derpd: &Process) -> serde_json::Value {
+    let mut buf = [0u8; 4096];
+    let (n, _) = rustix::net::recv(channel, &mut buf, rustix::net::RecvFlags::empty())
+        .unwrap_or_else(|e| panic!("no message: {e}; log:\n{}", derpd.log_text()));
+    serde_json::from_slice(&buf[..n]).expect("json")
+}
+
+/// The test as the old process, which commits and then cannot hear the new process's Done
+/// (its end no longer reads): the new process has told systemd it is the main process and
+/// serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_new_process_serves_on_when_its_done_cannot_be_sent() {
+    use rustix::net::{AddressFamily, SendFlags, SocketFlags, SocketType};
+    use std::os::fd::AsFd;
+    let dir = TempDir::new("upgrade-done-lost");
+    let notify_path = dir.path("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).expect("bind");
+    notify.set_read_timeout(Some(STEP)).expect("timeout");
+    let (mine, theirs) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .expect("socketpair");
+    rustix::net::sockopt::set_socket_timeout(
+        &mine,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(STEP),
+    )
+    .expect("timeout");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let mut cmd = support::derpd_command(
+        &Launch::plain(),
+        &[
+            "--log-format",
+            "json",
+            "--dev",
+            "-a",
+            "127.0.0.1:0",
+            "-stun=false",
+        ],
+    );
+    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
+    cmd.env("NOTIFY_SOCKET", &notify_path);
+    let mut derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
+    let hello = serde_json::json!({
+        "type": "hello",
+        "version": 1,
+        "pid": std::process::id(),
+        "listeners": [{"kind": "main", "addr": addr.to_string()}],
+    });
+    send_with_fds(&mine, hello.to_string().as_bytes(), &[listener.as_fd()]);
+    drop(listener);
+    let ready = recv_message(&mine, &derpd);
+    assert_eq!(ready["type"], "ready", "{ready}");
+    assert_eq!(ready["pid"], derpd.pid(), "{ready}");
+    // The new process's sends fail from now on; what it is sent still arrives.
+    rustix::net::shutdown(&mine, rustix::net::Shutdown::Read).expect("shutdown");
+    rustix::net::send(&mine, br#"{"type":"commit"}"#, SendFlags::NOSIGNAL).expect("commit");
+    let said = notification(&notify, &derpd);
+    assert!(
+        said.starts_with(&format!("MAINPID={}\nREADY=1\n", derpd.pid())),
+        "{said:?}"
+    );
+    derpd.wait_message("could not tell the old derpd the takeover is done");
+    derpd.wait_message("took over the listeners; this process is the service now");
+    assert!(derpd.is_running(), "{}", derpd.log_text());
+    let (_a, _b) = pair(&format!("http://{addr}/derp")).await;
+    derpd.signal("TERM");
+    assert_eq!(
+        derpd.wait_exit(STEP).code(),
+        Some(0),
         "{}",
         derpd.log_text()
     );

@@ -17,6 +17,9 @@
 //! If the new process cannot be started, exits, refuses (a handover format it cannot read,
 //! or flags that need other listeners), or does not confirm within `--upgrade-timeout`, the
 //! old one kills and reaps it, logs why, and goes on serving: it never stopped accepting.
+//! Once the old process has committed, the new one is the service: it is never killed for
+//! what goes wrong after that (a lost `Done`, a signal to the old process); only if it has
+//! exited does the old one tell systemd that it is the main process again, and serve on.
 
 pub(crate) mod sockets;
 pub(crate) mod wire;
@@ -152,6 +155,27 @@ pub(crate) struct Upgrader {
     args: Vec<OsString>,
     timeout: Duration,
     sockets: Sockets,
+    notify: Notifier,
+    /// The attempt under way: whether it has committed, or a signal ended it first.
+    phase: Arc<Mutex<Phase>>,
+}
+
+/// Where an attempt stands, decided once under a lock: either the handover commits or a
+/// signal cancels it, never both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Open,
+    Committed,
+    Cancelled,
+}
+
+/// How the old process's side of the exchange failed.
+#[derive(Debug)]
+enum ExchangeError {
+    /// Nothing was committed: the new process goes.
+    Before(anyhow::Error),
+    /// After Commit: the new process `pid` may be the service already.
+    After { pid: u32, error: anyhow::Error },
 }
 
 /// How an upgrade ended.
@@ -168,12 +192,33 @@ impl Upgrader {
         exe: anyhow::Result<Executable>,
         timeout: Duration,
         sockets: Sockets,
+        notify: Notifier,
     ) -> Self {
         Self {
             exe,
             args: std::env::args_os().skip(1).collect(),
             timeout,
             sockets,
+            notify,
+            phase: Arc::new(Mutex::new(Phase::Open)),
+        }
+    }
+
+    fn phase(&self) -> std::sync::MutexGuard<'_, Phase> {
+        self.phase.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ends the attempt under way before it commits (a signal): `false` if it has committed
+    /// already, and its outcome must be awaited instead (the new process is the service, or
+    /// about to be).
+    pub(crate) fn cancel(&self) -> bool {
+        let mut phase = self.phase();
+        match *phase {
+            Phase::Committed => false,
+            _ => {
+                *phase = Phase::Cancelled;
+                true
+            }
         }
     }
 
@@ -190,6 +235,7 @@ impl Upgrader {
             Ok(exe) => exe,
             Err(e) => bail!("no path to start: {e:#}"),
         };
+        *self.phase() = Phase::Open;
         let listeners = self.sockets.for_successor()?;
         let (mine, theirs) = wire::pair().context("creating the handover channel")?;
         let child = Command::new(&exe.path)
@@ -206,18 +252,19 @@ impl Upgrader {
             timeout = ?self.timeout,
             "upgrade: started the new binary; handing it the listeners"
         );
-        let timeout = self.timeout;
+        let (timeout, phase) = (self.timeout, self.phase.clone());
         // The channel closes when the exchange ends: a new process still waiting on it after a
         // failure reads that as the end, and exits.
-        let exchange = tokio::task::spawn_blocking(move || exchange(&mine, listeners, timeout))
-            .await
-            .context("the handover thread")?;
+        let exchange =
+            tokio::task::spawn_blocking(move || exchange(&mine, listeners, timeout, &phase))
+                .await
+                .context("the handover thread")?;
         match exchange {
             Ok(pid) => {
                 child.disarm();
                 Ok(pid)
             }
-            Err(e) => {
+            Err(ExchangeError::Before(e)) => {
                 // A process that refused exits by itself; give it the moment to, so its
                 // status says what it said.
                 let status = tokio::task::spawn_blocking(move || child.finish())
@@ -225,12 +272,98 @@ impl Upgrader {
                     .context("the handover thread")?;
                 Err(e.context(format!("the new process {status}")))
             }
+            Err(ExchangeError::After { pid, error }) => {
+                let notify = self.notify.clone();
+                tokio::task::spawn_blocking(move || after_commit(child, pid, error, &notify))
+                    .await
+                    .context("the handover thread")?
+            }
+        }
+    }
+}
+
+/// A committed handover whose `Done` did not come: the new process is the service if it
+/// runs (it may have told systemd already, and nothing can take that back but itself); if
+/// it has exited, this process tells systemd it is the main process again.
+fn after_commit(
+    mut child: ChildGuard,
+    pid: u32,
+    error: anyhow::Error,
+    notify: &Notifier,
+) -> anyhow::Result<u32> {
+    // A closed channel is most often a process on its way out: its descriptors close before
+    // it can be reaped. One that serves on stays up.
+    match child.exited_within(EXIT_WAIT) {
+        Ok(None) => {
+            child.disarm();
+            warn!(
+                pid,
+                error = %format!("{error:#}"),
+                "upgrade: the new process did not say it was done, but it runs: it is the service"
+            );
+            Ok(pid)
+        }
+        ended => {
+            let how = match ended {
+                Ok(Some(status)) => format!("exited: {status}"),
+                Err(e) => format!("cannot be waited for: {e}"),
+                Ok(None) => unreachable!("matched above"),
+            };
+            notify.main_pid(
+                std::process::id(),
+                "serving on: the new process exited after the upgrade was committed",
+            );
+            Err(error.context(format!(
+                "the new process (pid {pid}) {how} after the handover was committed; this \
+                 process told systemd it is the main process again"
+            )))
         }
     }
 }
 
 /// The old process's side of the exchange: the new process's PID once it has taken over.
-fn exchange(channel: &OwnedFd, listeners: Handed, timeout: Duration) -> anyhow::Result<u32> {
+fn exchange(
+    channel: &OwnedFd,
+    listeners: Handed,
+    timeout: Duration,
+    phase: &Mutex<Phase>,
+) -> Result<u32, ExchangeError> {
+    let pid = confirmed(channel, listeners, timeout).map_err(ExchangeError::Before)?;
+    {
+        let mut phase = phase.lock().unwrap_or_else(|e| e.into_inner());
+        if *phase == Phase::Cancelled {
+            return Err(ExchangeError::Before(anyhow::anyhow!(
+                "a signal ended the upgrade before it was committed"
+            )));
+        }
+        // Committed from here on, even if the message is lost: a signal now waits for the
+        // outcome instead of killing the new process.
+        *phase = Phase::Committed;
+    }
+    if let Err(e) = wire::send(channel, &Message::Commit, &[]) {
+        // Not delivered (a datagram socket sends all or nothing): nothing was committed,
+        // whatever the phase says.
+        return Err(ExchangeError::Before(
+            anyhow::Error::from(e).context("committing the handover"),
+        ));
+    }
+    info!(pid, "upgrade: committed; the new process is the service");
+    match wire::recv(channel, Instant::now() + DONE_WAIT) {
+        Ok((Message::Done, _)) => Ok(pid),
+        Ok((other, _)) => Err(ExchangeError::After {
+            pid,
+            error: anyhow::anyhow!("sent {other:?} instead of Done"),
+        }),
+        Err(e) => Err(ExchangeError::After {
+            pid,
+            error: anyhow::Error::from(e)
+                .context("waiting for the new process to finish taking over"),
+        }),
+    }
+}
+
+/// Hands the listeners and waits for the new process's confirmation: its PID.
+fn confirmed(channel: &OwnedFd, listeners: Handed, timeout: Duration) -> anyhow::Result<u32> {
     let deadline = Instant::now() + timeout;
     let (described, fds): (Vec<Listener>, Vec<OwnedFd>) = listeners.into_iter().unzip();
     let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
@@ -251,12 +384,7 @@ fn exchange(channel: &OwnedFd, listeners: Handed, timeout: Duration) -> anyhow::
         Err(RecvError::Closed) => bail!("ended before confirming"),
         Err(e) => return Err(e).context("waiting for the new process to confirm"),
     };
-    wire::send(channel, &Message::Commit, &[]).context("committing the handover")?;
-    match wire::recv(channel, Instant::now() + DONE_WAIT) {
-        Ok((Message::Done, _)) => Ok(pid),
-        Ok((other, _)) => bail!("sent {other:?} instead of Done"),
-        Err(e) => Err(e).context("waiting for the new process to finish taking over"),
-    }
+    Ok(pid)
 }
 
 /// The new process, killed and reaped unless it took over.
@@ -267,6 +395,26 @@ impl ChildGuard {
         self.0.as_ref().map_or(0, Child::id)
     }
 
+    /// The process's status if it exits within `within` (reaped then), `None` if it runs on.
+    fn exited_within(
+        &mut self,
+        within: Duration,
+    ) -> std::io::Result<Option<std::process::ExitStatus>> {
+        let Some(child) = &mut self.0 else {
+            return Ok(None);
+        };
+        let deadline = Instant::now() + within;
+        loop {
+            match child.try_wait()? {
+                Some(status) => return Ok(Some(status)),
+                None if Instant::now() < deadline => {
+                    std::thread::park_timeout(Duration::from_millis(10));
+                }
+                None => return Ok(None),
+            }
+        }
+    }
+
     fn disarm(&mut self) {
         // Not waited for: it is the service now, and outlives this process.
         self.0 = None;
@@ -275,20 +423,14 @@ impl ChildGuard {
     /// Waits (a short while) for the process to exit, then kills it if it has not, reaps
     /// it, and says how it ended.
     fn finish(mut self) -> String {
+        let pid = self.id();
+        if let Ok(Some(status)) = self.exited_within(EXIT_WAIT) {
+            self.0 = None;
+            return format!("(pid {pid}) exited: {status}");
+        }
         let Some(mut child) = self.0.take() else {
             return "is gone".to_owned();
         };
-        let pid = child.id();
-        let deadline = Instant::now() + EXIT_WAIT;
-        loop {
-            match child.try_wait() {
-                Ok(Some(status)) => return format!("(pid {pid}) exited: {status}"),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::park_timeout(Duration::from_millis(10));
-                }
-                _ => break,
-            }
-        }
         let _ = child.kill();
         match child.wait() {
             Ok(_) => format!("(pid {pid}) was killed"),
@@ -407,21 +549,35 @@ impl Takeover {
     }
 
     /// Confirms to the old process that this one serves, waits for its commit, tells
-    /// systemd this process is the service's main one, and ends the exchange.
-    fn confirm(&self, notify: &Notifier, status: &str) -> anyhow::Result<()> {
-        let Some(channel) = self.lock().take() else {
-            bail!("the handover channel is gone");
-        };
+    /// systemd this process is the service's main one, and ends the exchange. `false` if
+    /// this process refused first (a signal to shut down): it confirms nothing then.
+    fn confirm(&self, notify: &Notifier, status: &str) -> anyhow::Result<bool> {
         let pid = std::process::id();
-        wire::send(&channel, &Message::Ready { pid }, &[]).context("confirming")?;
+        let channel = {
+            // Held while Ready goes, so a refusal comes wholly before it or after it.
+            let mut guard = self.lock();
+            let Some(channel) = guard.take() else {
+                return Ok(false);
+            };
+            wire::send(&channel, &Message::Ready { pid }, &[]).context("confirming")?;
+            channel
+        };
         match wire::recv(&channel, Instant::now() + COMMIT_WAIT) {
             Ok((Message::Commit, _)) => {}
             Ok((other, _)) => bail!("the running derpd sent {other:?} instead of committing"),
             Err(e) => return Err(e).context("waiting for the running derpd to commit"),
         }
+        // Committed: the old process will not take the listeners back, so from here on
+        // this process serves whatever else goes wrong.
         notify.main_pid(pid, status);
-        wire::send(&channel, &Message::Done, &[]).context("ending the handover")?;
-        Ok(())
+        if let Err(e) = wire::send(&channel, &Message::Done, &[]) {
+            warn!(
+                error = %e,
+                "could not tell the old derpd the takeover is done; it was committed, so this \
+                 process serves on"
+            );
+        }
+        Ok(true)
     }
 }
 
@@ -451,6 +607,14 @@ impl Readiness {
         &self.notify
     }
 
+    /// A process still taking over tells the old one it will not (it shuts down): the old
+    /// one keeps serving. Nothing once it has confirmed.
+    pub(crate) fn refuse(&self, reason: &str) {
+        if let Some(takeover) = &self.takeover {
+            takeover.refuse(reason);
+        }
+    }
+
     /// Whether this process is still taking over from another.
     pub(crate) fn taking_over(&self) -> bool {
         self.taking_over.load(Ordering::Acquire)
@@ -478,7 +642,9 @@ impl Readiness {
             let t = takeover.clone();
             let confirmed = tokio::task::spawn_blocking(move || t.confirm(&notify, &status)).await;
             match confirmed {
-                Ok(Ok(())) => {
+                // Refused on the way to a shutdown, which says so.
+                Ok(Ok(false)) => {}
+                Ok(Ok(true)) => {
                     flag.store(false, Ordering::Release);
                     info!(
                         pid = std::process::id(),

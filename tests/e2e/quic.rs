@@ -41,6 +41,17 @@ impl QuicRelay {
     }
 
     pub(crate) async fn start_with(config: ServerConfig, quic: QuicConfig) -> Self {
+        let socket =
+            derp_server::quic::bind_udp("127.0.0.1:0".parse().expect("addr")).expect("udp");
+        Self::start_on(config, quic, socket).await
+    }
+
+    /// A relay whose QUIC listener serves on `socket`, bound already.
+    pub(crate) async fn start_on(
+        config: ServerConfig,
+        quic: QuicConfig,
+        socket: StdUdpSocket,
+    ) -> Self {
         derp_testkit::init_tracing();
         let registry = prometheus::Registry::new();
         let server = Server::new(config, &registry).expect("server");
@@ -61,8 +72,6 @@ impl QuicRelay {
                 CertOrigin::SelfSigned,
             )
             .expect("install");
-        let socket =
-            derp_server::quic::bind_udp("127.0.0.1:0".parse().expect("addr")).expect("udp");
         let listener =
             QuicListener::bind(socket, front.quic_server_config(), quic).expect("quic listener");
         let quic = listener.local_addr().expect("quic addr");
@@ -1128,6 +1137,41 @@ async fn a_quic_client_whose_downlink_stays_dead_is_closed_at_the_write_deadline
         })
         .await;
     relay.stop().await;
+}
+
+/// A relay that vanished without a word (killed), and another process of the same node on
+/// its UDP socket (a copy of it, as an upgrade in place hands over): the new one's stateless
+/// reset, derived from the node's key, ends the old one's clients at once; they would
+/// otherwise wait for the idle timeout.
+#[tokio::test]
+async fn a_client_of_a_vanished_endpoint_believes_the_reset_of_its_successor() {
+    let node = SecretKey::generate(&mut rand::rngs::OsRng);
+    let quic = QuicConfig {
+        reset_secret: Some(derp_server::quic::ResetSecret::from_node_key(&node)),
+        ..QuicConfig::default()
+    };
+    let socket = derp_server::quic::bind_udp("127.0.0.1:0".parse().expect("addr")).expect("udp");
+    let copy = socket.try_clone().expect("dup");
+    let old = QuicRelay::start_on(ServerConfig::new(node.clone()), quic.clone(), socket).await;
+    let (mut a, _) = old.quic_client().await;
+    old.eventually("registered", |r| r.server.local_clients() == 1)
+        .await;
+    // Gone without a CONNECTION_CLOSE: its endpoint stops with its task.
+    for t in &old.tasks {
+        t.abort();
+    }
+    let new = QuicRelay::start_on(ServerConfig::new(node), quic, copy).await;
+    let _ = a.ping().await;
+    let ended = within("the connection's end", async {
+        loop {
+            if a.recv().await.is_err() {
+                break;
+            }
+        }
+    });
+    ended.await;
+    new.stop().await;
+    old.server.shutdown().await;
 }
 
 #[tokio::test]

@@ -220,6 +220,9 @@ async fn serve_node(
     // must not leave a new key behind.
     let secret_key = load_key(&cli)?;
 
+    // The node's, so that a restarted or upgraded process's QUIC resets end the previous
+    // process's connections at once.
+    let reset_secret = derp_server::quic::ResetSecret::from_node_key(&secret_key);
     let mut config = ServerConfig::new(secret_key.clone());
     config.home = home;
     config.derp_enabled = cli.derp;
@@ -333,6 +336,7 @@ async fn serve_node(
             let quic = quic_port.map(|port| {
                 let config = derp_server::QuicConfig {
                     congestion: cli.quic_congestion,
+                    reset_secret: Some(reset_secret.clone()),
                     ..Default::default()
                 };
                 (port, config)

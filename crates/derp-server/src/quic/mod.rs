@@ -72,7 +72,44 @@ pub struct QuicConfig {
     pub keep_alive: Duration,
     /// The congestion controller of what the server sends to each client.
     pub congestion: Congestion,
+    /// What the endpoint's stateless-reset tokens are derived from. A client believes a
+    /// reset only if its token matches the one the server gave it, so an endpoint that
+    /// shares the secret with the one that served the client (the same node restarted, or
+    /// the process that took its socket over) makes a client of the other drop its
+    /// connection at once instead of waiting out the idle timeout. `None`: a random one,
+    /// good for this endpoint only.
+    pub reset_secret: Option<ResetSecret>,
 }
+
+/// The secret a QUIC endpoint's stateless-reset tokens are derived from.
+#[derive(Clone)]
+pub struct ResetSecret([u8; 32]);
+
+impl ResetSecret {
+    /// Derived from the node's private key (HMAC-SHA256 keyed with it, over a label of its
+    /// own), so every process that serves as that node resets the same way, while the key
+    /// itself cannot be learned from a reset token.
+    pub fn from_node_key(key: &derp_proto::SecretKey) -> Self {
+        let mac = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key.to_bytes());
+        let tag = ring::hmac::sign(&mac, RESET_SECRET_LABEL);
+        let mut secret = [0u8; 32];
+        secret.copy_from_slice(tag.as_ref());
+        Self(secret)
+    }
+
+    fn hmac_key(&self) -> ring::hmac::Key {
+        ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &self.0)
+    }
+}
+
+impl std::fmt::Debug for ResetSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResetSecret(..)")
+    }
+}
+
+/// Sets the reset secret apart from any other use of the node key.
+const RESET_SECRET_LABEL: &[u8] = b"derpd QUIC stateless reset v1";
 
 impl Default for QuicConfig {
     fn default() -> Self {
@@ -82,6 +119,7 @@ impl Default for QuicConfig {
             idle_timeout: QUIC_IDLE_TIMEOUT,
             keep_alive: QUIC_KEEP_ALIVE,
             congestion: Congestion::default(),
+            reset_secret: None,
         }
     }
 }
@@ -155,7 +193,10 @@ impl QuicListener {
         let mut server_v4 = server.clone();
         server.transport_config(Arc::new(transport_config(&config, v6)?));
         server_v4.transport_config(Arc::new(transport_config(&config, v4)?));
-        let mut endpoint = EndpointConfig::default();
+        let mut endpoint = match &config.reset_secret {
+            Some(secret) => EndpointConfig::new(Arc::new(secret.hmac_key())),
+            None => EndpointConfig::default(),
+        };
         endpoint.supported_versions(vec![QUIC_V1]);
         endpoint.cid_generator(|| {
             Box::new(quinn_proto::RandomConnectionIdGenerator::new(
@@ -232,3 +273,36 @@ fn transport_config(config: &QuicConfig, peer: IpAddr) -> Result<TransportConfig
 
 const DATAGRAM_RECEIVE_BUFFER: usize = 128 * 1024;
 const STREAM_WINDOW: u32 = 1024 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quinn_proto::crypto::HmacKey;
+
+    fn tag(secret: &ResetSecret, cid: &[u8]) -> Vec<u8> {
+        let key = secret.hmac_key();
+        let mut out = vec![0u8; key.signature_len()];
+        key.sign(cid, &mut out);
+        out
+    }
+
+    #[test]
+    fn the_reset_secret_is_the_nodes_and_not_its_key() {
+        let node = derp_proto::SecretKey::from_bytes([7; 32]);
+        let other = derp_proto::SecretKey::from_bytes([8; 32]);
+        let cid = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        let (a, b) = (
+            ResetSecret::from_node_key(&node),
+            ResetSecret::from_node_key(&node),
+        );
+        // Two processes of one node sign a connection ID alike; another node does not.
+        assert_eq!(tag(&a, &cid), tag(&b, &cid));
+        assert_ne!(
+            tag(&a, &cid),
+            tag(&ResetSecret::from_node_key(&other), &cid)
+        );
+        // Not the private key itself, and not hidden in what Debug shows.
+        assert_ne!(a.0, node.to_bytes());
+        assert_eq!(format!("{a:?}"), "ResetSecret(..)");
+    }
+}

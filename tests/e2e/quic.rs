@@ -1174,6 +1174,31 @@ async fn a_client_of_a_vanished_endpoint_believes_the_reset_of_its_successor() {
     old.server.shutdown().await;
 }
 
+/// Once another process reads its socket too (it took it over), an endpoint answers only
+/// its own connections: a connection attempt goes unanswered (its resend may reach the
+/// other process), while a client it already had keeps being served.
+#[tokio::test]
+async fn an_endpoint_whose_socket_was_handed_over_answers_only_its_own_clients() {
+    let relay = QuicRelay::start().await;
+    let (mut a, _) = relay.quic_client().await;
+    relay
+        .eventually("registered", |r| r.server.local_clients() == 1)
+        .await;
+    relay.server.udp_handed_over();
+    let secret = SecretKey::generate(&mut rand::rngs::OsRng);
+    let config = relay
+        .quic_config(secret)
+        .with_connect_timeout(Duration::from_secs(2));
+    let Err(err) = within("the attempt's end", Client::connect(&config)).await else {
+        panic!("the attempt was taken; it is the other process's");
+    };
+    // No answer at all: neither taken nor refused.
+    assert!(matches!(err, ConnectError::Timeout(_)), "{err:?}");
+    within("a pong", a.ping()).await.expect("its own client");
+    assert_eq!(relay.server.local_clients(), 1);
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn while_the_server_drains_a_new_quic_client_is_refused_at_once() {
     let relay = QuicRelay::start().await;

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use derp_io::Transport;
@@ -79,9 +80,7 @@ impl Server {
     /// on the metrics listener answers (200, or 503 while not ready), so an orchestrator's
     /// readiness check sees what a client would. A draining server is never ready.
     pub fn set_ready(&self, ready: bool) {
-        self.shared
-            .ready
-            .store(ready, std::sync::atomic::Ordering::Relaxed);
+        self.shared.ready.store(ready, Ordering::Relaxed);
     }
 
     /// Number of distinct keys connected right now.
@@ -251,6 +250,16 @@ impl Server {
     /// A token cancelled when the server shuts down; for accept loops run by callers.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shared.shutdown.clone()
+    }
+
+    /// Says that another process now reads the QUIC listeners' UDP sockets too (it took them
+    /// over, as an upgrade in place does): from here on the endpoints answer only packets
+    /// of their own connections. What they do not know is that process's: no stateless
+    /// reset (valid for its clients too when both derive it from the node key), no refusal
+    /// of a connection attempt (left unanswered, so a resend may reach the other process).
+    /// Their own clients are served, drained and closed as before.
+    pub fn udp_handed_over(&self) {
+        self.shared.udp_handed_over.store(true, Ordering::Release);
     }
 
     /// A token cancelled when a graceful shutdown begins ([`Server::shutdown_gracefully`]):

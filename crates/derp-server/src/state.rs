@@ -39,6 +39,9 @@ pub(crate) struct ServerState {
     /// lock, one lock every connection on every thread shares, and waiting on it registers a
     /// waiter under that lock on every read.
     pub(crate) drain_begun: AtomicBool,
+    /// Another process reads the QUIC listeners' UDP sockets too (it took them over): the
+    /// endpoints answer nothing but their own connections' packets.
+    pub(crate) udp_handed_over: AtomicBool,
     /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
     pub(crate) prometheus: prometheus::Registry,
     /// Every connection task, so shutdown can wait for them.
@@ -123,6 +126,7 @@ impl ServerState {
             shutdown: CancellationToken::new(),
             draining: CancellationToken::new(),
             drain_begun: AtomicBool::new(false),
+            udp_handed_over: AtomicBool::new(false),
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
             ready: AtomicBool::new(false),

@@ -332,6 +332,12 @@ struct Driver {
     removed: Vec<ConnectionHandle>,
     /// Spare vectors for `collected`.
     spare: Vec<Vec<Bytes>>,
+    /// Another process reads the socket too: packets of connections this endpoint does not
+    /// know are that process's, and are neither answered (no stateless reset, which would
+    /// be valid for that process's clients when both derive it from one key; no version
+    /// negotiation) nor taken (a connection attempt goes unanswered, and its resend may
+    /// reach the other process).
+    quiet: bool,
 }
 
 /// How the driver routes one client's datagrams: its own lookup cache and PeerGone(NotHere)
@@ -359,6 +365,7 @@ impl Driver {
             collected: Vec::new(),
             removed: Vec::new(),
             spare: Vec::new(),
+            quiet: false,
         }
     }
 
@@ -399,6 +406,7 @@ impl Driver {
                 }
             }
             let draining = shared.draining.is_cancelled();
+            self.quiet = shared.udp_handed_over.load(Ordering::Acquire);
             inner.marks.set_busy(true);
             self.take_in(draining);
             self.route(&shared, &mut fast);
@@ -581,6 +589,10 @@ impl Driver {
                     datagram,
                     &mut response,
                 ) {
+                    Some(DatagramEvent::NewConnection(incoming)) if self.quiet => {
+                        st.proto.ignore(incoming);
+                    }
+                    Some(DatagramEvent::Response(_)) if self.quiet => {}
                     Some(DatagramEvent::NewConnection(incoming)) => {
                         if st.closing {
                             let t = st.proto.refuse(incoming, &mut response);

@@ -312,7 +312,9 @@ async fn serve_node(
             answer_generic: cli.stun_answer_generic,
         };
         let token = server.shutdown_token();
+        let r = readiness.clone();
         listening.spawn(async move {
+            r.may_serve().await;
             derp_server::serve_stun(socket, stun_config, metrics, token.cancelled_owned()).await;
             Ok(())
         });
@@ -326,8 +328,11 @@ async fn serve_node(
             })
             .with_context(|| format!("listening for metrics on {addr}"))?;
         info!(addr = %metrics_listener.local_addr()?, "metrics listening at /metrics");
-        let server = server.clone();
-        listening.spawn(async move { server.serve_metrics(metrics_listener).await });
+        let (server, r) = (server.clone(), readiness.clone());
+        listening.spawn(async move {
+            r.may_serve().await;
+            server.serve_metrics(metrics_listener).await
+        });
     }
 
     let mut signals = ShutdownSignals::new()?;
@@ -354,6 +359,7 @@ async fn serve_node(
             // The listener is bound and listening (as are STUN's and the metrics one): a
             // connection made now is accepted.
             readiness.ready(format!("serving DERP over plain HTTP on {local}"));
+            readiness.may_serve().await;
             server.serve(listener).await.context("serving")
         }
     });
@@ -429,6 +435,9 @@ async fn serve_node(
             // successor is the main process.
             listening.abort_all();
             while listening.join_next().await.is_some() {}
+            // The QUIC endpoints serve their own clients through the drain, but the rest of
+            // what reaches their sockets is the successor's.
+            server.udp_handed_over();
             sockets.release();
             info!(
                 to = pid,

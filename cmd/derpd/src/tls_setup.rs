@@ -306,8 +306,9 @@ pub(crate) async fn run_tls(
         // listener, which passes them on to each connection (on Linux).
         derp_server::tune_listener(&http, server.tcp_options());
         info!(addr = %http.local_addr()?, "port-80 listener (generate_204, acme, redirects)");
-        let (f, s) = (front.clone(), server.clone());
+        let (f, s, r) = (front.clone(), server.clone(), readiness.clone());
         tasks.spawn(async move {
+            r.may_serve().await;
             if let Err(e) = f.serve_http_port(&s, http, listen.port()).await {
                 warn!(error = %e, "http port listener stopped");
             }
@@ -324,13 +325,21 @@ pub(crate) async fn run_tls(
         let quic = derp_server::QuicListener::bind(socket, front.quic_server_config(), quic_config)
             .context("setting up QUIC")?;
         info!(addr = %quic.local_addr()?, "QUIC listening (DERP over QUIC)");
-        let server = server.clone();
-        tasks.spawn(async move { server.serve_quic(quic).await });
+        // On the server's tracker, not with the listeners: the endpoint must outlive them
+        // to tell its clients to reconnect and close their connections when the server
+        // shuts down (after a signal or a handover), as it does for TCP clients.
+        let (s, r, stop) = (server.clone(), readiness.clone(), shutdown.clone());
+        server.spawn_task(async move {
+            tokio::select! {
+                () = r.may_serve() => s.serve_quic(quic).await,
+                () = stop.cancelled() => {}
+            }
+        });
     }
 
     // Until a certificate is in service every handshake fails: not ready before that.
     let mut certs = front.cert_updates();
-    let (ready, s, readiness) = (server.clone(), shutdown.clone(), readiness.clone());
+    let (ready, s, r) = (server.clone(), shutdown.clone(), readiness.clone());
     let mode = args.certmode.to_possible_value();
     let mode = mode.as_ref().map_or("", |v| v.get_name());
     let serving = format!(
@@ -351,10 +360,11 @@ pub(crate) async fn run_tls(
             }
         }
         ready.set_ready(true);
-        readiness.ready(serving);
+        r.ready(serving);
     });
 
     info!(addr = %listen, key = %server.public_key(), hostname = %args.hostname, mode = ?args.certmode, "derpd listening (TLS)");
+    readiness.may_serve().await;
     let result = front.serve(server, listener).await.context("serving tls");
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}

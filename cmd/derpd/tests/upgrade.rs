@@ -763,3 +763,136 @@ async fn a_committed_new_process_serves_on_when_its_done_cannot_be_sent() {
         derpd.log_text()
     );
 }
+
+/// The test as the old process, keeping its copies of the sockets it hands: until it
+/// commits, every connection and datagram that arrives is its own, and the new process,
+/// which has confirmed it would serve, takes none of them; after the commit it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_process_takes_no_connection_or_datagram_before_the_commit() {
+    use rustix::net::{AddressFamily, SendFlags, SocketFlags, SocketType};
+    use std::os::fd::AsFd;
+    let (mine, theirs) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .expect("socketpair");
+    rustix::net::sockopt::set_socket_timeout(
+        &mine,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(STEP),
+    )
+    .expect("timeout");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let stun = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let stun_addr = stun.local_addr().expect("addr");
+    let mut cmd = support::derpd_command(
+        &Launch::plain(),
+        &[
+            "--log-format",
+            "json",
+            "--dev",
+            "-a",
+            "127.0.0.1:0",
+            "--stun-port",
+            "0",
+        ],
+    );
+    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
+    let mut derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
+    let hello = serde_json::json!({
+        "type": "hello",
+        "version": 1,
+        "pid": std::process::id(),
+        "listeners": [
+            {"kind": "main", "addr": addr.to_string()},
+            {"kind": "stun", "addr": stun_addr.to_string()},
+        ],
+    });
+    send_with_fds(
+        &mine,
+        hello.to_string().as_bytes(),
+        &[listener.as_fd(), stun.as_fd()],
+    );
+    let ready = recv_message(&mine, &derpd);
+    assert_eq!(ready["type"], "ready", "{ready}");
+
+    listener.set_nonblocking(true).expect("nonblocking");
+    let listener = tokio::net::TcpListener::from_std(listener).expect("tokio");
+    let mut conns = Vec::new();
+    for _ in 0..8 {
+        conns.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+        tokio::time::timeout(STEP, listener.accept())
+            .await
+            .expect("the connection is the old process's to accept")
+            .expect("accept");
+    }
+    let client = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    stun.set_read_timeout(Some(STEP)).expect("timeout");
+    let mut buf = [0u8; 1500];
+    for i in 0..8u8 {
+        client.send_to(&[i; 32], stun_addr).expect("send");
+        let (n, _) = stun
+            .recv_from(&mut buf)
+            .expect("the datagram is the old process's to read");
+        assert_eq!(&buf[..n], &[i; 32]);
+    }
+
+    rustix::net::send(&mine, br#"{"type":"commit"}"#, SendFlags::NOSIGNAL).expect("commit");
+    let done = recv_message(&mine, &derpd);
+    assert_eq!(done["type"], "done", "{done}");
+    // What the test does not take from now on is the new process's.
+    drop((listener, stun));
+    let (_a, _b) = pair(&format!("http://{addr}/derp")).await;
+    stun_answers(stun_addr);
+    derpd.signal("TERM");
+    assert_eq!(
+        derpd.wait_exit(STEP).code(),
+        Some(0),
+        "{}",
+        derpd.log_text()
+    );
+}
+
+/// The old process's QUIC clients hear Restarting and are closed, as on SIGTERM; new QUIC
+/// clients are the new process's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_process_tells_its_quic_clients_to_reconnect_and_the_new_one_serves_quic() {
+    let dir = TempDir::new("upgrade-quic");
+    let exe = install(&dir);
+    let certdir = dir.path("certs").display().to_string();
+    let key = dir.path("derp.key").display().to_string();
+    let mut args = support::manual_ip_args(&certdir);
+    args.extend(["-c", &key, "--quic-port", "0"]);
+    let mut node = Node::start_with(&Launch::program(&exe.display().to_string()), &args, &[]);
+    let mut old = support::quic_client(&node, secret()).await;
+    old.ping().await.expect("ping");
+    replace(&exe, None);
+    node.signal("USR2");
+    let successor = started_successor(&node);
+    support::recv_until(&mut old, "Restarting", |f| {
+        matches!(f, ReceivedFrame::Restarting { .. }).then_some(())
+    })
+    .await;
+    support::expect_closed(&mut old).await;
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    let (sa, sb) = (secret(), secret());
+    let (ka, kb) = (sa.public_key(), sb.public_key());
+    let mut a = Peer {
+        client: support::quic_client(&node, sa).await,
+        key: ka,
+    };
+    let mut b = Peer {
+        client: support::quic_client(&node, sb).await,
+        key: kb,
+    };
+    relays(&mut a, &mut b).await;
+    successor.stop();
+}

@@ -590,17 +590,31 @@ pub(crate) struct Readiness {
     sockets: Sockets,
     /// Set while this process takes over: an upgrade of its own must wait until it has.
     taking_over: Arc<AtomicBool>,
+    /// `true` once this process may accept and read on its sockets: at once, or for one
+    /// that takes over, once the old process has committed. Until then the sockets are the
+    /// old process's alone, so a new process that fails takes nothing from it.
+    serving: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Readiness {
     pub(crate) fn new(notify: Notifier, takeover: Option<Takeover>, sockets: Sockets) -> Self {
         let taking_over = Arc::new(AtomicBool::new(takeover.is_some()));
+        let serving = Arc::new(tokio::sync::watch::Sender::new(takeover.is_none()));
         Self {
             notify,
             takeover,
             sockets,
             taking_over,
+            serving,
         }
+    }
+
+    /// Returns once this process may accept and read on its sockets (for one that takes
+    /// over, once the old process has committed; one that does not exits first).
+    pub(crate) async fn may_serve(&self) {
+        let mut rx = self.serving.subscribe();
+        // The sender lives as long as `self`.
+        let _ = rx.wait_for(|serving| *serving).await;
     }
 
     pub(crate) fn notifier(&self) -> &Notifier {
@@ -628,10 +642,11 @@ impl Readiness {
             self.notify.ready(&status);
             return;
         };
-        let (notify, sockets, flag) = (
+        let (notify, sockets, flag, serving) = (
             self.notify.clone(),
             self.sockets.clone(),
             self.taking_over.clone(),
+            self.serving.clone(),
         );
         tokio::spawn(async move {
             if let Err(e) = sockets.check_all_taken() {
@@ -646,6 +661,7 @@ impl Readiness {
                 Ok(Ok(false)) => {}
                 Ok(Ok(true)) => {
                     flag.store(false, Ordering::Release);
+                    serving.send_replace(true);
                     info!(
                         pid = std::process::id(),
                         from = takeover.from,

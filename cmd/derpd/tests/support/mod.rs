@@ -572,3 +572,26 @@ pub fn flags_that_cannot_act_together() -> Vec<(Vec<&'static str>, &'static str)
         ),
     ]
 }
+
+/// A DERP-over-QUIC client of a node started with [`manual_ip_args`] and `--quic-port`,
+/// trusting its self-signed certificate by the pin it logged.
+pub async fn quic_client(node: &Process, secret: SecretKey) -> Client {
+    let quic: SocketAddr = node.find_log("the QUIC line", |v| {
+        (v["fields"]["message"] == "QUIC listening (DERP over QUIC)")
+            .then(|| v["fields"]["addr"].as_str()?.parse().ok())?
+    });
+    let pin: String = node.find_log("the certificate's pin", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("self-signed certificate for an IP address")
+            .then(|| v["fields"]["cert_name"].as_str().map(str::to_owned))?
+    });
+    let config = ClientConfig::new(&format!("quic://{quic}"), secret)
+        .expect("client config")
+        .with_cert_name(pin)
+        .with_local_addr("127.0.0.1:0".parse().expect("addr"))
+        .with_connect_timeout(STEP);
+    Client::connect(&config)
+        .await
+        .expect("QUIC client connects")
+}

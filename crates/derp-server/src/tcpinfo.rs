@@ -114,16 +114,10 @@ impl SockDiag {
         program: Option<Vec<u8>>,
         mut each: impl FnMut(u64, TcpStats),
     ) -> io::Result<()> {
-        use rustix::net::{AddressFamily, SocketType, netlink};
-
         if ports.is_empty() {
             return Ok(());
         }
-        let fd = rustix::net::socket(
-            AddressFamily::NETLINK,
-            SocketType::RAW,
-            Some(netlink::SOCK_DIAG),
-        )?;
+        let fd = diag_socket()?;
         let program = program.filter(|_| !self.filter_refused.load(Ordering::Relaxed));
         let refused = match program {
             Some(program) => match query(&fd, Some(&program), &mut each)? {
@@ -549,6 +543,13 @@ mod tests {
 
     use super::*;
 
+    #[test]
+    fn the_diag_socket_is_closed_on_exec() {
+        let fd = diag_socket().expect("netlink socket");
+        let flags = rustix::io::fcntl_getfd(&fd).expect("fcntl");
+        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+    }
+
     #[tokio::test]
     async fn the_dump_finds_our_sockets_with_their_byte_counts() {
         for bind in ["127.0.0.1:0", "[::1]:0"] {
@@ -879,4 +880,17 @@ mod tests {
         assert!(Messages(&short).next().expect("one").is_err());
         assert!(Messages(&[1, 2, 3]).next().is_none());
     }
+}
+
+/// The sock_diag netlink socket, closed on exec: a process started meanwhile (an upgrade's
+/// successor) must not inherit it.
+#[cfg(target_os = "linux")]
+fn diag_socket() -> io::Result<rustix::fd::OwnedFd> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType, netlink};
+    Ok(rustix::net::socket_with(
+        AddressFamily::NETLINK,
+        SocketType::RAW,
+        SocketFlags::CLOEXEC,
+        Some(netlink::SOCK_DIAG),
+    )?)
 }

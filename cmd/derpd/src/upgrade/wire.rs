@@ -151,20 +151,22 @@ pub(crate) fn recv(
 
 /// The message's bytes and fds, without decoding.
 fn recv_raw(channel: &OwnedFd, deadline: Instant) -> Result<(Vec<u8>, Vec<OwnedFd>), RecvError> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(RecvError::TimedOut(Duration::ZERO));
-    }
-    rustix::net::sockopt::set_socket_timeout(
-        channel,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(left),
-    )
-    .map_err(std::io::Error::from)?;
+    let wait = deadline.saturating_duration_since(Instant::now());
     let mut body = vec![0u8; MAX_MESSAGE];
     let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = loop {
+        // Again on each try: a signal's interruption must not start the wait over.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(RecvError::TimedOut(wait));
+        }
+        rustix::net::sockopt::set_socket_timeout(
+            channel,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(left),
+        )
+        .map_err(std::io::Error::from)?;
         match rustix::net::recvmsg(
             channel.as_fd(),
             &mut [IoSliceMut::new(&mut body)],
@@ -173,7 +175,7 @@ fn recv_raw(channel: &OwnedFd, deadline: Instant) -> Result<(Vec<u8>, Vec<OwnedF
         ) {
             Ok(got) => break got,
             Err(rustix::io::Errno::INTR) => continue,
-            Err(rustix::io::Errno::AGAIN) => return Err(RecvError::TimedOut(left)),
+            Err(rustix::io::Errno::AGAIN) => return Err(RecvError::TimedOut(wait)),
             // What a closed end with unread messages reads as.
             Err(rustix::io::Errno::CONNRESET) => return Err(RecvError::Closed),
             Err(e) => return Err(RecvError::Io(e.into())),

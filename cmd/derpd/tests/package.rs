@@ -312,11 +312,24 @@ struct Scripts {
     root: PathBuf,
 }
 
+/// The account tools keep the derpd user and group as files in `$STUB_STATE`: `user` and
+/// `group`. useradd fails as the real one does: exit 9 when --user-group would create a
+/// group that exists, 6 when --gid names one that does not.
 const STUBS: &[(&str, &str)] = &[
-    ("useradd", "touch \"$STUB_STATE/user\""),
+    (
+        "useradd",
+        "case \" $* \" in\n\
+         *\" --user-group \"*) [ -e \"$STUB_STATE/group\" ] && exit 9; touch \"$STUB_STATE/group\" ;;\n\
+         *\" --gid \"*) [ -e \"$STUB_STATE/group\" ] || exit 6 ;;\n\
+         esac\n\
+         touch \"$STUB_STATE/user\"",
+    ),
     ("userdel", "rm -f \"$STUB_STATE/user\""),
-    ("groupdel", ""),
-    ("getent", "[ -e \"$STUB_STATE/user\" ]"),
+    ("groupdel", "rm -f \"$STUB_STATE/group\""),
+    (
+        "getent",
+        "case \"$1\" in passwd) f=user ;; *) f=$1 ;; esac\n[ -e \"$STUB_STATE/$f\" ]",
+    ),
     ("chown", ""),
     (
         "runuser",
@@ -363,6 +376,10 @@ impl Scripts {
 
     fn user_exists(&self) -> bool {
         self.dir.0.join("state/user").exists()
+    }
+
+    fn group_exists(&self) -> bool {
+        self.dir.0.join("state/group").exists()
     }
 
     /// Runs deploy/debian/`script` with `args`: (success, stdout and stderr, the stubs'
@@ -473,6 +490,24 @@ fn the_postinst_starts_a_first_install_only_when_its_flags_pass_check() {
         "{log:?}"
     );
     assert!(!log.iter().any(|l| l.starts_with("systemctl")), "{log:?}");
+}
+
+#[test]
+fn the_postinst_makes_the_user_in_a_derpd_group_left_without_one() {
+    let s = Scripts::new(true, |shipped, _| shipped.to_owned());
+    std::fs::write(s.dir.0.join("state/group"), "").expect("group");
+    let (ok, out, log) = s.run("postinst", &["configure"], 0);
+    assert!(ok, "{out}\n{log:?}");
+    assert!(s.user_exists() && s.group_exists(), "{log:?}");
+    assert!(
+        log.iter()
+            .any(|l| l.starts_with("useradd --system --gid derpd --home-dir /var/lib/derpd")),
+        "{log:?}"
+    );
+    // Run again (a reconfigure): the user is there, nothing is added.
+    let (ok, out, log) = s.run("postinst", &["configure"], 0);
+    assert!(ok, "{out}");
+    assert!(!log.iter().any(|l| l.starts_with("useradd")), "{log:?}");
 }
 
 #[test]

@@ -209,12 +209,13 @@ async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
 
     replace(&exe, None);
     node.signal("USR2");
+    let successor = started_successor(&node);
     let pid: u32 = node.wait_log("the takeover", |v| {
         (v["fields"]["message"] == "took over the listeners; this process is the service now")
             .then(|| v["fields"]["pid"].as_u64())?
             .map(|p| p as u32)
     });
-    let successor = Successor(pid);
+    assert_eq!(pid, successor.0);
     assert_ne!(pid, node.pid());
     // The two processes' lines come in either order.
     node.find_log("the handover", |v| {
@@ -292,6 +293,7 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
 
     replace(&exe, None);
     node.signal("USR2");
+    let successor = started_successor(&node);
     let pid: u32 = node.wait_log("the handover", |v| {
         v["fields"]["message"]
             .as_str()?
@@ -299,7 +301,7 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
             .then(|| v["fields"]["to"].as_u64())?
             .map(|p| p as u32)
     });
-    let successor = Successor(pid);
+    assert_eq!(pid, successor.0);
     // Draining, and none of the ports is the old process's any more (its listening tasks
     // end as the runtime gets to them, so this waits for it).
     for inode in inodes {
@@ -386,13 +388,14 @@ fn a_tls_node_hands_its_port_80_and_quic_sockets_and_its_successor_tells_systemd
 
     replace(&exe, None);
     node.signal("USR2");
+    let successor = started_successor(&node);
     let taken = notification(&notify, &node);
     let pid: u32 = taken
         .strip_prefix("MAINPID=")
         .and_then(|rest| rest.split_once('\n'))
         .and_then(|(pid, _)| pid.parse().ok())
         .unwrap_or_else(|| panic!("{taken:?}"));
-    let successor = Successor(pid);
+    assert_eq!(pid, successor.0);
     assert!(
         taken.contains("\nREADY=1\nSTATUS=serving DERP over TLS on"),
         "{taken:?}"
@@ -469,20 +472,14 @@ async fn a_second_sigusr2_is_ignored_and_a_silent_new_process_is_killed_at_the_d
     // Starts, takes the channel, and never says a word.
     replace(&exe, Some("#!/bin/sh\nexec sleep 600\n"));
     node.signal("USR2");
-    let child: u32 = node.wait_log("the upgrade's start", |v| {
-        v["fields"]["message"]
-            .as_str()?
-            .starts_with("upgrade: started the new binary")
-            .then(|| v["fields"]["child"].as_u64())?
-            .map(|p| p as u32)
-    });
+    let child = started_successor(&node);
     node.signal("USR2");
     node.wait_message("SIGUSR2 ignored: an upgrade is under way");
     let error = upgrade_failure(&node);
     assert!(error.contains("did not confirm within 10s"), "{error}");
     assert!(error.contains("was killed"), "{error}");
     // Killed and reaped by the old process.
-    assert!(!Path::new(&format!("/proc/{child}")).exists());
+    assert!(!Path::new(&format!("/proc/{}", child.0)).exists());
     still_serving(&mut node, &mut a, &mut b).await;
 }
 

@@ -250,6 +250,8 @@ fn the_debian_package_holds_what_it_should_and_passes_lintian() {
         "ExecReload=/bin/kill -HUP $MAINPID",
         "User=derpd",
         "StateDirectory=derpd",
+        // derp_tcp_rtt reads the kernel's TCP statistics over netlink.
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK",
     ] {
         assert!(
             unit_text.lines().any(|l| l == line),

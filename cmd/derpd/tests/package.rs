@@ -43,13 +43,20 @@ fn tool(name: &str, package: &str) -> Command {
     Command::new(tools::debian(name, package))
 }
 
-/// Builds the package into `dir` from the derpd under test; its path.
+/// Builds the package into `dir` from the derpd under test; its path. Both paths are given
+/// relative to the directory the script is run in, as an operator may type them.
 fn build(dir: &Path) -> PathBuf {
+    let cwd = dir.parent().expect("a parent");
+    let binary = cwd.join("derpd-under-test");
+    if !binary.exists() {
+        std::os::unix::fs::symlink(DERPD, &binary).expect("symlink");
+    }
     let out = must(
         Command::new(tools::repo().join("scripts/package"))
+            .current_dir(cwd)
             .arg("deb")
-            .arg(dir)
-            .args(["--binary", DERPD])
+            .arg(dir.file_name().expect("a name"))
+            .args(["--binary", "derpd-under-test"])
             // The Maintainer field as shipped, whatever the environment says.
             .env_remove("DEB_MAINTAINER"),
     );

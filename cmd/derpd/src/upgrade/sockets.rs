@@ -192,11 +192,14 @@ impl Sockets {
 }
 
 /// Whether a socket bound to `have` is what flags asking for `want` would bind: the same
-/// address (every interface, where IPv6 is missing, is IPv4's), and the same port unless
-/// they ask for any.
+/// address, and the same port unless they ask for any. Every interface over IPv6 (`[::]`)
+/// may have been bound as IPv4's `0.0.0.0` on a host without IPv6; the reverse is not what
+/// the flags ask for (a dual-stack socket where they ask for IPv4 only).
 fn fits(want: SocketAddr, have: SocketAddr) -> bool {
-    let same_ip =
-        want.ip() == have.ip() || (want.ip().is_unspecified() && have.ip().is_unspecified());
+    let v4_for_any = want.is_ipv6()
+        && want.ip().is_unspecified()
+        && have.ip() == std::net::IpAddr::from(std::net::Ipv4Addr::UNSPECIFIED);
+    let same_ip = want.ip() == have.ip() || v4_for_any;
     same_ip && (want.port() == 0 || want.port() == have.port())
 }
 
@@ -212,6 +215,7 @@ mod tests {
         assert!(!fits(at("[::]:443"), at("[::]:8443")));
         assert!(!fits(at("127.0.0.1:443"), at("[::]:443")));
         assert!(fits(at("[::]:443"), at("0.0.0.0:443")));
+        assert!(!fits(at("0.0.0.0:443"), at("[::]:443")));
     }
 
     fn listener() -> (SocketAddr, OwnedFd) {

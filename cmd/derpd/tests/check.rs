@@ -100,8 +100,8 @@ fn check_binds_nothing_writes_nothing_and_says_what_would_run() {
     assert!(out.contains("drain up to 10s"), "{out}");
     assert!(
         out.contains(&format!(
-            "SIGUSR2 starts {DERPD} (found by argv[0]) with these flags and \
-             hands it {addr}/tcp, 127.0.0.1:{stun_port}/udp (STUN), {metrics_addr}/tcp \
+            "SIGUSR2 to a derpd started as this one was starts {DERPD} (found by argv[0]) \
+             with these flags and hands it {addr}/tcp, 127.0.0.1:{stun_port}/udp (STUN), {metrics_addr}/tcp \
              (metrics); it has 30s to serve on them"
         )),
         "{out}"

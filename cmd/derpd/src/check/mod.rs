@@ -258,7 +258,8 @@ fn check(cli: &Cli, r: &mut Report) {
     );
 }
 
-/// What SIGUSR2 would do: which file it starts, and what it hands that process (the
+/// What SIGUSR2 would do to a derpd started as this `--check` was (the same path, working
+/// directory and `PATH`): which file it starts, and what it hands that process (the
 /// listeners these flags bind; never, yet, the client connections).
 fn check_upgrade(cli: &Cli, bind: Option<(crate::listen::BindIp, u16)>, tls: bool, r: &mut Report) {
     let exe = match crate::upgrade::executable() {
@@ -290,8 +291,8 @@ fn check_upgrade(cli: &Cli, bind: Option<(crate::listen::BindIp, u16)>, tls: boo
     r.ok(
         "upgrade",
         format!(
-            "SIGUSR2 starts {} (found by {}) with these flags and hands it \
-             {}; it has {:?} to serve on them (--upgrade-timeout), else the running derpd keeps \
+            "SIGUSR2 to a derpd started as this one was starts {} (found by {}) with these \
+             flags and hands it {}; it has {:?} to serve on them (--upgrade-timeout), else the running derpd keeps \
              them. Client connections are not handed over: each is told to reconnect \
              (Restarting) and drained, as on SIGTERM",
             exe.path.display(),

@@ -8,7 +8,7 @@ use crate::support;
 use std::net::TcpStream;
 use std::os::unix::net::UnixDatagram;
 
-use support::{Process, STEP, TempDir, derpd_command, free_port};
+use support::{Process, STEP, TempDir, derpd_command};
 
 /// The next datagram, within [`STEP`].
 fn receive(socket: &UnixDatagram, node: &Process) -> String {
@@ -31,6 +31,24 @@ fn start(args: &[&str], notify_socket: &str) -> Process {
     let mut cmd = derpd_command(&support::Launch::plain(), &all);
     cmd.env("NOTIFY_SOCKET", notify_socket);
     Process::spawn(cmd)
+}
+
+/// The address READY=1's status line says derpd serves on: `serving DERP over ... on
+/// <addr>`, then the end or ` for <hostname> ...`.
+fn served_addr(ready: &str) -> String {
+    let after = ready
+        .split_once(" on ")
+        .unwrap_or_else(|| panic!("no address in {ready:?}"))
+        .1;
+    after.split(' ').next().unwrap_or(after).to_owned()
+}
+
+/// The metrics listener's address, as derpd logged it (before it said READY=1).
+fn metrics_addr(node: &Process) -> String {
+    node.find_log("the metrics listener", |v| {
+        (v["fields"]["message"] == "metrics listening at /metrics")
+            .then(|| v["fields"]["addr"].as_str().map(str::to_owned))?
+    })
 }
 
 /// Whether `/derp/probe` on the metrics listener answers 200 (ready) right now.
@@ -56,19 +74,24 @@ fn ready_once_the_port_accepts_then_stopping_on_sigterm() {
     let dir = TempDir::new("notify");
     let path = dir.path("notify");
     let socket = bound(UnixDatagram::bind(&path).expect("bind"));
-    // Fixed ports, so the test can connect the moment READY=1 arrives without reading the
-    // log first (which would wait for the listening line).
-    let addr = format!("127.0.0.1:{}", free_port());
-    let metrics = format!("127.0.0.1:{}", free_port());
+    // Ephemeral ports: READY=1's status line names the one to connect to.
     let mut node = start(
-        &["--dev", "-a", &addr, "--metrics-addr", &metrics],
+        &[
+            "--dev",
+            "-a",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
         path.to_str().expect("utf-8 path"),
     );
     let ready = receive(&socket, &node);
-    assert_eq!(
-        ready,
-        format!("READY=1\nSTATUS=serving DERP over plain HTTP on {addr}")
+    assert!(
+        ready.starts_with("READY=1\nSTATUS=serving DERP over plain HTTP on 127.0.0.1:"),
+        "{ready:?}"
     );
+    let addr = served_addr(&ready);
+    let metrics = metrics_addr(&node);
     TcpStream::connect(&addr).unwrap_or_else(|e| panic!("READY=1, yet {addr} refuses: {e}"));
     assert!(probe_ok(&metrics), "READY=1, yet /derp/probe is not 200");
     stops_gracefully(&mut node, &socket);
@@ -83,20 +106,20 @@ fn a_tls_node_is_ready_with_its_certificate_on_an_abstract_socket() {
     let socket = bound(UnixDatagram::bind_addr(&abstract_addr).expect("bind"));
     let dir = TempDir::new("notify-tls");
     let certdir = dir.path("certs").display().to_string();
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let metrics = format!("127.0.0.1:{}", free_port());
     let mut args = support::manual_ip_args(&certdir);
-    args[2] = &addr;
-    args.extend(["--metrics-addr", &metrics]);
+    args.extend(["--metrics-addr", "127.0.0.1:0"]);
     let mut node = start(&args, &format!("@{name}"));
     let ready = receive(&socket, &node);
-    assert_eq!(
-        ready,
-        format!(
-            "READY=1\nSTATUS=serving DERP over TLS on {addr} for 127.0.0.1 (--certmode manual)"
-        )
+    assert!(
+        ready.starts_with("READY=1\nSTATUS=serving DERP over TLS on 127.0.0.1:"),
+        "{ready:?}"
     );
+    let addr = served_addr(&ready);
+    assert!(
+        ready.ends_with(&format!(" on {addr} for 127.0.0.1 (--certmode manual)")),
+        "{ready:?}"
+    );
+    let metrics = metrics_addr(&node);
     TcpStream::connect(&addr).unwrap_or_else(|e| panic!("READY=1, yet {addr} refuses: {e}"));
     assert!(probe_ok(&metrics), "READY=1, yet /derp/probe is not 200");
     stops_gracefully(&mut node, &socket);
@@ -105,14 +128,19 @@ fn a_tls_node_is_ready_with_its_certificate_on_an_abstract_socket() {
 #[test]
 fn an_unusable_notify_socket_is_logged_and_derpd_serves_on() {
     let dir = TempDir::new("notify-gone");
-    let addr = format!("127.0.0.1:{}", free_port());
-    let metrics = format!("127.0.0.1:{}", free_port());
     // No one listens there: the send fails.
     let gone = dir.path("nobody").display().to_string();
     let mut node = start(
-        &["--dev", "-a", &addr, "--metrics-addr", &metrics],
+        &[
+            "--dev",
+            "-a",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
         gone.as_str(),
     );
+    let metrics = metrics_addr(&node);
     let error = node.wait_log("the failed notification", |v| {
         let msg = v["fields"]["message"].as_str()?;
         msg.starts_with("telling systemd")

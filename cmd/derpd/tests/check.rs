@@ -168,18 +168,9 @@ fn check_reads_an_existing_key_and_a_valid_manual_certificate() {
     // An IP hostname without files: a start would generate a certificate; the check only
     // says so.
     let empty = dir.path("empty").display().to_string();
-    let (ok, out) = check(&[
-        "-a",
-        "127.0.0.1:0",
-        "-c",
-        &key,
-        "--certmode",
-        "manual",
-        "--hostname",
-        "127.0.0.1",
-        "--certdir",
-        &empty,
-    ]);
+    let mut args = support::manual_ip_args(&empty);
+    args.extend(["-c", &key]);
+    let (ok, out) = check(&args);
     assert!(ok, "{out}");
     assert!(
         out.contains("would generate a self-signed one for 127.0.0.1"),

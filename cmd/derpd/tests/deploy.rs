@@ -543,24 +543,16 @@ fn dashboard_and_alert_queries_parse_and_read_only_metrics_derpd_exports() {
         .write("mesh.key", &format!("{}\n", "cd".repeat(32)))
         .display()
         .to_string();
-    let (_derpd, metrics) = start_derpd(&[
-        "-a",
-        "127.0.0.1:0",
+    let mut args = support::manual_ip_args(&certs);
+    args.extend([
         "-c",
         &key,
-        "--certmode",
-        "manual",
-        "--hostname",
-        "127.0.0.1",
-        "--certdir",
-        &certs,
-        "--http-port",
-        "-1",
         "--mesh-psk-file",
         &mesh,
         "--mesh-with",
         "http://127.0.0.1:9/derp",
     ]);
+    let (_derpd, metrics) = start_derpd(&args);
     let (status, body) = http_get(metrics, "/metrics");
     assert_eq!(status, 200);
     let exported: BTreeSet<String> = body

@@ -23,6 +23,22 @@ pub(crate) async fn small_buffer_client(addr: SocketAddr, secret: SecretKey) -> 
     RawClient::connect_on(stream, secret).await
 }
 
+/// A receiver that never reads, with more queued for it than its socket takes: a drain waits
+/// on its queue until the drain's deadline. Kept until dropped.
+pub(crate) async fn stuck_receiver(node: &Node) -> RawClient {
+    let stuck = small_buffer_client(node.addr, secret()).await;
+    let mut sender = client(&node.url(), secret()).await;
+    for i in 0..64u8 {
+        sender
+            .send_packet(stuck.key, vec![i; 60_000])
+            .await
+            .expect("send");
+    }
+    // Every packet is routed once a later ping is answered.
+    sender.ping().await.expect("ping");
+    stuck
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_sends_restarting_delivers_queued_packets_and_exits_zero() {
     let mut node = Node::start(&[
@@ -114,17 +130,8 @@ async fn a_second_signal_ends_the_drain_at_once() {
         "--drain-timeout",
         "10m",
     ]);
-    // A receiver that never reads: its queue cannot drain, so the first signal's drain would
-    // run to its ten-minute deadline.
-    let stuck = small_buffer_client(node.addr, secret()).await;
-    let mut sender = client(&node.url(), secret()).await;
-    for i in 0..64u8 {
-        sender
-            .send_packet(stuck.key, vec![i; 60_000])
-            .await
-            .expect("send");
-    }
-    sender.ping().await.expect("ping");
+    // The first signal's drain would run to its ten-minute deadline.
+    let stuck = stuck_receiver(&node).await;
 
     node.signal("INT");
     node.wait_message("shutting down");

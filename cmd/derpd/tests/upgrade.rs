@@ -9,7 +9,6 @@ use crate::support;
 use std::net::{SocketAddr, UdpSocket};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use derp_client::{Client, ReceivedFrame};
 use support::{DERPD, Launch, Node, Process, STEP, TempDir, client, expect_packet, secret};
@@ -118,11 +117,11 @@ impl Successor {
     }
 
     fn wait_ended(&self) {
-        let deadline = Instant::now() + STEP;
-        while !ended(self.0) {
-            assert!(Instant::now() < deadline, "{} did not exit", self.0);
-            std::thread::park_timeout(Duration::from_millis(10));
-        }
+        support::wait_until(
+            STEP,
+            || ended(self.0).then_some(()),
+            || format!("{} did not exit", self.0),
+        );
     }
 
     fn stop(self) {
@@ -275,15 +274,7 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
     let stun = stun_addr(&node);
     let metrics = node.metrics_addr.expect("metrics address");
     // A receiver that never reads: the old process's drain waits on its queue.
-    let stuck = crate::restart::small_buffer_client(node.addr, secret()).await;
-    let mut sender = client(&node.url(), secret()).await;
-    for i in 0..64u8 {
-        sender
-            .send_packet(stuck.key, vec![i; 60_000])
-            .await
-            .expect("send");
-    }
-    sender.ping().await.expect("ping");
+    let stuck = crate::restart::stuck_receiver(&node).await;
     let inodes = [
         socket_inode("tcp", node.addr.port()),
         socket_inode("udp", stun.port()),
@@ -306,14 +297,11 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
     // end as the runtime gets to them, so this waits for it).
     for inode in inodes {
         assert!(holds(pid, inode), "the new process does not hold {inode}");
-        let deadline = Instant::now() + STEP;
-        while holds(node.pid(), inode) {
-            assert!(
-                Instant::now() < deadline,
-                "the old process still holds {inode}"
-            );
-            std::thread::park_timeout(Duration::from_millis(10));
-        }
+        support::wait_until(
+            STEP,
+            || (!holds(node.pid(), inode)).then_some(()),
+            || format!("the old process still holds {inode}"),
+        );
     }
     assert!(node.is_running(), "{}", node.log_text());
     let (_c, _d) = pair(&node.url()).await;
@@ -354,27 +342,12 @@ fn a_tls_node_hands_its_port_80_and_quic_sockets_and_its_successor_tells_systemd
     notify.set_read_timeout(Some(STEP)).expect("timeout");
     let certdir = dir.path("certs").display().to_string();
     let key = dir.path("derp.key").display().to_string();
+    let mut args = support::manual_ip_args(&certdir);
+    support::set_flag(&mut args, "--http-port", "0");
+    args.extend(["-c", &key, "--quic-port", "0"]);
     let mut node = Node::start_with(
         &Launch::program(&exe.display().to_string()),
-        &[
-            "--dev",
-            "-a",
-            "127.0.0.1:0",
-            "-c",
-            &key,
-            "--certmode",
-            "manual",
-            "--hostname",
-            "127.0.0.1",
-            "--certdir",
-            &certdir,
-            "--cert-reload-interval",
-            "0",
-            "--http-port",
-            "0",
-            "--quic-port",
-            "0",
-        ],
+        &args,
         &[(
             "NOTIFY_SOCKET".to_owned(),
             notify_path.display().to_string(),

@@ -117,6 +117,14 @@ pub fn manual_ip_args(certdir: &str) -> Vec<&str> {
     ]
 }
 
+/// Sets `flag` to `value` in `args`: its value replaced where it is given, else both added.
+pub fn set_flag<'a>(args: &mut Vec<&'a str>, flag: &'a str, value: &'a str) {
+    match args.iter().position(|a| *a == flag) {
+        Some(at) if at + 1 < args.len() => args[at + 1] = value,
+        _ => args.extend([flag, value]),
+    }
+}
+
 /// A running derpd, with the addresses it logged. Killed and reaped on drop; everything a
 /// [`Process`] does, it does.
 pub struct Node {
@@ -227,20 +235,41 @@ impl Node {
 
     /// Polls a metric until `ok` holds for it.
     pub fn wait_metric(&self, name: &str, labels: &[(&str, &str)], ok: impl Fn(f64) -> bool) {
-        let deadline = Instant::now() + STEP;
-        loop {
-            let v = self.metric(name, labels);
-            if v.is_some_and(&ok) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} {name}{labels:?} stayed at {v:?}; log:\n{}",
-                self.addr,
-                self.log_text()
-            );
-            std::thread::park_timeout(Duration::from_millis(20));
+        let last = std::cell::Cell::new(None);
+        wait_until(
+            STEP,
+            || {
+                let v = self.metric(name, labels);
+                last.set(v);
+                v.is_some_and(&ok).then_some(())
+            },
+            || {
+                format!(
+                    "{} {name}{labels:?} stayed at {:?}; log:\n{}",
+                    self.addr,
+                    last.get(),
+                    self.log_text()
+                )
+            },
+        );
+    }
+}
+
+/// Polls `poll` until it returns something, for at most `within`, then fails with
+/// `failure`'s message: for what no event of the test's own announces (another process's
+/// state, a metric).
+pub fn wait_until<T>(
+    within: Duration,
+    mut poll: impl FnMut() -> Option<T>,
+    failure: impl Fn() -> String,
+) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(t) = poll() {
+            return t;
         }
+        assert!(Instant::now() < deadline, "{}", failure());
+        std::thread::park_timeout(Duration::from_millis(10));
     }
 }
 

@@ -105,24 +105,10 @@ impl Process {
             .is_some_and(|c| c.try_wait().expect("try_wait").is_none())
     }
 
-    /// Waits for the process to exit on its own, polling on a short interval, for at most
-    /// `within`; then for the last of its output.
+    /// Waits for the process to exit on its own, for at most `within`; then for the last of
+    /// its output.
     pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let child = self.child.as_mut().expect("running");
-        let deadline = Instant::now() + within;
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                break status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not exit within {within:?}; log:\n{}",
-                self.pid,
-                self.log_text()
-            );
-            std::thread::park_timeout(Duration::from_millis(10));
-        };
-        self.child = None;
+        let status = self.wait_status(within);
         // The pipes reach EOF once the process is gone.
         for reader in self.readers.drain(..) {
             let _ = reader.join();
@@ -134,21 +120,20 @@ impl Process {
     /// the end of its output: a process it started (an upgrade's successor) holds the same
     /// pipes and may write to them long after.
     pub fn wait_status(&mut self, within: Duration) -> ExitStatus {
+        let (pid, log) = (self.pid, self.log.clone());
         let child = self.child.as_mut().expect("running");
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                self.child = None;
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not exit within {within:?}; log:\n{}",
-                self.pid,
-                self.log_text()
-            );
-            std::thread::park_timeout(Duration::from_millis(10));
-        }
+        let status = super::wait_until(
+            within,
+            || child.try_wait().expect("try_wait"),
+            || {
+                format!(
+                    "{pid} did not exit within {within:?}; log:\n{}",
+                    log.lock().expect("log").join("\n")
+                )
+            },
+        );
+        self.child = None;
+        status
     }
 
     /// Waits for a JSON stderr line for which `pick` returns something, within [`STEP`].

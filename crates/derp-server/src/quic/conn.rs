@@ -12,7 +12,6 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
 
 use bytes::Bytes;
 use quinn_proto::{
@@ -59,6 +58,11 @@ pub(crate) struct ConnState {
     lost: Option<ConnectionError>,
     /// Closed from this side (by [`Conn::close`] or by dropping every [`Conn`]).
     closed: bool,
+    /// The close's code, until the driver has sent what was written before it (a
+    /// CONNECTION_CLOSE drops whatever stream data is still unsent: the last frames, such as
+    /// a graceful shutdown's Restarting, would be lost when a task closes before the driver
+    /// had its turn).
+    pub(super) close_pending: Option<u32>,
     handshake: Option<Waker>,
     accept: Option<Waker>,
     read: Option<Waker>,
@@ -111,6 +115,7 @@ impl ConnState {
             connected: false,
             lost: None,
             closed: false,
+            close_pending: None,
             handshake: None,
             accept: None,
             read: None,
@@ -174,8 +179,7 @@ impl ConnState {
             return;
         }
         self.closed = true;
-        self.proto
-            .close(Instant::now(), VarInt::from_u32(code), Bytes::new());
+        self.close_pending = Some(code);
         self.lost.get_or_insert(ConnectionError::LocallyClosed);
         self.wake_all();
     }

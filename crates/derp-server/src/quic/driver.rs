@@ -648,7 +648,15 @@ impl Driver {
         loop {
             self.tx_buf.clear();
             let Some(t) = s.proto.poll_transmit(now, max, &mut self.tx_buf) else {
-                break;
+                // Everything written before a close has gone: the close can follow it.
+                match s.close_pending.take() {
+                    Some(code) => {
+                        s.proto
+                            .close(now, quinn_proto::VarInt::from_u32(code), Bytes::new());
+                        continue;
+                    }
+                    None => break,
+                }
             };
             if !io.try_send(&t, &self.tx_buf) {
                 trace!("quic socket full: waiting to send");

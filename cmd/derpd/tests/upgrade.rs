@@ -826,7 +826,7 @@ async fn a_new_process_takes_no_connection_or_datagram_before_the_commit() {
     );
 }
 
-/// The old process's QUIC clients hear Restarting and are closed, as on SIGTERM; new QUIC
+/// The old process's QUIC clients are sent Restarting and closed, as on SIGTERM; new QUIC
 /// clients are the new process's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_old_process_tells_its_quic_clients_to_reconnect_and_the_new_one_serves_quic() {
@@ -842,11 +842,8 @@ async fn the_old_process_tells_its_quic_clients_to_reconnect_and_the_new_one_ser
     replace(&exe, None);
     node.signal("USR2");
     let successor = started_successor(&node);
-    support::recv_until(&mut old, "Restarting", |f| {
-        matches!(f, ReceivedFrame::Restarting { .. }).then_some(())
-    })
-    .await;
-    support::expect_closed(&mut old).await;
+    // The new process's reset may come first: both derive it from the node key.
+    support::expect_quic_shutdown(&mut old, true).await;
     assert_eq!(
         node.wait_status(STEP).code(),
         Some(0),

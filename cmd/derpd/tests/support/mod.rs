@@ -602,6 +602,37 @@ pub fn flags_that_cannot_act_together() -> Vec<(Vec<&'static str>, &'static str)
     ]
 }
 
+/// A QUIC client told that its server goes away: the Restarting frame, then the server's
+/// close; or the close with the shutdown code (6) alone (or, with `reset_too`, a stateless
+/// reset), which can overtake the frame (a
+/// QUIC client drops stream data it has not read yet when the connection closes), where TCP
+/// delivers what came before the FIN. Within [`STEP`] either way, where a server that said
+/// nothing would leave the client to its 30 s idle timeout.
+pub async fn expect_quic_shutdown(c: &mut Client, reset_too: bool) {
+    let wait = async {
+        loop {
+            match c.recv().await {
+                Ok(ReceivedFrame::Restarting { .. }) => return expect_closed(c).await,
+                Ok(_) => {}
+                Err(e) => {
+                    let e = e.to_string();
+                    // Or, after an upgrade, the new process's stateless reset (the node's
+                    // own, so believed) of a packet of this connection that it read.
+                    assert!(
+                        e.ends_with("closed by peer: 6")
+                            || (reset_too && e.ends_with("reset by peer")),
+                        "closed otherwise: {e}"
+                    );
+                    return;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(STEP, wait)
+        .await
+        .expect("told of the shutdown in time");
+}
+
 /// A DERP-over-QUIC client of a node started with [`manual_ip_args`] and `--quic-port`,
 /// trusting its self-signed certificate by the pin it logged.
 pub async fn quic_client(node: &Process, secret: SecretKey) -> Client {

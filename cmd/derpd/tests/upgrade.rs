@@ -305,6 +305,13 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
     }
     assert!(node.is_running(), "{}", node.log_text());
     let (_c, _d) = pair(&node.url()).await;
+    // A new process that dies while the old one drains is reaped by it, not left a zombie.
+    successor.signal("KILL");
+    support::wait_until(
+        STEP,
+        || (!Path::new(&format!("/proc/{pid}")).exists()).then_some(()),
+        || format!("{pid} was not reaped"),
+    );
     // A signal ends the old process's drain at once, as a second one does a shutdown's.
     node.signal("TERM");
     assert_eq!(

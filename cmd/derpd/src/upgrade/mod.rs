@@ -416,8 +416,19 @@ impl ChildGuard {
     }
 
     fn disarm(&mut self) {
-        // Not waited for: it is the service now, and outlives this process.
-        self.0 = None;
+        // Not killed: it is the service now, and outlives this process. Reaped by a thread
+        // of its own should it exit while this process drains, rather than left a zombie
+        // until this one exits.
+        if let Some(mut child) = self.0.take() {
+            let reaper = std::thread::Builder::new()
+                .name("derpd-successor".to_owned())
+                .spawn(move || {
+                    let _ = child.wait();
+                });
+            if let Err(e) = reaper {
+                warn!(error = %e, "no thread to reap the new process with");
+            }
+        }
     }
 
     /// Waits (a short while) for the process to exit, then kills it if it has not, reaps

@@ -101,10 +101,21 @@ impl Server {
     /// connection handover there would be a wake-up of that thread and a hand-over of the new
     /// task to a worker, two cross-thread wake-ups per connection in a reconnect storm.
     pub async fn serve(&self, listener: TcpListener) -> Result<(), ServeError> {
+        self.serve_until(listener, CancellationToken::new()).await
+    }
+
+    /// [`Server::serve`], which also stops when `stop` is cancelled, the server's
+    /// connections carrying on: once this returns, the listener is closed and nothing more
+    /// is accepted (dropping the future stops the loop too, but on its own time).
+    pub async fn serve_until(
+        &self,
+        listener: TcpListener,
+        stop: CancellationToken,
+    ) -> Result<(), ServeError> {
         let server = self.clone();
-        let mut task = AbortOnDrop(tokio::spawn(
-            async move { server.accept_loop(listener).await },
-        ));
+        let mut task = AbortOnDrop(tokio::spawn(async move {
+            server.accept_loop(listener, stop).await
+        }));
         match (&mut task.0).await {
             Ok(result) => result,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -113,13 +124,18 @@ impl Server {
         }
     }
 
-    async fn accept_loop(&self, listener: TcpListener) -> Result<(), ServeError> {
+    async fn accept_loop(
+        &self,
+        listener: TcpListener,
+        stop: CancellationToken,
+    ) -> Result<(), ServeError> {
         let mut options = SocketOptions::for_listener(&listener, self.tcp_options());
         let mut listener = Listener::new(listener, "main", self.accept_error_counter("main"));
         loop {
             let (stream, remote) = tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return Ok(()),
                 _ = self.shared.draining.cancelled() => return Ok(()),
+                _ = stop.cancelled() => return Ok(()),
                 a = listener.accept() => a,
             };
             let Some(guard) = self.admit_connection(remote) else {

@@ -336,6 +336,9 @@ async fn serve_node(
     }
 
     let mut signals = ShutdownSignals::new()?;
+    // Ends the accept loops (the serve future then returns): a handover or a shutdown awaits
+    // that, so that nothing is accepted once it is logged.
+    let stop_accepting = tokio_util::sync::CancellationToken::new();
     let mut serve = Box::pin(async {
         if tls {
             let quic = quic_port.map(|port| {
@@ -352,6 +355,7 @@ async fn serve_node(
                 quic,
                 backlog,
                 sockets: sockets.clone(),
+                stop: stop_accepting.clone(),
             };
             tls_setup::run_tls(&server, &registry, &cli.tls, &extras, listeners, &readiness).await
         } else {
@@ -359,8 +363,14 @@ async fn serve_node(
             // The listener is bound and listening (as are STUN's and the metrics one): a
             // connection made now is accepted.
             readiness.ready(format!("serving DERP over plain HTTP on {local}"));
-            readiness.may_serve().await;
-            server.serve(listener).await.context("serving")
+            tokio::select! {
+                () = readiness.may_serve() => {}
+                () = stop_accepting.cancelled() => return Ok(()),
+            }
+            server
+                .serve_until(listener, stop_accepting.clone())
+                .await
+                .context("serving")
         }
     });
     let upgrader =
@@ -426,8 +436,12 @@ async fn serve_node(
     // A signal during an upgrade not yet committed ends it: the new process is killed and
     // reaped.
     drop(attempt);
-    // Stop accepting first: the listener (and, in TLS mode, its side tasks) goes with it.
-    drop(serve);
+    // Stop accepting first: the listeners (and, in TLS mode, their side tasks) end and are
+    // closed before anything is logged or told.
+    stop_accepting.cancel();
+    if let Err(e) = serve.await {
+        warn!(error = %format!("{e:#}"), "the listeners ended with an error");
+    }
     match handed_to {
         Some(pid) => {
             // The successor accepts on every port now; this process's copies are closed so

@@ -203,6 +203,9 @@ pub(crate) struct TlsListeners {
     pub(crate) backlog: Option<u32>,
     /// Where the port-80 and QUIC sockets come from.
     pub(crate) sockets: Sockets,
+    /// Cancelled to stop accepting (a shutdown or a handover): [`run_tls`] returns once the
+    /// listeners are closed, the server's connections carrying on.
+    pub(crate) stop: CancellationToken,
 }
 
 /// Serves TLS on `listener` for `server` until the server shuts down: sets up the certificate
@@ -221,6 +224,7 @@ pub(crate) async fn run_tls(
         quic,
         backlog,
         sockets,
+        stop,
     } = listeners;
     let notify = readiness.notifier();
     let listen = listener.local_addr()?;
@@ -306,11 +310,25 @@ pub(crate) async fn run_tls(
         // listener, which passes them on to each connection (on Linux).
         derp_server::tune_listener(&http, server.tcp_options());
         info!(addr = %http.local_addr()?, "port-80 listener (generate_204, acme, redirects)");
-        let (f, s, r) = (front.clone(), server.clone(), readiness.clone());
+        let (f, s, r, stop) = (
+            front.clone(),
+            server.clone(),
+            readiness.clone(),
+            stop.clone(),
+        );
         tasks.spawn(async move {
-            r.may_serve().await;
-            if let Err(e) = f.serve_http_port(&s, http, listen.port()).await {
-                warn!(error = %e, "http port listener stopped");
+            // Dropped here when stopped, so the listener is closed once the task is joined.
+            tokio::select! {
+                () = r.may_serve() => {}
+                () = stop.cancelled() => return,
+            }
+            tokio::select! {
+                r = f.serve_http_port(&s, http, listen.port()) => {
+                    if let Err(e) = r {
+                        warn!(error = %e, "http port listener stopped");
+                    }
+                }
+                () = stop.cancelled() => {}
             }
         });
     }
@@ -364,8 +382,20 @@ pub(crate) async fn run_tls(
     });
 
     info!(addr = %listen, key = %server.public_key(), hostname = %args.hostname, mode = ?args.certmode, "derpd listening (TLS)");
-    readiness.may_serve().await;
-    let result = front.serve(server, listener).await.context("serving tls");
+    let result = tokio::select! {
+        r = async {
+            readiness.may_serve().await;
+            front.serve(server, listener).await
+        } => r.context("serving tls"),
+        // The listener is dropped with the future: closed now.
+        () = stop.cancelled() => {
+            // The port-80 listener ends by the same token; the certificate tasks, which only
+            // a server shutdown ends, go with the listeners.
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
+            return Ok(());
+        }
+    };
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}
     result

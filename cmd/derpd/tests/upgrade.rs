@@ -293,14 +293,13 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
             .map(|p| p as u32)
     });
     assert_eq!(pid, successor.0);
-    // Draining, and none of the ports is the old process's any more (its listening tasks
-    // end as the runtime gets to them, so this waits for it).
+    // Draining, and none of the ports is the old process's any more: it closed every
+    // listener before it logged the handover.
     for inode in inodes {
         assert!(holds(pid, inode), "the new process does not hold {inode}");
-        support::wait_until(
-            STEP,
-            || (!holds(node.pid(), inode)).then_some(()),
-            || format!("the old process still holds {inode}"),
+        assert!(
+            !holds(node.pid(), inode),
+            "the old process still holds {inode} after the handover"
         );
     }
     assert!(node.is_running(), "{}", node.log_text());
@@ -321,7 +320,7 @@ async fn the_old_process_accepts_nothing_more_while_it_drains() {
         node.log_text()
     );
     drop(stuck);
-    successor.stop();
+    drop(successor);
 }
 
 /// The address a log line with `message` names.

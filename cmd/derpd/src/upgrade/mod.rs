@@ -403,31 +403,19 @@ impl ChildGuard {
         let Some(child) = &mut self.0 else {
             return Ok(None);
         };
-        let deadline = Instant::now() + within;
-        loop {
-            match child.try_wait()? {
-                Some(status) => return Ok(Some(status)),
-                None if Instant::now() < deadline => {
-                    std::thread::park_timeout(Duration::from_millis(10));
-                }
-                None => return Ok(None),
-            }
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
         }
+        wait_for_exit(child.id(), within);
+        child.try_wait()
     }
 
     fn disarm(&mut self) {
         // Not killed: it is the service now, and outlives this process. Reaped by a thread
         // of its own should it exit while this process drains, rather than left a zombie
         // until this one exits.
-        if let Some(mut child) = self.0.take() {
-            let reaper = std::thread::Builder::new()
-                .name("derpd-successor".to_owned())
-                .spawn(move || {
-                    let _ = child.wait();
-                });
-            if let Err(e) = reaper {
-                warn!(error = %e, "no thread to reap the new process with");
-            }
+        if let Some(child) = self.0.take() {
+            reap_later(child);
         }
     }
 
@@ -450,12 +438,70 @@ impl ChildGuard {
     }
 }
 
+/// Waits up to `within` for process `pid` (a child, not yet reaped) to exit, on a pidfd:
+/// woken by the exit itself. Where the kernel has no pidfds (before Linux 5.3), in short
+/// steps.
+fn wait_for_exit(pid: u32, within: Duration) {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let deadline = Instant::now() + within;
+    let pidfd = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .and_then(|pid| {
+            rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+        });
+    let Some(pidfd) = pidfd else {
+        // No pidfd: a step at a time, checking the process's state in /proc.
+        while Instant::now() < deadline && !exited(pid) {
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
+        return;
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(timeout) = Timespec::try_from(left) else {
+            return;
+        };
+        let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&timeout)) {
+            // Readable once the process has exited.
+            Ok(_) => return,
+            Err(rustix::io::Errno::INTR) if !left.is_zero() => continue,
+            Err(_) => return,
+        }
+    }
+}
+
+/// Whether process `pid` has exited (a zombie, or gone).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         if let Some(mut child) = self.0.take() {
             let _ = child.kill();
-            let _ = child.wait();
+            // Dropped on a runtime worker (an upgrade ended by a signal): not waited for here.
+            reap_later(child);
         }
+    }
+}
+
+/// Reaps `child` whenever it exits, on a thread of its own, so that it is not left a zombie
+/// and nothing waits for it.
+fn reap_later(mut child: Child) {
+    let reaper = std::thread::Builder::new()
+        .name("derpd-reaper".to_owned())
+        .spawn(move || {
+            let _ = child.wait();
+        });
+    if let Err(e) = reaper {
+        warn!(error = %e, "no thread to reap the new process with");
     }
 }
 
@@ -773,6 +819,18 @@ mod tests {
             strip_deleted(PathBuf::from("/usr/bin/derpd")),
             PathBuf::from("/usr/bin/derpd")
         );
+    }
+
+    #[test]
+    fn an_exit_is_waited_for_and_a_running_process_is_left_running() {
+        let mut done = Command::new("true").spawn().expect("true");
+        wait_for_exit(done.id(), Duration::from_secs(30));
+        assert!(done.try_wait().expect("try_wait").is_some());
+        let mut running = Command::new("sleep").arg("60").spawn().expect("sleep");
+        wait_for_exit(running.id(), Duration::from_millis(50));
+        assert!(running.try_wait().expect("try_wait").is_none());
+        running.kill().expect("kill");
+        running.wait().expect("reap");
     }
 
     #[test]

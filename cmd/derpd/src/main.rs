@@ -439,9 +439,20 @@ async fn serve_node(
     // Stop accepting first: the listeners (and, in TLS mode, their side tasks) end and are
     // closed before anything is logged or told.
     stop_accepting.cancel();
-    if let Err(e) = serve.await {
-        warn!(error = %format!("{e:#}"), "the listeners ended with an error");
+    // Bounded, as the drain is, so that the stop timeouts in the deploy files hold whatever
+    // a listener's task does; a second signal exits at once here too.
+    tokio::select! {
+        ended = tokio::time::timeout(CLOSE_GRACE, &mut serve) => match ended {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %format!("{e:#}"), "the listeners ended with an error"),
+            Err(_) => warn!("the listeners did not end in time; dropped"),
+        },
+        _ = signals.recv() => {
+            eprintln!("derpd: second signal: exiting without draining");
+            std::process::exit(SECOND_SIGNAL_EXIT);
+        }
     }
+    drop(serve);
     match handed_to {
         Some(pid) => {
             // The successor accepts on every port now; this process's copies are closed so

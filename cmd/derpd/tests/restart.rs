@@ -23,12 +23,25 @@ pub(crate) async fn small_buffer_client(addr: SocketAddr, secret: SecretKey) -> 
     RawClient::connect_on(stream, secret).await
 }
 
-/// A receiver that never reads, with more queued for it than its socket takes: a drain waits
-/// on its queue until the drain's deadline. Kept until dropped.
+/// The flags a node needs for [`stuck_receiver`]: a queue deep enough to hold more than the
+/// kernel's socket buffers take (tcp_wmem's 4 MiB at most), writes that never time out, and
+/// a drain that waits ten minutes.
+pub(crate) const STUCK_FLAGS: [&str; 6] = [
+    "--send-queue-depth",
+    "128",
+    "--tcp-write-timeout",
+    "0",
+    "--drain-timeout",
+    "10m",
+];
+
+/// A receiver that never reads, with more queued for it (128 packets of 60 000 bytes) than
+/// its connection's socket buffers hold: a drain of a node started with [`STUCK_FLAGS`]
+/// waits on its queue until the drain's deadline. Kept until dropped.
 pub(crate) async fn stuck_receiver(node: &Node) -> RawClient {
     let stuck = small_buffer_client(node.addr, secret()).await;
     let mut sender = client(&node.url(), secret()).await;
-    for i in 0..64u8 {
+    for i in 0..128u8 {
         sender
             .send_packet(stuck.key, vec![i; 60_000])
             .await
@@ -121,15 +134,9 @@ async fn sigterm_sends_restarting_delivers_queued_packets_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_ends_the_drain_at_once() {
-    let mut node = Node::start(&[
-        "-a",
-        "127.0.0.1:0",
-        "--dev",
-        "--tcp-write-timeout",
-        "0",
-        "--drain-timeout",
-        "10m",
-    ]);
+    let mut args = vec!["-a", "127.0.0.1:0", "--dev"];
+    args.extend(STUCK_FLAGS);
+    let mut node = Node::start(&args);
     // The first signal's drain would run to its ten-minute deadline.
     let stuck = stuck_receiver(&node).await;
 

@@ -259,18 +259,9 @@ async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
 async fn the_old_process_accepts_nothing_more_while_it_drains() {
     let dir = TempDir::new("upgrade-drain");
     let exe = install(&dir);
-    let mut node = start(
-        &exe,
-        &dir,
-        &[
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--tcp-write-timeout",
-            "0",
-            "--drain-timeout",
-            "10m",
-        ],
-    );
+    let mut flags = vec!["--metrics-addr", "127.0.0.1:0"];
+    flags.extend(crate::restart::STUCK_FLAGS);
+    let mut node = start(&exe, &dir, &flags);
     let stun = stun_addr(&node);
     let metrics = node.metrics_addr.expect("metrics address");
     // A receiver that never reads: the old process's drain waits on its queue.

@@ -117,10 +117,10 @@ impl Successor {
     }
 
     fn wait_ended(&self) {
-        support::wait_until(
-            STEP,
-            || ended(self.0).then_some(()),
-            || format!("{} did not exit", self.0),
+        assert!(
+            support::exits_within(self.0, STEP),
+            "{} did not exit",
+            self.0
         );
     }
 

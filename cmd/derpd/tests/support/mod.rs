@@ -255,6 +255,41 @@ impl Node {
     }
 }
 
+/// Waits up to `within` for process `pid` to exit, woken by the exit itself (a pidfd turns
+/// readable then, reaped or not); `false` if it still runs. Falls back to polling where the
+/// kernel has no pidfds.
+pub fn exits_within(pid: u32, within: Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let pidfd = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .map(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()));
+    let pidfd = match pidfd {
+        Some(Ok(fd)) => fd,
+        // Gone already (reaped).
+        Some(Err(rustix::io::Errno::SRCH)) => return true,
+        _ => {
+            let deadline = Instant::now() + within;
+            let gone = || !Path::new(&format!("/proc/{pid}")).exists();
+            while !gone() && Instant::now() < deadline {
+                std::thread::park_timeout(Duration::from_millis(10));
+            }
+            return gone();
+        }
+    };
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timeout = Timespec::try_from(left).expect("a timeout");
+        let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&timeout)) {
+            Ok(n) => return n > 0,
+            Err(rustix::io::Errno::INTR) if !left.is_zero() => {}
+            Err(e) => panic!("waiting for {pid}: {e}"),
+        }
+    }
+}
+
 /// Polls `poll` until it returns something, for at most `within`, then fails with
 /// `failure`'s message: for what no event of the test's own announces (another process's
 /// state, a metric).

@@ -120,20 +120,22 @@ impl Process {
     /// the end of its output: a process it started (an upgrade's successor) holds the same
     /// pipes and may write to them long after.
     pub fn wait_status(&mut self, within: Duration) -> ExitStatus {
-        let exited = super::exits_within(self.pid, within);
-        let status = self
-            .child
-            .as_mut()
-            .expect("running")
-            .try_wait()
-            .expect("try_wait");
-        let Some(status) = status.filter(|_| exited) else {
-            panic!(
-                "{} did not exit within {within:?}; log:\n{}",
-                self.pid,
-                self.log_text()
-            );
-        };
+        let deadline = Instant::now() + within;
+        super::exits_within(self.pid, within);
+        // A process under a tracer (strace) is the tracer's to reap first: its exit reaches
+        // this, its parent, a moment after the pidfd says it has exited.
+        let (pid, log) = (self.pid, self.log.clone());
+        let child = self.child.as_mut().expect("running");
+        let status = super::wait_until(
+            deadline.saturating_duration_since(Instant::now()),
+            || child.try_wait().expect("try_wait"),
+            || {
+                format!(
+                    "{pid} did not exit within {within:?}; log:\n{}",
+                    log.lock().expect("log").join("\n")
+                )
+            },
+        );
         self.child = None;
         status
     }

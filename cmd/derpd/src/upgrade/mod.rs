@@ -403,11 +403,19 @@ impl ChildGuard {
         let Some(child) = &mut self.0 else {
             return Ok(None);
         };
-        if let Some(status) = child.try_wait()? {
-            return Ok(Some(status));
-        }
+        let deadline = Instant::now() + within;
         wait_for_exit(child.id(), within);
-        child.try_wait()
+        // Under a tracer (strace -f), the exit reaches this process, its parent, a moment
+        // after the pidfd shows it.
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(Some(status));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
     }
 
     fn disarm(&mut self) {

@@ -9,7 +9,7 @@ a fixed one-way delay, dropping each with the given probability, independently i
 direction (what `tc qdisc add dev X root netem delay D loss P` on both ends of a veth pair
 does).
 
-    lossy-link.py [--rate-mbit R --queue-ms Q] NS_A ADDR_A NS_B ADDR_B DELAY_MS LOSS_PERCENT [SEED [NAME]]
+    lossy-link.py [--rate-mbit R [--queue-ms Q | --policer-ms B] [--one-way]] NS_A ADDR_A NS_B ADDR_B DELAY_MS LOSS_PERCENT [SEED [NAME]]
 
 Creates tun devices `NAMEA`/`NAMEB` (NAME defaults to `lossy`), moves them into the
 (existing) namespaces, gives them ADDR_A and ADDR_B as the two ends of the link, prints
@@ -20,11 +20,16 @@ between the two namespaces it was given.
 With --rate-mbit, each direction is also a bottleneck of R Mbit/s (IP bytes) with a
 drop-tail queue that holds Q milliseconds of it (default 50): a packet that arrives while
 more than Q ms of packets wait is dropped (netem's `rate`, or `tbf ... limit`, behave alike).
+With --policer-ms instead, the bottleneck is a token-bucket policer with no queue: tokens
+(bytes) accrue at R Mbit/s into a bucket that holds B milliseconds of R; a packet that finds
+tokens for its size passes at once and takes them, one that does not is dropped (`tc filter
+... police rate R burst ... drop`, or a provider's egress policer). With --one-way only the
+a>b direction has the bottleneck (b>a carries everything, still delayed and lossy).
 
 On SIGUSR1 it prints one line with its counts so far, per direction (`a>b` and `b>a`):
-`counts a>b in=N lost=N queue=N eagain=N b>a ...`: packets read, dropped as random loss,
-dropped by the full queue, and dropped because the receiving TUN device's queue was full
-(`eagain`, an unplanned loss).
+`counts a>b in=N lost=N queue=N police=N eagain=N b>a ...`: packets read, dropped as random
+loss, dropped by the full queue, dropped by the policer, and dropped because the receiving
+TUN device's queue was full (`eagain`, an unplanned loss).
 """
 
 import fcntl
@@ -60,6 +65,13 @@ def ip_in(ns, *args):
     ip(*(["-n", ns] if ns != "-" else []), *args)
 
 
+def take_flag(argv, name):
+    if name in argv:
+        argv.remove(name)
+        return True
+    return False
+
+
 def take_option(argv, name, default=None):
     if name in argv:
         i = argv.index(name)
@@ -72,16 +84,29 @@ def take_option(argv, name, default=None):
 class Direction:
     """One way across the link: its bottleneck (if any) and its counts."""
 
-    def __init__(self, name, rate_bps, queue_s):
+    def __init__(self, name, rate_bps, queue_s, bucket_s=None):
         self.name = name
         self.rate_bps = rate_bps
         self.queue_s = queue_s
         self.busy_until = 0.0
-        self.counts = {"in": 0, "lost": 0, "queue": 0, "eagain": 0}
+        # The policer's bucket, in bytes, full at the start; None for a queue.
+        self.bucket = rate_bps * bucket_s / 8 if rate_bps and bucket_s is not None else None
+        self.tokens = self.bucket
+        self.filled_at = time.monotonic()
+        self.counts = {"in": 0, "lost": 0, "queue": 0, "police": 0, "eagain": 0}
 
     def departure(self, now, size):
-        """When a packet arriving now leaves the bottleneck, or None if the queue drops it."""
+        """When a packet arriving now leaves the bottleneck, or None if the bottleneck drops
+        it."""
         if self.rate_bps is None:
+            return now
+        if self.bucket is not None:
+            self.tokens = min(self.bucket, self.tokens + (now - self.filled_at) * self.rate_bps / 8)
+            self.filled_at = now
+            if self.tokens < size:
+                self.counts["police"] += 1
+                return None
+            self.tokens -= size
             return now
         start = max(now, self.busy_until)
         if start - now > self.queue_s:
@@ -98,6 +123,8 @@ def main():
     argv = sys.argv[1:]
     rate = take_option(argv, "--rate-mbit")
     queue_ms = take_option(argv, "--queue-ms", 50.0)
+    policer_ms = take_option(argv, "--policer-ms")
+    one_way = take_flag(argv, "--one-way")
     ns_a, addr_a, ns_b, addr_b = argv[0:4]
     delay = float(argv[4]) / 1000.0
     loss = float(argv[5]) / 100.0
@@ -115,9 +142,10 @@ def main():
         ip_in(ns, "link", "set", "lo", "up")
     peer = {fds[name_a]: fds[name_b], fds[name_b]: fds[name_a]}
     rate_bps = rate * 1e6 if rate else None
+    bucket_s = policer_ms / 1000.0 if policer_ms is not None else None
     way = {
-        fds[name_a]: Direction("a>b", rate_bps, queue_ms / 1000.0),
-        fds[name_b]: Direction("b>a", rate_bps, queue_ms / 1000.0),
+        fds[name_a]: Direction("a>b", rate_bps, queue_ms / 1000.0, bucket_s),
+        fds[name_b]: Direction("b>a", None if one_way else rate_bps, queue_ms / 1000.0, bucket_s),
     }
     signal.signal(signal.SIGUSR1, lambda *_: print(
         "counts " + " ".join(d.line() for d in way.values()), flush=True))

@@ -268,10 +268,17 @@ impl LossFilter {
             self.round.acked = 0;
             self.round.lost = 0;
         }
-        // Only this round's own packets, and only a round the sender did not fill: in one
-        // that it did, losses may be its own congestion.
+        // Only this round's own packets, only a round the sender did not fill (in one that
+        // it did, losses may be its own congestion), and only once it has cut for
+        // congestion: in slow start a sender short of data can still send at twice what
+        // the path delivered (the cap), and a bottleneck's losses then would pass for the
+        // path's random loss.
         let own = counts.delivered + counts.lost;
-        if counts.samples > 0 && !counts.window_limited() && own >= MIN_ROUND_PACKETS * self.mtu {
+        if self.cut_once
+            && counts.samples > 0
+            && !counts.window_limited()
+            && own >= MIN_ROUND_PACKETS * self.mtu
+        {
             let rate = counts.lost as f64 / own as f64;
             let gain = (own as f64 / self.mtu as f64 / RANDOM_LOSS_PACKETS).min(0.5);
             self.random_loss = Some(
@@ -818,17 +825,18 @@ mod tests {
         for p in [0.05, 0.10] {
             let mut link = Link::new();
             let mut rng = Rng(0x5eed);
+            // A cut for congestion (an ECN mark) ends slow start.
+            link.random_round(40, 0.0, BASE_RTT, &mut rng);
+            link.cc.on_congestion_event(link.now, link.now, false, 0);
+            link.now += Duration::from_millis(1);
+            let after_cut = link.cc.window();
             // The relay's load leaves room in the window: the path's random loss is learned.
             for _ in 0..60 {
                 link.random_round(40, p, BASE_RTT, &mut rng);
             }
             let learned = link.cc.random_loss().unwrap();
             assert!((learned - p).abs() < p / 2.0, "learned {learned} for {p}");
-            // A cut for congestion (an ECN mark) ends slow start; then the load fills the
-            // window, with the same random loss.
-            link.cc.on_congestion_event(link.now, link.now, false, 0);
-            link.now += Duration::from_millis(1);
-            let after_cut = link.cc.window();
+            // Then the load fills the window, with the same random loss.
             let passed = link.cc.decisions().0;
             link.window_limited = true;
             for _ in 0..200 {
@@ -847,12 +855,13 @@ mod tests {
     fn without_random_loss_learned_a_full_windows_loss_is_congestion() {
         let mut link = Link::new();
         let mut rng = Rng(3);
+        link.random_round(40, 0.0, BASE_RTT, &mut rng);
+        link.cc.on_congestion_event(link.now, link.now, false, 0);
+        link.now += Duration::from_millis(1);
         for _ in 0..10 {
             link.random_round(40, 0.0, BASE_RTT, &mut rng);
         }
         assert_eq!(link.cc.random_loss(), Some(0.0));
-        link.cc.on_congestion_event(link.now, link.now, false, 0);
-        link.now += Duration::from_millis(1);
         // A loss while the sender has room in its window says nothing of its own rate.
         link.round(40, 40, BASE_RTT);
         link.now += Duration::from_millis(1);
@@ -931,5 +940,19 @@ mod tests {
         let queue = link.cc.queue_delay().unwrap();
         assert!(queue > Duration::from_millis(14), "{queue:?}");
         assert!(queue <= Duration::from_millis(15), "{queue:?}");
+    }
+
+    #[test]
+    fn slow_starts_losses_are_not_learned_as_random() {
+        let mut link = Link::new();
+        // In slow start the relay sends what it has, short of the window the cap allows but
+        // past a policer's rate: an eighth of the packets lost, rounds not full, below the
+        // loss rate that ends slow start.
+        for _ in 0..30 {
+            link.round(32, 8, BASE_RTT);
+            link.now += Duration::from_millis(1);
+        }
+        assert_eq!(link.cc.decisions().0, 0);
+        assert_eq!(link.cc.random_loss(), None);
     }
 }

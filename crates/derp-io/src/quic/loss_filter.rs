@@ -20,7 +20,8 @@ use quinn_proto::RttEstimator;
 /// - a loss rate, smoothed over rounds, of at least [`LOSS_THRESHOLD`], which no random loss
 ///   a path that works at all is likely to have explains: a bottleneck with almost no buffer;
 /// - more losses than the path's random loss explains while the sender fills its window,
-///   once the connection has cut its window for congestion before (it has left slow start).
+///   once the path has shown a bottleneck without a queue (a loss rate of
+///   [`LOSS_THRESHOLD`] taken for congestion: how slow start ends against one).
 ///   Random loss does not depend on how fast the sender sends; a bottleneck with no queue
 ///   (a shallow drop-tail buffer, a token-bucket policer, an AQM whose target is small
 ///   beside the round trip) drops only once the sender exceeds its rate. So the random
@@ -76,6 +77,9 @@ pub struct LossFilter {
     recovery_start: Option<Instant>,
     /// Whether a loss has been passed on to CUBIC (the connection has left slow start).
     cut_once: bool,
+    /// Whether the path has shown a bottleneck that drops without a queue: a loss rate of
+    /// [`LOSS_THRESHOLD`] passed on to CUBIC.
+    queueless: bool,
     /// Losses passed on to CUBIC, and ones held back (for tests and diagnostics).
     passed: u64,
     ignored: u64,
@@ -191,6 +195,7 @@ impl LossFilter {
             delivered: 0,
             recovery_start: None,
             cut_once: false,
+            queueless: false,
             passed: 0,
             ignored: 0,
         }
@@ -318,7 +323,7 @@ impl LossFilter {
         if self.loss_rate >= LOSS_THRESHOLD {
             return Some(Cause::LossRate);
         }
-        if self.cut_once && self.excess_loss() {
+        if self.queueless && self.excess_loss() {
             return Some(Cause::Excess);
         }
         let (Some(min), Some(queue)) = (self.min_rtt.get(), self.queue_delay()) else {
@@ -442,6 +447,9 @@ impl Controller for LossFilter {
                 round_min_ms = self.round.min.map(|d| d.as_secs_f64() * 1e3),
                 "loss taken as congestion"
             );
+            if cause == Cause::LossRate {
+                self.queueless = true;
+            }
             self.cut(now, sent, is_persistent_congestion, lost_bytes);
         } else {
             self.ignored += 1;
@@ -593,6 +601,25 @@ mod tests {
             self.cc
                 .on_end_acks(self.now, 0, false, Some(self.next_pn - 1));
             self.now += Duration::from_millis(1);
+        }
+    }
+
+    /// Slow start past a policer at half the offered rate, the round trip unchanged, until
+    /// the loss rate ends it; then rounds without loss, the sender short of data.
+    fn overshoot(link: &mut Link) {
+        let mut rounds = 0;
+        while link.cc.decisions().0 == 0 {
+            link.round(20, 2, BASE_RTT);
+            link.now += Duration::from_millis(1);
+            rounds += 1;
+            assert!(
+                rounds < 20,
+                "half the packets lost for {rounds} rounds, no reaction"
+            );
+        }
+        for _ in 0..20 {
+            link.round(20, 0, BASE_RTT);
+            link.now += Duration::from_millis(1);
         }
     }
 
@@ -825,10 +852,8 @@ mod tests {
         for p in [0.05, 0.10] {
             let mut link = Link::new();
             let mut rng = Rng(0x5eed);
-            // A cut for congestion (an ECN mark) ends slow start.
-            link.random_round(40, 0.0, BASE_RTT, &mut rng);
-            link.cc.on_congestion_event(link.now, link.now, false, 0);
-            link.now += Duration::from_millis(1);
+            // Slow start ends against a bottleneck without a queue (the loss rate).
+            overshoot(&mut link);
             let after_cut = link.cc.window();
             // The relay's load leaves room in the window: the path's random loss is learned.
             for _ in 0..60 {
@@ -852,25 +877,26 @@ mod tests {
     }
 
     #[test]
-    fn without_random_loss_learned_a_full_windows_loss_is_congestion() {
+    fn with_little_random_loss_learned_a_full_windows_losses_are_congestion() {
         let mut link = Link::new();
         let mut rng = Rng(3);
-        link.random_round(40, 0.0, BASE_RTT, &mut rng);
-        link.cc.on_congestion_event(link.now, link.now, false, 0);
-        link.now += Duration::from_millis(1);
-        for _ in 0..10 {
+        overshoot(&mut link);
+        for _ in 0..200 {
             link.random_round(40, 0.0, BASE_RTT, &mut rng);
         }
-        assert_eq!(link.cc.random_loss(), Some(0.0));
+        let learned = link.cc.random_loss().unwrap();
+        assert!(learned < 0.001, "{learned}");
+        let (passed, ignored) = link.cc.decisions();
         // A loss while the sender has room in its window says nothing of its own rate.
+        link.window_limited = false;
         link.round(40, 40, BASE_RTT);
         link.now += Duration::from_millis(1);
-        assert_eq!(link.cc.decisions(), (1, 1));
-        // One while it fills the window is congestion.
+        assert_eq!(link.cc.decisions(), (passed, ignored + 1));
+        // Two while it fills the window are congestion.
         link.window_limited = true;
         link.round(40, 0, BASE_RTT);
-        link.round(40, 40, BASE_RTT);
-        assert_eq!(link.cc.decisions(), (2, 1));
+        link.round(40, 20, BASE_RTT);
+        assert_eq!(link.cc.decisions(), (passed + 1, ignored + 1));
     }
 
     #[test]
@@ -954,5 +980,25 @@ mod tests {
         }
         assert_eq!(link.cc.decisions().0, 0);
         assert_eq!(link.cc.random_loss(), None);
+    }
+
+    #[test]
+    fn a_cut_for_a_queue_does_not_arm_the_excess_rule() {
+        let mut link = Link::new();
+        link.window_limited = true;
+        for _ in 0..5 {
+            link.round(20, 0, BASE_RTT);
+        }
+        // A queue (or a host's stall that looks like one) ends slow start; random loss
+        // while the window is full, with no random loss learned yet, is still random.
+        link.round(20, 0, BASE_RTT * 3 / 2);
+        link.round(20, 10, BASE_RTT * 3 / 2);
+        link.now += Duration::from_millis(1);
+        assert_eq!(link.cc.decisions(), (1, 0));
+        for _ in 0..5 {
+            link.round(20, 10, BASE_RTT);
+            link.now += Duration::from_millis(1);
+        }
+        assert_eq!(link.cc.decisions(), (1, 5));
     }
 }

@@ -28,8 +28,8 @@ pub use send::SendStream;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Congestion {
     /// CUBIC that answers only losses that come with evidence of congestion (a standing
-    /// queue, a loss rate no random loss explains, persistent congestion, ECN); see
-    /// [`LossFilter`].
+    /// queue, a loss rate no random loss explains, more losses than the path's random loss
+    /// while the window is full, persistent congestion, ECN); see [`LossFilter`].
     #[default]
     LossFilter,
     /// quinn's CUBIC: every loss halves (×0.7) the window, random loss included.

@@ -158,6 +158,7 @@ async fn serve_accepted(
             losses_passed = passed,
             losses_ignored = ignored,
             loss_rate = filter.as_ref().map(|f| f.loss_rate()),
+            random_loss = filter.as_ref().and_then(|f| f.random_loss()),
             queue_ms = filter.as_ref().and_then(|f| f.queue_delay()).map(|d| d.as_secs_f64() * 1e3),
             "quic connection closed"
         );

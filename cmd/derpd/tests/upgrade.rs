@@ -453,11 +453,11 @@ async fn a_second_sigusr2_is_ignored_and_a_silent_new_process_is_killed_at_the_d
     still_serving(&mut node, &mut a, &mut b).await;
 }
 
-/// The test as the old process: a hello of a format version this derpd does not read is
-/// refused on the channel, with the reason, and the new process exits.
-#[test]
-fn a_hello_of_an_unknown_version_is_refused() {
-    use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
+/// Starts derpd as the new process of an upgrade whose old process is this test: derpd gets
+/// its end of the handover channel as standard input, and the test keeps the other end,
+/// whose reads time out after [`STEP`].
+fn as_new_process(cmd: std::process::Command) -> (std::os::fd::OwnedFd, Process) {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
     let (mine, theirs) = rustix::net::socketpair(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -465,20 +465,29 @@ fn a_hello_of_an_unknown_version_is_refused() {
         None,
     )
     .expect("socketpair");
-    let mut cmd = support::derpd_command(
-        &Launch::plain(),
-        &["--log-format", "json", "--dev", "-a", "127.0.0.1:0"],
-    );
-    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
-    let mut derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
-    let hello = br#"{"type":"hello","version":2,"pid":1,"listeners":[]}"#;
-    rustix::net::send(&mine, hello, SendFlags::empty()).expect("send");
     rustix::net::sockopt::set_socket_timeout(
         &mine,
         rustix::net::sockopt::Timeout::Recv,
         Some(STEP),
     )
     .expect("timeout");
+    let mut cmd = cmd;
+    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
+    let derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
+    (mine, derpd)
+}
+
+/// The test as the old process: a hello of a format version this derpd does not read is
+/// refused on the channel, with the reason, and the new process exits.
+#[test]
+fn a_hello_of_an_unknown_version_is_refused() {
+    use rustix::net::{RecvFlags, SendFlags};
+    let (mine, mut derpd) = as_new_process(support::derpd_command(
+        &Launch::plain(),
+        &["--log-format", "json", "--dev", "-a", "127.0.0.1:0"],
+    ));
+    let hello = br#"{"type":"hello","version":2,"pid":1,"listeners":[]}"#;
+    rustix::net::send(&mine, hello, SendFlags::empty()).expect("send");
     let mut buf = [0u8; 4096];
     let (n, _) = rustix::net::recv(&mine, &mut buf, RecvFlags::empty()).expect("an answer");
     let answer: serde_json::Value = serde_json::from_slice(&buf[..n]).expect("json");
@@ -664,25 +673,12 @@ fn recv_message(channel: &impl std::os::fd::AsFd, derpd: &Process) -> serde_json
 /// serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_committed_new_process_serves_on_when_its_done_cannot_be_sent() {
-    use rustix::net::{AddressFamily, SendFlags, SocketFlags, SocketType};
+    use rustix::net::SendFlags;
     use std::os::fd::AsFd;
     let dir = TempDir::new("upgrade-done-lost");
     let notify_path = dir.path("notify");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).expect("bind");
     notify.set_read_timeout(Some(STEP)).expect("timeout");
-    let (mine, theirs) = rustix::net::socketpair(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .expect("socketpair");
-    rustix::net::sockopt::set_socket_timeout(
-        &mine,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(STEP),
-    )
-    .expect("timeout");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let mut cmd = support::derpd_command(
@@ -696,9 +692,8 @@ async fn a_committed_new_process_serves_on_when_its_done_cannot_be_sent() {
             "-stun=false",
         ],
     );
-    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
     cmd.env("NOTIFY_SOCKET", &notify_path);
-    let mut derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
+    let (mine, mut derpd) = as_new_process(cmd);
     let hello = serde_json::json!({
         "type": "hello",
         "version": 1,
@@ -736,26 +731,13 @@ async fn a_committed_new_process_serves_on_when_its_done_cannot_be_sent() {
 /// which has confirmed it would serve, takes none of them; after the commit it serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_process_takes_no_connection_or_datagram_before_the_commit() {
-    use rustix::net::{AddressFamily, SendFlags, SocketFlags, SocketType};
+    use rustix::net::SendFlags;
     use std::os::fd::AsFd;
-    let (mine, theirs) = rustix::net::socketpair(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .expect("socketpair");
-    rustix::net::sockopt::set_socket_timeout(
-        &mine,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(STEP),
-    )
-    .expect("timeout");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let stun = UdpSocket::bind("127.0.0.1:0").expect("bind");
     let stun_addr = stun.local_addr().expect("addr");
-    let mut cmd = support::derpd_command(
+    let (mine, mut derpd) = as_new_process(support::derpd_command(
         &Launch::plain(),
         &[
             "--log-format",
@@ -766,9 +748,7 @@ async fn a_new_process_takes_no_connection_or_datagram_before_the_commit() {
             "--stun-port",
             "0",
         ],
-    );
-    cmd.env("DERPD_TAKEOVER_FROM", std::process::id().to_string());
-    let mut derpd = Process::spawn_with_stdin(cmd, std::process::Stdio::from(theirs));
+    ));
     let hello = serde_json::json!({
         "type": "hello",
         "version": 1,

@@ -201,7 +201,10 @@ fn check(cli: &Cli, r: &mut Report) {
     }
 
     check_mesh(cli, r);
-    r.ok("workers", crate::Workers::of(cli.workers).describe());
+    r.ok(
+        "workers",
+        crate::workers::Workers::of(cli.workers).describe(),
+    );
     check_limits(cli, r);
     check_bootstrap_dns(cli, r);
     for e in cli.compat.errors(cli.dev) {

@@ -302,6 +302,19 @@ impl ReadHalf {
         }
     }
 
+    /// A new descriptor for the plain TCP socket under this half, to hand the connection to
+    /// another process; `None` for any other stream, whose state is not only in the kernel.
+    pub fn dup_tcp_socket(&self) -> Option<io::Result<std::os::fd::OwnedFd>> {
+        use std::os::fd::AsFd;
+        match self {
+            Self::Tcp(r) => {
+                let stream: &TcpStream = r.as_ref();
+                Some(stream.as_fd().try_clone_to_owned())
+            }
+            Self::Tls(_) | Self::Boxed(_) | Self::Halves(_) => None,
+        }
+    }
+
     /// [`ReadHalf::ready`] as a poll, for a caller's own hand-written wait.
     pub fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self {
@@ -347,6 +360,17 @@ impl std::fmt::Debug for WriteHalf {
 }
 
 impl WriteHalf {
+    /// Drops this half without telling the peer anything: a plain TCP socket is not shut
+    /// down (dropping an `OwnedWriteHalf` would send a FIN). For a connection handed to
+    /// another process, which goes on writing to the same socket.
+    pub fn forget(self) {
+        match self {
+            Self::Tcp(w) => w.forget(),
+            // Not handed over: their state is not only in the kernel.
+            Self::Tls(_) | Self::Boxed(_) | Self::Halves(_) => {}
+        }
+    }
+
     /// Gives back buffers the stream holds while they are empty (TLS 1.3's record buffer),
     /// so an idle connection keeps none.
     pub fn shrink_idle(&mut self) {

@@ -4,6 +4,7 @@ mod acme;
 mod admission;
 mod client;
 mod debug;
+mod handover;
 mod harness;
 mod hostile;
 mod layout;

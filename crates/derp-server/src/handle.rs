@@ -20,6 +20,12 @@ const WRITE_TIMED_OUT: u8 = 2;
 const DUP: u8 = 1;
 const ACTIVE: u8 = 2;
 const PREFERRED: u8 = 4;
+/// Handed to a successor process: at its commit this process forgets the connection.
+const HANDED: u8 = 8;
+/// Taken over from a predecessor process: its read loop resumes from handed state.
+const ADOPTED: u8 = 16;
+/// Carried over QUIC, whose state lives in quinn: never handed over.
+const QUIC: u8 = 32;
 
 /// A connection's TCP socket, as the kernel's statistics (`tcpinfo`) find it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +152,36 @@ impl ConnHandle {
             self.standing.fetch_and(!bit, order)
         };
         was & bit != 0
+    }
+
+    /// Marks the connection as handed to a successor process (or not, on a rollback).
+    pub(crate) fn set_handed(&self, handed: bool) {
+        self.set_standing(HANDED, handed, Ordering::Release);
+    }
+
+    /// Whether the connection was handed to a successor process.
+    pub(crate) fn is_handed(&self) -> bool {
+        self.standing.load(Ordering::Acquire) & HANDED != 0
+    }
+
+    /// Marks the connection as taken over from a predecessor process.
+    pub(crate) fn set_adopted(&self) {
+        self.set_standing(ADOPTED, true, Ordering::Release);
+    }
+
+    /// Whether the connection was taken over from a predecessor process.
+    pub(crate) fn is_adopted(&self) -> bool {
+        self.standing.load(Ordering::Acquire) & ADOPTED != 0
+    }
+
+    /// Marks the connection as carried over QUIC.
+    pub(crate) fn set_quic(&self) {
+        self.set_standing(QUIC, true, Ordering::Relaxed);
+    }
+
+    /// Whether the connection is carried over QUIC.
+    pub(crate) fn is_quic(&self) -> bool {
+        self.standing.load(Ordering::Relaxed) & QUIC != 0
     }
 
     /// Records the connection's TCP socket (see [`ConnHandle::socket_cookie`]).
@@ -304,6 +340,14 @@ impl Cancel {
 
     /// Completes once [`Cancel::cancel`] was called.
     pub(crate) async fn cancelled(&self) {
+        // A nudge wakes every waiter; only a cancel ends this wait.
+        while !self.is_cancelled() {
+            self.cancelled_or_nudged().await;
+        }
+    }
+
+    /// Completes once [`Cancel::cancel`] or [`Cancel::nudge`] was called.
+    pub(crate) async fn cancelled_or_nudged(&self) {
         // Created before the flag is read: a `Notified` receives every `notify_waiters` from
         // its creation on, polled or not, so a cancel after the read completes it. Nothing
         // is locked until the first poll (once per wait, as with a cancellation token).
@@ -312,6 +356,22 @@ impl Cancel {
             return;
         }
         notified.await;
+    }
+
+    /// Wakes the task whose waker was left with [`Cancel::register_quiet`], leaving the
+    /// waker there: a busy read loop registers it once per stretch, and must still be woken
+    /// by a later cancel after being woken for something it then ignored.
+    pub(crate) fn poke_quiet(&self) {
+        let quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = &*quiet {
+            w.wake_by_ref();
+        }
+    }
+
+    /// Wakes whoever waits in [`Cancel::cancelled_or_nudged`] without cancelling: a writer
+    /// blocked on a full socket then looks at why (a handover freezing its connection).
+    pub(crate) fn nudge(&self) {
+        self.waiters.notify_waiters();
     }
 
     /// Leaves `waker` to be woken by [`Cancel::cancel`] or [`Cancel::wake_quiet`], for a

@@ -44,6 +44,7 @@ mod config;
 mod conn;
 mod debug;
 mod handle;
+mod handover;
 mod http;
 mod listen;
 mod lookup;
@@ -72,6 +73,10 @@ pub use config::{
     IpCidr, KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
 pub use derp_io::{BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, tune_listener, tune_socket};
+pub use handover::{
+    AdoptError, Adopted, FORMAT as HANDOVER_FORMAT, Frozen, HandedConn, RecordError, decode_conns,
+    encode_conns,
+};
 pub use http::{Rewind, generate_204, http1_builder, text};
 pub use listen::{
     AcceptRate, BudgetMetrics, ConnGuard, ConnLimits, DEFAULT_MAX_UNPROVEN,

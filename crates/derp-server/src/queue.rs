@@ -13,6 +13,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
@@ -33,7 +34,7 @@ pub(crate) struct Packet {
 }
 
 /// Frames other than packets that a writer sends on another task's behalf.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Control {
     PeerGone(PublicKey, PeerGoneReason),
     PeerPresent {
@@ -74,6 +75,33 @@ pub(crate) trait Resume: Send + std::fmt::Debug {
 
     /// Gives back what bursts grew its buffers to; called while it is parked.
     fn shrink_idle(&mut self) {}
+
+    /// What a successor process needs to continue this writer, when it can: the bytes of a
+    /// batch it has begun and not finished writing, and the sources it watches for PeerGone.
+    /// Called while it is parked in a frozen queue.
+    fn export(&self) -> Option<WriterExport> {
+        None
+    }
+
+    /// Lets go of the connection without a word to the peer: no close frame, no TLS
+    /// close_notify, no `shutdown(2)`. The socket lives on in the process it was handed to.
+    fn forget(self: Box<Self>) {}
+}
+
+/// A parked writer's state as a successor process continues it.
+#[derive(Debug, Default)]
+pub(crate) struct WriterExport {
+    /// Bytes of a batch already framed and partly written: they go out first, as they are.
+    pub(crate) tail: Vec<u8>,
+    /// Sources the connection has received from, to be told when they leave.
+    pub(crate) sent_from: Vec<PublicKey>,
+}
+
+/// A frozen queue's content and writer, copied for a successor process.
+#[derive(Debug, Default)]
+pub(crate) struct QueueExport {
+    pub(crate) batch: Batch,
+    pub(crate) writer: WriterExport,
 }
 
 /// Writers a sender took from their queues while handling one read batch, to be run with
@@ -181,7 +209,13 @@ impl Default for WriterState {
 /// frames, the pending pong, and the parked writer.
 #[derive(Debug)]
 pub(crate) struct SendQueue {
-    depth: usize,
+    /// A `u32`, so that `frozen` takes no word of its own: every connection's handle holds
+    /// this.
+    depth: u32,
+    /// The connection is being handed to another process: its writer parks with whatever
+    /// it holds and nothing starts it until the queue is thawed (or forgotten). Changed
+    /// only under the state's lock.
+    frozen: AtomicBool,
     state: Mutex<State>,
     notify: Notify,
 }
@@ -190,7 +224,8 @@ impl SendQueue {
     /// Queues of `depth` packets each (at least one).
     pub(crate) fn new(depth: usize) -> Self {
         Self {
-            depth: depth.max(1),
+            depth: u32::try_from(depth.max(1)).unwrap_or(u32::MAX),
+            frozen: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             notify: Notify::new(),
         }
@@ -209,7 +244,8 @@ impl SendQueue {
         let len = packet.data.len();
         let enqueued = packet.enqueued;
         let mut state = self.lock();
-        if state.pending.queue(kind).len() >= self.depth && !inline.writers.is_empty() {
+        let depth = self.depth as usize;
+        if state.pending.queue(kind).len() >= depth && !inline.writers.is_empty() {
             // Full within one read batch: a fast sender's read can carry more packets for
             // one destination than its queue holds. If this sender took the destination's
             // writer along, writing now makes room, so a receiver that keeps up never loses
@@ -229,7 +265,7 @@ impl SendQueue {
         };
         let mut packet = Some(packet);
         for _ in 0..3 {
-            if queue.len() < self.depth {
+            if queue.len() < depth {
                 if let Some(p) = packet.take() {
                     queue.push_back(p);
                 }
@@ -330,10 +366,23 @@ impl SendQueue {
     /// queue lock, so no enqueue can slip between the check and the park.
     pub(crate) fn park<W: Resume + 'static>(&self, writer: Box<W>) -> Result<(), Box<W>> {
         let mut state = self.lock();
-        if matches!(state.writer, WriterState::Closed) || !state.pending.is_empty() {
+        if matches!(state.writer, WriterState::Closed)
+            || (!state.pending.is_empty() && !self.is_frozen())
+        {
             return Err(writer);
         }
         // A writer parks only once what it took is out.
+        state.writer = WriterState::Parked(writer);
+        Ok(())
+    }
+
+    /// Parks a writer that stopped for a freeze, batch in hand; unless the queue was thawed
+    /// meanwhile, in which case it is handed back to finish its batch.
+    pub(crate) fn park_frozen<W: Resume + 'static>(&self, writer: Box<W>) -> Result<(), Box<W>> {
+        let mut state = self.lock();
+        if !self.is_frozen() || matches!(state.writer, WriterState::Closed) {
+            return Err(writer);
+        }
         state.writer = WriterState::Parked(writer);
         Ok(())
     }
@@ -361,6 +410,7 @@ impl SendQueue {
     /// sender's `inline` list instead of being started as a task.
     fn wake_inline(&self, mut state: std::sync::MutexGuard<'_, State>, inline: &mut Inline) {
         if let WriterState::Parked(writer) = &state.writer
+            && !self.is_frozen()
             && writer.can_write_inline()
             // Taken out under the lock: no other sender can take or start it meanwhile;
             // their packets are queued and go out with this write or the writer's task.
@@ -376,6 +426,9 @@ impl SendQueue {
     /// Starts a parked writer, or notifies a running one that has not been woken since its
     /// last take.
     fn wake(&self, mut state: std::sync::MutexGuard<'_, State>) {
+        if self.is_frozen() {
+            return;
+        }
         if let Some(writer) = state.unpark(false) {
             drop(state);
             writer.resume();
@@ -388,6 +441,88 @@ impl SendQueue {
             drop(state);
             self.notify.notify_one();
         }
+    }
+
+    /// Freezes the queue for a handover: from now on its writer, once it parks (a running
+    /// one is nudged to, see `Writer::drain`), stays parked whatever is queued.
+    pub(crate) fn freeze(&self) {
+        let _state = self.lock();
+        self.frozen.store(true, Ordering::Release);
+    }
+
+    /// Whether the queue is frozen.
+    pub(crate) fn is_frozen(&self) -> bool {
+        self.frozen.load(Ordering::Acquire)
+    }
+
+    /// Whether the queue is frozen with its writer parked (or the connection closed): then
+    /// nothing writes to the connection until it is thawed.
+    pub(crate) fn is_still(&self) -> bool {
+        let state = self.lock();
+        self.is_frozen() && !matches!(state.writer, WriterState::Active { .. })
+    }
+
+    /// Copies what is queued and the parked writer's state, for a successor process. The
+    /// queue stays as it is: a rollback thaws it and goes on.
+    pub(crate) fn export(&self) -> Option<QueueExport> {
+        let state = self.lock();
+        let WriterState::Parked(writer) = &state.writer else {
+            return None;
+        };
+        let copy = |q: &VecDeque<Packet>| {
+            q.iter()
+                .map(|p| Packet {
+                    src: p.src,
+                    data: p.data.clone(),
+                    enqueued: p.enqueued,
+                    forwarded: p.forwarded,
+                })
+                .collect()
+        };
+        Some(QueueExport {
+            batch: Batch {
+                disco: copy(&state.pending.disco),
+                other: copy(&state.pending.other),
+                control: state.pending.control.clone(),
+                pong: state.pending.pong,
+            },
+            writer: writer.export()?,
+        })
+    }
+
+    /// Thaws a frozen queue (the handover was called off): its writer starts again if there
+    /// is work for it.
+    pub(crate) fn thaw(&self) {
+        let mut state = self.lock();
+        self.frozen.store(false, Ordering::Release);
+        if !matches!(state.writer, WriterState::Parked(_)) {
+            return;
+        }
+        // A writer may hold a batch it began: it must finish it whether or not more is
+        // queued, so it is always started; with nothing to do it parks again at once.
+        if let Some(writer) = state.unpark(false) {
+            drop(state);
+            writer.resume();
+        }
+    }
+
+    /// Closes the queue for a connection handed to a successor process, which now writes
+    /// everything that was queued: nothing is counted as dropped, and the writer lets go of
+    /// the socket without closing it.
+    pub(crate) fn forget(&self) {
+        let mut state = self.lock();
+        let writer = std::mem::replace(&mut state.writer, WriterState::Closed);
+        state.pending = Batch::default();
+        drop(state);
+        if let WriterState::Parked(writer) = writer {
+            writer.forget();
+        }
+        self.notify.notify_one();
+    }
+
+    /// Fills a new queue with what a predecessor process had queued.
+    pub(crate) fn restore(&self, batch: Batch) {
+        self.lock().pending = batch;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {

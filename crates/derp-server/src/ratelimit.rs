@@ -221,6 +221,25 @@ impl ClientLimiter {
         Some(self.last + Duration::from_secs_f64((target - self.tokens) / self.rate))
     }
 
+    /// The bucket's tokens as of `now`, for a successor process to continue from.
+    pub(crate) fn tokens_at(&self, now: Instant) -> f64 {
+        if self.rate <= 0.0 {
+            return self.tokens;
+        }
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        (self.tokens + elapsed * self.rate).min(self.burst)
+    }
+
+    /// A bucket holding `tokens` (a predecessor process's, see [`ClientLimiter::tokens_at`])
+    /// under the limit in force now.
+    pub(crate) fn resumed(limits: &RateLimits, tokens: f64, now: Instant) -> Self {
+        let mut l = Self::new(limits, now);
+        if tokens.is_finite() {
+            l.tokens = tokens.min(l.burst);
+        }
+        l
+    }
+
     #[cfg(test)]
     pub(crate) fn limit(&self) -> (f64, f64) {
         (self.rate, self.burst)

@@ -318,6 +318,25 @@ impl Server {
         conn::serve(self.shared.clone(), handover).await;
     }
 
+    /// Freezes every connection for a handover to a successor process (see [`Frozen`]):
+    /// read loops stop between reads, and the writers of the connections that can be handed
+    /// over park where they are. Waits up to `within` for them; a connection that has not
+    /// stopped by then stays with this process. Accepting new connections is the caller's
+    /// to stop first.
+    pub async fn freeze_for_handover(&self, within: Duration) -> crate::Frozen {
+        crate::handover::freeze(&self.shared, within).await
+    }
+
+    /// Takes over connections a predecessor process handed over ([`crate::decode_conns`]):
+    /// registers them, inert until [`crate::Adopted::start`]. Must run inside the runtime
+    /// that will serve them.
+    pub fn adopt(
+        &self,
+        conns: Vec<crate::HandedConn>,
+    ) -> Result<crate::Adopted, crate::AdoptError> {
+        crate::handover::adopt(&self.shared, conns)
+    }
+
     /// Shuts down without cutting clients off mid-stream: stops accepting ([`Server::serve`]
     /// returns; callers' accept loops watch [`Server::drain_token`]), queues a Restarting
     /// frame for every client telling it to reconnect after `reconnect_in` and to keep

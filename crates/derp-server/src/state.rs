@@ -42,6 +42,8 @@ pub(crate) struct ServerState {
     /// Another process reads the QUIC listeners' UDP sockets too (it took them over): the
     /// endpoints answer nothing but their own connections' packets.
     pub(crate) udp_handed_over: AtomicBool,
+    /// A handover of connections to a successor process, while one is in progress.
+    pub(crate) handover: crate::handover::HandoverState,
     /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
     pub(crate) prometheus: prometheus::Registry,
     /// Every connection task, so shutdown can wait for them.
@@ -127,6 +129,7 @@ impl ServerState {
             draining: CancellationToken::new(),
             drain_begun: AtomicBool::new(false),
             udp_handed_over: AtomicBool::new(false),
+            handover: crate::handover::HandoverState::default(),
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
             ready: AtomicBool::new(false),

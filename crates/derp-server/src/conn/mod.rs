@@ -197,6 +197,9 @@ async fn run(
         )
         .with_tcp_socket(tcp_socket),
     );
+    if quic.is_some() {
+        handle.set_quic();
+    }
 
     if let Some(link) = &quic {
         let early = reader.attach_quic(link.clone());
@@ -337,6 +340,132 @@ fn written_out(handle: &ConnHandle) -> Result<(), ConnError> {
     }
 }
 
+/// A connection taken over from a predecessor process (see `crate::handover`), rebuilt and
+/// not yet running: its socket is not touched until [`AdoptedConn::start`].
+pub(crate) struct AdoptedConn {
+    handle: Arc<ConnHandle>,
+    reader: FrameReader,
+    writer: Box<Writer>,
+    sources: Vec<PublicKey>,
+}
+
+impl std::fmt::Debug for AdoptedConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdoptedConn")
+            .field("id", &self.handle.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AdoptedConn {
+    /// Rebuilds a connection from its handed state and socket.
+    pub(crate) fn build(
+        shared: &Arc<ServerState>,
+        record: crate::handover::ConnRecord,
+        fd: std::os::fd::OwnedFd,
+    ) -> io::Result<Self> {
+        let stream = std::net::TcpStream::from(fd);
+        // Refuses anything but a connected stream socket.
+        stream.peer_addr()?;
+        stream.set_nonblocking(true)?;
+        let transport = Transport::Tcp(tokio::net::TcpStream::from_std(stream)?);
+        let tcp_socket = crate::tcpinfo::tcp_socket(&transport);
+        let (read_half, write_half) = transport.split();
+        let reader = FrameReader::new(
+            read_half,
+            Framing::Raw,
+            BytesMut::from(record.read_buf.as_slice()),
+        );
+        let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
+        let handle = ConnHandle::new(
+            id,
+            record.key,
+            record.remote,
+            record.presence_flags,
+            record.can_mesh,
+            shared.config.send_queue_depth,
+        )
+        .with_tcp_socket(tcp_socket);
+        handle.swap_preferred(record.preferred);
+        handle.rtt_mark.set(record.rtt_mark);
+        handle.set_adopted();
+        let now = Instant::now();
+        let mut batch = Batch::default();
+        for p in record.packets {
+            let packet = crate::queue::Packet {
+                src: p.src,
+                data: p.data,
+                enqueued: now
+                    .checked_sub(Duration::from_micros(p.age_us))
+                    .unwrap_or(now),
+                forwarded: p.forwarded,
+            };
+            if p.disco {
+                batch.disco.push_back(packet);
+            } else {
+                batch.other.push_back(packet);
+            }
+        }
+        batch.control = record.control.into();
+        batch.pong = record.pong;
+        handle.queue.restore(batch);
+        let handle = Arc::new(handle);
+        let writer = Writer::adopt(
+            shared.clone(),
+            handle.clone(),
+            write_half,
+            Framing::Raw,
+            record.tail,
+            record.sent_from.clone(),
+        );
+        Ok(Self {
+            handle,
+            reader,
+            writer,
+            sources: record.sent_from,
+        })
+    }
+
+    pub(crate) fn handle(&self) -> &Arc<ConnHandle> {
+        &self.handle
+    }
+
+    /// Watches, for PeerGone, every source the client received from before the handover.
+    /// Watched as a mesh peer's sources are, whether or not they are known here yet: the
+    /// mesh links that tell of remote keys are new too.
+    pub(crate) fn watch_sources(&self, shared: &ServerState) {
+        for src in &self.sources {
+            shared.registry.watch_peer_gone(*src, true, &self.handle);
+        }
+    }
+
+    /// Runs the connection: its read loop from where it stopped, its writer with what it
+    /// had begun and what was queued.
+    pub(crate) fn start(self, shared: &Arc<ServerState>) {
+        let Self {
+            handle,
+            reader,
+            writer,
+            ..
+        } = self;
+        let not_ideal = handle.presence_flags & PEER_PRESENT_NOT_IDEAL != 0;
+        let registration =
+            Registration::registered(shared.clone(), handle, not_ideal, TransportLabel::Tcp, true);
+        writer.start_adopted();
+        let established = Established {
+            reader,
+            registration,
+            _open: None,
+        };
+        shared.tasks.spawn(established.run());
+    }
+
+    /// Lets go of the socket without a word to the peer: the predecessor serves it still.
+    pub(crate) fn forget(self) {
+        crate::queue::Resume::forget(self.writer);
+    }
+}
+
 /// A registered connection. Dropping it (on every path: normal end, error, panic, or the
 /// connection's future being dropped by an embedder) unregisters the connection, closes its
 /// queues and counts what they still held.
@@ -359,6 +488,18 @@ impl Registration {
         detached: bool,
     ) -> Self {
         shared.registry.register(&handle);
+        Self::registered(shared, handle, not_ideal, label, detached)
+    }
+
+    /// For a connection the registry already holds (one taken over from a predecessor
+    /// process).
+    fn registered(
+        shared: Arc<ServerState>,
+        handle: Arc<ConnHandle>,
+        not_ideal: bool,
+        label: TransportLabel,
+        detached: bool,
+    ) -> Self {
         shared.watch_lifecycle();
         // Read after registering: a shutdown that began earlier ended every connection it
         // found registered, which may not have included this one.

@@ -35,6 +35,8 @@ enum Stretch {
     Ended,
     /// Nothing was read for a keepalive period: wait for traffic holding little.
     Quiet,
+    /// The connection is being handed to another process: stop where it is.
+    Parked,
 }
 
 /// How a [`QuietWait`] ended.
@@ -43,6 +45,15 @@ enum Quiet {
     Readable,
     /// The connection is to end (cancelled, or the server is draining).
     Ended,
+    /// The connection is being handed to another process: stop where it is.
+    Parked,
+}
+
+/// Why a busy stretch stops.
+enum Halt {
+    Cancelled,
+    Drained,
+    Parked,
 }
 
 /// The read loop's wait for traffic on a quiet connection, queueing keepalives meanwhile.
@@ -69,6 +80,9 @@ impl Future for QuietWait<'_, '_> {
         if shared.draining.is_cancelled() {
             this.read_loop.drained = true;
             return Poll::Ready(Ok(Quiet::Ended));
+        }
+        if shared.handover.is_begun() {
+            return Poll::Ready(Ok(Quiet::Parked));
         }
         while this.keepalive.as_mut().poll(cx).is_ready() {
             this.read_loop.keepalive();
@@ -149,6 +163,20 @@ impl<'a> ReadLoop<'a> {
         handle: &'a Arc<ConnHandle>,
         reader: &'a mut FrameReader,
     ) -> Self {
+        let mut read_loop = Self::fresh(shared, handle, reader);
+        if handle.is_adopted()
+            && let Some(resume) = shared.handover.take_resume(handle.id)
+        {
+            read_loop.resume(resume);
+        }
+        read_loop
+    }
+
+    fn fresh(
+        shared: &'a Arc<ServerState>,
+        handle: &'a Arc<ConnHandle>,
+        reader: &'a mut FrameReader,
+    ) -> Self {
         let now = Instant::now();
         // The jitter is at most the interval itself, which only matters for the short
         // intervals tests use.
@@ -190,6 +218,7 @@ impl<'a> ReadLoop<'a> {
         let result = loop {
             // What the handshake left, or the last read, is not kept while waiting.
             self.reader.release_if_empty();
+            let mut parked = false;
             if self.reader.can_wait_idle() {
                 let keepalive = pin!(tokio::time::sleep_until(self.next_keepalive));
                 match (QuietWait {
@@ -200,13 +229,22 @@ impl<'a> ReadLoop<'a> {
                 {
                     Ok(Quiet::Readable) => {}
                     Ok(Quiet::Ended) => break Ok(()),
+                    Ok(Quiet::Parked) => parked = true,
                     Err(e) => break Err(e),
                 }
             }
-            match Box::pin(self.run_busy()).await {
-                Ok(Stretch::Quiet) => {}
-                Ok(Stretch::Ended) => break Ok(()),
-                Err(e) => break Err(e),
+            if !parked {
+                match Box::pin(self.run_busy()).await {
+                    Ok(Stretch::Quiet) => continue,
+                    Ok(Stretch::Ended) => break Ok(()),
+                    Ok(Stretch::Parked) => {}
+                    Err(e) => break Err(e),
+                }
+            }
+            // Boxed, like the busy loop: only a handover pays for its state.
+            if !Box::pin(self.park()).await {
+                // Handed over: the successor process serves the connection now.
+                return Ok(());
             }
         };
         if let Some(code) = self.reader.ws_close {
@@ -238,12 +276,17 @@ impl<'a> ReadLoop<'a> {
         // server's cancellation instead would register and drop a waiter under a lock on
         // every read, the server's lock shared by every connection on every thread.
         let _waker = WakerLeft::register(handle).await;
+        // QUIC connections are not handed over, and their datagrams are routed apart from
+        // their read loop anyway: they go on through a handover.
+        let parks = !self.reader.is_quic();
         let ended = || {
             std::future::poll_fn(|_| {
                 if handle.cancel.is_cancelled() {
-                    Poll::Ready(false)
+                    Poll::Ready(Halt::Cancelled)
                 } else if shared.drain_begun.load(Ordering::Acquire) {
-                    Poll::Ready(true)
+                    Poll::Ready(Halt::Drained)
+                } else if parks && shared.handover.is_begun() {
+                    Poll::Ready(Halt::Parked)
                 } else {
                     Poll::Pending
                 }
@@ -269,10 +312,7 @@ impl<'a> ReadLoop<'a> {
             if let Some(at) = resume_at {
                 tokio::select! {
                     biased;
-                    drained = ended() => {
-                        self.drained = drained;
-                        return Ok(Stretch::Ended);
-                    }
+                    halt = ended() => return Ok(self.halt(halt)),
                     _ = &mut keepalive => {
                         self.keepalive();
                         keepalive.as_mut().reset(self.next_keepalive);
@@ -284,10 +324,7 @@ impl<'a> ReadLoop<'a> {
             let n = tokio::select! {
                 biased;
                 // On a graceful shutdown nothing more is read, so what is queued can drain.
-                drained = ended() => {
-                    self.drained = drained;
-                    return Ok(Stretch::Ended);
-                }
+                halt = ended() => return Ok(self.halt(halt)),
                 _ = &mut keepalive => {
                     self.keepalive();
                     keepalive.as_mut().reset(self.next_keepalive);
@@ -306,6 +343,84 @@ impl<'a> ReadLoop<'a> {
             self.read_since_keepalive = true;
             self.adapt_to_read(n);
         }
+    }
+
+    /// How a busy stretch ends for `halt`.
+    fn halt(&mut self, halt: Halt) -> Stretch {
+        match halt {
+            Halt::Cancelled => Stretch::Ended,
+            Halt::Drained => {
+                self.drained = true;
+                Stretch::Ended
+            }
+            Halt::Parked => Stretch::Parked,
+        }
+    }
+
+    /// Parks the loop for a handover: leaves what a successor process needs to continue it
+    /// with the handover, then waits for the verdict without reading. Returns true to go on
+    /// (the handover was called off, or this connection was not handed), false when the
+    /// connection was handed over and this process must let go of it.
+    ///
+    /// A cancel is not looked at while parked: ending the connection now would close a
+    /// socket the successor may already hold. It is seen once the loop goes on.
+    async fn park(&mut self) -> bool {
+        let shared = self.shared;
+        let handle = self.handle;
+        shared.handover.deposit(handle.id, self.export());
+        std::future::poll_fn(|cx| {
+            handle.cancel.register_quiet(cx.waker());
+            if shared.handover.is_begun() {
+                Poll::Pending
+            } else {
+                Poll::Ready(())
+            }
+        })
+        .await;
+        handle.cancel.clear_quiet();
+        !handle.is_handed()
+    }
+
+    /// What a successor process needs to continue this loop, if it can.
+    fn export(&self) -> Option<crate::handover::ReadExport> {
+        if self.drained {
+            return None;
+        }
+        let (fd, read_buf) = self.reader.export()?;
+        let now = Instant::now();
+        Some(crate::handover::ReadExport {
+            fd,
+            read_buf,
+            resume: crate::handover::ReadResume {
+                skip: self.decoder.skipping(),
+                tokens: self.limiter.as_ref().map(|l| l.tokens_at(now)),
+                age_ms: millis(now.saturating_duration_since(self.connected_at)),
+                keepalive_in_ms: millis(self.next_keepalive.saturating_duration_since(now)),
+            },
+        })
+    }
+
+    /// Continues from where a predecessor process left this loop.
+    fn resume(&mut self, resume: crate::handover::ReadResume) {
+        let now = Instant::now();
+        self.decoder = ServerDecoder::resume_skipping(resume.skip);
+        self.connected_at = now
+            .checked_sub(Duration::from_millis(resume.age_ms))
+            .unwrap_or(now);
+        self.next_keepalive = now
+            + Duration::from_millis(resume.keepalive_in_ms)
+                .min(Duration::from_millis(self.keepalive_period_ms.into()));
+        if self.limiter.is_some()
+            && let Some(tokens) = resume.tokens
+        {
+            self.limiter = Some(Box::new(ClientLimiter::resumed(
+                &self.shared.rate_limits,
+                tokens,
+                now,
+            )));
+        }
+        // Whatever was buffered may be several frames: handle it before waiting.
+        self.copy_payloads = true;
     }
 
     /// Whether the client's input is under a receive rate limit (then its QUIC datagrams
@@ -337,6 +452,10 @@ impl<'a> ReadLoop<'a> {
         }
         self.copy_payloads = n < COPY_READS_BELOW;
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The largest read; one read can carry many frames.

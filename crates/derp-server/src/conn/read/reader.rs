@@ -163,6 +163,22 @@ impl FrameReader {
         }
     }
 
+    /// Whether the connection is carried over QUIC.
+    pub(super) fn is_quic(&self) -> bool {
+        self.quic.is_some()
+    }
+
+    /// The socket (a new descriptor for it) and the DERP bytes read and not yet handled, for
+    /// a successor process; `None` where the connection's state is not only those (TLS,
+    /// WebSocket, QUIC, any boxed stream) or it is closing.
+    pub(super) fn export(&self) -> Option<(std::os::fd::OwnedFd, Vec<u8>)> {
+        if self.ws.is_some() || self.quic.is_some() || self.ws_close.is_some() {
+            return None;
+        }
+        let fd = self.half.dup_tcp_socket()?.ok()?;
+        Some((fd, self.buf.to_vec()))
+    }
+
     /// Whether this reader can wait for the socket to become readable holding nothing:
     /// nothing is buffered, and the transport can tell readiness (plain TCP or TLS 1.3, with
     /// or without WebSocket framing; not rustls's TLS 1.2 stream, whose records may hold

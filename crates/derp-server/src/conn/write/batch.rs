@@ -121,6 +121,45 @@ impl Scratch {
         n
     }
 
+    /// The batch's stream bytes not yet handed to the transport, copied: what a successor
+    /// process must write first when the connection is handed over mid-batch.
+    pub(super) fn unsent(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.stream_len().saturating_sub(self.progress));
+        let mut skip = self.progress;
+        for seg in &self.segs {
+            let bytes: &[u8] = match seg {
+                Seg::Header(range) => &self.headers[range.clone()],
+                Seg::Payload(PacketKind::Disco, i) => &self.batch.disco[*i].data,
+                Seg::Payload(PacketKind::Other, i) => &self.batch.other[*i].data,
+            };
+            let from = skip.min(bytes.len());
+            skip -= from;
+            out.extend_from_slice(&bytes[from..]);
+        }
+        out
+    }
+
+    /// Lays out a batch of bytes already framed (a predecessor process's unsent tail), to
+    /// be written as they are.
+    pub(super) fn raw(&mut self, bytes: Vec<u8>) {
+        self.headers = bytes;
+        self.segs.clear();
+        self.segs.push(Seg::Header(0..self.headers.len()));
+        self.progress = 0;
+    }
+
+    /// Empties a batch that will be neither written nor accounted here (its connection was
+    /// handed over), so the scratch can go back to the pool.
+    pub(super) fn clear(&mut self) {
+        self.batch = Batch::default();
+        self.segs.clear();
+        self.headers.clear();
+        self.datagrams.clear();
+        self.datagrams_sent.clear();
+        self.framed = Framed::default();
+        self.progress = 0;
+    }
+
     /// The RecvPacket frame of the `n`th packet that goes in a QUIC datagram.
     pub(super) fn datagram(&mut self, n: usize) -> Bytes {
         let p = packet_at(&self.batch, self.datagrams[n]);

@@ -33,7 +33,7 @@ use tracing::debug;
 
 use super::{Framing, count_gone};
 use crate::handle::{Cancel, ConnHandle};
-use crate::queue::Resume;
+use crate::queue::{Resume, WriterExport};
 use crate::quic::{DatagramError, QuicLink};
 use crate::state::ServerState;
 use batch::{MAX_IOV, Scratch};
@@ -77,6 +77,8 @@ enum Next {
     AwaitPath,
     /// The queue is closed: close the socket.
     Close,
+    /// The connection is being handed to another process: park as it is, batch and all.
+    Frozen,
 }
 
 /// One drive of [`Writer::poll_write`]: a sender's, or the writer's own task's.
@@ -148,7 +150,44 @@ impl Resume for Writer {
             // The socket pushed back (or the rest takes awaiting): the task finishes the
             // batch, waiting for it.
             Poll::Ready(Ok(Next::SendDatagrams | Next::AwaitPath)) | Poll::Pending => self.resume(),
+            // Only the writer's own task looks for a freeze.
+            Poll::Ready(Ok(Next::Frozen)) => self.resume(),
         }
+    }
+
+    fn export(&self) -> Option<WriterExport> {
+        if self.quic.is_some() {
+            return None;
+        }
+        let mut export = WriterExport {
+            tail: Vec::new(),
+            sent_from: self.sent_from.iter().copied().collect(),
+        };
+        if let State::Writing(s) = &self.state {
+            if !s.datagrams.is_empty() {
+                return None;
+            }
+            export.tail = s.unsent();
+            // The batch's sources are noted once it is written; the successor writes it.
+            for p in s.batch.disco.iter().chain(&s.batch.other) {
+                if !self.sent_from.contains(&p.src) {
+                    export.sent_from.push(p.src);
+                }
+            }
+            export.sent_from.sort_unstable();
+            export.sent_from.dedup();
+        }
+        Some(export)
+    }
+
+    fn forget(self: Box<Self>) {
+        let Self { w, state, .. } = *self;
+        if let State::Writing(mut s) = state {
+            // Written by the successor, not accounted here.
+            s.clear();
+            s.give();
+        }
+        w.forget();
     }
 }
 
@@ -175,6 +214,46 @@ impl Writer {
         }
     }
 
+    /// Starts the writer of a connection taken over from a predecessor process: `tail`, the
+    /// rest of a batch that process began, goes out first, then what was queued.
+    pub(super) fn adopt(
+        shared: Arc<ServerState>,
+        handle: Arc<ConnHandle>,
+        w: WriteHalf,
+        framing: Framing,
+        tail: Vec<u8>,
+        sent_from: Vec<PublicKey>,
+    ) -> Box<Self> {
+        let state = if tail.is_empty() {
+            State::Idle
+        } else {
+            let mut s = Scratch::take();
+            s.raw(tail);
+            State::Writing(s)
+        };
+        Box::new(Self {
+            shared,
+            handle,
+            w,
+            framing,
+            sent_from: sent_from.into_iter().collect(),
+            quic: None,
+            state,
+        })
+    }
+
+    /// Starts an adopted writer (see [`Writer::adopt`]): on its task if it has work, else
+    /// parked in its queue.
+    pub(super) fn start_adopted(self: Box<Self>) {
+        let busy = matches!(self.state, State::Writing(_));
+        let handle = self.handle.clone();
+        if busy {
+            self.resume();
+        } else if let Err(writer) = handle.queue.park(self) {
+            writer.resume();
+        }
+    }
+
     /// The writer's task: writes until the queue is empty (then the writer parks, and
     /// senders write inline again) or the connection closes.
     async fn run(mut self: Box<Self>) {
@@ -186,6 +265,17 @@ impl Writer {
                     // Work arrived between the drain and the park.
                     Err(back) => self = back,
                 },
+                // Parked with its batch; a thawed queue starts it again.
+                Ok(Next::Frozen) => {
+                    let shared = self.shared.clone();
+                    match handle.queue.park_frozen(self) {
+                        Ok(()) => {
+                            shared.handover.note_still();
+                            return;
+                        }
+                        Err(back) => self = back,
+                    }
+                }
                 Ok(Next::AwaitPath) => tokio::select! {
                     biased;
                     _ = handle.cancel.cancelled() => break None,
@@ -207,7 +297,8 @@ impl Writer {
     /// side ending). It also sends the QUIC datagrams the loop asks for.
     async fn drain(&mut self, handle: &ConnHandle) -> io::Result<Next> {
         let write_timeout = self.write_timeout();
-        let mut cancelled = pin!(handle.cancel.cancelled());
+        let shared = self.shared.clone();
+        let mut cancelled = pin!(handle.cancel.cancelled_or_nudged());
         // Armed only once the transport pushes back, and started again with each new call.
         let mut deadline = pin!(None::<Sleep>);
         let mut armed_at = 0;
@@ -218,11 +309,21 @@ impl Writer {
         };
         loop {
             let polled = std::future::poll_fn(|cx| {
+                // Read before every write: a frozen connection's writer must not write.
+                if shared.handover.is_begun() && handle.queue.is_frozen() {
+                    return Poll::Ready(Ok(Next::Frozen));
+                }
                 if let Poll::Ready(r) = self.poll_write(cx, &mut turn) {
                     return Poll::Ready(r);
                 }
                 if cancelled.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Err(aborted()));
+                    if handle.cancel.is_cancelled() {
+                        return Poll::Ready(Err(aborted()));
+                    }
+                    // A nudge: look at the freeze again, waiting anew.
+                    cancelled.set(handle.cancel.cancelled_or_nudged());
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
                 }
                 let Some(timeout) = write_timeout else {
                     return Poll::Pending;

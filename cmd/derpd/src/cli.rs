@@ -187,6 +187,13 @@ pub(crate) struct Cli {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub(crate) upgrade_timeout: Duration,
 
+    /// On SIGUSR2, hand the client connections that can go (plain TCP) to the new binary
+    /// with their state, so their clients notice nothing. With --upgrade-connections=false
+    /// every client is told to reconnect (Restarting) and drained, as on a restart.
+    #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,
+          default_missing_value = "true")]
+    pub(crate) upgrade_connections: bool,
+
     /// The Restarting frame sent to every client on shutdown: reconnect after this long.
     #[arg(long, default_value = "2s", value_parser = parse_restart_duration)]
     pub(crate) restart_reconnect_in: Duration,
@@ -297,6 +304,7 @@ const GO_KINDS: &GoKinds = &[
     ("mesh-ping-interval", GoKind::Duration),
     ("drain-timeout", GoKind::Duration),
     ("upgrade-timeout", GoKind::Duration),
+    ("upgrade-connections", GoKind::Bool),
     ("restart-reconnect-in", GoKind::Duration),
     ("restart-try-for", GoKind::Duration),
     ("workers", GoKind::Int),

@@ -210,6 +210,7 @@ async fn serve_node(
     let reloads = limits::configure(&cli.limits, &mut config, &registry)?;
     let server = Server::new(config, &registry).context("creating server")?;
     reloads.spawn(&server);
+    readiness.take_connections_into(server.clone());
     let backlog = cli.limits.listen_backlog;
     let listener = sockets.tcp(
         ListenerKind::Main,
@@ -320,8 +321,11 @@ async fn serve_node(
                 .context("serving")
         }
     });
-    let upgrader =
+    let mut upgrader =
         upgrade::Upgrader::new(exe, cli.upgrade_timeout, sockets.clone(), notify.clone());
+    if cli.upgrade_connections {
+        upgrader = upgrader.with_connections(server.clone());
+    }
     let mut attempt = None;
     let handed_to = loop {
         tokio::select! {
@@ -344,7 +348,7 @@ async fn serve_node(
                 info!("signal during an upgrade that is committed: finishing the handover first");
                 tokio::select! {
                     outcome = committed => match outcome {
-                        upgrade::Outcome::HandedOver { pid } => break Some(pid),
+                        upgrade::Outcome::HandedOver { pid, conns } => break Some((pid, conns)),
                         upgrade::Outcome::Failed(e) => {
                             warn!(error = %format!("{e:#}"), "upgrade failed");
                             break None;
@@ -371,7 +375,7 @@ async fn serve_node(
             {
                 attempt = None;
                 match outcome {
-                    upgrade::Outcome::HandedOver { pid } => break Some(pid),
+                    upgrade::Outcome::HandedOver { pid, conns } => break Some((pid, conns)),
                     upgrade::Outcome::Failed(e) => warn!(
                         error = %format!("{e:#}"),
                         "upgrade failed; this process keeps every listener and goes on serving"
@@ -401,7 +405,7 @@ async fn serve_node(
     }
     drop(serve);
     match handed_to {
-        Some(pid) => {
+        Some((pid, conns)) => {
             // The successor accepts on every port now; this process's copies are closed so
             // that it accepts and reads nothing more. systemd hears nothing from it: the
             // successor is the main process.
@@ -413,10 +417,11 @@ async fn serve_node(
             sockets.release();
             info!(
                 to = pid,
-                clients = server.local_clients(),
+                handed = conns,
+                staying = server.local_clients(),
                 drain_timeout = ?cli.drain_timeout,
-                "handed every listener over; client connections are not handed over (this \
-                 version hands over listening sockets only): each is told to reconnect \
+                "handed every listener over, and every client connection that can go (plain \
+                 TCP); those that stay (TLS, WebSocket, QUIC) are told to reconnect \
                  (Restarting) and drained; a signal exits at once"
             );
         }

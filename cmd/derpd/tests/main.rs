@@ -10,6 +10,7 @@ mod cli;
 mod deploy;
 mod derper;
 mod faults;
+mod handover;
 mod limits;
 mod mesh;
 mod netem;

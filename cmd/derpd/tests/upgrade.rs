@@ -1,7 +1,7 @@
 //! Upgrading in place: SIGUSR2 starts the file now at derpd's path (a copy of the built
 //! binary here, replaced by another copy as a package upgrade replaces it) and hands it every
-//! listening socket; the new process serves on them at once, the old one tells its clients to
-//! reconnect and exits 0. A new binary that exits at once, refuses the handed sockets or never
+//! listening socket and its plain TCP client connections; the new process serves on them at
+//! once, the old one tells the clients it kept to reconnect and exits 0. A new binary that exits at once, refuses the handed sockets or never
 //! confirms leaves the old process serving, its clients connected.
 
 use crate::support;
@@ -10,11 +10,11 @@ use std::net::{SocketAddr, UdpSocket};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use derp_client::{Client, ReceivedFrame};
+use derp_client::Client;
 use support::{DERPD, Launch, Node, Process, STEP, TempDir, client, expect_packet, secret};
 
 /// Copies the built derpd to `dir`/derpd and returns the path.
-fn install(dir: &TempDir) -> PathBuf {
+pub(crate) fn install(dir: &TempDir) -> PathBuf {
     let path = dir.path("derpd");
     std::fs::copy(DERPD, &path).expect("copy derpd");
     path
@@ -22,7 +22,7 @@ fn install(dir: &TempDir) -> PathBuf {
 
 /// Puts `contents` (or a fresh copy of the built derpd) at `path` as a package upgrade does:
 /// written beside it, then renamed over it, so the running file keeps its inode.
-fn replace(path: &Path, contents: Option<&str>) {
+pub(crate) fn replace(path: &Path, contents: Option<&str>) {
     let before = std::fs::metadata(path).expect("installed").ino();
     let new = path.with_extension("new");
     match contents {
@@ -38,10 +38,20 @@ fn replace(path: &Path, contents: Option<&str>) {
 
 /// A dev node started from `exe`, with a key file in `dir` (the successor keeps the key).
 fn start(exe: &Path, dir: &TempDir, more: &[&str]) -> Node {
+    start_with_env(exe, dir, more, &[])
+}
+
+/// [`start`], with `envs` in the node's environment (and so its successor's).
+pub(crate) fn start_with_env(
+    exe: &Path,
+    dir: &TempDir,
+    more: &[&str],
+    envs: &[(String, String)],
+) -> Node {
     let key = dir.path("derp.key").display().to_string();
     let mut args = vec!["--dev", "-a", "127.0.0.1:0", "-c", &key];
     args.extend_from_slice(more);
-    Node::start_with(&Launch::program(&exe.display().to_string()), &args, &[])
+    Node::start_with(&Launch::program(&exe.display().to_string()), &args, envs)
 }
 
 /// The address of the STUN socket the node logged.
@@ -107,16 +117,16 @@ fn ended(pid: u32) -> bool {
 
 /// The process that took over: not the test's child (the old derpd started it), so stopped
 /// by its PID: SIGTERM in [`Successor::stop`], SIGKILL on drop.
-struct Successor(u32);
+pub(crate) struct Successor(pub(crate) u32);
 
 impl Successor {
-    fn signal(&self, sig: &str) {
+    pub(crate) fn signal(&self, sig: &str) {
         let _ = std::process::Command::new("kill")
             .args([&format!("-{sig}"), &self.0.to_string()])
             .status();
     }
 
-    fn wait_ended(&self) {
+    pub(crate) fn wait_ended(&self) {
         assert!(
             support::exits_within(self.0, STEP),
             "{} did not exit",
@@ -124,7 +134,7 @@ impl Successor {
         );
     }
 
-    fn stop(self) {
+    pub(crate) fn stop(self) {
         self.signal("TERM");
         self.wait_ended();
     }
@@ -228,16 +238,10 @@ async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
         std::fs::read_link(format!("/proc/{pid}/exe")).expect("exe"),
         exe
     );
-    // Clients of the old process are told to reconnect, and the old process exits 0.
-    for c in [&mut a.client, &mut b.client] {
-        support::recv_until(c, "Restarting", |f| {
-            matches!(f, ReceivedFrame::Restarting { .. }).then_some(())
-        })
-        .await;
-        support::expect_closed(c).await;
-    }
+    // The old process's clients went across with their connections, and it exits 0.
     let status = node.wait_status(STEP);
     assert_eq!(status.code(), Some(0), "{}", node.log_text());
+    relays(&mut a, &mut b).await;
     // Every port is the new process's: its sockets are the ones listening, and they serve.
     for (proto, port) in [
         ("tcp", node.addr.port()),
@@ -259,7 +263,12 @@ async fn sigusr2_hands_every_port_to_the_new_file_at_the_path() {
 async fn the_old_process_accepts_nothing_more_while_it_drains() {
     let dir = TempDir::new("upgrade-drain");
     let exe = install(&dir);
-    let mut flags = vec!["--metrics-addr", "127.0.0.1:0"];
+    // Its stuck receiver stays with it rather than going across.
+    let mut flags = vec![
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--upgrade-connections=false",
+    ];
     flags.extend(crate::restart::STUCK_FLAGS);
     let mut node = start(&exe, &dir, &flags);
     let stun = stun_addr(&node);
@@ -507,7 +516,7 @@ fn a_hello_of_an_unknown_version_is_refused() {
 
 /// The new process the old one started, from its log line: guarded at once, so a test that
 /// fails later still stops it.
-fn started_successor(node: &Node) -> Successor {
+pub(crate) fn started_successor(node: &Node) -> Successor {
     Successor(node.wait_log("the upgrade's start", |v| {
         v["fields"]["message"]
             .as_str()?
@@ -554,13 +563,16 @@ fn start_notifying(
     exe: &Path,
     dir: &TempDir,
     notify: &Path,
+    more: &[&str],
 ) -> (Node, std::os::unix::net::UnixDatagram) {
     let socket = std::os::unix::net::UnixDatagram::bind(notify).expect("bind");
     socket.set_read_timeout(Some(STEP)).expect("timeout");
     let key = dir.path("derp.key").display().to_string();
+    let mut args = vec!["--dev", "-a", "127.0.0.1:0", "-c", &key];
+    args.extend_from_slice(more);
     let node = Node::start_with(
         &Launch::program(&exe.display().to_string()),
-        &["--dev", "-a", "127.0.0.1:0", "-c", &key],
+        &args,
         &[("NOTIFY_SOCKET".to_owned(), notify.display().to_string())],
     );
     let ready = notification(&socket, &node);
@@ -573,7 +585,10 @@ async fn a_new_process_that_dies_after_the_commit_leaves_the_old_one_the_service
     let dir = TempDir::new("upgrade-dies-committed");
     let exe = install(&dir);
     let notify_path = dir.path("notify");
-    let (mut node, notify) = start_notifying(&exe, &dir, &notify_path);
+    // Connections handed to a process that dies are gone with it: kept here, they show the
+    // old process serving on.
+    let (mut node, notify) =
+        start_notifying(&exe, &dir, &notify_path, &["--upgrade-connections=false"]);
     let (mut a, mut b) = pair(&node.url()).await;
     replace(&exe, None);
     // The new process, once committed, blocks telling systemd its PID: it dies there,
@@ -604,8 +619,8 @@ async fn sigterm_during_a_committed_upgrade_leaves_the_new_process_the_service()
     let dir = TempDir::new("upgrade-term-committed");
     let exe = install(&dir);
     let notify_path = dir.path("notify");
-    let (mut node, notify) = start_notifying(&exe, &dir, &notify_path);
-    let (mut a, _b) = pair(&node.url()).await;
+    let (mut node, notify) = start_notifying(&exe, &dir, &notify_path, &[]);
+    let (mut a, mut b) = pair(&node.url()).await;
     replace(&exe, None);
     let fillers = fill_notify_queue(&notify_path);
     node.signal("USR2");
@@ -619,17 +634,14 @@ async fn sigterm_during_a_committed_upgrade_leaves_the_new_process_the_service()
         "{said:?}; log:\n{}",
         node.log_text()
     );
-    // The old process hands over and drains as after any upgrade.
-    support::recv_until(&mut a.client, "Restarting", |f| {
-        matches!(f, ReceivedFrame::Restarting { .. }).then_some(())
-    })
-    .await;
+    // The old process hands over, its clients with it, and exits as after any upgrade.
     assert_eq!(
         node.wait_status(STEP).code(),
         Some(0),
         "{}",
         node.log_text()
     );
+    relays(&mut a, &mut b).await;
     assert!(!ended(successor.0));
     let (_c, _d) = pair(&node.url()).await;
     // Nothing from the old process after the new one's MAINPID: the next word is the new

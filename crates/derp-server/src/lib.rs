@@ -26,7 +26,11 @@
 //! - serves DERP over QUIC ([`quic`]) on a UDP socket and TLS config it is given, with a
 //!   driver of its own on quinn-proto: one stream per client runs the same handshake,
 //!   registration and relay as TCP, and QUIC datagrams carry packets both ways, routed by
-//!   the task that received them.
+//!   the task that received them;
+//! - hands its live plain-TCP connections to another server, or takes them over from one
+//!   ([`Server::freeze_for_handover`], [`Server::adopt`]): frozen where they are, their state
+//!   copied into bytes and their sockets duplicated, then forgotten here without a word to
+//!   the client, or resumed. Moving the bytes and sockets between processes is the caller's.
 //!
 //! What it does not do: parse flags or files, choose addresses, install a tracing subscriber
 //! or a global metrics registry (`derpd` does those); terminate TLS or obtain certificates

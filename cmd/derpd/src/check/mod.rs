@@ -291,13 +291,23 @@ fn check_upgrade(cli: &Cli, bind: Option<(crate::listen::BindIp, u16)>, tls: boo
     if let Some(addr) = cli.metrics_addr {
         handed.push(format!("{addr}/tcp (metrics)"));
     }
+    let conns = if !cli.upgrade_connections {
+        "Client connections are not handed over (--upgrade-connections=false): each is told \
+         to reconnect (Restarting) and drained, as on SIGTERM"
+    } else if tls {
+        "Client connections go across with their state where they can: none on this TLS \
+         node yet (TLS, WebSocket and QUIC connections are told to reconnect and drained, as \
+         on SIGTERM)"
+    } else {
+        "Client connections go across with their state, unnoticed by their clients: plain \
+         TCP ones (WebSocket and QUIC ones are told to reconnect and drained, as on SIGTERM)"
+    };
     r.ok(
         "upgrade",
         format!(
             "SIGUSR2 to a derpd started as this one was starts {} (found by {}) with these \
-             flags and hands it {}; it has {:?} to serve on them (--upgrade-timeout), else the running derpd keeps \
-             them. Client connections are not handed over: each is told to reconnect \
-             (Restarting) and drained, as on SIGTERM",
+             flags and hands it {}; it has {:?} to serve on them (--upgrade-timeout), else the \
+             running derpd keeps them. {conns}",
             exe.path.display(),
             exe.source,
             handed.join(", "),

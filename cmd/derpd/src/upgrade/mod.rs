@@ -5,8 +5,9 @@
 //! process, stops accepting and ends its own connections as a graceful shutdown does.
 //!
 //! What goes across, and how, is [`wire`]'s; which sockets a process binds or takes over,
-//! [`sockets`]'. Client connections are not handed over: the old process tells each to
-//! reconnect (a Restarting frame) and drains them, and the ports never stop accepting.
+//! [`sockets`]'; the client connections that can go (plain TCP), [`conns`]' and
+//! `derp_server`'s. The rest the old process tells to reconnect (a Restarting frame) and
+//! drains, and the ports never stop accepting.
 //!
 //! The channel is a `SOCK_SEQPACKET` socket pair, the new process's end given to it as its
 //! standard input, named by [`TAKEOVER_ENV`] in its environment: nothing has a name on the
@@ -21,6 +22,7 @@
 //! what goes wrong after that (a lost `Done`, a signal to the old process); only if it has
 //! exited does the old one tell systemd that it is the main process again, and serve on.
 
+mod conns;
 pub(crate) mod sockets;
 pub(crate) mod wire;
 
@@ -54,6 +56,12 @@ const EXIT_WAIT: Duration = Duration::from_secs(5);
 /// How long the new process waits for the old one's commit after confirming; the old one's
 /// `--upgrade-timeout` ends the wait sooner (it kills the new process).
 const COMMIT_WAIT: Duration = Duration::from_secs(3600);
+/// How long the old process waits for its connections to stop where they are before it
+/// hands over those that did (the rest stay and are told to reconnect).
+const FREEZE_WAIT: Duration = Duration::from_secs(2);
+/// Set (to anything) in a new process's environment, it refuses the connections once they
+/// have all come across: how the tests make a successor that refuses the handed state.
+const REFUSE_CONNS_ENV: &str = "DERPD_TEST_REFUSE_CONNECTIONS";
 
 /// The file this process was started from, found at start-up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -158,6 +166,8 @@ pub(crate) struct Upgrader {
     notify: Notifier,
     /// The attempt under way: whether it has committed, or a signal ended it first.
     phase: Arc<Mutex<Phase>>,
+    /// The relay whose client connections go across too; without it, listeners only.
+    server: Option<derp_server::Server>,
 }
 
 /// Where an attempt stands, decided once under a lock: either the handover commits or a
@@ -181,8 +191,9 @@ enum ExchangeError {
 /// How an upgrade ended.
 #[derive(Debug)]
 pub(crate) enum Outcome {
-    /// The process `pid` serves on every listener and is systemd's main process.
-    HandedOver { pid: u32 },
+    /// The process `pid` serves on every listener and is systemd's main process; `conns`
+    /// client connections went to it.
+    HandedOver { pid: u32, conns: u32 },
     /// This process keeps everything.
     Failed(anyhow::Error),
 }
@@ -201,7 +212,15 @@ impl Upgrader {
             sockets,
             notify,
             phase: Arc::new(Mutex::new(Phase::Open)),
+            server: None,
         }
+    }
+
+    /// Hands `server`'s client connections over too (those it can; see
+    /// `derp_server::Frozen`).
+    pub(crate) fn with_connections(mut self, server: derp_server::Server) -> Self {
+        self.server = Some(server);
+        self
     }
 
     fn phase(&self) -> std::sync::MutexGuard<'_, Phase> {
@@ -225,12 +244,12 @@ impl Upgrader {
     /// Starts the new process, hands it the listeners and waits for it to take over.
     pub(crate) async fn run(&self) -> Outcome {
         match self.try_run().await {
-            Ok(pid) => Outcome::HandedOver { pid },
+            Ok((pid, conns)) => Outcome::HandedOver { pid, conns },
             Err(e) => Outcome::Failed(e),
         }
     }
 
-    async fn try_run(&self) -> anyhow::Result<u32> {
+    async fn try_run(&self) -> anyhow::Result<(u32, u32)> {
         let exe = match &self.exe {
             Ok(exe) => exe,
             Err(e) => bail!("no path to start: {e:#}"),
@@ -255,14 +274,18 @@ impl Upgrader {
         let (timeout, phase) = (self.timeout, self.phase.clone());
         // The channel closes when the exchange ends: a new process still waiting on it after a
         // failure reads that as the end, and exits.
+        let relay = self
+            .server
+            .clone()
+            .map(|s| (s, tokio::runtime::Handle::current()));
         let exchange =
-            tokio::task::spawn_blocking(move || exchange(&mine, listeners, timeout, &phase))
+            tokio::task::spawn_blocking(move || exchange(&mine, listeners, relay, timeout, &phase))
                 .await
                 .context("the handover thread")?;
         match exchange {
-            Ok(pid) => {
+            Ok(handed) => {
                 child.disarm();
-                Ok(pid)
+                Ok(handed)
             }
             Err(ExchangeError::Before(e)) => {
                 // A process that refused exits by itself; give it the moment to, so its
@@ -277,6 +300,7 @@ impl Upgrader {
                 tokio::task::spawn_blocking(move || after_commit(child, pid, error, &notify))
                     .await
                     .context("the handover thread")?
+                    .map(|pid| (pid, 0))
             }
         }
     }
@@ -325,10 +349,33 @@ fn after_commit(
 fn exchange(
     channel: &OwnedFd,
     listeners: Handed,
+    relay: Option<(derp_server::Server, tokio::runtime::Handle)>,
     timeout: Duration,
     phase: &Mutex<Phase>,
-) -> Result<u32, ExchangeError> {
-    let pid = confirmed(channel, listeners, timeout).map_err(ExchangeError::Before)?;
+) -> Result<(u32, u32), ExchangeError> {
+    let deadline = Instant::now() + timeout;
+    let offer = relay.as_ref().map(|_| derp_server::HANDOVER_FORMAT);
+    let (pid, format) =
+        confirmed(channel, listeners, offer, deadline, timeout).map_err(ExchangeError::Before)?;
+    // Frozen until the commit; dropped on any failure before it, which lets them go on.
+    let mut frozen = None;
+    let mut handed = 0;
+    if let (Some((server, runtime)), Some(format)) = (relay, format) {
+        if format != derp_server::HANDOVER_FORMAT {
+            return Err(ExchangeError::Before(anyhow::anyhow!(
+                "named connection format {format}, which was not offered"
+            )));
+        }
+        let mut f = runtime.block_on(server.freeze_for_handover(FREEZE_WAIT));
+        info!(
+            handed = f.handed(),
+            staying = f.staying(),
+            "upgrade: connections stopped where they are; handing them over"
+        );
+        handed =
+            conns::send_all(channel, f.take_conns(), deadline).map_err(ExchangeError::Before)?;
+        frozen = Some(f);
+    }
     {
         let mut phase = phase.lock().unwrap_or_else(|e| e.into_inner());
         if *phase == Phase::Cancelled {
@@ -347,9 +394,16 @@ fn exchange(
             anyhow::Error::from(e).context("committing the handover"),
         ));
     }
-    info!(pid, "upgrade: committed; the new process is the service");
+    // The new process serves them from now on: this one lets go without a word to them.
+    if let Some(frozen) = frozen {
+        frozen.commit();
+    }
+    info!(
+        pid,
+        handed, "upgrade: committed; the new process is the service"
+    );
     match wire::recv(channel, Instant::now() + DONE_WAIT) {
-        Ok((Message::Done, _)) => Ok(pid),
+        Ok((Message::Done, _)) => Ok((pid, handed)),
         Ok((other, _)) => Err(ExchangeError::After {
             pid,
             error: anyhow::anyhow!("sent {other:?} instead of Done"),
@@ -363,19 +417,25 @@ fn exchange(
 }
 
 /// Hands the listeners and waits for the new process's confirmation: its PID.
-fn confirmed(channel: &OwnedFd, listeners: Handed, timeout: Duration) -> anyhow::Result<u32> {
-    let deadline = Instant::now() + timeout;
+fn confirmed(
+    channel: &OwnedFd,
+    listeners: Handed,
+    conns: Option<u16>,
+    deadline: Instant,
+    timeout: Duration,
+) -> anyhow::Result<(u32, Option<u16>)> {
     let (described, fds): (Vec<Listener>, Vec<OwnedFd>) = listeners.into_iter().unzip();
     let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
     let hello = Message::Hello {
         version: wire::VERSION,
         pid: std::process::id(),
         listeners: described,
+        conns,
     };
     wire::send(channel, &hello, &borrowed).context("sending the listeners")?;
     drop(fds);
     let pid = match wire::recv(channel, deadline) {
-        Ok((Message::Ready { pid }, _)) => pid,
+        Ok((Message::Ready { pid, conn_format }, _)) => (pid, conn_format),
         Ok((Message::Refuse { reason }, _)) => bail!("refused the handover: {reason}"),
         Ok((other, _)) => bail!("sent {other:?} instead of confirming"),
         Err(RecvError::TimedOut(_)) => {
@@ -583,6 +643,36 @@ pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Handed)>> 
     Ok(Some((takeover, listeners.into_iter().zip(fds).collect())))
 }
 
+/// Receives the old process's connections, the first message of them already read, and
+/// takes them over, inert until the commit; says so, or refuses.
+fn take_conns(
+    channel: &OwnedFd,
+    first: (Message, Vec<OwnedFd>),
+    server: &derp_server::Server,
+    runtime: &tokio::runtime::Handle,
+) -> anyhow::Result<derp_server::Adopted> {
+    let refuse = |reason: String| {
+        let refusal = Message::Refuse {
+            reason: reason.clone(),
+        };
+        let _ = wire::send(channel, &refusal, &[]);
+        anyhow::anyhow!("{reason}")
+    };
+    let conns = conns::receive_all(channel, first, Instant::now() + COMMIT_WAIT)
+        .map_err(|e| refuse(format!("{e:#}")))?;
+    if std::env::var_os(REFUSE_CONNS_ENV).is_some() {
+        return Err(refuse(format!("{REFUSE_CONNS_ENV} is set")));
+    }
+    let adopted = {
+        let _runtime = runtime.enter();
+        server.adopt(conns).map_err(|e| refuse(e.to_string()))?
+    };
+    let count = u32::try_from(adopted.len()).unwrap_or(u32::MAX);
+    wire::send(channel, &Message::Adopted { conns: count }, &[])
+        .context("confirming the connections")?;
+    Ok(adopted)
+}
+
 /// An error and its sources, as one line.
 fn error_text(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
@@ -616,24 +706,59 @@ impl Takeover {
     /// Confirms to the old process that this one serves, waits for its commit, tells
     /// systemd this process is the service's main one, and ends the exchange. `false` if
     /// this process refused first (a signal to shut down): it confirms nothing then.
-    fn confirm(&self, notify: &Notifier, status: &str) -> anyhow::Result<bool> {
+    fn confirm(
+        &self,
+        notify: &Notifier,
+        status: &str,
+        relay: Option<(derp_server::Server, tokio::runtime::Handle)>,
+    ) -> anyhow::Result<bool> {
         let pid = std::process::id();
+        let conn_format = relay.as_ref().map(|_| derp_server::HANDOVER_FORMAT);
         let channel = {
             // Held while Ready goes, so a refusal comes wholly before it or after it.
             let mut guard = self.lock();
             let Some(channel) = guard.take() else {
                 return Ok(false);
             };
-            wire::send(&channel, &Message::Ready { pid }, &[]).context("confirming")?;
+            let ready = Message::Ready { pid, conn_format };
+            wire::send(&channel, &ready, &[]).context("confirming")?;
             channel
         };
-        match wire::recv(&channel, Instant::now() + COMMIT_WAIT) {
+        // Before the commit, or instead of it when the old process hands listeners only.
+        let mut received = wire::recv(&channel, Instant::now() + COMMIT_WAIT);
+        let mut adopted = None;
+        if let Some((server, runtime)) = relay
+            && matches!(&received, Ok((m, _)) if *m != Message::Commit)
+        {
+            let first = received.context("receiving connections")?;
+            adopted = Some((take_conns(&channel, first, &server, &runtime)?, runtime));
+            received = wire::recv(&channel, Instant::now() + COMMIT_WAIT);
+        }
+        match received {
             Ok((Message::Commit, _)) => {}
             Ok((other, _)) => bail!("the running derpd sent {other:?} instead of committing"),
             Err(e) => return Err(e).context("waiting for the running derpd to commit"),
         }
         // Committed: the old process will not take the listeners back, so from here on
         // this process serves whatever else goes wrong.
+        if let Some((adopted, runtime)) = adopted {
+            let _runtime = runtime.enter();
+            let count = adopted.len();
+            let mut holds = adopted.start();
+            holds.sort_unstable();
+            let at = |q: f64| {
+                let i = (holds.len() as f64 * q) as usize;
+                holds.get(i.min(holds.len().saturating_sub(1))).copied()
+            };
+            info!(
+                conns = count,
+                hold_p50 = ?at(0.5).unwrap_or_default(),
+                hold_p99 = ?at(0.99).unwrap_or_default(),
+                hold_max = ?holds.last().copied().unwrap_or_default(),
+                "took over the client connections; each was held from its copy in the old \
+                 process until now"
+            );
+        }
         notify.main_pid(pid, status);
         if let Err(e) = wire::send(&channel, &Message::Done, &[]) {
             warn!(
@@ -659,6 +784,8 @@ pub(crate) struct Readiness {
     /// that takes over, once the old process has committed. Until then the sockets are the
     /// old process's alone, so a new process that fails takes nothing from it.
     serving: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The relay that takes the old process's client connections over.
+    server: Arc<std::sync::OnceLock<derp_server::Server>>,
 }
 
 impl Readiness {
@@ -671,7 +798,13 @@ impl Readiness {
             sockets,
             taking_over,
             serving,
+            server: Arc::default(),
         }
+    }
+
+    /// Takes the old process's client connections over into `server` (when it sends them).
+    pub(crate) fn take_connections_into(&self, server: derp_server::Server) {
+        let _ = self.server.set(server);
     }
 
     /// Returns once this process may accept and read on its sockets (for one that takes
@@ -713,6 +846,7 @@ impl Readiness {
             self.taking_over.clone(),
             self.serving.clone(),
         );
+        let relay = self.server.get().cloned();
         tokio::spawn(async move {
             if let Err(e) = sockets.check_all_taken() {
                 takeover.refuse(&format!("{e:#}"));
@@ -720,7 +854,9 @@ impl Readiness {
                 std::process::exit(1);
             }
             let t = takeover.clone();
-            let confirmed = tokio::task::spawn_blocking(move || t.confirm(&notify, &status)).await;
+            let relay = relay.map(|s| (s, tokio::runtime::Handle::current()));
+            let confirmed =
+                tokio::task::spawn_blocking(move || t.confirm(&notify, &status, relay)).await;
             match confirmed {
                 // Refused on the way to a shutdown, which says so.
                 Ok(Ok(false)) => {}

@@ -10,12 +10,23 @@
 //! The exchange, old process → new process (`>`) and back (`<`):
 //!
 //! ```text
-//! > Hello { version, pid, listeners }   + the listeners' fds
-//! < Ready { pid }                        the new process serves on them
+//! > Hello { version, pid, listeners, conns }   + the listeners' fds
+//! < Ready { pid, conn_format }           the new process serves on them
 //!   or Refuse { reason }                 it cannot (then exits)
+//! > Conns { batch, count, bytes }        + a memfd with their state, and their sockets
+//! < Took { batch }                       (repeated for each batch)
+//! > ConnsEnd { batches, conns }
+//! < Adopted { conns }                    or Refuse { reason }
 //! > Commit                               the old process will not take them back
 //! < Done                                 systemd knows the new main PID
 //! ```
+//!
+//! Client connections go across only when both sides speak the same connection format:
+//! the old process offers its format in the hello (`conns`), and the new one names it in
+//! `conn_format` if it reads it. A process that does not know of connections (or reads
+//! another format) leaves the fields out, and the old process then hands the listeners
+//! only, as before: the connection messages are skipped. The listener exchange keeps its
+//! version, so such processes still upgrade to each other.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -36,7 +47,11 @@ pub(crate) const VERSION: u32 = 1;
 const MAX_MESSAGE: usize = 64 * 1024;
 
 /// The most fds one message may carry (each listener derpd has, with room to spare).
-const MAX_FDS: usize = 16;
+const MAX_FDS: usize = 1 + CONNS_PER_BATCH;
+
+/// The most client connections one `Conns` message carries (the kernel takes up to 253
+/// fds in one message).
+pub(crate) const CONNS_PER_BATCH: usize = 128;
 
 /// What a listening socket that goes across is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,9 +104,32 @@ pub(crate) enum Message {
         version: u32,
         pid: u32,
         listeners: Vec<Listener>,
+        /// The connection format the old process writes, if it hands connections over.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        conns: Option<u16>,
     },
     Ready {
         pid: u32,
+        /// The connection format the new process reads, if it takes connections over.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        conn_format: Option<u16>,
+    },
+    /// A batch of client connections: a memfd holding `bytes` of state, then `count`
+    /// sockets.
+    Conns {
+        batch: u32,
+        count: u32,
+        bytes: u64,
+    },
+    Took {
+        batch: u32,
+    },
+    ConnsEnd {
+        batches: u32,
+        conns: u32,
+    },
+    Adopted {
+        conns: u32,
     },
     Refuse {
         reason: String,
@@ -247,6 +285,7 @@ mod tests {
                 kind: ListenerKind::Main,
                 addr,
             }],
+            conns: None,
         };
         send(&a, &hello, &[listener.as_fd()]).expect("send");
         send(&a, &Message::Commit, &[]).expect("send");
@@ -289,11 +328,55 @@ mod tests {
                 kind: ListenerKind::HttpPort,
                 addr: "[::]:80".parse().expect("addr"),
             }],
+            conns: None,
         };
         assert_eq!(
             serde_json::to_string(&hello).expect("json"),
             r#"{"type":"hello","version":1,"pid":42,"listeners":[{"kind":"http-port","addr":"[::]:80"}]}"#
         );
+    }
+
+    #[test]
+    fn a_process_without_connection_handover_reads_the_new_fields_as_absent() {
+        // What a derpd that hands listeners only sends, and reads.
+        let ready = decode(br#"{"type":"ready","pid":5}"#).expect("ready");
+        assert_eq!(
+            ready,
+            Message::Ready {
+                pid: 5,
+                conn_format: None
+            }
+        );
+        let hello = decode(br#"{"type":"hello","version":1,"pid":1,"listeners":[],"conns":1}"#)
+            .expect("hello");
+        assert!(matches!(hello, Message::Hello { conns: Some(1), .. }));
+        assert_eq!(
+            serde_json::to_string(&Message::Conns {
+                batch: 0,
+                count: 2,
+                bytes: 300
+            })
+            .expect("json"),
+            r#"{"type":"conns","batch":0,"count":2,"bytes":300}"#
+        );
+    }
+
+    #[test]
+    fn a_full_batch_of_sockets_crosses_in_one_message() {
+        let (a, b) = pair().expect("pair");
+        let sockets: Vec<std::net::UdpSocket> = (0..MAX_FDS)
+            .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").expect("bind"))
+            .collect();
+        let fds: Vec<_> = sockets.iter().map(AsFd::as_fd).collect();
+        let message = Message::Conns {
+            batch: 3,
+            count: CONNS_PER_BATCH as u32,
+            bytes: 0,
+        };
+        send(&a, &message, &fds).expect("send");
+        let (got, received) = recv(&b, soon()).expect("recv");
+        assert_eq!(got, message);
+        assert_eq!(received.len(), MAX_FDS);
     }
 
     #[test]

@@ -1,0 +1,156 @@
+//! Upgrading in place with the clients' connections: on SIGUSR2 the old derpd hands its
+//! plain TCP connections, with everything behind them, to the new binary, and their clients
+//! notice nothing. The clients are byte-level ones, which fail on any frame they do not
+//! expect (a Restarting frame, a second ServerKey), on EOF and on a reset, and check that
+//! every packet arrives once and in order.
+
+use derp_proto::PublicKey;
+use derp_testkit::raw::RawClient;
+
+use crate::support::{Node, STEP, TempDir};
+use crate::upgrade::{install, replace, start_with_env, started_successor};
+
+/// Connections in each test: the floor for a live relay's upgrade.
+const PAIRS: usize = 500;
+
+fn packet(seq: u32) -> Vec<u8> {
+    let mut p = vec![(seq % 251) as u8; 120];
+    p[..4].copy_from_slice(&seq.to_be_bytes());
+    p
+}
+
+struct Fleet(Vec<(RawClient, RawClient)>);
+
+impl Fleet {
+    async fn connect(node: &Node) -> Self {
+        let mut pairs = Vec::with_capacity(PAIRS);
+        for _ in 0..PAIRS {
+            pairs.push((
+                RawClient::connect(node.addr).await,
+                RawClient::connect(node.addr).await,
+            ));
+        }
+        Self(pairs)
+    }
+
+    async fn send(&mut self, from: u32, to: u32) {
+        for (s, r) in &mut self.0 {
+            for seq in from..to {
+                s.send_packet(r.key, &packet(seq)).await;
+            }
+        }
+    }
+
+    async fn expect(&mut self, from: u32, to: u32) {
+        for (s, r) in &mut self.0 {
+            expect_in_order(r, s.key, from, to).await;
+        }
+    }
+}
+
+/// Packets `from..to` from `src`, each once and in order, and nothing else but keepalives.
+async fn expect_in_order(c: &mut RawClient, src: PublicKey, from: u32, to: u32) {
+    for seq in from..to {
+        let (got, data) = c.recv_packet().await;
+        assert_eq!(got, src, "packet {seq} from another source");
+        assert_eq!(
+            data,
+            packet(seq),
+            "packet {seq} lost, repeated or reordered"
+        );
+    }
+}
+
+/// The new process's line saying it took the connections over: (count, p50, p99 hold).
+fn took_over(node: &Node) -> (u64, String, String) {
+    node.wait_log("the connections taken over", |v| {
+        let f = &v["fields"];
+        f["message"]
+            .as_str()?
+            .starts_with("took over the client connections")
+            .then(|| {
+                Some((
+                    f["conns"].as_u64()?,
+                    f["hold_p50"].as_str()?.to_owned(),
+                    f["hold_p99"].as_str()?.to_owned(),
+                ))
+            })?
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigusr2_hands_a_thousand_live_connections_over_without_a_client_noticing() {
+    let dir = TempDir::new("handover");
+    let exe = install(&dir);
+    let mut node = start_with_env(&exe, &dir, &[], &[]);
+    let mut fleet = Fleet::connect(&node).await;
+    fleet.send(0, 20).await;
+    fleet.expect(0, 10).await;
+
+    replace(&exe, None);
+    node.signal("USR2");
+    let successor = started_successor(&node);
+    // Sent while the connections cross: they wait in the sockets for the new process.
+    node.wait_message("upgrade: connections stopped where they are");
+    fleet.send(20, 40).await;
+    let (conns, p50, p99) = took_over(&node);
+    assert_eq!(conns, 2 * PAIRS as u64, "{}", node.log_text());
+    println!("held p50 {p50}, p99 {p99} for {conns} connections");
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    fleet.send(40, 60).await;
+    fleet.expect(10, 60).await;
+    // Nothing was dropped, and the new process serves every one of them.
+    assert_eq!(node.metric("derp_packets_dropped", &[]), Some(0.0));
+    assert_eq!(
+        node.metric("derp_current_connections", &[]),
+        Some(2.0 * PAIRS as f64)
+    );
+    // A newcomer reaches a handed client through the new process.
+    let mut newcomer = RawClient::connect(node.addr).await;
+    let receiver = &mut fleet.0[0].1;
+    newcomer.send_packet(receiver.key, b"hi").await;
+    assert_eq!(receiver.recv_packet().await, (newcomer.key, b"hi".to_vec()));
+    for (_, r) in &mut fleet.0 {
+        r.expect_quiet().await;
+    }
+    successor.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_process_that_refuses_the_connections_leaves_them_with_the_old_one() {
+    let dir = TempDir::new("handover-refused");
+    let exe = install(&dir);
+    let refuse = [("DERPD_TEST_REFUSE_CONNECTIONS".to_owned(), "1".to_owned())];
+    let mut node = start_with_env(&exe, &dir, &[], &refuse);
+    let mut fleet = Fleet::connect(&node).await;
+    fleet.send(0, 20).await;
+    fleet.expect(0, 10).await;
+
+    replace(&exe, None);
+    node.signal("USR2");
+    let successor = started_successor(&node);
+    fleet.send(20, 40).await;
+    let error = node.wait_log("the upgrade's failure", |v| {
+        v["fields"]["message"]
+            .as_str()?
+            .starts_with("upgrade failed; this process keeps every listener")
+            .then(|| v["fields"]["error"].as_str().map(str::to_owned))?
+    });
+    assert!(
+        error.contains("refused the connections") && error.contains("REFUSE_CONNECTIONS"),
+        "{error}"
+    );
+    successor.wait_ended();
+    assert!(node.is_running(), "{}", node.log_text());
+    fleet.send(40, 60).await;
+    fleet.expect(10, 60).await;
+    assert_eq!(node.metric("derp_packets_dropped", &[]), Some(0.0));
+    for (_, r) in &mut fleet.0 {
+        r.expect_quiet().await;
+    }
+}

@@ -318,7 +318,7 @@ impl Server {
         conn::serve(self.shared.clone(), handover).await;
     }
 
-    /// Freezes every connection for a handover to a successor process (see [`Frozen`]):
+    /// Freezes every connection for a handover to a successor process (see [`crate::Frozen`]):
     /// read loops stop between reads, and the writers of the connections that can be handed
     /// over park where they are. Waits up to `within` for them; a connection that has not
     /// stopped by then stays with this process. Accepting new connections is the caller's

@@ -47,6 +47,7 @@ mod bootstrap_dns;
 mod config;
 mod conn;
 mod debug;
+mod handed;
 mod handle;
 mod handover;
 mod http;

@@ -43,7 +43,7 @@ pub(crate) struct ServerState {
     /// endpoints answer nothing but their own connections' packets.
     pub(crate) udp_handed_over: AtomicBool,
     /// A handover of connections to a successor process, while one is in progress.
-    pub(crate) handover: crate::handover::HandoverState,
+    pub(crate) handover: crate::handed::HandoverState,
     /// The registry the metrics live on, gathered for `/debug/varz` and `/metrics`.
     pub(crate) prometheus: prometheus::Registry,
     /// Every connection task, so shutdown can wait for them.
@@ -129,7 +129,7 @@ impl ServerState {
             draining: CancellationToken::new(),
             drain_begun: AtomicBool::new(false),
             udp_handed_over: AtomicBool::new(false),
-            handover: crate::handover::HandoverState::default(),
+            handover: crate::handed::HandoverState::default(),
             prometheus: prometheus.clone(),
             tasks: TaskTracker::new(),
             ready: AtomicBool::new(false),

@@ -361,7 +361,7 @@ impl AdoptedConn {
     /// Rebuilds a connection from its handed state and socket.
     pub(crate) fn build(
         shared: &Arc<ServerState>,
-        record: crate::handover::ConnRecord,
+        record: crate::handed::ConnRecord,
         fd: std::os::fd::OwnedFd,
     ) -> io::Result<Self> {
         let stream = std::net::TcpStream::from(fd);

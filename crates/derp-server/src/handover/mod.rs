@@ -25,88 +25,24 @@
 //!    [`Frozen::resume`]s (or drops the [`Frozen`]) and goes on, and the new one drops its
 //!    [`Adopted`], letting go of the sockets just as silently.
 
-mod record;
-
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use derp_proto::PublicKey;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::conn::AdoptedConn;
+use crate::handed as record;
+pub(crate) use crate::handed::{ConnRecord, PacketRecord, ReadExport, ReadResume};
+pub use crate::handed::{FORMAT, RecordError};
 use crate::handle::ConnHandle;
 use crate::queue::{Control, QueueExport};
 use crate::registry::{KeyMembers, Lookup};
 use crate::state::ServerState;
-pub(crate) use record::{ConnRecord, PacketRecord, ReadResume};
-pub use record::{FORMAT, RecordError};
-
-/// What a parked read loop leaves for the handover: its socket and state.
-#[derive(Debug)]
-pub(crate) struct ReadExport {
-    pub(crate) fd: OwnedFd,
-    pub(crate) read_buf: Vec<u8>,
-    pub(crate) resume: ReadResume,
-}
-
-/// The server's side of a handover in progress.
-#[derive(Debug, Default)]
-pub(crate) struct HandoverState {
-    /// Set while connections are frozen for a handover: read loops park, frozen writers
-    /// park. Read on every wake-up of a busy read loop, as `drain_begun` is.
-    begun: AtomicBool,
-    /// What each parked read loop left: its copy, or `None` for one that cannot go.
-    parked: Mutex<HashMap<u64, Option<ReadExport>>>,
-    /// A read loop or a frozen writer parked.
-    changed: Notify,
-    /// Read-loop state of adopted connections, taken by each when it starts.
-    resume: Mutex<HashMap<u64, ReadResume>>,
-}
-
-impl HandoverState {
-    pub(crate) fn is_begun(&self) -> bool {
-        self.begun.load(Ordering::Acquire)
-    }
-
-    /// A read loop parked, leaving `export` (`None`: it cannot be handed over).
-    pub(crate) fn deposit(&self, id: u64, export: Option<ReadExport>) {
-        lock(&self.parked).insert(id, export);
-        self.changed.notify_waiters();
-    }
-
-    /// A frozen connection's writer parked.
-    pub(crate) fn note_still(&self) {
-        self.changed.notify_waiters();
-    }
-
-    /// The read-loop state an adopted connection continues from, once.
-    pub(crate) fn take_resume(&self, id: u64) -> Option<ReadResume> {
-        lock(&self.resume).remove(&id)
-    }
-
-    /// Waits until `done` holds, re-checking whenever a loop or writer parks, or until
-    /// `deadline`. Returns whether it holds.
-    async fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
-        loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            // Registered before the check, so a park right after it is not missed.
-            changed.as_mut().enable();
-            if done() {
-                return true;
-            }
-            tokio::select! {
-                () = changed => {}
-                () = tokio::time::sleep_until(deadline) => return done(),
-            }
-        }
-    }
-}
 
 /// One connection ready to go to a successor process: its state and its socket.
 #[derive(Debug)]

@@ -382,16 +382,16 @@ impl<'a> ReadLoop<'a> {
     }
 
     /// What a successor process needs to continue this loop, if it can.
-    fn export(&self) -> Option<crate::handover::ReadExport> {
+    fn export(&self) -> Option<crate::handed::ReadExport> {
         if self.drained {
             return None;
         }
         let (fd, read_buf) = self.reader.export()?;
         let now = Instant::now();
-        Some(crate::handover::ReadExport {
+        Some(crate::handed::ReadExport {
             fd,
             read_buf,
-            resume: crate::handover::ReadResume {
+            resume: crate::handed::ReadResume {
                 skip: self.decoder.skipping(),
                 tokens: self.limiter.as_ref().map(|l| l.tokens_at(now)),
                 age_ms: millis(now.saturating_duration_since(self.connected_at)),
@@ -401,7 +401,7 @@ impl<'a> ReadLoop<'a> {
     }
 
     /// Continues from where a predecessor process left this loop.
-    fn resume(&mut self, resume: crate::handover::ReadResume) {
+    fn resume(&mut self, resume: crate::handed::ReadResume) {
         let now = Instant::now();
         self.decoder = ServerDecoder::resume_skipping(resume.skip);
         self.connected_at = now

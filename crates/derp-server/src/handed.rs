@@ -7,7 +7,76 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use bytes::Bytes;
 use derp_proto::{PeerGoneReason, PublicKey};
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
 use crate::queue::Control;
+
+/// The server's side of a handover in progress.
+#[derive(Debug, Default)]
+pub(crate) struct HandoverState {
+    /// Set while connections are frozen for a handover: read loops park, frozen writers
+    /// park. Read on every wake-up of a busy read loop, as `drain_begun` is.
+    pub(crate) begun: AtomicBool,
+    /// What each parked read loop left: its copy, or `None` for one that cannot go.
+    pub(crate) parked: Mutex<HashMap<u64, Option<ReadExport>>>,
+    /// A read loop or a frozen writer parked.
+    pub(crate) changed: Notify,
+    /// Read-loop state of adopted connections, taken by each when it starts.
+    pub(crate) resume: Mutex<HashMap<u64, ReadResume>>,
+}
+
+impl HandoverState {
+    pub(crate) fn is_begun(&self) -> bool {
+        self.begun.load(Ordering::Acquire)
+    }
+
+    /// A read loop parked, leaving `export` (`None`: it cannot be handed over).
+    pub(crate) fn deposit(&self, id: u64, export: Option<ReadExport>) {
+        lock(&self.parked).insert(id, export);
+        self.changed.notify_waiters();
+    }
+
+    /// A frozen connection's writer parked.
+    pub(crate) fn note_still(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// The read-loop state an adopted connection continues from, once.
+    pub(crate) fn take_resume(&self, id: u64) -> Option<ReadResume> {
+        lock(&self.resume).remove(&id)
+    }
+
+    /// Waits until `done` holds, re-checking whenever a loop or writer parks, or until
+    /// `deadline`. Returns whether it holds.
+    pub(crate) async fn wait_for(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the check, so a park right after it is not missed.
+            changed.as_mut().enable();
+            if done() {
+                return true;
+            }
+            tokio::select! {
+                () = changed => {}
+                () = tokio::time::sleep_until(deadline) => return done(),
+            }
+        }
+    }
+}
+
+/// What a parked read loop leaves for the handover: its socket and state.
+#[derive(Debug)]
+pub(crate) struct ReadExport {
+    pub(crate) fd: std::os::fd::OwnedFd,
+    pub(crate) read_buf: Vec<u8>,
+    pub(crate) resume: ReadResume,
+}
 
 /// What the bytes start with: a name and the layout's version.
 const MAGIC: &[u8; 4] = b"DRPH";
@@ -436,4 +505,9 @@ mod tests {
             let _ = decode(&b);
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section here is an insert, a remove or a clear.
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -429,6 +429,11 @@ impl<'a> Reader<'a> {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section here is an insert, a remove or a clear.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -505,9 +510,4 @@ mod tests {
             let _ = decode(&b);
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section here is an insert, a remove or a clear.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -690,14 +690,11 @@ mod tests {
     }
 
     /// Runs `fut`, failing the test with `what` if it has not ended after a minute. A guard
-    /// against a hang, not a timing: a loop that misses its wake-up never ends. The timer is
-    /// looked at first when it fires, so its wake-up cannot end the loop in its stead.
+    /// against a hang, not a timing: a loop that misses its wake-up never ends.
     async fn guard_against_a_hang<T>(fut: impl Future<Output = T>, what: &str) -> T {
-        tokio::select! {
-            biased;
-            () = tokio::time::sleep(Duration::from_secs(60)) => panic!("hung: {what}"),
-            out = fut => out,
-        }
+        tokio::time::timeout(Duration::from_secs(60), fut)
+            .await
+            .unwrap_or_else(|_| panic!("hung: {what}"))
     }
 
     /// Has the client send a Ping and waits until the loop has handled it (its pong is

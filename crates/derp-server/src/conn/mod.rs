@@ -439,30 +439,45 @@ impl AdoptedConn {
         }
     }
 
-    /// Runs the connection: its read loop from where it stopped, its writer with what it
-    /// had begun and what was queued.
-    pub(crate) fn start(self, shared: &Arc<ServerState>) {
+    /// Starts the writer, with what it had begun and what was queued, and returns what
+    /// starts the read loop. Every writer of a handover starts before any read loop: a read
+    /// loop that ran first would queue packets for connections whose writers are not in
+    /// place to be taken along, and a burst would overflow their queues.
+    pub(crate) fn start_writer(self) -> AdoptedReader {
         let Self {
             handle,
             reader,
             writer,
             ..
         } = self;
+        writer.start_adopted();
+        AdoptedReader { handle, reader }
+    }
+
+    /// Lets go of the socket without a word to the peer: the predecessor serves it still.
+    pub(crate) fn forget(self) {
+        crate::queue::Resume::forget(self.writer);
+    }
+}
+
+/// An adopted connection whose writer runs: its read loop, from where it stopped.
+pub(crate) struct AdoptedReader {
+    handle: Arc<ConnHandle>,
+    reader: FrameReader,
+}
+
+impl AdoptedReader {
+    pub(crate) fn start(self, shared: &Arc<ServerState>) {
+        let Self { handle, reader } = self;
         let not_ideal = handle.presence_flags & PEER_PRESENT_NOT_IDEAL != 0;
         let registration =
             Registration::registered(shared.clone(), handle, not_ideal, TransportLabel::Tcp, true);
-        writer.start_adopted();
         let established = Established {
             reader,
             registration,
             _open: None,
         };
         shared.tasks.spawn(established.run());
-    }
-
-    /// Lets go of the socket without a word to the peer: the predecessor serves it still.
-    pub(crate) fn forget(self) {
-        crate::queue::Resume::forget(self.writer);
     }
 }
 

@@ -375,8 +375,12 @@ impl Adopted {
             .iter()
             .map(|at| Duration::from_nanos(now.saturating_sub(*at)))
             .collect();
-        for conn in std::mem::take(&mut self.conns) {
-            conn.start(&self.shared);
+        let readers: Vec<_> = std::mem::take(&mut self.conns)
+            .into_iter()
+            .map(AdoptedConn::start_writer)
+            .collect();
+        for reader in readers {
+            reader.start(&self.shared);
         }
         holds
     }

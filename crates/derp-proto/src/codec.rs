@@ -7,6 +7,9 @@
 //! before any body is waited for. Skipped frames are reported at once as `Unknown` and their
 //! bodies are then discarded as they arrive, whatever their size, without ever being held in
 //! memory. After an error the connection is to be closed; the decoder's state is unspecified.
+//! Between frames a server decoder remembers only how much of a skipped body is still to
+//! come ([`ServerDecoder::skipping`]), so one can be resumed elsewhere from that count and the
+//! undecoded bytes ([`ServerDecoder::resume_skipping`]).
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -184,6 +187,24 @@ impl ServerDecoder {
     /// Whether the ClientInfo frame has been decoded.
     pub fn handshake_done(&self) -> bool {
         self.handshake_done
+    }
+
+    /// Body bytes of a skipped frame (an unknown type, or the part of a Ping beyond its
+    /// eight bytes) that have not arrived yet and will be discarded when they do. Together
+    /// with the bytes not yet decoded, this is all a decoder remembers of the stream after the
+    /// handshake: hand it to [`ServerDecoder::resume_skipping`] to continue elsewhere.
+    pub fn skipping(&self) -> u32 {
+        self.skipper.remaining
+    }
+
+    /// A decoder for a connection whose ClientInfo was already read, continuing one that was
+    /// [`ServerDecoder::skipping`] `remaining` body bytes: those are discarded before the next
+    /// header is read. Without them the middle of a skipped body would be taken for a header.
+    pub fn resume_skipping(remaining: u32) -> Self {
+        Self {
+            handshake_done: true,
+            skipper: Skipper { remaining },
+        }
     }
 
     /// Decodes the next frame; `Ok(None)` means more bytes are needed.
@@ -511,6 +532,45 @@ mod tests {
             }))
         );
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_resumed_server_decoder_discards_the_rest_of_a_skipped_body() {
+        // Bodies that are themselves well-formed frames, so that reading into them instead of
+        // past them shows up as extra messages rather than only as errors.
+        let inner = frame(0x12, &[9; 8]).repeat(6);
+        let mut stream = frame(0x7f, &inner);
+        let mut long_ping = vec![5u8; 8];
+        long_ping.extend_from_slice(&inner);
+        stream.extend(frame(0x12, &long_ping));
+        stream.extend(frame(0x12, &[1; 8]));
+        let expected = vec![
+            ClientToRelay::Unknown {
+                frame_type: 0x7f,
+                len: inner.len() as u32,
+            },
+            ClientToRelay::Ping([5; 8]),
+            ClientToRelay::Ping([1; 8]),
+        ];
+        let mut cuts_inside_a_skip = 0;
+        for cut in 0..=stream.len() {
+            let mut first = ServerDecoder::after_handshake();
+            let mut buf = BytesMut::from(&stream[..cut]);
+            let mut got = Vec::new();
+            while let Some(msg) = first.decode(&mut buf).expect("first part") {
+                got.push(msg);
+            }
+            cuts_inside_a_skip += usize::from(first.skipping() > 0);
+            let mut second = ServerDecoder::resume_skipping(first.skipping());
+            buf.extend_from_slice(&stream[cut..]);
+            while let Some(msg) = second.decode(&mut buf).expect("second part") {
+                got.push(msg);
+            }
+            assert_eq!(got, expected, "cut at {cut}");
+            assert!(buf.is_empty(), "cut at {cut}");
+            assert_eq!(second.skipping(), 0);
+        }
+        assert_eq!(cuts_inside_a_skip, 2 * inner.len());
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! HTTP response: hyper's upgrade API always answers and may swallow the bytes after the head.
 //! A `/derp` upgrade is therefore taken over directly, with the bytes that followed the head
 //! kept; every other request, and everything after it on the same connection, goes to hyper
-//! with the already-read bytes replayed in front of the socket.
+//! with the already-read bytes replayed in front of the socket. A `/derp` upgrade hyper
+//! answers there is taken back out of hyper as the transport the connection came on (plain
+//! TCP or derpd's TLS records), so both kinds of upgrade run on the same streams.
 
 use std::convert::Infallible;
 use std::io;

@@ -44,6 +44,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("upgrade_response", upgrade::upgrade_response),
     ("ws_server", ws::ws_server),
     ("ws_client", ws::ws_client),
+    ("ws_snapshot", ws::ws_snapshot),
     ("server_stream", relay::server_stream),
     ("tls_client_hello", tls::tls_client_hello),
     ("proxy_protocol", proxy::proxy_protocol),

@@ -16,10 +16,14 @@
 //!
 //! Always: payload bytes out never outnumber the bytes consumed; after `NeedMore` what is
 //! left is shorter than a header plus a control frame; an error or a close is final (later
-//! calls return it again and neither consume nor produce anything).
+//! calls return it again and neither consume nor produce anything). The chunked run hands the
+//! stream to a new decoder at every chunk: one resumed from the last one's snapshot, passed
+//! through its encoding, so a snapshot taken anywhere must carry everything that matters.
 
 use bytes::{Bytes, BytesMut};
-use derp_proto::ws::{self, MAX_FRAME_PAYLOAD, Opcode, Role, WsDecoder, WsError, WsEvent};
+use derp_proto::ws::{
+    self, MAX_FRAME_PAYLOAD, Opcode, Role, WsDecoder, WsError, WsEvent, WsSnapshot,
+};
 
 use crate::Rng;
 
@@ -31,6 +35,54 @@ pub fn ws_server(data: &[u8]) {
 /// Client side: decodes what a server sends.
 pub fn ws_client(data: &[u8]) {
     ws(Role::Client, data);
+}
+
+/// A snapshot's encoding, then a stream for the decoder resumed from it.
+///
+/// Input: `n | snapshot bytes (n of them, or what there is) | stream`. Whatever the bytes,
+/// decoding the snapshot returns an error or a snapshot that re-encodes to exactly those
+/// bytes and resumes a decoder, whose own snapshot is the same; that decoder then takes the
+/// stream under the invariants of [`ws_server`] (never more payload out than bytes in, a
+/// close or an error is final).
+pub fn ws_snapshot(data: &[u8]) {
+    let Some((&n, rest)) = data.split_first() else {
+        return;
+    };
+    let (encoded, stream) = rest.split_at(usize::from(n).min(rest.len()));
+    let Ok(snapshot) = WsSnapshot::decode(encoded) else {
+        return;
+    };
+    let mut again = Vec::new();
+    snapshot.encode(&mut again);
+    assert_eq!(again, encoded, "a decoded snapshot re-encodes differently");
+    let decoder = WsDecoder::resume(snapshot).expect("a decoded snapshot resumes");
+    assert_eq!(decoder.snapshot(), Ok(snapshot), "resumed to another state");
+    let mut input = BytesMut::from(stream);
+    let mut out = BytesMut::new();
+    let mut decoder = decoder;
+    let end = loop {
+        let (in_before, out_before) = (input.len(), out.len());
+        let event = decoder.decode(&mut input, &mut out);
+        assert!(
+            out.len() - out_before <= in_before - input.len(),
+            "more payload than input"
+        );
+        match event {
+            Ok(WsEvent::Ping(_)) => {}
+            Ok(WsEvent::NeedMore) => return,
+            Ok(WsEvent::Close { code }) => break Ok(WsEvent::Close { code }),
+            Err(e) => break Err(e),
+        }
+    };
+    let (in_len, out_len) = (input.len(), out.len());
+    input.extend_from_slice(&ws::control_frame(Opcode::Ping, b"p"));
+    assert_eq!(
+        decoder.decode(&mut input, &mut out),
+        end,
+        "the end is not final"
+    );
+    assert_eq!(out.len(), out_len, "a finished decoder produced bytes");
+    assert_eq!(input.len(), in_len + 3, "a finished decoder consumed bytes");
 }
 
 /// Longest a control frame can be (2-byte header, mask, 125-byte payload); anything the
@@ -50,11 +102,11 @@ fn ws(role: Role, data: &[u8]) {
     } else {
         program(role, body, &mut rng)
     };
-    let mut whole = run(role, &stream, || stream.len());
+    let mut whole = run(role, &stream, false, || stream.len());
     assert_eq!(whole.outcome, expected, "decoded whole vs expected");
     // At most about 2048 chunks, so long frames stay cheap to cut up.
     let max_chunk = max_chunk.max(stream.len() / 1024);
-    let mut chunked = run(role, &stream, || rng.below_incl(max_chunk));
+    let mut chunked = run(role, &stream, true, || rng.below_incl(max_chunk));
     assert_eq!(chunked.outcome, expected, "decoded in chunks vs expected");
     check_final(role, &mut whole);
     check_final(role, &mut chunked);
@@ -85,8 +137,9 @@ struct Run {
 }
 
 /// Feeds `stream` in chunks of `next_chunk()` bytes, decoding after each until the decoder
-/// wants more; stops at a close or an error.
-fn run(role: Role, stream: &[u8], mut next_chunk: impl FnMut() -> usize) -> Run {
+/// wants more, then (when `resume` is set) carrying on with a decoder resumed from its
+/// snapshot; stops at a close or an error.
+fn run(role: Role, stream: &[u8], resume: bool, mut next_chunk: impl FnMut() -> usize) -> Run {
     let mut decoder = WsDecoder::new(role);
     let mut input = BytesMut::new();
     let mut out = BytesMut::new();
@@ -123,6 +176,9 @@ fn run(role: Role, stream: &[u8], mut next_chunk: impl FnMut() -> usize) -> Run 
         if fed == stream.len() {
             break End::NeedMore;
         }
+        if resume {
+            decoder = resumed(&decoder);
+        }
         let n = next_chunk().clamp(1, stream.len() - fed);
         input.extend_from_slice(&stream[fed..fed + n]);
         fed += n;
@@ -140,6 +196,19 @@ fn run(role: Role, stream: &[u8], mut next_chunk: impl FnMut() -> usize) -> Run 
         input,
         out,
     }
+}
+
+/// A decoder continuing from `decoder`'s snapshot, after an encode and decode of it.
+fn resumed(decoder: &WsDecoder) -> WsDecoder {
+    let snapshot = decoder
+        .snapshot()
+        .expect("a decoder waiting for input has a snapshot");
+    let mut encoded = Vec::new();
+    snapshot.encode(&mut encoded);
+    assert_eq!(encoded.len(), snapshot.encoded_len());
+    let decoded = WsSnapshot::decode(&encoded).expect("an encoded snapshot decodes");
+    assert_eq!(decoded, snapshot);
+    WsDecoder::resume(decoded).expect("a decoder's own snapshot resumes")
 }
 
 /// A closed or failed decoder stays so, whatever arrives next, and touches nothing.

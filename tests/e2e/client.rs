@@ -133,3 +133,26 @@ async fn split_halves_stream_packets_both_ways() {
     );
     srv.stop().await;
 }
+
+#[tokio::test]
+async fn a_client_that_probes_first_upgrades_on_the_keep_alive_connection_and_relays() {
+    let srv = TestServer::start_default().await;
+    for transport in [TransportKind::Upgrade, TransportKind::WebSocket] {
+        let (ca, a_pub) = config(&srv, transport);
+        let (cb, b_pub) = config(&srv, TransportKind::Upgrade);
+        let mut a = Client::connect(&ca.with_probe_first(true))
+            .await
+            .expect("a, after a probe");
+        let mut b = Client::connect(&cb).await.expect("b");
+        for i in 0..50u8 {
+            a.send_packet(b_pub, vec![i; 1400]).await.expect("send");
+            b.send_packet(a_pub, vec![i; 700]).await.expect("send");
+        }
+        for i in 0..50u8 {
+            assert_eq!(next_packet(&mut b).await, (a_pub, vec![i; 1400]));
+            assert_eq!(next_packet(&mut a).await, (b_pub, vec![i; 700]));
+        }
+        within(a.ping()).await.expect("ping");
+    }
+    srv.stop().await;
+}

@@ -1233,6 +1233,98 @@ async fn websocket_upgrade_variants() {
 }
 
 #[tokio::test]
+async fn websocket_frames_sent_with_a_keep_alive_upgrade_request_are_not_lost() {
+    let srv = TestServer::start_default().await;
+    let mut plain = RawClient::connect(srv.addr).await;
+    let probe = format!("GET /derp/probe HTTP/1.1\r\nHost: {}\r\n\r\n", srv.addr);
+    let upgrade = format!(
+        "GET /derp HTTP/1.1\r\nHost: {}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {WS_KEY}\r\n\
+         Sec-WebSocket-Protocol: derp\r\n\r\n",
+        srv.addr
+    );
+    // The upgrade after the probe goes through hyper, which reads the frames behind it with
+    // the head. Sent in one write with the probe too, they reach hyper in the bytes the
+    // front read first and replays.
+    for with_probe in [false, true] {
+        let secret = random_secret();
+        let mut hs = ClientHandshake::fast_start(
+            secret.clone(),
+            ClientInfo {
+                version: 2,
+                ..ClientInfo::default()
+            },
+            srv.server.public_key(),
+        );
+        let mut derp = BytesMut::new();
+        hs.client_info_frame([3; 24], &mut derp)
+            .expect("client info");
+        ClientToRelay::SendPacket {
+            dst: plain.key,
+            packet: Bytes::from_static(b"sent with the upgrade"),
+        }
+        .encode(&mut derp);
+        // ClientInfo split across two messages, the packet's frame in a third.
+        let (a, rest) = derp.split_at(10);
+        let (b, c) = rest.split_at(rest.len() - 60);
+        let frames = [
+            ws_frame(0x2, true, a),
+            ws_frame(0x2, true, b),
+            ws_frame(0x2, true, c),
+        ];
+        let mut ws = WsClient {
+            stream: TcpStream::connect(srv.addr).await.expect("connect"),
+            raw: BytesMut::new(),
+            derp: BytesMut::new(),
+            decoder: ClientDecoder::new(),
+            key: secret.public_key(),
+            pongs: Vec::new(),
+        };
+        let mut write = Vec::new();
+        write.extend_from_slice(probe.as_bytes());
+        if !with_probe {
+            ws.stream.write_all(&write).await.expect("probe");
+            assert_eq!(ws.read_head().await.status, 200);
+            write.clear();
+        }
+        write.extend_from_slice(upgrade.as_bytes());
+        write.extend(frames.concat());
+        ws.stream.write_all(&write).await.expect("upgrade");
+        if with_probe {
+            assert_eq!(ws.read_head().await.status, 200);
+        }
+        let head = ws.read_head().await;
+        assert_eq!(head.status, 101);
+        assert_eq!(head.header("sec-websocket-protocol"), Some("derp"));
+        assert_eq!(
+            ws.recv().await,
+            RelayToClient::ServerKey(srv.server.public_key())
+        );
+        match ws.recv().await {
+            RelayToClient::ServerInfo { sealed } => {
+                hs.handle_server_info(&sealed).expect("server info");
+            }
+            other => panic!("expected ServerInfo, got {other:?}"),
+        }
+        assert_eq!(
+            plain.recv_packet().await,
+            (ws.key, b"sent with the upgrade".to_vec())
+        );
+        plain.send_packet(ws.key, b"and back").await;
+        assert_eq!(
+            ws.recv().await,
+            RelayToClient::RecvPacket {
+                src: plain.key,
+                packet: Bytes::from_static(b"and back"),
+            }
+        );
+        drop(ws);
+        assert_eq!(plain.recv().await, gone(secret.public_key()));
+    }
+    srv.stop().await;
+}
+
+#[tokio::test]
 async fn frames_pipelined_behind_the_handshake_are_handled_in_order() {
     let srv = TestServer::start_default().await;
     let mut dst = RawClient::connect(srv.addr).await;

@@ -89,6 +89,13 @@ pub struct ClientConfig {
     /// ends, for a server that takes connections only from PROXY protocol senders (a derpd
     /// with `--proxy-protocol`, dialled directly by a sibling of its region). Off by default.
     pub proxy_header: bool,
+    /// TCP only: send a `HEAD /derp/probe` request ahead of the upgrade, in the same write,
+    /// so that the upgrade is the second request of a keep-alive connection. A relay may
+    /// serve that by another path than a first request (derpd answers it through hyper);
+    /// this is for tests and benchmarks of that path, Tailscale's clients never do it. Not
+    /// with fast start (and it keeps a TLS meta certificate from starting one). Off by
+    /// default.
+    pub probe_first: bool,
 
     /// QUIC only: the congestion controller of what this client sends; by default the one
     /// derpd runs ([`QuicCongestion::LossFilter`]).
@@ -128,6 +135,7 @@ impl ClientConfig {
             quic_port: None,
             quic_datagrams: true,
             proxy_header: false,
+            probe_first: false,
             quic_congestion: QuicCongestion::default(),
         }
     }
@@ -135,6 +143,12 @@ impl ClientConfig {
     /// Sets [`ClientConfig::proxy_header`].
     pub fn with_proxy_header(mut self, on: bool) -> Self {
         self.proxy_header = on;
+        self
+    }
+
+    /// Sets [`ClientConfig::probe_first`].
+    pub fn with_probe_first(mut self, on: bool) -> Self {
+        self.probe_first = on;
         self
     }
 

@@ -44,7 +44,8 @@ pub(crate) async fn connect(config: &ClientConfig) -> Result<Client, ConnectErro
         match meta_key {
             Some(key)
                 if config.fast_start_key.is_none()
-                    && config.transport == TransportKind::Upgrade =>
+                    && config.transport == TransportKind::Upgrade
+                    && !config.probe_first =>
             {
                 let mut fast = config.clone();
                 fast.fast_start_key = Some(key);
@@ -93,6 +94,16 @@ pub(crate) fn validate(config: &ClientConfig) -> Result<(), ConnectError> {
     if config.fast_start_key.is_some() && config.transport == TransportKind::WebSocket {
         return Err(ConnectError::InvalidConfig(
             "fast start is not available over websocket",
+        ));
+    }
+    if config.probe_first && config.fast_start_key.is_some() {
+        return Err(ConnectError::InvalidConfig(
+            "a probe first is not available with fast start",
+        ));
+    }
+    if config.probe_first && config.uses_quic() {
+        return Err(ConnectError::InvalidConfig(
+            "a probe first is not available over quic",
         ));
     }
     if config.uses_quic() && config.transport == TransportKind::WebSocket {
@@ -214,6 +225,11 @@ pub(crate) async fn establish(
         writer.queue_raw(&PREAMBLE);
     } else {
         let mut head = BytesMut::new();
+        if config.probe_first {
+            head.extend_from_slice(b"HEAD /derp/probe HTTP/1.1\r\nHost: ");
+            head.extend_from_slice(config.url.host_header().as_bytes());
+            head.extend_from_slice(b"\r\n\r\n");
+        }
         upgrade::write_request(
             &RequestOptions {
                 path: config.url.path(),
@@ -247,7 +263,7 @@ pub(crate) async fn establish(
         let leftover = if quic.is_some() {
             BytesMut::new()
         } else {
-            read_response(&mut read_half, ws_key.as_deref()).await?
+            read_response(&mut read_half, ws_key.as_deref(), config.probe_first).await?
         };
         let mut reader = FrameReader::new(read_half, leftover, ws_shared, config.read_timeout);
         let server_key = match reader.next_frame().await? {
@@ -310,12 +326,27 @@ fn queue_client_info(
     Ok(())
 }
 
-/// Reads the response head, checks it, and returns the bytes that followed it.
-async fn read_response(io: &mut ReadHalf, ws_key: Option<&str>) -> Result<BytesMut, ConnectError> {
+/// Reads the response head, checks it, and returns the bytes that followed it. With `probe`,
+/// the probe's answer (a head without a body) comes first and must be a 200.
+async fn read_response(
+    io: &mut ReadHalf,
+    ws_key: Option<&str>,
+    mut probe: bool,
+) -> Result<BytesMut, ConnectError> {
     let mut buf = BytesMut::with_capacity(RESPONSE_READ);
     let head = loop {
         if let Some(head) = upgrade::parse_response(&buf).map_err(ConnectError::BadResponse)? {
-            break head;
+            if !probe {
+                break head;
+            }
+            if head.status != 200 {
+                return Err(ConnectError::HttpStatus {
+                    status: head.status,
+                });
+            }
+            let _ = buf.split_to(head.len);
+            probe = false;
+            continue;
         }
         buf.reserve(RESPONSE_READ);
         if io.read_buf(&mut buf).await? == 0 {

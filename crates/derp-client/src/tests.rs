@@ -316,8 +316,12 @@ struct FakeServer<S> {
 
 impl<S: AsyncRead + AsyncWrite + Unpin> FakeServer<S> {
     /// Answers the upgrade, sends ServerKey, accepts ClientInfo and sends ServerInfo.
-    async fn accept(mut io: S) -> Self {
-        let mut raw = BytesMut::new();
+    async fn accept(io: S) -> Self {
+        Self::accept_after(io, BytesMut::new()).await
+    }
+
+    /// [`FakeServer::accept`], with `raw` holding bytes already read from `io`.
+    async fn accept_after(mut io: S, mut raw: BytesMut) -> Self {
         let head = read_head(&mut io, &mut raw).await;
         let hs = ServerHandshake::new(server_secret());
         let mut out = BytesMut::new();
@@ -941,6 +945,66 @@ async fn binds_the_configured_local_address_and_sends_client_info_fields() {
 }
 
 #[tokio::test]
+async fn a_probe_first_goes_ahead_of_the_upgrade_in_the_same_write() {
+    for scheme in ["http", "ws"] {
+        let (listener, url) = listen().await;
+        let url = url.replacen("http", scheme, 1);
+        let server = tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await.unwrap();
+            let mut raw = BytesMut::new();
+            let probe = read_head(&mut io, &mut raw).await;
+            // The upgrade comes before any answer: the client does not wait for one.
+            while !raw.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = io.read_buf(&mut raw).await.unwrap();
+                assert!(n > 0, "eof before the upgrade request");
+            }
+            io.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            (probe, FakeServer::accept_after(io, raw).await)
+        });
+        let cfg = config(&url, client_a_secret()).with_probe_first(true);
+        let mut client = within(Client::connect(&cfg)).await.unwrap();
+        let (probe, mut server) = within(server).await.unwrap();
+        let host = url.split('/').nth(2).unwrap();
+        assert_eq!(
+            probe,
+            format!("HEAD /derp/probe HTTP/1.1\r\nHost: {host}\r\n\r\n")
+        );
+        assert!(
+            server.head.starts_with("GET /derp HTTP/1.1\r\n"),
+            "{}",
+            server.head
+        );
+        assert_eq!(server.ws.is_some(), scheme == "ws");
+        client
+            .send_packet(key(1), b"after the probe")
+            .await
+            .unwrap();
+        assert_eq!(
+            within(server.recv()).await,
+            Some(ClientToRelay::SendPacket {
+                dst: key(1),
+                packet: Bytes::from_static(b"after the probe"),
+            })
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_probe_answered_with_other_than_200_is_an_http_status_error() {
+    let err = connect_against(
+        |_| b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
+        |u| config(u, client_a_secret()).with_probe_first(true),
+    )
+    .await;
+    assert!(
+        matches!(err, ConnectError::HttpStatus { status: 404 }),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
 async fn refuses_bad_configs_before_dialing() {
     let cfg = config("https://127.0.0.1:1/derp", client_a_secret()).with_cert_name("sha256-raw:12");
     assert!(matches!(
@@ -954,6 +1018,18 @@ async fn refuses_bad_configs_before_dialing() {
     ));
     let cfg = config("ws://127.0.0.1:1/derp", client_a_secret())
         .with_fast_start_key(public_key("server"));
+    assert!(matches!(
+        Client::connect(&cfg).await,
+        Err(ConnectError::InvalidConfig(_))
+    ));
+    let cfg = config("http://127.0.0.1:1/derp", client_a_secret())
+        .with_fast_start_key(public_key("server"))
+        .with_probe_first(true);
+    assert!(matches!(
+        Client::connect(&cfg).await,
+        Err(ConnectError::InvalidConfig(_))
+    ));
+    let cfg = config("quic://127.0.0.1:1", client_a_secret()).with_probe_first(true);
     assert!(matches!(
         Client::connect(&cfg).await,
         Err(ConnectError::InvalidConfig(_))

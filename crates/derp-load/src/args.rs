@@ -74,6 +74,14 @@ pub struct TargetArgs {
     #[arg(long, global = true, value_delimiter = ',')]
     pub server_pid: Vec<u32>,
 
+    /// Open every connection with a `HEAD /derp/probe` request ahead of the upgrade, so that
+    /// the upgrade is the second request of a keep-alive connection: the path a relay serves
+    /// those on (derpd's hyper front) instead of its first-request path. Not with QUIC or
+    /// `--client blocking`.
+    #[arg(long, global = true)]
+    #[serde(default)]
+    pub probe_first: bool,
+
     /// Budget for each connection's dial, upgrade and handshake.
     #[arg(long, global = true, default_value = "5s", value_parser = parse_duration)]
     pub connect_timeout: Duration,

@@ -115,6 +115,8 @@ struct TlsOptions {
     quic_port: Option<u16>,
     quic_datagrams: bool,
     quic_congestion: derp_client::QuicCongestion,
+    /// A probe request ahead of each upgrade (`--probe-first`).
+    probe_first: bool,
 }
 
 impl Target {
@@ -183,8 +185,14 @@ impl Target {
                 quic_port: args.quic_port,
                 quic_datagrams: !args.quic_no_datagrams,
                 quic_congestion: args.quic_congestion,
+                probe_first: args.probe_first,
             },
         })
+    }
+
+    /// Whether connections open with a probe request (`--probe-first`).
+    pub fn probe_first(&self) -> bool {
+        self.tls.probe_first
     }
 
     /// A client config for this target.
@@ -305,6 +313,7 @@ impl ClientTemplate {
         config.extra_roots = self.tls.extra_roots.clone();
         config.cert_name = self.tls.cert_name.clone();
         config.quic_port = self.tls.quic_port;
+        config.probe_first = self.tls.probe_first;
         if let Some(local) = local {
             config = config.with_local_addr(local);
         }

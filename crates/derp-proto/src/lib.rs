@@ -5,7 +5,8 @@
 //! encoding and decoding; every frame type (Tailscale's 0x01–0x15, and derpd's ObservedAddr 0xF1 for DERP over
 //! QUIC) as typed messages with encoders;
 //! incremental decoders for each direction that apply the reference implementation's size
-//! rules; handshake state machines for both sides; the HTTP upgrade that opens a connection
+//! rules (the server's, and the WebSocket decoder, with their state between two calls exported
+//! and resumed, to carry a connection on in another process); handshake state machines for both sides; the HTTP upgrade that opens a connection
 //! ([`upgrade`]) and the WebSocket framing DERP can travel in ([`ws`]), for both sides; and a
 //! STUN codec ([`stun`]); derper's rate configuration file ([`rate_config`]); the PROXY
 //! protocol a TCP proxy or load balancer puts in front of a connection it passes on

@@ -12,7 +12,8 @@
 //!   unmasked control frames;
 //! - [`WsDecoder`], a streaming decoder for either direction that turns raw bytes into the
 //!   DERP byte stream, unmasking payload bytes as soon as they arrive, and reports pings and
-//!   the close.
+//!   the close; its state between two calls can be taken out as a [`WsSnapshot`], with a
+//!   compact encoding, and a decoder resumed from it elsewhere (another process).
 //!
 //! It does not do compression (derper disables it) or text messages.
 
@@ -566,6 +567,229 @@ impl WsDecoder {
             payload_len,
             header_len,
         }))
+    }
+}
+
+/// Version byte of [`WsSnapshot::encode`]'s format.
+const SNAPSHOT_VERSION: u8 = 1;
+/// Encoded length of a snapshot taken between frames: version, role, flags, limit.
+const SNAPSHOT_LEN_BETWEEN: usize = 1 + 1 + 1 + 8;
+/// Encoded length of a snapshot taken inside a payload: the above, remaining length, mask.
+const SNAPSHOT_LEN_PAYLOAD: usize = SNAPSHOT_LEN_BETWEEN + 8 + 4;
+const SNAPSHOT_IN_MESSAGE: u8 = 0x01;
+const SNAPSHOT_PAYLOAD: u8 = 0x02;
+
+/// A [`WsDecoder`]'s whole state between two calls to [`WsDecoder::decode`], so that another
+/// decoder (in another process) can continue the stream where this one stopped.
+///
+/// The decoder keeps no input of its own: an incomplete header or control frame stays in the
+/// caller's input buffer, which must travel with the snapshot and be fed first to the resumed
+/// decoder. Only a stream still being read has a snapshot; a closed or failed one is ending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WsSnapshot {
+    /// Which end of the connection the decoder serves.
+    pub role: Role,
+    /// The largest frame payload the decoder accepts. It resumes with the limit it had, so a
+    /// frame it accepted is never refused halfway.
+    pub max_payload: u64,
+    /// A binary message is open (its last frame had FIN unset): the next data frame must be a
+    /// continuation.
+    pub in_message: bool,
+    /// The binary or continuation frame whose payload was being streamed, if the decoder
+    /// stopped inside one.
+    pub payload: Option<WsPayload>,
+}
+
+/// Where a [`WsSnapshot`] stopped inside a frame's payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WsPayload {
+    /// Payload bytes still to come; at least one.
+    pub remaining: u64,
+    /// The masking key as it applies to the next payload byte: the frame's key rotated left by
+    /// the number of payload bytes already consumed. All zeros for an unmasked frame.
+    pub mask: [u8; 4],
+}
+
+/// Why a [`WsDecoder`] has no snapshot, or a snapshot is not one a decoder can resume from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WsSnapshotError {
+    /// The peer closed the stream; nothing more is read from it.
+    #[error("the WebSocket stream is closed")]
+    Closed {
+        /// The code of the peer's close frame, if it carried one.
+        code: Option<u16>,
+    },
+    /// The peer broke the framing rules; the connection is ending.
+    #[error("the WebSocket stream failed: {0}")]
+    Failed(WsError),
+    /// The encoding is not as long as its flags say.
+    #[error("WebSocket snapshot of {len} bytes, expected {expected}")]
+    Length {
+        /// Bytes given.
+        len: usize,
+        /// Bytes the format needs.
+        expected: usize,
+    },
+    /// An encoding version this build does not read.
+    #[error("unknown WebSocket snapshot version {0}")]
+    Version(u8),
+    /// A role byte that names neither end.
+    #[error("unknown WebSocket decoder role {0}")]
+    Role(u8),
+    /// Flag bits this version does not define.
+    #[error("unknown WebSocket snapshot flags {0:#04x}")]
+    Flags(u8),
+    /// A payload limit above the 63 bits a frame length may use (RFC 6455 §5.2).
+    #[error("WebSocket payload limit {0} is above 2^63 - 1")]
+    MaxPayload(u64),
+    /// A frame in progress with nothing left to read, or more than the limit allows.
+    #[error("{remaining} WebSocket payload bytes remaining, outside 1..={max_payload}")]
+    Remaining {
+        /// The remaining count given.
+        remaining: u64,
+        /// The decoder's limit.
+        max_payload: u64,
+    },
+}
+
+impl WsSnapshot {
+    /// The longest encoding, in bytes.
+    pub const MAX_ENCODED_LEN: usize = SNAPSHOT_LEN_PAYLOAD;
+
+    /// Length of [`WsSnapshot::encode`]'s output for this snapshot.
+    pub fn encoded_len(&self) -> usize {
+        if self.payload.is_some() {
+            SNAPSHOT_LEN_PAYLOAD
+        } else {
+            SNAPSHOT_LEN_BETWEEN
+        }
+    }
+
+    /// Appends the snapshot in a compact, versioned form: a version byte (1), the role (0 for
+    /// [`Role::Server`], 1 for [`Role::Client`]), a flags byte (0x01 a message is open, 0x02 a
+    /// payload is in progress), the payload limit as a big-endian `u64`, and for a payload in
+    /// progress its remaining length (big-endian `u64`) and rotated mask: 11 or 23 bytes.
+    pub fn encode(&self, out: &mut impl BufMut) {
+        out.put_u8(SNAPSHOT_VERSION);
+        out.put_u8(match self.role {
+            Role::Server => 0,
+            Role::Client => 1,
+        });
+        let mut flags = 0;
+        if self.in_message {
+            flags |= SNAPSHOT_IN_MESSAGE;
+        }
+        if self.payload.is_some() {
+            flags |= SNAPSHOT_PAYLOAD;
+        }
+        out.put_u8(flags);
+        out.put_u64(self.max_payload);
+        if let Some(payload) = self.payload {
+            out.put_u64(payload.remaining);
+            out.put_slice(&payload.mask);
+        }
+    }
+
+    /// Reads what [`WsSnapshot::encode`] wrote, exactly and only that: any other length, an
+    /// unknown version, role or flag, or a state no decoder can be in is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Self, WsSnapshotError> {
+        let length = |expected| WsSnapshotError::Length {
+            len: bytes.len(),
+            expected,
+        };
+        let Some(&version) = bytes.first() else {
+            return Err(length(SNAPSHOT_LEN_BETWEEN));
+        };
+        if version != SNAPSHOT_VERSION {
+            return Err(WsSnapshotError::Version(version));
+        }
+        let Some(&[_, role, flags]) = bytes.first_chunk::<3>() else {
+            return Err(length(SNAPSHOT_LEN_BETWEEN));
+        };
+        let role = match role {
+            0 => Role::Server,
+            1 => Role::Client,
+            other => return Err(WsSnapshotError::Role(other)),
+        };
+        if flags & !(SNAPSHOT_IN_MESSAGE | SNAPSHOT_PAYLOAD) != 0 {
+            return Err(WsSnapshotError::Flags(flags));
+        }
+        let in_payload = flags & SNAPSHOT_PAYLOAD != 0;
+        let expected = if in_payload {
+            SNAPSHOT_LEN_PAYLOAD
+        } else {
+            SNAPSHOT_LEN_BETWEEN
+        };
+        if bytes.len() != expected {
+            return Err(length(expected));
+        }
+        let mut rest = &bytes[3..];
+        let max_payload = rest.get_u64();
+        let payload = in_payload.then(|| {
+            let remaining = rest.get_u64();
+            let mut mask = [0u8; 4];
+            rest.copy_to_slice(&mut mask);
+            WsPayload { remaining, mask }
+        });
+        let snapshot = Self {
+            role,
+            max_payload,
+            in_message: flags & SNAPSHOT_IN_MESSAGE != 0,
+            payload,
+        };
+        snapshot.check()?;
+        Ok(snapshot)
+    }
+
+    /// Whether a decoder can be in this state.
+    fn check(&self) -> Result<(), WsSnapshotError> {
+        if self.max_payload >> 63 != 0 {
+            return Err(WsSnapshotError::MaxPayload(self.max_payload));
+        }
+        if let Some(WsPayload { remaining, .. }) = self.payload
+            && (remaining == 0 || remaining > self.max_payload)
+        {
+            return Err(WsSnapshotError::Remaining {
+                remaining,
+                max_payload: self.max_payload,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl WsDecoder {
+    /// The decoder's state, to continue the stream elsewhere with [`WsDecoder::resume`]
+    /// (together with the undecoded input). A closed or failed stream has none.
+    pub fn snapshot(&self) -> Result<WsSnapshot, WsSnapshotError> {
+        let payload = match self.state {
+            State::Header => None,
+            State::Payload { remaining, mask } => Some(WsPayload { remaining, mask }),
+            State::Closed { code } => return Err(WsSnapshotError::Closed { code }),
+            State::Failed(err) => return Err(WsSnapshotError::Failed(err)),
+        };
+        Ok(WsSnapshot {
+            role: self.role,
+            max_payload: self.max_payload,
+            in_message: self.in_message,
+            payload,
+        })
+    }
+
+    /// A decoder that continues where the one [`WsDecoder::snapshot`] was taken of stopped:
+    /// fed the rest of the stream (starting with the input that decoder had not consumed), it
+    /// produces what that decoder would have. Refuses a state no decoder can be in.
+    pub fn resume(snapshot: WsSnapshot) -> Result<Self, WsSnapshotError> {
+        snapshot.check()?;
+        Ok(Self {
+            role: snapshot.role,
+            state: match snapshot.payload {
+                None => State::Header,
+                Some(WsPayload { remaining, mask }) => State::Payload { remaining, mask },
+            },
+            in_message: snapshot.in_message,
+            max_payload: snapshot.max_payload,
+        })
     }
 }
 
@@ -1149,6 +1373,215 @@ mod tests {
             assert!(out == expected);
             assert_eq!(events, pings);
         }
+    }
+
+    /// Decodes `first` with one decoder and, after a snapshot passed through its encoding,
+    /// the rest with another; the undecoded input travels along, as it must.
+    fn run_resumed(first: &[u8], rest: &[u8]) -> (Vec<u8>, Vec<WsEvent>, Option<WsError>) {
+        let mut decoder = WsDecoder::new(Role::Server);
+        let mut input = BytesMut::from(first);
+        let mut out = BytesMut::new();
+        let mut events = Vec::new();
+        loop {
+            match decoder.decode(&mut input, &mut out) {
+                Ok(WsEvent::NeedMore) => break,
+                Ok(WsEvent::Close { code }) => {
+                    // Nothing to hand on: the stream ends here either way.
+                    assert_eq!(decoder.snapshot(), Err(WsSnapshotError::Closed { code }));
+                    events.push(WsEvent::Close { code });
+                    return (out.to_vec(), events, None);
+                }
+                Ok(event) => events.push(event),
+                Err(err) => panic!("first part: {err}"),
+            }
+        }
+        let mut encoded = Vec::new();
+        decoder.snapshot().expect("snapshot").encode(&mut encoded);
+        let snapshot = WsSnapshot::decode(&encoded).expect("decode snapshot");
+        let mut resumed = WsDecoder::resume(snapshot).expect("resume");
+        input.extend_from_slice(rest);
+        loop {
+            match resumed.decode(&mut input, &mut out) {
+                Ok(WsEvent::NeedMore) => break,
+                Ok(event @ WsEvent::Close { .. }) => {
+                    events.push(event);
+                    break;
+                }
+                Ok(event) => events.push(event),
+                Err(err) => return (out.to_vec(), events, Some(err)),
+            }
+        }
+        (out.to_vec(), events, None)
+    }
+
+    #[test]
+    fn a_resumed_decoder_continues_the_recorded_client_stream_from_any_byte() {
+        let frames = recorded_c2s_frames();
+        let whole = run(&[&frames]);
+        assert_eq!(whole.0, recorded_c2s_derp());
+        for cut in 0..=frames.len() {
+            let (first, rest) = frames.split_at(cut);
+            assert_eq!(run_resumed(first, rest), whole, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn a_snapshot_inside_a_payload_carries_the_mask_where_it_stopped() {
+        let mask = [0x11, 0x22, 0x33, 0x44];
+        let frame = client_frame(0x02, b"hello", mask);
+        // Header (6 bytes) and three payload bytes: the next byte is unmasked with mask[3].
+        let mut decoder = WsDecoder::new(Role::Server);
+        let (mut input, mut out) = (BytesMut::from(&frame[..9]), BytesMut::new());
+        assert_eq!(decoder.decode(&mut input, &mut out), Ok(WsEvent::NeedMore));
+        let snapshot = decoder.snapshot().expect("snapshot");
+        assert_eq!(
+            snapshot,
+            WsSnapshot {
+                role: Role::Server,
+                max_payload: MAX_FRAME_PAYLOAD,
+                in_message: true,
+                payload: Some(WsPayload {
+                    remaining: 2,
+                    mask: [0x44, 0x11, 0x22, 0x33],
+                }),
+            }
+        );
+        let mut encoded = Vec::new();
+        snapshot.encode(&mut encoded);
+        assert_eq!(encoded.len(), snapshot.encoded_len());
+        assert_eq!(
+            hex::encode(&encoded),
+            "0100030000000000110000000000000000000244112233"
+        );
+        // Between frames, with no message open: the short form.
+        let between = WsDecoder::new(Role::Client).snapshot().expect("snapshot");
+        let mut encoded = Vec::new();
+        between.encode(&mut encoded);
+        assert_eq!(hex::encode(&encoded), "0101007fffffffffffffff");
+        assert_eq!(WsSnapshot::decode(&encoded), Ok(between));
+    }
+
+    #[test]
+    fn a_closed_or_failed_stream_has_no_snapshot() {
+        let mut decoder = WsDecoder::new(Role::Server);
+        let mut input = BytesMut::from(&client_frame(0x88, &1001u16.to_be_bytes(), [1; 4])[..]);
+        let mut out = BytesMut::new();
+        assert_eq!(
+            decoder.decode(&mut input, &mut out),
+            Ok(WsEvent::Close { code: Some(1001) })
+        );
+        assert_eq!(
+            decoder.snapshot(),
+            Err(WsSnapshotError::Closed { code: Some(1001) })
+        );
+
+        let mut decoder = WsDecoder::new(Role::Server);
+        let mut input = BytesMut::from(&[0x82, 0x00][..]);
+        assert_eq!(decoder.decode(&mut input, &mut out), Err(WsError::Unmasked));
+        assert_eq!(
+            decoder.snapshot(),
+            Err(WsSnapshotError::Failed(WsError::Unmasked))
+        );
+    }
+
+    #[test]
+    fn malformed_snapshots_are_refused() {
+        let valid = hex::decode("0100030000000000110000000000000000000244112233").unwrap();
+        let with = |i: usize, b: u8| {
+            let mut v = valid.clone();
+            v[i] = b;
+            v
+        };
+        let length = |len, expected| WsSnapshotError::Length { len, expected };
+        let cases: Vec<(Vec<u8>, WsSnapshotError)> = vec![
+            (vec![], length(0, 11)),
+            (vec![1, 0], length(2, 11)),
+            (valid[..11].to_vec(), length(11, 23)),
+            (valid[..22].to_vec(), length(22, 23)),
+            ([&valid[..], &[0]].concat(), length(24, 23)),
+            (with(2, 0x01), length(23, 11)),
+            (with(0, 2), WsSnapshotError::Version(2)),
+            (with(0, 0), WsSnapshotError::Version(0)),
+            (with(1, 2), WsSnapshotError::Role(2)),
+            (with(2, 0x07), WsSnapshotError::Flags(0x07)),
+            (
+                with(3, 0x80),
+                WsSnapshotError::MaxPayload(0x8000_0000_0011_0000),
+            ),
+            (
+                with(18, 0),
+                WsSnapshotError::Remaining {
+                    remaining: 0,
+                    max_payload: MAX_FRAME_PAYLOAD,
+                },
+            ),
+            (
+                with(16, 0x12),
+                WsSnapshotError::Remaining {
+                    remaining: 0x12_0002,
+                    max_payload: MAX_FRAME_PAYLOAD,
+                },
+            ),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(WsSnapshot::decode(&bytes), Err(want), "{bytes:02x?}");
+        }
+        // The same checks guard a snapshot built by hand.
+        let snapshot = WsSnapshot::decode(&valid).expect("valid");
+        let bad = WsSnapshot {
+            payload: Some(WsPayload {
+                remaining: MAX_FRAME_PAYLOAD + 1,
+                mask: [0; 4],
+            }),
+            ..snapshot
+        };
+        assert!(matches!(
+            WsDecoder::resume(bad),
+            Err(WsSnapshotError::Remaining { .. })
+        ));
+        let bad = WsSnapshot {
+            max_payload: u64::MAX,
+            payload: None,
+            ..snapshot
+        };
+        assert_eq!(
+            WsDecoder::resume(bad).err(),
+            Some(WsSnapshotError::MaxPayload(u64::MAX))
+        );
+    }
+
+    #[test]
+    fn arbitrary_snapshot_bytes_never_panic_and_what_decodes_re_encodes_the_same() {
+        let mut rng = Prng(0x5EED_0F5A_4B54_0701);
+        let mut accepted = 0;
+        for _ in 0..20_000 {
+            let mut bytes: Vec<u8> = (0..rng.below(26)).map(|_| rng.next() as u8).collect();
+            // Bias most cases towards the valid header so the later checks are reached.
+            if bytes.len() >= 3 && rng.below(4) != 0 {
+                bytes[0] = SNAPSHOT_VERSION;
+                bytes[1] = rng.below(2) as u8;
+                bytes[2] &= SNAPSHOT_IN_MESSAGE | SNAPSHOT_PAYLOAD;
+                if let Some(b) = bytes.get_mut(3) {
+                    *b &= 0x7f;
+                }
+            }
+            let Ok(snapshot) = WsSnapshot::decode(&bytes) else {
+                continue;
+            };
+            accepted += 1;
+            let mut again = Vec::new();
+            snapshot.encode(&mut again);
+            assert_eq!(again, bytes);
+            let mut decoder = WsDecoder::resume(snapshot).expect("a decoded snapshot resumes");
+            assert_eq!(decoder.snapshot(), Ok(snapshot));
+            // And the decoder it gives works on whatever comes next.
+            let tail: Vec<u8> = (0..rng.below(40)).map(|_| rng.next() as u8).collect();
+            let mut input = BytesMut::from(&tail[..]);
+            let mut out = BytesMut::new();
+            let _ = decoder.decode(&mut input, &mut out);
+            assert!(out.len() <= tail.len());
+        }
+        assert!(accepted > 100, "only {accepted} snapshots decoded");
     }
 
     /// The client side: decoding what a server sends.

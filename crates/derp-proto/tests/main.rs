@@ -4,4 +4,5 @@
 
 mod props;
 mod proxy_protocol;
+mod resume;
 mod vectors;

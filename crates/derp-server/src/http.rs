@@ -5,7 +5,9 @@
 //! HTTP response: hyper's upgrade API always answers and may swallow the bytes after the head.
 //! A `/derp` upgrade is therefore taken over directly, with the bytes that followed the head
 //! kept; every other request, and everything after it on the same connection, goes to hyper
-//! with the already-read bytes replayed in front of the socket.
+//! with the already-read bytes replayed in front of the socket. A `/derp` upgrade hyper
+//! answers there is taken back out of hyper as the transport the connection came on (plain
+//! TCP or derpd's TLS records), so both kinds of upgrade run on the same streams.
 
 use std::convert::Infallible;
 use std::io;
@@ -265,10 +267,16 @@ const _: () = assert!(upgrade::MAX_HEAD_LEN >= 8192);
 /// takes it along to its DERP task.
 type GuardCell = Arc<Mutex<Option<ConnGuard>>>;
 
-async fn serve_hyper<S>(shared: Arc<ServerState>, io: S, peer: Peer, guard: ConnGuard)
-where
-    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-{
+/// The stream hyper serves a main-listener connection on, named so that an upgrade can take
+/// it back out of hyper as exactly this type ([`unwrap_upgraded`]).
+type HyperIo = TokioIo<Rewind<Transport>>;
+
+async fn serve_hyper(
+    shared: Arc<ServerState>,
+    io: Rewind<Transport>,
+    peer: Peer,
+    guard: ConnGuard,
+) {
     // Plain HTTP exchanges stay unproven: probes and pages are short, and a connection that
     // lingers on them is the first to make room under pressure.
     let evicted = guard.eviction_token();
@@ -281,7 +289,7 @@ where
         async move { Ok::<_, Infallible>(respond(&shared, req, peer, &guard)) }
     });
     let conn = http1_builder(header_timeout)
-        .serve_connection(TokioIo::new(io), service)
+        .serve_connection(HyperIo::new(io), service)
         .with_upgrades();
     let remote = peer.remote;
     let result = tokio::select! {
@@ -609,9 +617,10 @@ fn derp_via_hyper(
                     .await;
             }
             Ok(upgraded) => {
+                let (transport, initial) = unwrap_upgraded(upgraded);
                 let handover = Handover {
-                    transport: Transport::Boxed(Box::new(TokioIo::new(upgraded))),
-                    initial: BytesMut::new(),
+                    transport,
+                    initial,
                     remote,
                     preamble: Bytes::new(),
                     framing,
@@ -626,6 +635,33 @@ fn derp_via_hyper(
         }
     });
     resp
+}
+
+/// The connection hyper upgraded, as the transport it was before hyper took it, and the bytes
+/// already read from it that hyper did not use: the first bytes of the new protocol (DERP
+/// frames, or WebSocket frames to decode), which go in front of the socket's.
+///
+/// Taken out of hyper, an upgraded connection is what one upgraded by its first request is:
+/// plain TCP or derpd's TLS records rather than a boxed stream behind hyper's own, with
+/// lock-free halves, a reader that can wait for the socket holding no buffer, a TCP socket
+/// to sample, and state that can be carried on by another process. Should hyper ever hand
+/// back another type, the connection is served boxed, as before.
+fn unwrap_upgraded(upgraded: hyper::upgrade::Upgraded) -> (Transport, BytesMut) {
+    match upgraded.downcast::<HyperIo>() {
+        Ok(parts) => {
+            let (unread, transport) = parts.io.into_inner().into_parts();
+            // hyper read through the replayed bytes before the socket's, so what it holds
+            // comes before what it left of them.
+            let mut initial = BytesMut::with_capacity(parts.read_buf.len() + unread.len());
+            initial.extend_from_slice(&parts.read_buf);
+            initial.extend_from_slice(&unread);
+            (transport, initial)
+        }
+        Err(upgraded) => (
+            Transport::Boxed(Box::new(TokioIo::new(upgraded))),
+            BytesMut::new(),
+        ),
+    }
 }
 
 /// `/generate_204`: captive-portal detection, with the challenge echo clients use to check
@@ -728,6 +764,11 @@ impl<S> Rewind<S> {
     /// `inner`, with `prefix` read first.
     pub fn new(prefix: Bytes, inner: S) -> Self {
         Self { prefix, inner }
+    }
+
+    /// The bytes of the prefix not read yet, and the stream behind them.
+    pub fn into_parts(self) -> (Bytes, S) {
+        (self.prefix, self.inner)
     }
 }
 
@@ -924,6 +965,240 @@ mod tests {
         assert_eq!(got, expected);
         drop(client);
         ends_in_time(serving).await;
+    }
+
+    #[tokio::test]
+    async fn a_derp_upgrade_through_hyper_keeps_its_tcp_socket_and_the_frame_sent_with_it() {
+        let shared = test_state();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let (mut client, serving) = served_connection(&shared, &listener).await;
+        client
+            .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .expect("probe");
+        let probe = read_head(&mut client, WITHIN).await;
+        assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
+        // ClientInfo in the same write as the upgrade: hyper reads it with the head.
+        let mut hs = derp_proto::ClientHandshake::fast_start(
+            derp_testkit::client_a_secret(),
+            derp_proto::ClientInfo {
+                version: 2,
+                ..Default::default()
+            },
+            shared.public_key,
+        );
+        let mut request = derp_request(false);
+        hs.client_info_frame([7; 24], &mut request)
+            .expect("client info");
+        client.write_all(&request).await.expect("request");
+        let head = read_head(&mut client, WITHIN).await;
+        assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
+        let mut decoder = derp_proto::ClientDecoder::new();
+        let mut buf = BytesMut::new();
+        let sealed = loop {
+            match decoder.decode(&mut buf).expect("frame") {
+                Some(derp_proto::RelayToClient::ServerInfo { sealed }) => break sealed,
+                Some(derp_proto::RelayToClient::ServerKey(key)) => {
+                    assert_eq!(key, shared.public_key);
+                }
+                Some(other) => panic!("unexpected {other:?}"),
+                None => {
+                    let n = tokio::time::timeout(WITHIN, client.read_buf(&mut buf))
+                        .await
+                        .expect("ServerInfo in time")
+                        .expect("read");
+                    assert!(n > 0, "closed before ServerInfo");
+                }
+            }
+        };
+        hs.handle_server_info(&sealed).expect("server info");
+        // Registered before ServerInfo was written. Its socket is known only if the
+        // connection left hyper as the plain TCP stream it came as.
+        let conns = shared.registry.summaries();
+        assert_eq!(conns.len(), 1);
+        assert!(
+            conns[0].tcp_socket.is_some(),
+            "the upgraded connection has no TCP socket"
+        );
+        drop(client);
+        ends_in_time(serving).await;
+    }
+
+    /// A WebSocket upgrade request head, as hyper needs it to upgrade.
+    fn websocket_head() -> Vec<u8> {
+        b"GET /derp HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\n\
+          Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            .to_vec()
+    }
+
+    /// `len` bytes that do not repeat with any short period, so that pieces out of order
+    /// never compare equal.
+    fn noise(len: usize, seed: u32) -> Vec<u8> {
+        (0..len as u32)
+            .map(|i| (i.wrapping_add(seed).wrapping_mul(0x9E37_79B1) >> 24) as u8)
+            .collect()
+    }
+
+    /// Serves `io` as [`serve_hyper`] does (the same builder and stream type) with a service
+    /// that upgrades the first request, and returns what [`unwrap_upgraded`] makes of it.
+    async fn upgraded_by_hyper(io: Rewind<Transport>) -> (Transport, BytesMut) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let tx = Arc::new(Mutex::new(Some(tx)));
+        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            let tx = tx.lock().expect("lock").take();
+            tokio::spawn(async move {
+                let upgraded = on_upgrade.await.expect("upgraded");
+                if let Some(tx) = tx {
+                    let _ = tx.send(unwrap_upgraded(upgraded));
+                }
+            });
+            let mut resp = Response::new(Body::default());
+            *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            let h = resp.headers_mut();
+            h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+            h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+            std::future::ready(Ok::<_, Infallible>(resp))
+        });
+        let conn = http1_builder(WITHIN)
+            .serve_connection(HyperIo::new(io), service)
+            .with_upgrades();
+        let serving = tokio::spawn(conn);
+        let upgraded = tokio::time::timeout(WITHIN, rx)
+            .await
+            .expect("upgraded in time")
+            .expect("upgraded");
+        serving.await.expect("no panic").expect("served");
+        upgraded
+    }
+
+    /// Reads from `transport` onto `got` until it holds `len` bytes.
+    async fn read_up_to(transport: &mut Transport, got: &mut BytesMut, len: usize) {
+        while got.len() < len {
+            let n = tokio::time::timeout(WITHIN, transport.read_buf(got))
+                .await
+                .expect("bytes in time")
+                .expect("read");
+            assert!(n > 0, "closed after {} of {len} bytes", got.len());
+        }
+    }
+
+    #[tokio::test]
+    async fn an_upgrade_through_hyper_comes_back_as_plain_tcp_with_every_byte_in_order() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let mut client = client.expect("connect");
+        let (stream, _) = accepted.expect("accept");
+        // Replayed bytes well past hyper's first read (8 KiB), so that at the upgrade hyper
+        // holds some of them and the replay the rest; then more on the socket.
+        let replayed = noise(20_000, 1);
+        let on_socket = noise(5_000, 2);
+        client.write_all(&on_socket).await.expect("write");
+        let prefix = [websocket_head(), replayed.clone()].concat();
+        let io = Rewind::new(prefix.into(), Transport::Tcp(stream));
+        let (mut transport, mut got) = upgraded_by_hyper(io).await;
+        assert!(
+            matches!(transport, Transport::Tcp(_)),
+            "came back as {transport:?}"
+        );
+        let head = read_head(&mut client, WITHIN).await;
+        assert!(head.starts_with(b"HTTP/1.1 101"), "{head:?}");
+        let want = [replayed, on_socket].concat();
+        read_up_to(&mut transport, &mut got, want.len()).await;
+        assert!(got[..] == want[..], "bytes lost or out of order");
+    }
+
+    /// A client and derpd's end of a TLS 1.3 connection on derpd's record layer.
+    async fn tls_pair() -> (
+        tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+        Transport,
+    ) {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("cert");
+        let der = cert.cert.der().clone();
+        let private =
+            rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], private)
+            .expect("server config");
+        // derpd's record layer takes the traffic keys over from rustls.
+        server.enable_secret_extraction = true;
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).expect("root");
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+        let (client, server) = tokio::join!(
+            async {
+                let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+                connector
+                    .connect(name, tcp)
+                    .await
+                    .expect("client handshake")
+            },
+            async {
+                let (tcp, _) = listener.accept().await.expect("accept");
+                derp_io::tls::accept(tcp, Vec::new(), Arc::new(server))
+                    .await
+                    .expect("server handshake")
+            }
+        );
+        (client, Transport::Tls(Box::new(server.stream)))
+    }
+
+    #[tokio::test]
+    async fn an_upgrade_through_hyper_on_derpds_tls_records_comes_back_as_that_tls_stream() {
+        let (mut client, server) = tls_pair().await;
+        // The first bytes of the new protocol in the same write as the head, and more after.
+        let sent_with_head = noise(3_000, 3);
+        let after = noise(20_000, 4);
+        client
+            .write_all(&[websocket_head(), sent_with_head.clone()].concat())
+            .await
+            .expect("write");
+        client.write_all(&after).await.expect("write");
+        client.flush().await.expect("flush");
+        let (mut transport, mut got) = upgraded_by_hyper(Rewind::new(Bytes::new(), server)).await;
+        assert!(
+            matches!(transport, Transport::Tls(_)),
+            "came back as {transport:?}"
+        );
+        let want = [sent_with_head, after].concat();
+        read_up_to(&mut transport, &mut got, want.len()).await;
+        assert!(got[..] == want[..], "bytes lost or out of order");
+        // And it still speaks TLS both ways.
+        transport
+            .write_all(b"after the upgrade")
+            .await
+            .expect("write");
+        transport.flush().await.expect("flush");
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"after the upgrade") {
+            let n = tokio::time::timeout(WITHIN, client.read_buf(&mut answer))
+                .await
+                .expect("in time")
+                .expect("read");
+            assert!(n > 0, "closed");
+        }
+        assert!(answer.starts_with(b"HTTP/1.1 101"));
     }
 
     /// A GET of `path` whose head is `len` bytes long, padded by one header.

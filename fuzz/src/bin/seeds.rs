@@ -467,6 +467,25 @@ fn main() {
         );
     }
 
+    // Snapshots, `n | snapshot | stream`: inside a masked payload (two bytes to go, the mask
+    // rotated past three), then the rest of that frame and a close; and a client's between
+    // frames, then a server's unmasked frame.
+    let inside: &[u8] = &[
+        1, 0, 3, 0, 0, 0, 0, 0, 0x11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0x44, 0x11, 0x22, 0x33,
+    ];
+    let rest = [0x6c ^ 0x44, 0x6f ^ 0x11, 0x88, 0x80, 1, 2, 3, 4];
+    add(
+        "ws_snapshot",
+        "hand-inside-payload".into(),
+        [&[inside.len() as u8], inside, &rest].concat(),
+    );
+    let between: &[u8] = &[1, 1, 0, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff];
+    add(
+        "ws_snapshot",
+        "hand-client-between-frames".into(),
+        [&[between.len() as u8], between, &[0x82, 2, b'h', b'i']].concat(),
+    );
+
     // The live relay: `mode | seed | bytes` (see fuzz/src/relay.rs for the mode bits).
     let a_key = hex::decode(str_field(&session, "client_a_public_hex")).expect("hex");
     let hostile = derp_fuzz::relay::hostile_key().0;

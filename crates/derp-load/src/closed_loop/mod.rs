@@ -81,6 +81,7 @@ impl LoopSpec {
             let plain = |s: Scheme| s == Scheme::Http;
             if !plain(target.url.scheme())
                 || target.peer_url.as_ref().is_some_and(|p| !plain(p.scheme()))
+                || target.probe_first()
             {
                 return Err(LoopError::BlockingNeedsHttp);
             }
@@ -452,10 +453,10 @@ impl Books {
 /// Why closed-loop pairs could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum LoopError {
-    /// `--client blocking` with a TLS, WebSocket or QUIC target.
+    /// `--client blocking` with a TLS, WebSocket or QUIC target, or `--probe-first`.
     #[error(
-        "--client blocking speaks plain http:// only; use --client tokio for TLS, WebSocket and \
-         QUIC"
+        "--client blocking speaks plain http:// only, upgrading at once; use --client tokio for \
+         TLS, WebSocket, QUIC and --probe-first"
     )]
     BlockingNeedsHttp,
     /// `--client blocking` with more in flight than the sockets' buffers hold.

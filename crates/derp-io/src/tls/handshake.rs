@@ -214,15 +214,15 @@ pub(super) async fn accept_with(
                 // Records after the Finished, if any, are the record layer's to open.
                 state: ReadState::new(rx, rx_schedule, received, shared.clone()),
             },
-            write: TlsWrite {
-                half: w,
-                state: WriteState::new(
+            write: TlsWrite::new(
+                w,
+                WriteState::new(
                     tx,
                     tx_schedule,
                     shared,
                     key_update_at(records_per_key.unwrap_or(limit)),
                 ),
-            },
+            ),
         },
         alpn,
     })

@@ -6,13 +6,16 @@
 //! separately owned halves such as a QUIC stream's), its lock-free split into [`ReadHalf`]
 //! and [`WriteHalf`], the socket options a relay connection wants ([`TcpOptions`], set by
 //! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts), the
-//! TLS 1.3 record layer that takes over from rustls after the handshake ([`tls`]), and the
-//! QUIC transport settings both ends of DERP over QUIC share, its congestion controllers
-//! among them, with the QUIC stream's send half that takes a vectored write in one call
-//! ([`quic`]).
+//! TLS 1.3 record layer that takes over from rustls after the handshake, whose state can be
+//! copied out to hand a live connection to another process ([`tls`]), a way to drop either
+//! half without a word to the peer or a `shutdown(2)` of the socket ([`ReadHalf::forget`],
+//! [`WriteHalf::forget`]), and the QUIC transport settings both ends of DERP over QUIC
+//! share, its congestion controllers among them, with the QUIC stream's send half that takes
+//! a vectored write in one call ([`quic`]).
 //!
 //! What it does not do: framing, HTTP, certificates, or anything else above the byte stream;
-//! the TLS handshake itself is rustls's, and QUIC itself is quinn's.
+//! the TLS handshake itself is rustls's, and QUIC itself is quinn's. Nor does it pass a
+//! socket or a state to another process: it copies the state out and takes it back in.
 //!
 //! Plain TCP and TLS 1.3 are kept unboxed in the halves' sense: they split without a lock, and
 //! the read loop can wait for readability before it allocates a buffer, so an idle connection

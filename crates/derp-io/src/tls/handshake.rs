@@ -59,7 +59,8 @@ static UNCAPTURED: AtomicU64 = AtomicU64::new(0);
 
 /// The TLS 1.3 handshakes [`accept`] finished in this process without the traffic secrets
 /// it needs to run the key schedule itself (a config not [`configure`](super::configure)d,
-/// or a capture full of failed handshakes): each is served on rustls's key schedule.
+/// or a capture full of failed handshakes): each is served on rustls's key schedule, and its
+/// state cannot be copied out ([`NotHandable::NotCaptured`](super::NotHandable)).
 pub fn uncaptured() -> u64 {
     UNCAPTURED.load(Ordering::Relaxed)
 }

@@ -155,6 +155,14 @@ impl Schedule {
             Self::Rustls(kernel) => keys_for(lock(kernel).update_tx_secret()),
         }
     }
+
+    /// The current traffic secret, if this schedule is run here.
+    pub(super) fn secret(&self) -> Option<&TrafficSecret> {
+        match self {
+            Self::Known(secret) => Some(secret),
+            Self::Rustls(_) => None,
+        }
+    }
 }
 
 fn lock(kernel: &Kernel) -> std::sync::MutexGuard<'_, KernelConnection<ServerConnectionData>> {

@@ -5,6 +5,7 @@
 mod alerts;
 mod capture;
 mod differential;
+mod handover;
 mod openssl;
 mod suites;
 

@@ -1,6 +1,6 @@
 //! The traffic secrets captured at the handshake: the capture's bounds, the ClientHello
 //! random that names a handshake, and the connections served without captured secrets (on
-//! rustls's key schedule).
+//! rustls's key schedule, and not handable).
 
 use std::time::Duration;
 
@@ -136,7 +136,8 @@ fn a_client_hellos_random_is_read_as_rustls_logs_it() {
 }
 
 /// A handshake whose secrets were not captured is served as before the capture existed: on
-/// rustls's key schedule, key updates both ways included.
+/// rustls's key schedule, key updates both ways included. Only its state cannot be copied
+/// out.
 #[tokio::test]
 async fn a_handshake_without_captured_secrets_is_served_on_rustlss_schedule() {
     let pki = pki();
@@ -182,7 +183,7 @@ async fn captured_secrets_that_do_not_yield_the_handshakes_keys_are_not_used() {
 }
 
 /// A handshake under `config` taking secrets from `capture`, whose stream runs rustls's
-/// schedule.
+/// schedule and cannot be copied out.
 async fn uncaptured_pair(
     pki: &Pki,
     config: Arc<ServerConfig>,
@@ -206,6 +207,11 @@ async fn uncaptured_pair(
     let server = server.stream;
     assert!(matches!(server.read.state.schedule, Schedule::Rustls(_)));
     assert!(matches!(server.write.state.schedule, Schedule::Rustls(_)));
+    assert_eq!(server.read.snapshot().err(), Some(NotHandable::NotCaptured));
+    assert_eq!(
+        server.write.snapshot().err(),
+        Some(NotHandable::NotCaptured)
+    );
     (server, client)
 }
 

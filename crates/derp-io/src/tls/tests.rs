@@ -695,6 +695,26 @@ async fn an_idle_connection_holds_no_record_buffers() {
     assert_eq!(&one, b"x");
 }
 
+/// What an idle connection's record layer keeps besides its socket: two boxed halves, each
+/// mostly ring's expanded AEAD key (576 bytes) and, since the key schedule runs here, its
+/// direction's traffic secret (49 bytes); and the small allocation they share. rustls's
+/// connection state, 560 bytes inline and its key schedule on the heap, was kept in the
+/// shared allocation for key updates before (1,944 bytes in all besides that heap): it is
+/// dropped after the handshake, and nothing like it may come back unnoticed.
+#[test]
+fn an_idle_connections_record_layer_state_is_the_keys_and_little_more() {
+    use std::mem::size_of;
+    let shared = size_of::<record::Shared>();
+    let halves = size_of::<TlsRead>() + size_of::<TlsWrite>();
+    assert!(shared <= 32, "the halves' shared state is {shared} bytes");
+    assert!(size_of::<Schedule>() <= 56);
+    assert!(
+        halves + shared <= 1_500,
+        "an idle connection's record layer is {} bytes",
+        halves + shared
+    );
+}
+
 #[tokio::test]
 async fn client_hellos_are_read_for_their_version_and_alpn() {
     let pki = pki();

@@ -108,7 +108,7 @@ impl TrafficSecret {
     }
 
     /// The secret's bytes (the suite's hash length).
-    pub fn as_bytes(&self) -> &[u8] {
+    pub(super) fn as_bytes(&self) -> &[u8] {
         &self.secret[..self.suite.secret_len()]
     }
 

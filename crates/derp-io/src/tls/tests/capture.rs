@@ -135,6 +135,43 @@ fn a_client_hellos_random_is_read_as_rustls_logs_it() {
     assert_eq!(client_random(&[]), None);
 }
 
+/// As the TLS front calls it: the ClientHello read already (to pick the path and the config),
+/// and handed to [`accept`] with whatever came with it. The process's capture names the
+/// handshake by that hello's random, and the stream runs the key schedule itself.
+#[tokio::test]
+async fn a_client_hello_read_before_the_handshake_still_names_it() {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let connector = TlsConnector::from(client_config(&pki, &[&rustls::version::TLS13]));
+    let (client, server) = tokio::join!(
+        async {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            connector.connect(name(), tcp).await.expect("client")
+        },
+        async {
+            let (mut tcp, _) = listener.accept().await.expect("accept");
+            let mut received = Vec::new();
+            while matches!(ClientHello::parse(&received), ClientHello::Incomplete) {
+                let n = tcp.read_buf(&mut received).await.expect("read");
+                assert!(n > 0, "the client left");
+            }
+            assert!(matches!(
+                ClientHello::parse(&received),
+                ClientHello::Hello { tls13: true, .. }
+            ));
+            accept(tcp, received, pki.server.clone())
+                .await
+                .expect("server handshake")
+                .stream
+        }
+    );
+    assert!(matches!(server.read.state.schedule, Schedule::Known(_)));
+    let (rx, tx) = server.snapshot().expect("handable");
+    assert_eq!(rx.suite(), tx.suite());
+    drop(client);
+}
+
 /// A handshake whose secrets were not captured is served as before the capture existed: on
 /// rustls's key schedule, key updates both ways included. Only its state cannot be copied
 /// out.

@@ -16,8 +16,9 @@ use super::record::{MAX_IDLE_RECORDS, ReadState, Schedule, Shared, WriteState};
 use super::stream::{TlsRead, TlsStream, TlsWrite};
 
 /// Bytes a snapshot's buffer may hold. The record layer's buffers stay far below it (the
-/// reading half's holds at most two reads of 32 KiB and a record, the sending half's at most
-/// 64 KiB of sealed records); the bound keeps a decoder from taking anything larger.
+/// reading half's under 96 KiB: reads of 32 KiB and the record in progress; the sending
+/// half's 64 KiB of sealed records and a few more); the bound keeps a decoder from taking
+/// anything larger.
 pub const MAX_SNAPSHOT_BUFFER: usize = 1 << 20;
 
 /// The binary form's version, after its kind byte.

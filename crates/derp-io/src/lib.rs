@@ -6,13 +6,16 @@
 //! separately owned halves such as a QUIC stream's), its lock-free split into [`ReadHalf`]
 //! and [`WriteHalf`], the socket options a relay connection wants ([`TcpOptions`], set by
 //! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts), the
-//! TLS 1.3 record layer that takes over from rustls after the handshake ([`tls`]), and the
-//! QUIC transport settings both ends of DERP over QUIC share, its congestion controllers
-//! among them, with the QUIC stream's send half that takes a vectored write in one call
-//! ([`quic`]).
+//! TLS 1.3 record layer that takes over from rustls after the handshake, whose state can be
+//! copied out to hand a live connection to another process ([`tls`]), a way to drop either
+//! half without a word to the peer or a `shutdown(2)` of the socket ([`ReadHalf::forget`],
+//! [`WriteHalf::forget`]), and the QUIC transport settings both ends of DERP over QUIC
+//! share, its congestion controllers among them, with the QUIC stream's send half that takes
+//! a vectored write in one call ([`quic`]).
 //!
 //! What it does not do: framing, HTTP, certificates, or anything else above the byte stream;
-//! the TLS handshake itself is rustls's, and QUIC itself is quinn's.
+//! the TLS handshake itself is rustls's, and QUIC itself is quinn's. Nor does it pass a
+//! socket or a state to another process: it copies the state out and takes it back in.
 //!
 //! Plain TCP and TLS 1.3 are kept unboxed in the halves' sense: they split without a lock, and
 //! the read loop can wait for readability before it allocates a buffer, so an idle connection
@@ -268,6 +271,15 @@ impl ReadHalf {
         matches!(self, Self::Tcp(_) | Self::Tls(_))
     }
 
+    /// Drops the half without touching the connection, for a connection handed to another
+    /// process: no reading half's drop does anything but close (see [`WriteHalf::forget`]).
+    pub fn forget(self) {
+        match self {
+            Self::Tls(r) => r.forget(),
+            Self::Tcp(_) | Self::Boxed(_) | Self::Halves(_) => {}
+        }
+    }
+
     /// Gives back buffers the stream holds while nothing is buffered in them (TLS 1.3's
     /// record buffer), so an idle connection keeps none.
     pub fn release_idle(&mut self) {
@@ -360,14 +372,18 @@ impl std::fmt::Debug for WriteHalf {
 }
 
 impl WriteHalf {
-    /// Drops this half without telling the peer anything: a plain TCP socket is not shut
-    /// down (dropping an `OwnedWriteHalf` would send a FIN). For a connection handed to
-    /// another process, which goes on writing to the same socket.
+    /// Drops the half without a word to the peer and, for plain TCP and TLS 1.3, without the
+    /// `shutdown(2)` of the socket's sending side their drop makes: the socket is closed
+    /// with a plain `close(2)` once the reading half is gone too, which leaves a duplicate
+    /// of it (the process a connection was handed to holds one) open and untouched. Nothing
+    /// still buffered is written (TLS 1.3's sealed records go with
+    /// [`tls::TlsWrite::snapshot`]). Other streams are dropped as they are: none of them is
+    /// handed over.
     pub fn forget(self) {
         match self {
             Self::Tcp(w) => w.forget(),
-            // Not handed over: their state is not only in the kernel.
-            Self::Tls(_) | Self::Boxed(_) | Self::Halves(_) => {}
+            Self::Tls(w) => w.forget(),
+            Self::Boxed(_) | Self::Halves(_) => {}
         }
     }
 
@@ -535,6 +551,40 @@ mod tests {
             assert!(!keepalive);
             assert_eq!(user, None);
             assert!(is_tuned(&accepted, &off));
+        }
+    }
+
+    /// A forgotten plain TCP connection leaves a duplicate of its socket as it was: the peer
+    /// reads what the duplicate writes. Dropped, its write half shuts the socket's sending
+    /// side down under the duplicate, and the peer reads the end of the stream.
+    #[tokio::test]
+    async fn forgotten_halves_leave_a_duplicate_of_the_socket_untouched() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        for forget in [true, false] {
+            let (mut client, accepted) = accept_one(&listener).await;
+            let std = socket2::SockRef::from(&accepted).try_clone().expect("dup");
+            let mut dup = TcpStream::from_std(std.into()).expect("register");
+            let (r, w) = Transport::Tcp(accepted).split();
+            if forget {
+                r.forget();
+                w.forget();
+            } else {
+                drop((r, w));
+            }
+            // Refused once the sending side is shut down: the peer's read tells.
+            let _ = dup.write_all(b"still here").await;
+            let mut got = [0u8; 10];
+            let read = client.read_exact(&mut got).await;
+            if forget {
+                read.expect("the duplicate's bytes");
+                assert_eq!(&got, b"still here");
+            } else {
+                let e = read.expect_err("the end of the stream");
+                assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+            }
         }
     }
 

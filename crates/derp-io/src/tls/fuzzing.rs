@@ -8,7 +8,6 @@ use std::task::Poll;
 
 use tokio::io::ReadBuf;
 
-use super::known::KnownSchedule;
 pub use super::known::{Suite, TrafficSecret};
 use super::record::{ReadState, Schedule, Shared};
 
@@ -22,13 +21,14 @@ impl RecordReader {
     /// A connection whose peer seals its records under `peer` from sequence number 0 (and
     /// moves to `peer.next()` and on at each KeyUpdate), with nothing buffered yet.
     pub fn new(peer: TrafficSecret) -> Self {
-        // The sending side's secret is never used: this half only reads.
-        let tx = TrafficSecret::new(peer.suite(), &vec![0; peer.suite().secret_len()])
-            .unwrap_or_else(|| unreachable!("the length is the suite's"));
         let keys = peer.keys(0);
-        let shared = Arc::new(Shared::new(Schedule::Known(KnownSchedule { rx: peer, tx })));
         Self {
-            state: ReadState::new(keys, Vec::new(), shared),
+            state: ReadState::new(
+                keys,
+                Schedule::Known(peer),
+                Vec::new(),
+                Arc::new(Shared::new()),
+            ),
         }
     }
 

@@ -2,16 +2,20 @@
 //! from the socket, until it hands over the traffic keys.
 
 use std::io;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use rustls::ProtocolVersion;
 use rustls::server::{ServerConfig, UnbufferedServerConnection};
 use rustls::unbuffered::{ConnectionState, EncodeError, InsufficientSizeError, UnbufferedStatus};
+use rustls::{ConnectionTrafficSecrets, ProtocolVersion};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
+use super::capture::{Captured, SecretCapture};
+use super::hello::client_random;
 use super::keys::Keys;
-use super::record::{HEADER_LEN, ReadState, Schedule, Shared, WriteState, key_update_at, supports};
+use super::known::{Suite, TrafficSecret};
+use super::record::{HEADER_LEN, ReadState, Schedule, Shared, WriteState, key_update_at};
 use super::stream::{TlsRead, TlsStream, TlsWrite};
 
 /// Why a TLS 1.3 handshake did not yield a stream.
@@ -51,29 +55,48 @@ pub struct FinishedHandshake {
 /// flights are a few KiB; rustls bounds each message as well).
 const MAX_HANDSHAKE_BUFFER: usize = 64 * 1024;
 
+static UNCAPTURED: AtomicU64 = AtomicU64::new(0);
+
+/// The TLS 1.3 handshakes [`accept`] finished in this process without the traffic secrets
+/// it needs to run the key schedule itself (a config not [`configure`](super::configure)d,
+/// or a capture full of failed handshakes): each is served on rustls's key schedule, and its
+/// state cannot be copied out ([`NotHandable::NotCaptured`](super::NotHandable)).
+pub fn uncaptured() -> u64 {
+    UNCAPTURED.load(Ordering::Relaxed)
+}
+
 /// Runs a TLS 1.3 server handshake on `tcp` under `config`, whose ClientHello (and whatever
-/// followed it) was read already into `received`. `config` must enable secret extraction,
-/// and should offer no TLS 1.3 suite outside [`SUPPORTED_SUITES`](super::SUPPORTED_SUITES).
+/// followed it) was read already into `received`. `config` must be
+/// [`configure`](super::configure)d (secret extraction on, the key log this process's
+/// [`SecretCapture`]), and should offer no TLS 1.3 suite outside
+/// [`SUPPORTED_SUITES`](super::SUPPORTED_SUITES).
 ///
 /// Application data the client sent with its last flight is kept for the stream to return.
 /// The stream updates its sending key before the negotiated suite's confidentiality limit.
+/// The handshake's traffic secrets are taken from the capture, checked against the keys
+/// rustls hands over, and the key schedule runs in the stream from then on; without them
+/// (see [`uncaptured`]) the stream keeps rustls's.
 pub async fn accept(
     tcp: TcpStream,
     received: Vec<u8>,
     config: Arc<ServerConfig>,
 ) -> Result<FinishedHandshake, AcceptError> {
-    accept_with(tcp, received, config, None).await
+    accept_with(tcp, received, config, SecretCapture::process(), None).await
 }
 
-/// [`accept`], with the records sealed under one sending key set to `records_per_key`
-/// instead of the suite's confidentiality limit (tests lower it to watch key updates).
+/// [`accept`], taking the secrets from `capture`, and with the records sealed under one
+/// sending key set to `records_per_key` instead of the suite's confidentiality limit (tests
+/// lower it to watch key updates).
 pub(super) async fn accept_with(
     mut tcp: TcpStream,
     mut received: Vec<u8>,
     config: Arc<ServerConfig>,
+    capture: &SecretCapture,
     records_per_key: Option<u64>,
 ) -> Result<FinishedHandshake, AcceptError> {
     let mut conn = UnbufferedServerConnection::new(config)?;
+    // What names the handshake in the key log; read before rustls discards the hello.
+    let mut random = None;
     let mut outgoing: Vec<u8> = Vec::new();
     // rustls sees the received bytes one whole record at a time, and none past the record
     // that finishes the handshake: what follows (application data, a KeyUpdate, an alert) is
@@ -83,6 +106,9 @@ pub(super) async fn accept_with(
     // is still joining) stay in place at the front.
     let mut window = 0;
     loop {
+        if random.is_none() && window > 0 {
+            random = client_random(&received);
+        }
         let UnbufferedStatus { discard, state } = conn.process_tls_records(&mut received[..window]);
         let state = match state {
             Ok(state) => state,
@@ -152,29 +178,80 @@ pub(super) async fn accept_with(
     }
     let alpn = conn.alpn_protocol().map(<[u8]>::to_vec);
     let (secrets, kernel) = conn.dangerous_into_kernel_connection()?;
-    let suite = kernel.negotiated_cipher_suite();
-    let limit = match suite.tls13() {
-        Some(tls13) if supports(suite.suite()) => tls13.common.confidentiality_limit,
+    let negotiated = kernel.negotiated_cipher_suite();
+    let (suite, limit) = match (
+        negotiated.tls13(),
+        Suite::from_cipher_suite(negotiated.suite()),
+    ) {
+        (Some(tls13), Some(suite)) => (suite, tls13.common.confidentiality_limit),
         _ => return Err(AcceptError::UnsupportedSuite),
     };
+    let captured = random.and_then(|random| capture.take(&random));
+    let known = captured.and_then(|c| known_secrets(suite, &c, &secrets.rx.1, &secrets.tx.1));
     let rx = Keys::new(secrets.rx).ok_or(AcceptError::UnsupportedSuite)?;
     let tx = Keys::new(secrets.tx).ok_or(AcceptError::UnsupportedSuite)?;
-    let shared = Arc::new(Shared::new(Schedule::Rustls(kernel)));
+    let (rx_schedule, tx_schedule) = match known {
+        Some((rx, tx)) => {
+            // The secrets are all a KeyUpdate needs: rustls's state goes now.
+            drop(kernel);
+            (Schedule::Known(rx), Schedule::Known(tx))
+        }
+        None => {
+            UNCAPTURED.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                peer = ?tcp.peer_addr().ok(),
+                "tls traffic secrets not captured: served on rustls's key schedule"
+            );
+            let kernel = Arc::new(Mutex::new(kernel));
+            (Schedule::Rustls(kernel.clone()), Schedule::Rustls(kernel))
+        }
+    };
+    let shared = Arc::new(Shared::new());
     let (r, w) = tcp.into_split();
     Ok(FinishedHandshake {
         stream: TlsStream {
             read: TlsRead {
                 half: r,
                 // Records after the Finished, if any, are the record layer's to open.
-                state: ReadState::new(rx, received, shared.clone()),
+                state: ReadState::new(rx, rx_schedule, received, shared.clone()),
             },
-            write: TlsWrite {
-                half: w,
-                state: WriteState::new(tx, shared, key_update_at(records_per_key.unwrap_or(limit))),
-            },
+            write: TlsWrite::new(
+                w,
+                WriteState::new(
+                    tx,
+                    tx_schedule,
+                    shared,
+                    key_update_at(records_per_key.unwrap_or(limit)),
+                ),
+            ),
         },
         alpn,
     })
+}
+
+/// The captured secrets as each direction's traffic secret (the peer's first), if they
+/// yield the keys rustls handed over: a client that reused another's ClientHello random
+/// could otherwise have put its own secrets in the other's place.
+fn known_secrets(
+    suite: Suite,
+    captured: &Captured,
+    rx: &ConnectionTrafficSecrets,
+    tx: &ConnectionTrafficSecrets,
+) -> Option<(TrafficSecret, TrafficSecret)> {
+    let rx_secret = TrafficSecret::new(suite, captured.client())?;
+    let tx_secret = TrafficSecret::new(suite, captured.server())?;
+    (yields(&rx_secret, rx) && yields(&tx_secret, tx)).then_some((rx_secret, tx_secret))
+}
+
+/// Whether `secret` gives the key and IV rustls handed over.
+fn yields(secret: &TrafficSecret, keys: &ConnectionTrafficSecrets) -> bool {
+    let (ConnectionTrafficSecrets::Aes128Gcm { key, iv }
+    | ConnectionTrafficSecrets::Aes256Gcm { key, iv }
+    | ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv }) = keys
+    else {
+        return false;
+    };
+    secret.key().as_slice() == key.as_ref() && secret.iv() == iv.as_ref()
 }
 
 /// Reads until `received` holds one more whole record after its first `window` bytes;

@@ -114,6 +114,39 @@ impl ClientHello {
     }
 }
 
+/// The random of the ClientHello at the start of `bytes` (one or more handshake records),
+/// which rustls's key log names a handshake by; `None` until its first 38 bytes are here, or
+/// if the bytes do not start with a ClientHello.
+pub(super) fn client_random(bytes: &[u8]) -> Option<[u8; 32]> {
+    const CLIENT_HELLO: u8 = 1;
+    // The message's type and length (4), legacy_version (2), then the random (32).
+    let mut head = [0u8; 38];
+    let mut have = 0;
+    let mut rest = bytes;
+    while have < head.len() {
+        let [CONTENT_HANDSHAKE, _, _, hi, lo, ref after @ ..] = *rest else {
+            return None;
+        };
+        let len = usize::from(u16::from_be_bytes([hi, lo]));
+        if len == 0 {
+            return None;
+        }
+        // What of the record is here: the random may be whole before the record is.
+        let payload = &after[..len.min(after.len())];
+        let n = payload.len().min(head.len() - have);
+        head[have..have + n].copy_from_slice(&payload[..n]);
+        have += n;
+        if payload.len() < len {
+            break;
+        }
+        rest = &after[len..];
+    }
+    if have < head.len() || head[0] != CLIENT_HELLO {
+        return None;
+    }
+    head[6..].try_into().ok()
+}
+
 /// Records a ClientHello may span here (one in practice); more is left to rustls.
 pub(super) const MAX_HELLO_RECORDS: usize = 8;
 

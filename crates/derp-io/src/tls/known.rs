@@ -1,11 +1,15 @@
-//! RFC 8446's key schedule for application traffic, run from known secrets: the key and IV a
-//! traffic secret yields and the secret a KeyUpdate moves to (sections 7.2 and 7.3). rustls
-//! keeps the schedule of every real connection; this one lets tests and fuzz targets open and
-//! seal records under keys they know, key updates included.
+//! RFC 8446's key schedule for application traffic, run here from the traffic secrets: the
+//! key and IV a traffic secret yields and the secret a KeyUpdate moves to (sections 7.2 and
+//! 7.3). Every connection whose secrets were captured at its handshake keeps each
+//! direction's current secret in that direction's half and updates it here, so the halves
+//! need no lock for a key update and a half's state can be copied out whole (a rustls key
+//! schedule has no export); tests and fuzz targets open and seal records under secrets they
+//! know with the same code.
 
 use ring::aead::{AES_128_GCM, AES_256_GCM, Algorithm, CHACHA20_POLY1305};
 use ring::hkdf;
 use rustls::CipherSuite;
+use zeroize::{Zeroize, ZeroizeOnDrop, Zeroizing};
 
 use super::keys::Keys;
 
@@ -33,6 +37,11 @@ impl Suite {
         }
     }
 
+    /// The suite named `suite`, if it is one of these.
+    pub fn from_cipher_suite(suite: CipherSuite) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.cipher_suite() == suite)
+    }
+
     /// The suite's AEAD in ring.
     pub fn aead(self) -> &'static Algorithm {
         match self {
@@ -58,12 +67,21 @@ impl Suite {
     }
 }
 
-/// One direction's application traffic secret.
+/// One direction's application traffic secret. Zeroed when dropped; its `Debug` shows the
+/// suite alone.
 #[derive(Clone, PartialEq, Eq)]
 pub struct TrafficSecret {
     suite: Suite,
     secret: [u8; 48],
 }
+
+impl Drop for TrafficSecret {
+    fn drop(&mut self) {
+        self.secret.zeroize();
+    }
+}
+
+impl ZeroizeOnDrop for TrafficSecret {}
 
 impl std::fmt::Debug for TrafficSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -89,9 +107,14 @@ impl TrafficSecret {
         self.suite
     }
 
+    /// The secret's bytes (the suite's hash length).
+    pub(super) fn as_bytes(&self) -> &[u8] {
+        &self.secret[..self.suite.secret_len()]
+    }
+
     /// The record key: HKDF-Expand-Label(secret, "key", "", key length).
-    pub fn key(&self) -> Vec<u8> {
-        let mut key = vec![0; self.suite.aead().key_len()];
+    pub fn key(&self) -> Zeroizing<Vec<u8>> {
+        let mut key = Zeroizing::new(vec![0; self.suite.aead().key_len()]);
         self.expand_label(b"key", &mut key);
         key
     }
@@ -106,12 +129,12 @@ impl TrafficSecret {
     /// The secret after a KeyUpdate: HKDF-Expand-Label(secret, "traffic upd", "", hash
     /// length).
     pub fn next(&self) -> Self {
-        let mut next = [0; 48];
-        self.expand_label(b"traffic upd", &mut next[..self.suite.secret_len()]);
-        Self {
+        let mut next = Self {
             suite: self.suite,
-            secret: next,
-        }
+            secret: [0; 48],
+        };
+        self.expand_label(b"traffic upd", &mut next.secret[..self.suite.secret_len()]);
+        next
     }
 
     /// The record layer's keys for this secret, starting at sequence number `seq`.
@@ -141,23 +164,5 @@ struct Len(usize);
 impl hkdf::KeyType for Len {
     fn len(&self) -> usize {
         self.0
-    }
-}
-
-/// The key schedule of a connection whose secrets are known.
-pub(super) struct KnownSchedule {
-    pub(super) rx: TrafficSecret,
-    pub(super) tx: TrafficSecret,
-}
-
-impl KnownSchedule {
-    pub(super) fn next_rx(&mut self) -> Keys {
-        self.rx = self.rx.next();
-        self.rx.keys(0)
-    }
-
-    pub(super) fn next_tx(&mut self) -> Keys {
-        self.tx = self.tx.next();
-        self.tx.keys(0)
     }
 }

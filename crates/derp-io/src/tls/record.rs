@@ -16,6 +16,7 @@ use rustls::{CipherSuite, ConnectionTrafficSecrets};
 use tokio::io::ReadBuf;
 
 use super::keys::Keys;
+use super::known::TrafficSecret;
 
 /// Record content types (RFC 8446, section 5.1).
 pub(super) const CONTENT_ALERT: u8 = 21;
@@ -81,11 +82,10 @@ pub(super) fn key_update_at(records_per_key: u64) -> u64 {
         .max(1)
 }
 
-/// What both halves share: the key schedule (touched only on key updates), whether the
-/// peer asked for a key update the sending half has yet to answer, and whether the reading
-/// half found the connection broken.
+/// What both halves share: whether the peer asked for a key update the sending half has yet
+/// to answer, and whether the reading half found the connection broken. Each half keeps its
+/// own key schedule.
 pub(super) struct Shared {
-    pub(super) schedule: Mutex<Schedule>,
     pub(super) update_requested: AtomicBool,
     /// Set once the peer's records were refused or the peer sent an error alert: RFC 8446
     /// (section 6.2) ends the connection both ways then, so the sending half takes no more
@@ -94,55 +94,12 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub(super) fn new(schedule: Schedule) -> Self {
+    pub(super) fn new() -> Self {
         Self {
-            schedule: Mutex::new(schedule),
             update_requested: AtomicBool::new(false),
             failed: OnceLock::new(),
         }
     }
-
-    fn schedule(&self) -> std::sync::MutexGuard<'_, Schedule> {
-        self.schedule.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// Where the next traffic keys come from when a key is updated.
-#[allow(
-    clippy::large_enum_variant,
-    reason = "only tests and fuzzing have a second variant; it lives in the shared allocation"
-)]
-pub(super) enum Schedule {
-    /// rustls's key schedule, handed over with the traffic keys after the handshake.
-    Rustls(KernelConnection<ServerConnectionData>),
-    /// RFC 8446's key schedule run here from known traffic secrets (tests and fuzzing).
-    #[cfg(any(test, feature = "fuzzing"))]
-    Known(super::known::KnownSchedule),
-}
-
-impl Schedule {
-    /// The peer's next key, after its KeyUpdate.
-    fn next_rx(&mut self) -> io::Result<Keys> {
-        match self {
-            Self::Rustls(kernel) => keys_for(kernel.update_rx_secret()),
-            #[cfg(any(test, feature = "fuzzing"))]
-            Self::Known(known) => Ok(known.next_rx()),
-        }
-    }
-
-    /// This side's next key, after its KeyUpdate.
-    fn next_tx(&mut self) -> io::Result<Keys> {
-        match self {
-            Self::Rustls(kernel) => keys_for(kernel.update_tx_secret()),
-            #[cfg(any(test, feature = "fuzzing"))]
-            Self::Known(known) => Ok(known.next_tx()),
-        }
-    }
-}
-
-fn keys_for(update: Result<(u64, ConnectionTrafficSecrets), rustls::Error>) -> io::Result<Keys> {
-    Keys::new(update.map_err(protocol_error)?)
-        .ok_or_else(|| protocol_error("tls key update for another suite"))
 }
 
 impl std::fmt::Debug for Shared {
@@ -151,6 +108,70 @@ impl std::fmt::Debug for Shared {
             .field("update_requested", &self.update_requested)
             .finish_non_exhaustive()
     }
+}
+
+/// rustls's key schedule, kept for a connection whose traffic secrets were not captured at
+/// its handshake (it holds both directions', so both halves share it).
+pub(super) type Kernel = Arc<Mutex<KernelConnection<ServerConnectionData>>>;
+
+/// Where one direction's next traffic key comes from at a KeyUpdate.
+pub(super) enum Schedule {
+    /// RFC 8446's key schedule run here from the direction's current traffic secret: every
+    /// connection whose secrets were captured at its handshake.
+    Known(TrafficSecret),
+    /// rustls's, for a connection whose secrets were not captured: served all the same, but
+    /// its state cannot be copied out.
+    Rustls(Kernel),
+}
+
+impl std::fmt::Debug for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Known(_) => "Known",
+            Self::Rustls(_) => "Rustls",
+        })
+    }
+}
+
+impl Schedule {
+    /// The peer's next key, after its KeyUpdate.
+    fn next_rx(&mut self) -> io::Result<Keys> {
+        match self {
+            Self::Known(secret) => {
+                *secret = secret.next();
+                Ok(secret.keys(0))
+            }
+            Self::Rustls(kernel) => keys_for(lock(kernel).update_rx_secret()),
+        }
+    }
+
+    /// This side's next key, after its KeyUpdate.
+    fn next_tx(&mut self) -> io::Result<Keys> {
+        match self {
+            Self::Known(secret) => {
+                *secret = secret.next();
+                Ok(secret.keys(0))
+            }
+            Self::Rustls(kernel) => keys_for(lock(kernel).update_tx_secret()),
+        }
+    }
+
+    /// The current traffic secret, if this schedule is run here.
+    pub(super) fn secret(&self) -> Option<&TrafficSecret> {
+        match self {
+            Self::Known(secret) => Some(secret),
+            Self::Rustls(_) => None,
+        }
+    }
+}
+
+fn lock(kernel: &Kernel) -> std::sync::MutexGuard<'_, KernelConnection<ServerConnectionData>> {
+    kernel.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn keys_for(update: Result<(u64, ConnectionTrafficSecrets), rustls::Error>) -> io::Result<Keys> {
+    Keys::new(update.map_err(protocol_error)?)
+        .ok_or_else(|| protocol_error("tls key update for another suite"))
 }
 
 pub(super) fn protocol_error(
@@ -195,7 +216,7 @@ pub(super) enum RecordError {
     /// A KeyUpdate of the wrong length, or a handshake record too short for any message.
     #[error("malformed tls handshake message")]
     MalformedHandshake,
-    /// rustls could not give the peer's next key.
+    /// The peer's next key could not be had (rustls's schedule refused).
     #[error("tls key update: {0}")]
     KeyUpdate(Arc<io::Error>),
     #[error("tls alert {0} from the peer")]
@@ -271,6 +292,8 @@ impl From<WriteRefused> for io::Error {
 /// supplies the socket read.
 pub(super) struct ReadState {
     pub(super) keys: Keys,
+    /// Where the peer's next key comes from.
+    pub(super) schedule: Schedule,
     /// Bytes from the socket; before `pos`, records already opened (their plaintext in
     /// place), from `pos`, records not opened yet.
     pub(super) buf: Vec<u8>,
@@ -304,9 +327,10 @@ impl std::fmt::Debug for ReadState {
 }
 
 impl ReadState {
-    pub(super) fn new(keys: Keys, buf: Vec<u8>, shared: Arc<Shared>) -> Self {
+    pub(super) fn new(keys: Keys, schedule: Schedule, buf: Vec<u8>, shared: Arc<Shared>) -> Self {
         Self {
             keys,
+            schedule,
             buf,
             pos: 0,
             plain: 0..0,
@@ -509,8 +533,7 @@ impl ReadState {
         match self.buf[range] {
             [HANDSHAKE_KEY_UPDATE, 0, 0, 1, request @ (0 | 1)] => {
                 self.keys = self
-                    .shared
-                    .schedule()
+                    .schedule
                     .next_rx()
                     .map_err(|e| RecordError::KeyUpdate(Arc::new(e)))?;
                 if request == 1 {
@@ -530,6 +553,8 @@ impl ReadState {
 /// and the records sealed and not written yet.
 pub(super) struct WriteState {
     pub(super) keys: Keys,
+    /// Where this side's next key comes from.
+    pub(super) schedule: Schedule,
     /// Sealed records; `out[sent..]` is not written yet.
     pub(super) out: Vec<u8>,
     pub(super) sent: usize,
@@ -553,9 +578,10 @@ impl std::fmt::Debug for WriteState {
 }
 
 impl WriteState {
-    pub(super) fn new(keys: Keys, shared: Arc<Shared>, update_at: u64) -> Self {
+    pub(super) fn new(keys: Keys, schedule: Schedule, shared: Arc<Shared>, update_at: u64) -> Self {
         Self {
             keys,
+            schedule,
             out: Vec::new(),
             sent: 0,
             shared,
@@ -677,7 +703,7 @@ impl WriteState {
             0,
             message.len(),
         )?;
-        self.keys = self.shared.schedule().next_tx()?;
+        self.keys = self.schedule.next_tx()?;
         Ok(())
     }
 }

@@ -46,7 +46,14 @@ impl TlsStream {
 
     /// The underlying socket.
     pub fn tcp(&self) -> &TcpStream {
-        self.read.half.as_ref()
+        self.read.tcp()
+    }
+
+    /// Drops both halves without a word to the peer and without shutting the socket down
+    /// (see [`TlsWrite::forget`]).
+    pub fn forget(self) {
+        self.read.forget();
+        self.write.forget();
     }
 }
 
@@ -126,6 +133,18 @@ impl TlsRead {
     pub fn release_idle(&mut self) {
         self.state.release_idle();
     }
+
+    /// The underlying socket (shared with the sending half).
+    pub fn tcp(&self) -> &TcpStream {
+        self.half.as_ref()
+    }
+
+    /// Drops the half. A reading half's drop neither shuts the socket down nor tells the
+    /// peer anything, so this is a plain drop, there for code handing a connection over to
+    /// say what it means (and to stay right if the drop ever does more).
+    pub fn forget(self) {
+        drop(self);
+    }
 }
 
 impl AsyncRead for TlsRead {
@@ -152,7 +171,9 @@ impl AsyncRead for TlsRead {
 
 /// The sending half: seals what it is given into records in its buffer and writes them.
 pub struct TlsWrite {
-    pub(super) half: OwnedWriteHalf,
+    /// Always there but in the drop that follows [`TlsWrite::forget`], which takes it (tokio's
+    /// half shuts the socket's sending side down when dropped, unless forgotten).
+    half: Option<OwnedWriteHalf>,
     pub(super) state: WriteState,
 }
 
@@ -163,14 +184,33 @@ impl std::fmt::Debug for TlsWrite {
 }
 
 impl TlsWrite {
+    pub(super) fn new(half: OwnedWriteHalf, state: WriteState) -> Self {
+        Self {
+            half: Some(half),
+            state,
+        }
+    }
+
     /// Gives back the record buffer when it is empty, so an idle connection holds none.
     pub fn shrink_idle(&mut self) {
         self.state.shrink_idle();
     }
 
+    /// Drops the half without a word to the peer: no close_notify or alert, and, unlike a
+    /// drop, no `shutdown(2)` of the socket's sending side. The socket is closed once the
+    /// reading half is dropped too, as a plain `close(2)`, which leaves a duplicate of it
+    /// (another process's, after a handover) open and untouched. Records sealed and not
+    /// written yet are not written.
+    pub fn forget(mut self) {
+        if let Some(half) = self.half.take() {
+            half.forget();
+        }
+    }
+
     /// Writes out sealed records until none is left.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let Self { half, state } = self;
+        let half = socket(half)?;
         while state.sent < state.out.len() {
             let n = ready!(Pin::new(&mut *half).poll_write(cx, &state.out[state.sent..]))?;
             if n == 0 {
@@ -251,7 +291,7 @@ impl AsyncWrite for TlsWrite {
             return Poll::Ready(Err(WriteRefused::Failed(e).into()));
         }
         drained?;
-        Pin::new(&mut this.half).poll_flush(cx)
+        Pin::new(socket(&mut this.half)?).poll_flush(cx)
     }
 
     /// Sends close_notify, then ends the TCP stream's sending side. After the reading half
@@ -270,20 +310,30 @@ impl AsyncWrite for TlsWrite {
             this.state.close_sent = true;
         }
         ready!(this.poll_drain(cx))?;
-        Pin::new(&mut this.half).poll_shutdown(cx)
+        Pin::new(socket(&mut this.half)?).poll_shutdown(cx)
     }
+}
+
+/// The sending half's socket; gone only in the drop after [`TlsWrite::forget`].
+fn socket(half: &mut Option<OwnedWriteHalf>) -> io::Result<&mut OwnedWriteHalf> {
+    half.as_mut()
+        .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))
 }
 
 impl Drop for TlsWrite {
     /// A connection dropped after its reading half failed still tells the peer why, as far
     /// as the socket takes the alert at once: a drop cannot wait.
     fn drop(&mut self) {
+        // Forgotten: nothing goes to the peer.
+        let Some(half) = &self.half else {
+            return;
+        };
         if self.state.take_up_failure().is_none() {
             return;
         }
         let unsent = &self.state.out[self.state.sent..];
         if !unsent.is_empty() {
-            let stream: &TcpStream = self.half.as_ref();
+            let stream: &TcpStream = half.as_ref();
             let _ = stream.try_write(unsent);
         }
     }

@@ -3,7 +3,9 @@
 //! alerts it sends in `alerts`.
 
 mod alerts;
+mod capture;
 mod differential;
+mod handover;
 mod openssl;
 mod suites;
 
@@ -27,7 +29,7 @@ use super::hello::MAX_HELLO_RECORDS;
 use super::keys::Keys;
 use super::record::{
     CONTENT_ALERT, CONTENT_APPLICATION_DATA, CONTENT_HANDSHAKE, HANDSHAKE_KEY_UPDATE, HEADER_LEN,
-    MAX_FRAGMENT, MAX_IDLE_RECORDS, TAG_LEN,
+    MAX_FRAGMENT, MAX_IDLE_RECORDS, Schedule, TAG_LEN,
 };
 use super::*;
 
@@ -50,7 +52,7 @@ fn pki() -> Pki {
         .with_no_client_auth()
         .with_single_cert(vec![root.clone()], private)
         .expect("server config");
-    server.enable_secret_extraction = true;
+    configure(&mut server);
     Pki {
         server: Arc::new(server),
         root,
@@ -104,10 +106,26 @@ async fn handshake_with(
         },
         async {
             let (tcp, _) = listener.accept().await.expect("accept");
-            handshake::accept_with(tcp, Vec::new(), pki.server.clone(), records_per_key)
-                .await
-                .expect("server handshake")
+            handshake::accept_with(
+                tcp,
+                Vec::new(),
+                pki.server.clone(),
+                SecretCapture::process(),
+                records_per_key,
+            )
+            .await
+            .expect("server handshake")
         }
+    );
+    // Every stream here runs the key schedule itself, as every served one does whose
+    // secrets were captured: the key update tests test that path.
+    let schedules = (
+        &server.stream.read.state.schedule,
+        &server.stream.write.state.schedule,
+    );
+    assert!(
+        matches!(schedules, (Schedule::Known(_), Schedule::Known(_))),
+        "{schedules:?}"
     );
     (server.stream, client)
 }
@@ -134,18 +152,28 @@ fn suite_client(pki: &Pki, suite: Suite, log: Arc<SecretLog>) -> Arc<ClientConfi
     Arc::new(config)
 }
 
-/// The traffic secrets a client logged (the SSLKEYLOGFILE labels).
+/// The traffic secrets a client logged (the SSLKEYLOGFILE labels), and the ClientHello
+/// random it logged them under.
 #[derive(Debug, Default)]
-struct SecretLog(Mutex<Vec<(String, Vec<u8>)>>);
+struct SecretLog(Mutex<Vec<(String, Vec<u8>)>>, Mutex<Option<Vec<u8>>>);
 
 impl rustls::KeyLog for SecretLog {
-    fn log(&self, label: &str, _client_random: &[u8], secret: &[u8]) {
+    fn log(&self, label: &str, client_random: &[u8], secret: &[u8]) {
         let mut log = self.0.lock().expect("log");
         log.push((label.to_owned(), secret.to_vec()));
+        *self.1.lock().expect("random") = Some(client_random.to_vec());
     }
 }
 
 impl SecretLog {
+    fn random(&self) -> [u8; 32] {
+        let random = self.1.lock().expect("random").clone();
+        random
+            .expect("a secret logged")
+            .try_into()
+            .expect("32 bytes")
+    }
+
     fn secret(&self, suite: Suite, label: &str) -> TrafficSecret {
         let log = self.0.lock().expect("log");
         let (_, bytes) = log
@@ -665,6 +693,26 @@ async fn an_idle_connection_holds_no_record_buffers() {
     let mut one = [0u8; 1];
     r.read_exact(&mut one).await.expect("read");
     assert_eq!(&one, b"x");
+}
+
+/// What an idle connection's record layer keeps besides its socket: two boxed halves, each
+/// mostly ring's expanded AEAD key (576 bytes) and, since the key schedule runs here, its
+/// direction's traffic secret (49 bytes); and the small allocation they share. rustls's
+/// connection state, 560 bytes inline and its key schedule on the heap, was kept in the
+/// shared allocation for key updates before (1,944 bytes in all besides that heap): it is
+/// dropped after the handshake, and nothing like it may come back unnoticed.
+#[test]
+fn an_idle_connections_record_layer_state_is_the_keys_and_little_more() {
+    use std::mem::size_of;
+    let shared = size_of::<record::Shared>();
+    let halves = size_of::<TlsRead>() + size_of::<TlsWrite>();
+    assert!(shared <= 32, "the halves' shared state is {shared} bytes");
+    assert!(size_of::<Schedule>() <= 56);
+    assert!(
+        halves + shared <= 1_500,
+        "an idle connection's record layer is {} bytes",
+        halves + shared
+    );
 }
 
 #[tokio::test]

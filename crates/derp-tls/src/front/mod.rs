@@ -828,10 +828,11 @@ mod tests {
                     offered.iter().all(|s| derp_io::tls::supports(*s)),
                     "{offered:?}"
                 );
-                assert_eq!(
-                    config.enable_secret_extraction,
-                    tcp && records == TlsRecords::Derpd
-                );
+                let derpd = tcp && records == TlsRecords::Derpd;
+                assert_eq!(config.enable_secret_extraction, derpd);
+                // The key log is the capture derp-io takes each handshake's secrets from.
+                let key_log = format!("{:?}", config.key_log);
+                assert_eq!(key_log.starts_with("SecretCapture"), derpd, "{key_log}");
             }
         }
     }

@@ -99,8 +99,11 @@ pub(super) fn server_config(
         .with_no_client_auth()
         .with_cert_resolver(Arc::new(resolver));
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    // TLS 1.3 connections hand their traffic keys to derpd's record layer.
-    config.enable_secret_extraction = !quic && records == TlsRecords::Derpd;
+    // TLS 1.3 connections hand their traffic keys to derpd's record layer, and their traffic
+    // secrets, caught through the key log, for the key schedule it runs.
+    if !quic && records == TlsRecords::Derpd {
+        derp_io::tls::configure(&mut config);
+    }
     Ok(Arc::new(config))
 }
 

@@ -196,7 +196,14 @@ async fn server_for(
     let config = pki.server.clone();
     let accepted = tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.expect("accept");
-        handshake::accept_with(tcp, Vec::new(), config, records_per_key).await
+        handshake::accept_with(
+            tcp,
+            Vec::new(),
+            config,
+            SecretCapture::process(),
+            records_per_key,
+        )
+        .await
     });
     (addr, accepted)
 }

@@ -27,9 +27,10 @@ fn the_providers_tls13_suites_are_the_record_layers() {
     assert!(!supports(rustls::CipherSuite::TLS13_AES_128_CCM_SHA256));
 }
 
-/// The schedule the fuzz targets and these tests seal with is rustls's: a record sealed
-/// under a logged secret, and under the secret after a KeyUpdate, opens on the server, and
-/// the server's records open under its logged secret and the ones after its KeyUpdates.
+/// The key schedule run here (the server's, the fuzz targets' and these tests') is rustls's:
+/// a record sealed under a secret rustls's client logged, and under the secret after a
+/// KeyUpdate, opens on the server, and the server's records open under the secret the client
+/// logged for them and the ones after the server's KeyUpdates.
 #[tokio::test]
 async fn the_known_key_schedule_is_rustlss() {
     let pki = pki();

@@ -187,7 +187,8 @@ pub(crate) struct Cli {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub(crate) upgrade_timeout: Duration,
 
-    /// On SIGUSR2, hand the client connections that can go (plain TCP) to the new binary
+    /// On SIGUSR2, hand the client connections that can go (all but QUIC and TLS on
+    /// rustls's records) to the new binary
     /// with their state, so their clients notice nothing. With --upgrade-connections=false
     /// every client is told to reconnect (Restarting) and drained, as on a restart.
     #[arg(long, default_value_t = true, action = ArgAction::Set, num_args = 0..=1,

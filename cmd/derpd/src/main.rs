@@ -420,9 +420,9 @@ async fn serve_node(
                 handed = conns,
                 staying = server.local_clients(),
                 drain_timeout = ?cli.drain_timeout,
-                "handed every listener over, and every client connection that can go (plain \
-                 TCP); those that stay (TLS, WebSocket, QUIC) are told to reconnect \
-                 (Restarting) and drained; a signal exits at once"
+                "handed every listener over, and every client connection that can go; those \
+                 that stay (QUIC, TLS on rustls's records) are told to reconnect (Restarting) \
+                 and drained; a signal exits at once"
             );
         }
         // A process still taking over is not the service yet: what systemd hears of a stop

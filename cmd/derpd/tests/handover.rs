@@ -154,3 +154,97 @@ async fn a_new_process_that_refuses_the_connections_leaves_them_with_the_old_one
         r.expect_quiet().await;
     }
 }
+
+/// A TLS client of `node` (an IP node in manual mode, whose certificate `pin` names),
+/// speaking raw DERP or WebSocket.
+async fn tls_client(
+    node: &Node,
+    pin: &str,
+    transport: derp_client::TransportKind,
+) -> (derp_client::Client, PublicKey) {
+    let secret = crate::support::secret();
+    let key = secret.public_key();
+    let config = derp_client::ClientConfig::new(
+        &format!("https://127.0.0.1:{}/derp", node.addr.port()),
+        secret,
+    )
+    .expect("config")
+    .with_cert_name(pin)
+    .with_transport(transport)
+    .with_connect_timeout(STEP);
+    let client = derp_client::Client::connect(&config)
+        .await
+        .expect("client connects");
+    (client, key)
+}
+
+/// A packet from `from` to `to`.
+async fn relays_one(
+    from: &mut (derp_client::Client, PublicKey),
+    to: &mut (derp_client::Client, PublicKey),
+) {
+    let payload: [u8; 16] = rand::random();
+    from.0
+        .send_packet(to.1, payload.to_vec())
+        .await
+        .expect("send");
+    crate::support::expect_packet(&mut to.0, from.1, &payload).await;
+}
+
+/// A packet each way between two clients.
+async fn relays(
+    a: &mut (derp_client::Client, PublicKey),
+    b: &mut (derp_client::Client, PublicKey),
+) {
+    relays_one(a, b).await;
+    relays_one(b, a).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_and_websocket_connections_go_across_with_their_record_layer() {
+    use derp_client::TransportKind::{Upgrade, WebSocket};
+    let dir = TempDir::new("handover-tls");
+    let exe = install(&dir);
+    let certdir = dir.path("certs").display().to_string();
+    let key = dir.path("derp.key").display().to_string();
+    let mut args = crate::support::manual_ip_args(&certdir);
+    args.extend(["-c", &key]);
+    let mut node = Node::start_with(
+        &crate::support::Launch::program(&exe.display().to_string()),
+        &args,
+        &[],
+    );
+    let map_node: serde_json::Value =
+        node.wait_stdout("DERP map node", |l| serde_json::from_str(l.trim()).ok());
+    let pin = map_node["CertName"].as_str().expect("CertName").to_owned();
+    let mut raw = (
+        tls_client(&node, &pin, Upgrade).await,
+        tls_client(&node, &pin, Upgrade).await,
+    );
+    let mut ws = (
+        tls_client(&node, &pin, WebSocket).await,
+        tls_client(&node, &pin, WebSocket).await,
+    );
+    relays(&mut raw.0, &mut raw.1).await;
+    relays(&mut ws.0, &mut ws.1).await;
+
+    replace(&exe, None);
+    node.signal("USR2");
+    let successor = started_successor(&node);
+    let (conns, _, _) = took_over(&node);
+    assert_eq!(conns, 4, "{}", node.log_text());
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    // The same TLS sessions, under the same keys, now served by the new process; and a
+    // WebSocket client reaches a raw one.
+    for _ in 0..3 {
+        relays(&mut raw.0, &mut raw.1).await;
+        relays(&mut ws.0, &mut ws.1).await;
+        relays(&mut raw.0, &mut ws.1).await;
+    }
+    successor.stop();
+}

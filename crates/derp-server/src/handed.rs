@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use derp_io::tls::{RxSnapshot, TxSnapshot};
+use derp_proto::ws::WsSnapshot;
+
 use crate::queue::Control;
 
 /// The server's side of a handover in progress.
@@ -76,13 +79,24 @@ pub(crate) struct ReadExport {
     pub(crate) fd: std::os::fd::OwnedFd,
     pub(crate) read_buf: Vec<u8>,
     pub(crate) resume: ReadResume,
+    /// The receiving half of derpd's TLS 1.3 record layer, for a TLS connection.
+    pub(crate) tls_rx: Option<RxSnapshot>,
+    /// The WebSocket layer, for a connection framed in WebSocket messages.
+    pub(crate) ws: Option<WsState>,
+}
+
+/// A WebSocket decoder's state and the wire bytes it has not decoded yet.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct WsState {
+    pub(crate) decoder: WsSnapshot,
+    pub(crate) raw: Vec<u8>,
 }
 
 /// What the bytes start with: a name and the layout's version.
 const MAGIC: &[u8; 4] = b"DRPH";
 /// The layout this build writes and reads. A predecessor writing another is refused (the
 /// connections then stay with it).
-pub const FORMAT: u16 = 1;
+pub const FORMAT: u16 = 2;
 
 /// Why handed connection state could not be read.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -157,6 +171,11 @@ pub(crate) struct ConnRecord {
     /// CLOCK_MONOTONIC when its read loop parked, in nanoseconds: what the successor
     /// measures the hold from.
     pub(crate) parked_at_ns: u64,
+    /// derpd's TLS 1.3 record layer, both directions, for a TLS connection (secrets
+    /// included: the record is never written where anything but the two processes reads).
+    pub(crate) tls: Option<(RxSnapshot, TxSnapshot)>,
+    /// The WebSocket layer, for a connection framed in WebSocket messages.
+    pub(crate) ws: Option<WsState>,
 }
 
 /// Appends the records to `out`.
@@ -234,6 +253,18 @@ fn encode_one(r: &ConnRecord, out: &mut Vec<u8>) {
         None => out.push(0),
     }
     out.extend_from_slice(&r.parked_at_ns.to_be_bytes());
+    out.push(u8::from(r.tls.is_some()) | u8::from(r.ws.is_some()) << 1);
+    if let Some((rx, tx)) = &r.tls {
+        put_u32(out, rx.encoded_len());
+        rx.encode_into(out);
+        put_u32(out, tx.encoded_len());
+        tx.encode_into(out);
+    }
+    if let Some(ws) = &r.ws {
+        put_u32(out, ws.decoder.encoded_len());
+        ws.decoder.encode(out);
+        put_bytes(out, &ws.raw);
+    }
 }
 
 /// Whether a queued control frame is carried to the successor: a keepalive is timed again
@@ -332,6 +363,27 @@ fn decode_one(r: &mut Reader<'_>) -> Result<ConnRecord, RecordError> {
         _ => return Err(RecordError::Bad("pong")),
     };
     let parked_at_ns = u64::from_be_bytes(r.array()?);
+    let layers = r.u8()?;
+    if layers & !0b11 != 0 {
+        return Err(RecordError::Bad("layers"));
+    }
+    let tls = if layers & 1 != 0 {
+        let rx = RxSnapshot::decode(r.bytes()?).map_err(|_| RecordError::Bad("TLS state"))?;
+        let tx = TxSnapshot::decode(r.bytes()?).map_err(|_| RecordError::Bad("TLS state"))?;
+        Some((rx, tx))
+    } else {
+        None
+    };
+    let ws = if layers & 2 != 0 {
+        let decoder =
+            WsSnapshot::decode(r.bytes()?).map_err(|_| RecordError::Bad("WebSocket state"))?;
+        Some(WsState {
+            decoder,
+            raw: r.bytes()?.to_vec(),
+        })
+    } else {
+        None
+    };
     Ok(ConnRecord {
         key,
         remote,
@@ -354,6 +406,8 @@ fn decode_one(r: &mut Reader<'_>) -> Result<ConnRecord, RecordError> {
         control,
         pong,
         parked_at_ns,
+        tls,
+        ws,
     })
 }
 
@@ -476,7 +530,21 @@ mod tests {
             ],
             pong: Some([9; 8]),
             parked_at_ns: 42,
+            tls: None,
+            ws: Some(WsState {
+                decoder: ws_snapshot(),
+                raw: vec![0x82, 0x05, 1],
+            }),
         }
+    }
+
+    /// A server decoder's state in the middle of a masked frame's payload.
+    fn ws_snapshot() -> WsSnapshot {
+        let mut decoder = derp_proto::ws::WsDecoder::new(derp_proto::ws::Role::Server);
+        let mut input = bytes::BytesMut::from(&[0x82, 0x84, 1, 2, 3, 4, 9][..]);
+        let mut out = bytes::BytesMut::new();
+        decoder.decode(&mut input, &mut out).expect("decodes");
+        decoder.snapshot().expect("mid-payload")
     }
 
     #[test]
@@ -498,8 +566,8 @@ mod tests {
             assert!(decode(&bytes[..n]).is_err(), "truncated at {n} accepted");
         }
         let mut other = bytes.clone();
-        other[5] = 2;
-        assert_eq!(decode(&other), Err(RecordError::Format(2)));
+        other[5] = 7;
+        assert_eq!(decode(&other), Err(RecordError::Format(7)));
         let mut longer = bytes.clone();
         longer.push(0);
         assert_eq!(decode(&longer), Err(RecordError::Bad("length")));

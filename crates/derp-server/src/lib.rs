@@ -27,7 +27,8 @@
 //!   driver of its own on quinn-proto: one stream per client runs the same handshake,
 //!   registration and relay as TCP, and QUIC datagrams carry packets both ways, routed by
 //!   the task that received them;
-//! - hands its live plain-TCP connections to another server, or takes them over from one
+//! - hands its live TCP connections (plain or on derpd's TLS records, bare or WebSocket) to
+//!   another server, or takes them over from one
 //!   ([`Server::freeze_for_handover`], [`Server::adopt`]): frozen where they are, their state
 //!   copied into bytes and their sockets duplicated, then forgotten here without a word to
 //!   the client, or resumed. Moving the bytes and sockets between processes is the caller's.

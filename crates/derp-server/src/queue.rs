@@ -95,6 +95,8 @@ pub(crate) struct WriterExport {
     pub(crate) tail: Vec<u8>,
     /// Sources the connection has received from, to be told when they leave.
     pub(crate) sent_from: Vec<PublicKey>,
+    /// The sending half of derpd's TLS 1.3 record layer, for a TLS connection.
+    pub(crate) tls_tx: Option<derp_io::tls::TxSnapshot>,
 }
 
 /// A frozen queue's content and writer, copied for a successor process.

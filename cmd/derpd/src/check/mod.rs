@@ -294,13 +294,12 @@ fn check_upgrade(cli: &Cli, bind: Option<(crate::listen::BindIp, u16)>, tls: boo
     let conns = if !cli.upgrade_connections {
         "Client connections are not handed over (--upgrade-connections=false): each is told \
          to reconnect (Restarting) and drained, as on SIGTERM"
-    } else if tls {
-        "Client connections go across with their state where they can: none on this TLS \
-         node yet (TLS, WebSocket and QUIC connections are told to reconnect and drained, as \
-         on SIGTERM)"
+    } else if tls && matches!(cli.tls.tls_records, crate::tls_setup::TlsRecordsArg::Rustls) {
+        "Client connections stay with the running derpd and are told to reconnect: TLS on \
+         rustls's records (--tls-records rustls) and QUIC cannot go across"
     } else {
-        "Client connections go across with their state, unnoticed by their clients: plain \
-         TCP ones (WebSocket and QUIC ones are told to reconnect and drained, as on SIGTERM)"
+        "Client connections go across with their state, unnoticed by their clients (QUIC \
+         ones are told to reconnect and drained, as on SIGTERM)"
     };
     r.ok(
         "upgrade",

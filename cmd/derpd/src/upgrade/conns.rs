@@ -101,7 +101,8 @@ pub(crate) fn receive_all(
                 if memfd.metadata().map(|m| m.len()).ok() != Some(bytes) {
                     bail!("batch {batch}: the memfd does not hold {bytes} bytes");
                 }
-                let mut state = vec![0u8; len];
+                // TLS connections' traffic secrets are in it.
+                let mut state = zeroize::Zeroizing::new(vec![0u8; len]);
                 memfd
                     .read_exact_at(&mut state, 0)
                     .context("reading the connections' state")?;

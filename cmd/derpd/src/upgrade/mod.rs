@@ -5,7 +5,7 @@
 //! process, stops accepting and ends its own connections as a graceful shutdown does.
 //!
 //! What goes across, and how, is [`wire`]'s; which sockets a process binds or takes over,
-//! [`sockets`]'; the client connections that can go (plain TCP), [`conns`]' and
+//! [`sockets`]'; the client connections that can go (all but QUIC and rustls TLS), [`conns`]' and
 //! `derp_server`'s. The rest the old process tells to reconnect (a Restarting frame) and
 //! drains, and the ports never stop accepting.
 //!

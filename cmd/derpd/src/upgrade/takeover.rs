@@ -20,6 +20,8 @@ use crate::sd_notify::Notifier;
 pub(crate) struct Takeover {
     channel: Arc<Mutex<Option<OwnedFd>>>,
     from: u32,
+    /// The connection format the old process offered, if any.
+    offered: Option<u16>,
 }
 
 /// Whether this process was started to take over, and if so the channel and what it was
@@ -43,6 +45,7 @@ pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Handed)>> 
     let takeover = Takeover {
         channel: Arc::new(Mutex::new(Some(channel))),
         from,
+        offered: None,
     };
     let received = {
         let guard = takeover.lock();
@@ -51,8 +54,13 @@ pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Handed)>> 
         };
         wire::recv(channel, Instant::now() + HELLO_WAIT)
     };
-    let (listeners, fds) = match received {
-        Ok((Message::Hello { listeners, .. }, fds)) => (listeners, fds),
+    let (listeners, fds, offered) = match received {
+        Ok((
+            Message::Hello {
+                listeners, conns, ..
+            },
+            fds,
+        )) => (listeners, fds, conns),
         Ok((other, _)) => {
             let e = format!("the running derpd (pid {from}) sent {other:?} instead of its hello");
             takeover.refuse(&e);
@@ -82,6 +90,10 @@ pub(crate) fn takeover_from_env() -> anyhow::Result<Option<(Takeover, Handed)>> 
         listeners = listeners.len(),
         "taking over from the running derpd"
     );
+    let takeover = Takeover {
+        offered,
+        ..takeover
+    };
     Ok(Some((takeover, listeners.into_iter().zip(fds).collect())))
 }
 
@@ -155,6 +167,9 @@ impl Takeover {
         relay: Option<(derp_server::Server, tokio::runtime::Handle)>,
     ) -> anyhow::Result<bool> {
         let pid = std::process::id();
+        // Connections come across only in the format this build reads; a predecessor that
+        // offers another (or none) hands the listeners only.
+        let relay = relay.filter(|_| self.offered == Some(derp_server::HANDOVER_FORMAT));
         let conn_format = relay.as_ref().map(|_| derp_server::HANDOVER_FORMAT);
         let channel = {
             // Held while Ready goes, so a refusal comes wholly before it or after it.

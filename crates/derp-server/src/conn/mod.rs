@@ -347,6 +347,7 @@ pub(crate) struct AdoptedConn {
     reader: FrameReader,
     writer: Box<Writer>,
     sources: Vec<PublicKey>,
+    framing: Framing,
 }
 
 impl std::fmt::Debug for AdoptedConn {
@@ -368,14 +369,35 @@ impl AdoptedConn {
         // Refuses anything but a connected stream socket.
         stream.peer_addr()?;
         stream.set_nonblocking(true)?;
-        let transport = Transport::Tcp(tokio::net::TcpStream::from_std(stream)?);
-        let tcp_socket = crate::tcpinfo::tcp_socket(&transport);
+        let tcp = tokio::net::TcpStream::from_std(stream)?;
+        // Sealed records the predecessor had not written yet: the writer flushes them first.
+        let mut flush = false;
+        let transport = match record.tls {
+            Some((rx, tx)) => {
+                flush = !tx.unsent().is_empty();
+                let tls = derp_io::tls::TlsStream::resume(tcp, rx, tx).map_err(io::Error::other)?;
+                Transport::Tls(Box::new(tls))
+            }
+            None => Transport::Tcp(tcp),
+        };
+        let framing = match record.ws {
+            Some(_) => Framing::WebSocket,
+            None => Framing::Raw,
+        };
+        // As at accept: derper samples raw TCP and TLS connections only.
+        let tcp_socket = (framing == Framing::Raw)
+            .then(|| crate::tcpinfo::tcp_socket(&transport))
+            .flatten();
         let (read_half, write_half) = transport.split();
-        let reader = FrameReader::new(
-            read_half,
-            Framing::Raw,
-            BytesMut::from(record.read_buf.as_slice()),
-        );
+        let ws = match record.ws {
+            Some(ws) => {
+                let decoder = ws::WsDecoder::resume(ws.decoder).map_err(io::Error::other)?;
+                Some((decoder, BytesMut::from(ws.raw.as_slice())))
+            }
+            None => None,
+        };
+        let reader =
+            FrameReader::resumed(read_half, BytesMut::from(record.read_buf.as_slice()), ws);
         let id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
         let handle = ConnHandle::new(
             id,
@@ -414,15 +436,17 @@ impl AdoptedConn {
             shared.clone(),
             handle.clone(),
             write_half,
-            Framing::Raw,
+            framing,
             record.tail,
             record.sent_from.clone(),
+            flush,
         );
         Ok(Self {
             handle,
             reader,
             writer,
             sources: record.sent_from,
+            framing,
         })
     }
 
@@ -448,10 +472,19 @@ impl AdoptedConn {
             handle,
             reader,
             writer,
+            framing,
             ..
         } = self;
         writer.start_adopted();
-        AdoptedReader { handle, reader }
+        let label = match framing {
+            Framing::Raw => TransportLabel::Tcp,
+            Framing::WebSocket => TransportLabel::WebSocket,
+        };
+        AdoptedReader {
+            handle,
+            reader,
+            label,
+        }
     }
 
     /// Lets go of the socket without a word to the peer: the predecessor serves it still.
@@ -464,14 +497,18 @@ impl AdoptedConn {
 pub(crate) struct AdoptedReader {
     handle: Arc<ConnHandle>,
     reader: FrameReader,
+    label: TransportLabel,
 }
 
 impl AdoptedReader {
     pub(crate) fn start(self, shared: &Arc<ServerState>) {
-        let Self { handle, reader } = self;
+        let Self {
+            handle,
+            reader,
+            label,
+        } = self;
         let not_ideal = handle.presence_flags & PEER_PRESENT_NOT_IDEAL != 0;
-        let registration =
-            Registration::registered(shared.clone(), handle, not_ideal, TransportLabel::Tcp, true);
+        let registration = Registration::registered(shared.clone(), handle, not_ideal, label, true);
         let established = Established {
             reader,
             registration,

@@ -4,13 +4,14 @@
 //! where they are, copies their state out, rebuilds them on the other side, and lets the
 //! old process either forget them or go on as if nothing happened.
 //!
-//! What is handed over: plain TCP connections speaking bare DERP, with everything behind
-//! them (the client's key and standing, bytes read and not yet handled, packets and frames
-//! queued, the rest of a batch half written, PeerGone watches, the rate limit's bucket, the
-//! key's duplicate set and which member is active, mesh watchers). What is not, and stays
-//! with the old process to be told to reconnect: TLS, WebSocket and QUIC connections, any
-//! stream an embedder passed in, a connection that is closing, and every connection of a key
-//! that has one of those among its connections. Connections still in their handshake are
+//! What is handed over: connections over plain TCP or derpd's TLS 1.3 records, bare DERP or
+//! WebSocket, with everything behind them (the client's key and standing, bytes read and not
+//! yet handled, packets and frames queued, the rest of a batch half written, PeerGone
+//! watches, the rate limit's bucket, the key's duplicate set and which member is active,
+//! mesh watchers, the WebSocket decoder's state, both directions of the TLS record layer).
+//! What is not, and stays with the old process to be told to reconnect: QUIC connections,
+//! TLS on rustls's records, any stream an embedder passed in, a connection that is closing,
+//! and every connection of a key that has one of those among its connections. Connections still in their handshake are
 //! not frozen; they finish it in the old process.
 //!
 //! The order of things (see `docs/architecture.md`, "Upgrading in place"):
@@ -34,6 +35,7 @@ use std::time::Duration;
 use derp_proto::PublicKey;
 use tokio::time::Instant;
 use tracing::{debug, warn};
+use zeroize::Zeroizing;
 
 use crate::conn::AdoptedConn;
 use crate::handed as record;
@@ -63,10 +65,11 @@ impl HandedConn {
     }
 }
 
-/// The state of `conns` as bytes (their sockets go beside, in the same order).
-pub fn encode_conns(conns: &[HandedConn]) -> Vec<u8> {
+/// The state of `conns` as bytes (their sockets go beside, in the same order). TLS
+/// connections' traffic secrets are among them: the bytes are zeroed when dropped.
+pub fn encode_conns(conns: &[HandedConn]) -> Zeroizing<Vec<u8>> {
     let records: Vec<&ConnRecord> = conns.iter().map(|c| &c.record).collect();
-    let mut out = Vec::new();
+    let mut out = Zeroizing::new(Vec::new());
     record::encode(&records, &mut out);
     out
 }
@@ -239,6 +242,10 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
                     return None;
                 }
                 let queue = c.queue.export()?;
+                // Both halves of the TLS record layer go, or the connection stays.
+                if read.tls_rx.is_some() != queue.writer.tls_tx.is_some() {
+                    return None;
+                }
                 Some((c.clone(), *active, read, queue))
             })
             .collect();
@@ -254,14 +261,20 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
             debug!(key = %key.short(), "connection stays: cannot be handed over");
             continue;
         };
-        for (c, active, read, queue) in copies {
+        for (c, active, read, mut queue) in copies {
             let ReadExport {
                 fd,
                 read_buf,
                 resume,
+                tls_rx,
+                ws,
             } = read;
             let watcher = watchers.contains(&c.id);
-            let record = ConnRecord::of(&c, active, watcher, read_buf, resume, queue, parked_at_ns);
+            let tls_tx = queue.writer.tls_tx.take();
+            let mut record =
+                ConnRecord::of(&c, active, watcher, read_buf, resume, queue, parked_at_ns);
+            record.tls = tls_rx.zip(tls_tx);
+            record.ws = ws;
             frozen.conns.push(HandedConn { record, fd });
             frozen.handed.push(c);
         }
@@ -321,6 +334,8 @@ impl ConnRecord {
                 .collect(),
             pong: queue.batch.pong,
             parked_at_ns,
+            tls: None,
+            ws: None,
         }
     }
 }

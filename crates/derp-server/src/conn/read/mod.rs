@@ -386,11 +386,13 @@ impl<'a> ReadLoop<'a> {
         if self.drained {
             return None;
         }
-        let (fd, read_buf) = self.reader.export()?;
+        let reader = self.reader.export()?;
         let now = Instant::now();
         Some(crate::handed::ReadExport {
-            fd,
-            read_buf,
+            fd: reader.fd,
+            read_buf: reader.buf,
+            tls_rx: reader.tls_rx,
+            ws: reader.ws,
             resume: crate::handed::ReadResume {
                 skip: self.decoder.skipping(),
                 tokens: self.limiter.as_ref().map(|l| l.tokens_at(now)),

@@ -9,7 +9,10 @@ use derp_io::ReadHalf;
 use derp_proto::ws::{self, Role, WsDecoder, WsEvent};
 use tokio::io::AsyncReadExt;
 
+use std::os::fd::AsFd;
+
 use crate::conn::{ConnError, Framing};
+use crate::handed::WsState;
 use crate::handle::ConnHandle;
 use crate::queue::Control;
 use crate::quic::QuicLink;
@@ -168,15 +171,51 @@ impl FrameReader {
         self.quic.is_some()
     }
 
-    /// The socket (a new descriptor for it) and the DERP bytes read and not yet handled, for
-    /// a successor process; `None` where the connection's state is not only those (TLS,
-    /// WebSocket, QUIC, any boxed stream) or it is closing.
-    pub(super) fn export(&self) -> Option<(std::os::fd::OwnedFd, Vec<u8>)> {
-        if self.ws.is_some() || self.quic.is_some() || self.ws_close.is_some() {
+    /// What a successor process needs of this reader: the socket (a new descriptor for it),
+    /// the DERP bytes read and not yet handled, and the state of the layers under them
+    /// (derpd's TLS 1.3 records, WebSocket); `None` for a stream whose state is not the
+    /// relay's to copy (QUIC, rustls's TLS, an embedder's) or a closing connection.
+    pub(super) fn export(&self) -> Option<ReaderExport> {
+        if self.quic.is_some() || self.ws_close.is_some() {
             return None;
         }
-        let fd = self.half.dup_tcp_socket()?.ok()?;
-        Some((fd, self.buf.to_vec()))
+        let (fd, tls_rx) = match &self.half {
+            ReadHalf::Tcp(_) => (self.half.dup_tcp_socket()?.ok()?, None),
+            ReadHalf::Tls(r) => {
+                let rx = r.snapshot().ok()?;
+                (r.tcp().as_fd().try_clone_to_owned().ok()?, Some(rx))
+            }
+            ReadHalf::Boxed(_) | ReadHalf::Halves(_) => return None,
+        };
+        let ws = match &self.ws {
+            Some(ws) => Some(WsState {
+                decoder: ws.decoder.snapshot().ok()?,
+                raw: ws.raw.to_vec(),
+            }),
+            None => None,
+        };
+        Some(ReaderExport {
+            fd,
+            buf: self.buf.to_vec(),
+            tls_rx,
+            ws,
+        })
+    }
+
+    /// A reader continuing one a predecessor process exported: `buf` the DERP bytes it had
+    /// not handled, `ws` its WebSocket layer.
+    pub(in crate::conn) fn resumed(
+        half: ReadHalf,
+        buf: BytesMut,
+        ws: Option<(WsDecoder, BytesMut)>,
+    ) -> Self {
+        Self {
+            half,
+            buf,
+            ws: ws.map(|(decoder, raw)| Box::new(WsIn { decoder, raw })),
+            ws_close: None,
+            quic: None,
+        }
     }
 
     /// Whether this reader can wait for the socket to become readable holding nothing:
@@ -214,6 +253,14 @@ impl FrameReader {
             ws_in.raw = BytesMut::new();
         }
     }
+}
+
+/// A reader's state copied out for a successor process (see [`FrameReader::export`]).
+pub(super) struct ReaderExport {
+    pub(super) fd: std::os::fd::OwnedFd,
+    pub(super) buf: Vec<u8>,
+    pub(super) tls_rx: Option<derp_io::tls::RxSnapshot>,
+    pub(super) ws: Option<WsState>,
 }
 
 /// Below this much free space the read buffer is grown before reading.

@@ -159,9 +159,15 @@ impl Resume for Writer {
         if self.quic.is_some() {
             return None;
         }
+        let tls_tx = match &self.w {
+            WriteHalf::Tcp(_) => None,
+            WriteHalf::Tls(w) => Some(w.snapshot().ok()?),
+            WriteHalf::Boxed(_) | WriteHalf::Halves(_) => return None,
+        };
         let mut export = WriterExport {
             tail: Vec::new(),
             sent_from: self.sent_from.iter().copied().collect(),
+            tls_tx,
         };
         if let State::Writing(s) = &self.state {
             if !s.datagrams.is_empty() {
@@ -215,7 +221,8 @@ impl Writer {
     }
 
     /// Starts the writer of a connection taken over from a predecessor process: `tail`, the
-    /// rest of a batch that process began, goes out first, then what was queued.
+    /// rest of a batch that process began, goes out first (after TLS records it had sealed,
+    /// when `flush` says there are some), then what was queued.
     pub(super) fn adopt(
         shared: Arc<ServerState>,
         handle: Arc<ConnHandle>,
@@ -223,8 +230,11 @@ impl Writer {
         framing: Framing,
         tail: Vec<u8>,
         sent_from: Vec<PublicKey>,
+        flush: bool,
     ) -> Box<Self> {
-        let state = if tail.is_empty() {
+        // Sealed TLS records the predecessor had not written go out on a flush, which an
+        // empty batch still makes.
+        let state = if tail.is_empty() && !flush {
             State::Idle
         } else {
             let mut s = Scratch::take();

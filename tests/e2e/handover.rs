@@ -7,7 +7,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use derp_proto::{PublicKey, RelayToClient, SecretKey};
-use derp_server::{HandedConn, ServerConfig, decode_conns, encode_conns};
+use derp_server::{Frozen, HandedConn, ServerConfig, decode_conns, encode_conns};
 use tokio::net::TcpSocket;
 
 use crate::harness::{RawClient, TestServer};
@@ -108,6 +108,29 @@ impl Fleet {
         }
     }
 
+    /// Leaves packets in every state and freezes `srv`: read and handled, queued, in the
+    /// receivers' sockets, for the stuck receiver a batch its writer could not finish, and,
+    /// sent once frozen, in the senders' sockets.
+    async fn frozen_with_traffic(&mut self, srv: &TestServer) -> Frozen {
+        self.round(0, 100, 0, 50).await;
+        let stuck_key = self.stuck.key;
+        send_packets(&mut self.stuck_sender, stuck_key, 0, BIG_COUNT, BIG).await;
+        srv.eventually("every packet read", |s| {
+            s.metric("derp_packets_received", &[]) as u32 >= 100 * PAIRS as u32 + BIG_COUNT
+        })
+        .await;
+        let frozen = srv
+            .server
+            .freeze_for_handover(Duration::from_secs(10))
+            .await;
+        assert_eq!(frozen.handed(), self.len(), "every connection can go");
+        assert_eq!(frozen.staying(), 0);
+        for (s, r) in self.senders.iter_mut().zip(&self.receivers) {
+            send_packets(s, r.key, 100, 150, SMALL).await;
+        }
+        frozen
+    }
+
     /// Everything left arrives, in order, once.
     async fn finish(&mut self, read_from: u32, sent: u32) {
         for (s, r) in self.senders.iter_mut().zip(&mut self.receivers) {
@@ -135,26 +158,7 @@ async fn connections_handed_to_another_server_lose_nothing_and_notice_nothing() 
     let old = TestServer::start(config()).await;
     let new = TestServer::start(config()).await;
     let mut fleet = Fleet::connect(&old).await;
-    // Packets in every state at the freeze: read, queued, in the receiver's socket, and for
-    // the stuck receiver a batch the writer could not finish.
-    fleet.round(0, 100, 0, 50).await;
-    let stuck_key = fleet.stuck.key;
-    send_packets(&mut fleet.stuck_sender, stuck_key, 0, BIG_COUNT, BIG).await;
-    old.eventually("every packet read", |s| {
-        s.metric("derp_packets_received", &[]) as u32 >= 100 * PAIRS as u32 + BIG_COUNT
-    })
-    .await;
-
-    let mut frozen = old
-        .server
-        .freeze_for_handover(Duration::from_secs(10))
-        .await;
-    assert_eq!(frozen.handed(), fleet.len(), "every connection can go");
-    assert_eq!(frozen.staying(), 0);
-    // Sent while frozen: it waits in the sockets.
-    for (s, r) in fleet.senders.iter_mut().zip(&fleet.receivers) {
-        send_packets(s, r.key, 100, 150, SMALL).await;
-    }
+    let mut frozen = fleet.frozen_with_traffic(&old).await;
     let adopted = new
         .server
         .adopt(carry(frozen.take_conns()))
@@ -207,18 +211,7 @@ async fn a_handover_called_off_leaves_every_connection_where_it_was() {
     let old = TestServer::start(config()).await;
     let new = TestServer::start(config()).await;
     let mut fleet = Fleet::connect(&old).await;
-    fleet.round(0, 100, 0, 50).await;
-    let stuck_key = fleet.stuck.key;
-    send_packets(&mut fleet.stuck_sender, stuck_key, 0, BIG_COUNT, BIG).await;
-
-    let mut frozen = old
-        .server
-        .freeze_for_handover(Duration::from_secs(10))
-        .await;
-    assert_eq!(frozen.handed(), fleet.len());
-    for (s, r) in fleet.senders.iter_mut().zip(&fleet.receivers) {
-        send_packets(s, r.key, 100, 150, SMALL).await;
-    }
+    let mut frozen = fleet.frozen_with_traffic(&old).await;
     // The successor took them in and then refused: it lets go without a word.
     let adopted = new
         .server

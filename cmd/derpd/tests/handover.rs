@@ -8,7 +8,7 @@ use derp_proto::PublicKey;
 use derp_testkit::raw::RawClient;
 
 use crate::support::{Node, STEP, TempDir};
-use crate::upgrade::{install, replace, start_with_env, started_successor};
+use crate::upgrade::{Successor, install, replace, start_with_env, started_successor};
 
 /// Connections in each test: the floor for a live relay's upgrade.
 const PAIRS: usize = 500;
@@ -78,21 +78,27 @@ fn took_over(node: &Node) -> (u64, String, String) {
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigusr2_hands_a_thousand_live_connections_over_without_a_client_noticing() {
-    let dir = TempDir::new("handover");
+/// A node of 1,000 connections carrying traffic, upgraded: SIGUSR2 with a new file at its
+/// path, and a round sent while the connections cross, racing the freeze (each packet is
+/// read by the old process before its sender stops, or waits in the socket for the new
+/// one). `envs` go to both processes. The directory is returned to outlive the test.
+async fn upgrading(name: &str, envs: &[(String, String)]) -> (TempDir, Node, Fleet, Successor) {
+    let dir = TempDir::new(name);
     let exe = install(&dir);
-    let mut node = start_with_env(&exe, &dir, &[], &[]);
+    let node = start_with_env(&exe, &dir, &[], envs);
     let mut fleet = Fleet::connect(&node).await;
     fleet.send(0, 20).await;
     fleet.expect(0, 10).await;
-
     replace(&exe, None);
     node.signal("USR2");
     let successor = started_successor(&node);
-    // Sent while the connections cross, racing the freeze: each packet is read by the old
-    // process before its sender stops, or waits in the socket for the new one.
     fleet.send(20, 40).await;
+    (dir, node, fleet, successor)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigusr2_hands_a_thousand_live_connections_over_without_a_client_noticing() {
+    let (_dir, mut node, mut fleet, successor) = upgrading("handover", &[]).await;
     let (conns, p50, p99) = took_over(&node);
     assert_eq!(conns, 2 * PAIRS as u64, "{}", node.log_text());
     println!("held p50 {p50}, p99 {p99} for {conns} connections");
@@ -123,18 +129,8 @@ async fn sigusr2_hands_a_thousand_live_connections_over_without_a_client_noticin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_process_that_refuses_the_connections_leaves_them_with_the_old_one() {
-    let dir = TempDir::new("handover-refused");
-    let exe = install(&dir);
     let refuse = [("DERPD_TEST_REFUSE_CONNECTIONS".to_owned(), "1".to_owned())];
-    let mut node = start_with_env(&exe, &dir, &[], &refuse);
-    let mut fleet = Fleet::connect(&node).await;
-    fleet.send(0, 20).await;
-    fleet.expect(0, 10).await;
-
-    replace(&exe, None);
-    node.signal("USR2");
-    let successor = started_successor(&node);
-    fleet.send(20, 40).await;
+    let (_dir, mut node, mut fleet, successor) = upgrading("handover-refused", &refuse).await;
     let error = node.wait_log("the upgrade's failure", |v| {
         v["fields"]["message"]
             .as_str()?

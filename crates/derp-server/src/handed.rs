@@ -65,9 +65,8 @@ impl HandoverState {
             if done() {
                 return true;
             }
-            tokio::select! {
-                () = changed => {}
-                () = tokio::time::sleep_until(deadline) => return done(),
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return done();
             }
         }
     }

@@ -191,10 +191,23 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
             .filter(|c| !c.is_quic())
             .collect()
     };
+    // Each check looks only at the loops not seen parked yet: a deposit wakes it, and at
+    // tens of thousands of connections a full pass per deposit would be quadratic.
+    // Connections registering meanwhile are looked for too, once the first pass is done.
+    let mut waiting = registered();
+    let mut rechecked = false;
     state
         .wait_for(deadline, || {
             let parked = lock(&state.parked);
-            registered().iter().all(|c| parked.contains_key(&c.id))
+            waiting.retain(|c| !parked.contains_key(&c.id));
+            if waiting.is_empty() && !rechecked {
+                drop(parked);
+                rechecked = true;
+                waiting = registered();
+                let parked = lock(&state.parked);
+                waiting.retain(|c| !parked.contains_key(&c.id));
+            }
+            waiting.is_empty()
         })
         .await;
     let mut exports: HashMap<u64, ReadExport> = lock(&state.parked)
@@ -223,12 +236,17 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
     }
 
     // Then the writers of the connections that may go.
+    // Most writers are parked already; the rest are looked at again as each parks.
+    let mut moving: Vec<&Arc<ConnHandle>> = keys
+        .iter()
+        .flat_map(|k| &k.members)
+        .map(|(c, _)| c)
+        .filter(|c| exports.contains_key(&c.id))
+        .collect();
     state
         .wait_for(deadline, || {
-            keys.iter()
-                .flat_map(|k| &k.members)
-                .filter(|(c, _)| exports.contains_key(&c.id))
-                .all(|(c, _)| c.queue.is_still() || c.cancel.is_cancelled())
+            moving.retain(|c| !(c.queue.is_still() || c.cancel.is_cancelled()));
+            moving.is_empty()
         })
         .await;
 
@@ -279,9 +297,10 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
             frozen.handed.push(c);
         }
     }
-    if frozen.parked.len() < registered().len() {
+    let late = registered().len().saturating_sub(frozen.parked.len());
+    if late > 0 {
         warn!(
-            late = registered().len() - frozen.parked.len(),
+            late,
             "connections did not stop in time for the handover and stay"
         );
     }
@@ -408,7 +427,8 @@ impl Drop for Adopted {
         }
         let conns = std::mem::take(&mut self.conns);
         let handles: Vec<_> = conns.iter().map(|c| c.handle().clone()).collect();
-        lock(&self.shared.handover.resume).retain(|id, _| !handles.iter().any(|h| h.id == *id));
+        let ids: HashSet<u64> = handles.iter().map(|h| h.id).collect();
+        lock(&self.shared.handover.resume).retain(|id, _| !ids.contains(id));
         self.shared.registry.forget(&handles);
         for conn in conns {
             conn.forget();

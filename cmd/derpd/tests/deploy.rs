@@ -126,7 +126,7 @@ fn systemd_unit_and_mesh_drop_in_verify_cleanly_and_stay_hardened() {
     for line in [
         "Type=notify",
         "NotifyAccess=all",
-        "ExecReload=/bin/kill -HUP $MAINPID",
+        "ExecReload=/bin/kill -USR2 $MAINPID",
         "SystemCallFilter=@system-service",
         "TimeoutStopSec=15",
         "--drain-timeout 10s",

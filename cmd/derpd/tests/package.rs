@@ -254,7 +254,7 @@ fn the_debian_package_holds_what_it_should_and_passes_lintian() {
         "EnvironmentFile=/etc/default/derpd",
         "ExecStart=/usr/bin/derpd $DERPD_ARGS $DERPD_MESH_ARGS",
         "NotifyAccess=all",
-        "ExecReload=/bin/kill -HUP $MAINPID",
+        "ExecReload=/bin/kill -USR2 $MAINPID",
         "User=derpd",
         "StateDirectory=derpd",
         // derp_tcp_rtt reads the kernel's TCP statistics over netlink.
@@ -520,7 +520,7 @@ fn the_postinst_makes_the_user_in_a_derpd_group_left_without_one() {
 }
 
 #[test]
-fn an_upgrade_restarts_a_running_derpd_and_a_purge_removes_its_state_but_not_its_user() {
+fn an_upgrade_reloads_a_running_derpd_and_a_purge_removes_its_state_but_not_its_user() {
     let s = Scripts::new(true, |shipped, _| shipped.to_owned());
     s.run("postinst", &["configure"], 0);
     assert!(s.user_exists());
@@ -528,7 +528,8 @@ fn an_upgrade_restarts_a_running_derpd_and_a_purge_removes_its_state_but_not_its
     std::fs::write(state.join("derper.key"), "{}").expect("key");
 
     // An upgrade: the operator's enablement kept, no check (the node was configured once),
-    // a running derpd restarted (gracefully: systemd sends SIGTERM), a stopped one left.
+    // a running derpd reloaded (an upgrade in place: its connections go across), a stopped
+    // one left.
     let (ok, out, log) = s.run("postinst", &["configure", "0.0.9"], 0);
     assert!(ok, "{out}");
     assert!(!log.iter().any(|l| l.starts_with("useradd")), "{log:?}");
@@ -539,7 +540,7 @@ fn an_upgrade_restarts_a_running_derpd_and_a_purge_removes_its_state_but_not_its
     assert!(!log.iter().any(|l| l.starts_with("runuser")), "{log:?}");
     assert_eq!(
         starts(&log),
-        ["systemctl --no-block try-restart derpd.service"]
+        ["systemctl --no-block try-reload-or-restart derpd.service"]
     );
 
     // prerm: an upgrade leaves derpd running, a removal stops it.

@@ -183,6 +183,26 @@ async fn a_stream_ended_without_close_notify_is_counted_as_a_truncation() {
     relay.stop().await;
 }
 
+/// The TLS front catches every handshake's traffic secrets (what lets a connection be handed
+/// to another process), in every suite: `derp_tls_uncaptured_handshakes` does not move.
+#[tokio::test]
+async fn every_handshake_on_derpds_records_has_its_secrets_caught() {
+    let relay = Relay::start(TlsRecords::Derpd).await;
+    let uncaptured = || {
+        relay
+            .tls
+            .unlabelled_counter("derp_tls_uncaptured_handshakes")
+    };
+    let before = uncaptured();
+    for (suite, _) in SUITES {
+        pair_relays(&relay, suite).await;
+    }
+    assert_eq!(relay.connections("derpd"), 2 * SUITES.len() as u64);
+    // The count is the process's, but no test here makes a handshake it would count.
+    assert_eq!(uncaptured(), before);
+    relay.stop().await;
+}
+
 /// With `TlsRecords::Rustls` (derpd's `--tls-records rustls`), TLS 1.3 clients of every
 /// suite are served by rustls's buffered connection, and relay as well.
 #[tokio::test]

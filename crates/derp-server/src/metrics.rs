@@ -409,7 +409,18 @@ impl Metrics {
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
         registry.register(Box::new(FdCollector::new()?))?;
-        registry.register(Box::new(TlsTruncations::new()?))?;
+        registry.register(Box::new(ProcessCount::new(
+            "derp_tls_truncations",
+            "TLS 1.3 connections on derpd's record layer whose client ended its stream \
+             without close_notify (read as the end of the stream)",
+            derp_io::tls::truncations,
+        )?))?;
+        registry.register(Box::new(ProcessCount::new(
+            "derp_tls_uncaptured_handshakes",
+            "TLS 1.3 handshakes on derpd's record layer whose traffic secrets were not \
+             caught: served, but not handed over in an upgrade in place",
+            derp_io::tls::uncaptured,
+        )?))?;
         Ok(Self {
             accepts: r.counter("derp_accepts", "connections accepted, before the handshake")?,
             current_connections: r.gauge(
@@ -679,38 +690,38 @@ impl prometheus::core::Collector for FdCollector {
     }
 }
 
-/// `derp_tls_truncations`, read from derp-io's process-wide count at scrape time: TLS 1.3
-/// streams on derpd's record layer whose client ended its sending without close_notify.
-/// The record layer reads such an end as the end of the stream (DERP frames delimit
-/// themselves), so this is where an operator sees the clients that do it.
+/// A counter read from one of derp-io's process-wide counts at scrape time:
+/// `derp_tls_truncations` (TLS 1.3 streams on derpd's record layer whose client ended its
+/// sending without close_notify; the record layer reads such an end as the end of the
+/// stream, since DERP frames delimit themselves, so this is where an operator sees the
+/// clients that do it) and `derp_tls_uncaptured_handshakes` (handshakes whose traffic
+/// secrets were not caught: served as usual, but not handed over in an upgrade in place).
 #[derive(Debug)]
-struct TlsTruncations {
+struct ProcessCount {
     counter: IntCounter,
-    /// Held while the counter catches up, so that two scrapes at once add each truncation once.
+    read: fn() -> u64,
+    /// Held while the counter catches up, so that two scrapes at once add each event once.
     catching_up: std::sync::Mutex<()>,
 }
 
-impl TlsTruncations {
-    fn new() -> Result<Self, prometheus::Error> {
+impl ProcessCount {
+    fn new(name: &str, help: &str, read: fn() -> u64) -> Result<Self, prometheus::Error> {
         Ok(Self {
-            counter: IntCounter::new(
-                "derp_tls_truncations",
-                "TLS 1.3 connections on derpd's record layer whose client ended its stream \
-                 without close_notify (read as the end of the stream)",
-            )?,
+            counter: IntCounter::new(name, help)?,
+            read,
             catching_up: std::sync::Mutex::new(()),
         })
     }
 }
 
-impl prometheus::core::Collector for TlsTruncations {
+impl prometheus::core::Collector for ProcessCount {
     fn desc(&self) -> Vec<&prometheus::core::Desc> {
         self.counter.desc()
     }
 
     fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
         let _held = self.catching_up.lock().unwrap_or_else(|e| e.into_inner());
-        let total = derp_io::tls::truncations();
+        let total = (self.read)();
         self.counter
             .inc_by(total.saturating_sub(self.counter.get()));
         self.counter.collect()

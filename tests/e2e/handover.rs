@@ -56,14 +56,13 @@ async fn connect_small_rcvbuf(srv: &TestServer) -> RawClient {
 }
 
 /// Moves `conns` across as two processes would: their state as bytes, their sockets as new
-/// descriptors, the sender's copies closed.
-fn carry(conns: Vec<HandedConn>) -> Vec<HandedConn> {
+/// descriptors (the sender's stay lent until it commits or resumes).
+fn carry(conns: &[HandedConn]) -> Vec<HandedConn> {
     let fds: Vec<OwnedFd> = conns
         .iter()
         .map(|c| c.fd().try_clone_to_owned().expect("dup"))
         .collect();
-    let bytes = encode_conns(&conns);
-    drop(conns);
+    let bytes = encode_conns(conns);
     decode_conns(&bytes, fds).expect("decodes")
 }
 
@@ -158,11 +157,8 @@ async fn connections_handed_to_another_server_lose_nothing_and_notice_nothing() 
     let old = TestServer::start(config()).await;
     let new = TestServer::start(config()).await;
     let mut fleet = Fleet::connect(&old).await;
-    let mut frozen = fleet.frozen_with_traffic(&old).await;
-    let adopted = new
-        .server
-        .adopt(carry(frozen.take_conns()))
-        .expect("adopts");
+    let frozen = fleet.frozen_with_traffic(&old).await;
+    let adopted = new.server.adopt(carry(frozen.conns())).expect("adopts");
     assert_eq!(adopted.len(), fleet.len());
     frozen.commit();
     let holds = adopted.start();
@@ -211,12 +207,9 @@ async fn a_handover_called_off_leaves_every_connection_where_it_was() {
     let old = TestServer::start(config()).await;
     let new = TestServer::start(config()).await;
     let mut fleet = Fleet::connect(&old).await;
-    let mut frozen = fleet.frozen_with_traffic(&old).await;
+    let frozen = fleet.frozen_with_traffic(&old).await;
     // The successor took them in and then refused: it lets go without a word.
-    let adopted = new
-        .server
-        .adopt(carry(frozen.take_conns()))
-        .expect("adopts");
+    let adopted = new.server.adopt(carry(frozen.conns())).expect("adopts");
     drop(adopted);
     assert_eq!(new.metric("derp_current_connections", &[]), 0.0);
     frozen.resume();

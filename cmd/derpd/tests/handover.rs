@@ -7,8 +7,8 @@
 use derp_proto::PublicKey;
 use derp_testkit::raw::RawClient;
 
-use crate::support::{Node, STEP, TempDir};
-use crate::upgrade::{Successor, install, replace, start_with_env, started_successor};
+use crate::support::{Launch, Node, STEP, TempDir};
+use crate::upgrade::{Successor, install, replace, start_launched, started_successor};
 
 /// Connections in each test: the floor for a live relay's upgrade.
 const PAIRS: usize = 500;
@@ -78,14 +78,24 @@ fn took_over(node: &Node) -> (u64, String, String) {
     })
 }
 
+/// Descriptors each process may hold beyond one per connection: listeners, the runtime's,
+/// the upgrade channel and a batch's memfd, with room to spare. An old process that kept a
+/// second descriptor per connection through the handover would run out.
+const SPARE_FDS: usize = 200;
+
 /// A node of 1,000 connections carrying traffic, upgraded: SIGUSR2 with a new file at its
 /// path, and a round sent while the connections cross, racing the freeze (each packet is
 /// read by the old process before its sender stops, or waits in the socket for the new
-/// one). `envs` go to both processes. The directory is returned to outlive the test.
+/// one). `envs` go to both processes, which may each hold one descriptor per connection
+/// and [`SPARE_FDS`] more. The directory is returned to outlive the test.
 async fn upgrading(name: &str, envs: &[(String, String)]) -> (TempDir, Node, Fleet, Successor) {
     let dir = TempDir::new(name);
     let exe = install(&dir);
-    let node = start_with_env(&exe, &dir, &[], envs);
+    let launch = Launch {
+        setup: format!("ulimit -n {}", 2 * PAIRS + SPARE_FDS),
+        ..Launch::program(&exe.display().to_string())
+    };
+    let node = start_launched(&launch, &dir, &[], envs);
     let mut fleet = Fleet::connect(&node).await;
     fleet.send(0, 20).await;
     fleet.expect(0, 10).await;
@@ -205,11 +215,7 @@ async fn tls_and_websocket_connections_go_across_with_their_record_layer() {
     let key = dir.path("derp.key").display().to_string();
     let mut args = crate::support::manual_ip_args(&certdir);
     args.extend(["-c", &key]);
-    let mut node = Node::start_with(
-        &crate::support::Launch::program(&exe.display().to_string()),
-        &args,
-        &[],
-    );
+    let mut node = Node::start_with(&Launch::program(&exe.display().to_string()), &args, &[]);
     let map_node: serde_json::Value =
         node.wait_stdout("DERP map node", |l| serde_json::from_str(l.trim()).ok());
     let pin = map_node["CertName"].as_str().expect("CertName").to_owned();

@@ -48,10 +48,25 @@ pub(crate) fn start_with_env(
     more: &[&str],
     envs: &[(String, String)],
 ) -> Node {
+    start_launched(
+        &Launch::program(&exe.display().to_string()),
+        dir,
+        more,
+        envs,
+    )
+}
+
+/// [`start_with_env`], started as `launch` says (its program the installed copy).
+pub(crate) fn start_launched(
+    launch: &Launch,
+    dir: &TempDir,
+    more: &[&str],
+    envs: &[(String, String)],
+) -> Node {
     let key = dir.path("derp.key").display().to_string();
     let mut args = vec!["--dev", "-a", "127.0.0.1:0", "-c", &key];
     args.extend_from_slice(more);
-    Node::start_with(&Launch::program(&exe.display().to_string()), &args, envs)
+    Node::start_with(launch, &args, envs)
 }
 
 /// The address of the STUN socket the node logged.

@@ -314,17 +314,25 @@ impl ReadHalf {
         }
     }
 
-    /// A new descriptor for the plain TCP socket under this half, to hand the connection to
-    /// another process; `None` for any other stream, whose state is not only in the kernel.
-    pub fn dup_tcp_socket(&self) -> Option<io::Result<std::os::fd::OwnedFd>> {
+    /// The TCP socket under this half, plain or under derpd's TLS records, to pass the
+    /// connection to another process; `None` for any other stream, whose state is not only
+    /// in the kernel and the relay.
+    pub fn tcp_socket(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
         match self {
             Self::Tcp(r) => {
                 let stream: &TcpStream = r.as_ref();
-                Some(stream.as_fd().try_clone_to_owned())
+                Some(stream.as_fd())
             }
-            Self::Tls(_) | Self::Boxed(_) | Self::Halves(_) => None,
+            Self::Tls(r) => Some(r.tcp().as_fd()),
+            Self::Boxed(_) | Self::Halves(_) => None,
         }
+    }
+
+    /// A half that holds no stream and reads as ended: what is left in a reader whose
+    /// half was lent out (to a handover) until it is given back. Allocates nothing.
+    pub fn vacant() -> Self {
+        Self::Halves(Box::new(tokio::io::empty()))
     }
 
     /// [`ReadHalf::ready`] as a poll, for a caller's own hand-written wait.

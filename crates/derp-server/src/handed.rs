@@ -14,8 +14,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use derp_io::tls::{RxSnapshot, TxSnapshot};
+use std::os::fd::{AsFd, BorrowedFd};
+
+use derp_io::ReadHalf;
+use derp_io::tls::{RxSnapshot, TlsRead, TxSnapshot};
 use derp_proto::ws::WsSnapshot;
+use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedReadHalf;
 
 use crate::queue::Control;
 
@@ -23,10 +28,15 @@ use crate::queue::Control;
 #[derive(Debug, Default)]
 pub(crate) struct HandoverState {
     /// Set while connections are frozen for a handover: read loops park, frozen writers
-    /// park. Read on every wake-up of a busy read loop, as `drain_begun` is.
+    /// park. Read on every wake-up of a busy read loop, as `drain_begun` is. Cleared only
+    /// under `parked`'s lock, so a loop depositing its transport either sees the freeze
+    /// still on or keeps what it would have lent.
     pub(crate) begun: AtomicBool,
     /// What each parked read loop left: its copy, or `None` for one that cannot go.
     pub(crate) parked: Mutex<HashMap<u64, Option<ReadExport>>>,
+    /// Transports lent by parked read loops and given back (the handover was called off,
+    /// or their connection stays), each taken by its loop when it goes on.
+    pub(crate) returned: Mutex<HashMap<u64, LentSocket>>,
     /// A read loop or a frozen writer parked.
     pub(crate) changed: Notify,
     /// Read-loop state of adopted connections, taken by each when it starts.
@@ -38,10 +48,40 @@ impl HandoverState {
         self.begun.load(Ordering::Acquire)
     }
 
-    /// A read loop parked, leaving `export` (`None`: it cannot be handed over).
-    pub(crate) fn deposit(&self, id: u64, export: Option<ReadExport>) {
-        lock(&self.parked).insert(id, export);
+    /// A read loop parked, leaving `export` (`None`: it cannot be handed over). Gives the
+    /// lent transport straight back when the freeze has already ended: the loop goes on
+    /// with it.
+    pub(crate) fn deposit(&self, id: u64, export: Option<ReadExport>) -> Option<LentSocket> {
+        let mut parked = lock(&self.parked);
+        if !self.is_begun() {
+            return export.map(|e| e.socket);
+        }
+        parked.insert(id, export);
+        drop(parked);
         self.changed.notify_waiters();
+        None
+    }
+
+    /// Ends the freeze: every transport still deposited goes back to its loop.
+    pub(crate) fn end(&self) {
+        let mut parked = lock(&self.parked);
+        self.begun.store(false, Ordering::Release);
+        let mut returned = lock(&self.returned);
+        for (id, export) in parked.drain() {
+            if let Some(export) = export {
+                returned.insert(id, export.socket);
+            }
+        }
+    }
+
+    /// Gives connection `id`'s lent transport back, for its loop to take when it goes on.
+    pub(crate) fn give_back(&self, id: u64, socket: LentSocket) {
+        lock(&self.returned).insert(id, socket);
+    }
+
+    /// The transport connection `id`'s loop lent, if it was given back.
+    pub(crate) fn take_back(&self, id: u64) -> Option<LentSocket> {
+        lock(&self.returned).remove(&id)
     }
 
     /// A frozen connection's writer parked.
@@ -72,16 +112,57 @@ impl HandoverState {
     }
 }
 
-/// What a parked read loop leaves for the handover: its socket and state.
+/// What a parked read loop leaves for the handover: its transport and state.
 #[derive(Debug)]
 pub(crate) struct ReadExport {
-    pub(crate) fd: std::os::fd::OwnedFd,
+    pub(crate) socket: LentSocket,
     pub(crate) read_buf: Vec<u8>,
     pub(crate) resume: ReadResume,
     /// The receiving half of derpd's TLS 1.3 record layer, for a TLS connection.
     pub(crate) tls_rx: Option<RxSnapshot>,
     /// The WebSocket layer, for a connection framed in WebSocket messages.
     pub(crate) ws: Option<WsState>,
+}
+
+/// A read loop's transport, lent to a handover while the loop is parked: the kinds whose
+/// state is all in the kernel and the relay, so a socket is what goes across. Holding it
+/// keeps the socket open without a descriptor of its own.
+pub(crate) enum LentSocket {
+    Tcp(OwnedReadHalf),
+    Tls(Box<TlsRead>),
+}
+
+impl LentSocket {
+    /// `half` as a lendable transport, or `half` back for any other kind.
+    pub(crate) fn lend(half: ReadHalf) -> Result<Self, ReadHalf> {
+        match half {
+            ReadHalf::Tcp(r) => Ok(Self::Tcp(r)),
+            ReadHalf::Tls(r) => Ok(Self::Tls(r)),
+            other @ (ReadHalf::Boxed(_) | ReadHalf::Halves(_)) => Err(other),
+        }
+    }
+
+    /// The transport, for its loop to read from again.
+    pub(crate) fn into_half(self) -> ReadHalf {
+        match self {
+            Self::Tcp(r) => ReadHalf::Tcp(r),
+            Self::Tls(r) => ReadHalf::Tls(r),
+        }
+    }
+
+    /// The TCP socket under it.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Self::Tcp(r) => AsRef::<TcpStream>::as_ref(r).as_fd(),
+            Self::Tls(r) => r.tcp().as_fd(),
+        }
+    }
+}
+
+impl std::fmt::Debug for LentSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("LentSocket").field(&self.fd()).finish()
+    }
 }
 
 /// A WebSocket decoder's state and the wire bytes it has not decoded yet.

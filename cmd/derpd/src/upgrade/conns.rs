@@ -19,7 +19,7 @@ use super::wire::{self, CONNS_PER_BATCH, Message};
 /// and says how many.
 pub(crate) fn send_all(
     channel: &OwnedFd,
-    conns: Vec<HandedConn>,
+    conns: &[HandedConn],
     deadline: Instant,
 ) -> anyhow::Result<u32> {
     let mut batches = 0u32;

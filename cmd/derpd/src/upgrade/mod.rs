@@ -276,14 +276,13 @@ fn exchange(
                 "named connection format {format}, which was not offered"
             )));
         }
-        let mut f = runtime.block_on(server.freeze_for_handover(FREEZE_WAIT));
+        let f = runtime.block_on(server.freeze_for_handover(FREEZE_WAIT));
         info!(
             handed = f.handed(),
             staying = f.staying(),
             "upgrade: connections stopped where they are; handing them over"
         );
-        handed =
-            conns::send_all(channel, f.take_conns(), deadline).map_err(ExchangeError::Before)?;
+        handed = conns::send_all(channel, f.conns(), deadline).map_err(ExchangeError::Before)?;
         frozen = Some(f);
     }
     {

@@ -39,24 +39,39 @@ use zeroize::Zeroizing;
 
 use crate::conn::AdoptedConn;
 use crate::handed as record;
-pub(crate) use crate::handed::{ConnRecord, PacketRecord, ReadExport, ReadResume};
+pub(crate) use crate::handed::{ConnRecord, LentSocket, PacketRecord, ReadExport, ReadResume};
 pub use crate::handed::{FORMAT, RecordError};
 use crate::handle::ConnHandle;
 use crate::queue::{Control, QueueExport};
 use crate::registry::{KeyMembers, Lookup};
 use crate::state::ServerState;
 
-/// One connection ready to go to a successor process: its state and its socket.
+/// One connection ready to go to a successor process, or arrived from a predecessor: its
+/// state and its socket.
 #[derive(Debug)]
 pub struct HandedConn {
     pub(crate) record: ConnRecord,
-    pub(crate) fd: OwnedFd,
+    pub(crate) socket: HandedSocket,
+}
+
+/// Where a handed connection's socket is.
+#[derive(Debug)]
+pub(crate) enum HandedSocket {
+    /// Still this process's: lent by the parked read loop, which gets it back if the
+    /// handover is called off. No second descriptor is made for it: passing it to the
+    /// successor makes the successor's.
+    Lent(LentSocket),
+    /// Received from the predecessor.
+    Received(OwnedFd),
 }
 
 impl HandedConn {
     /// The socket, to pass with [`encode_conns`]'s bytes (in the same order).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        match &self.socket {
+            HandedSocket::Lent(socket) => socket.fd(),
+            HandedSocket::Received(fd) => fd.as_fd(),
+        }
     }
 
     /// The client's key.
@@ -86,7 +101,10 @@ pub fn decode_conns(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<Vec<HandedConn>, 
     Ok(records
         .into_iter()
         .zip(fds)
-        .map(|(record, fd)| HandedConn { record, fd })
+        .map(|(record, fd)| HandedConn {
+            record,
+            socket: HandedSocket::Received(fd),
+        })
         .collect())
 }
 
@@ -118,10 +136,11 @@ impl Frozen {
         self.staying
     }
 
-    /// The copies of the connections that go (once; later calls return none). Their
-    /// sockets are new descriptors, which the caller closes once sent.
-    pub fn take_conns(&mut self) -> Vec<HandedConn> {
-        std::mem::take(&mut self.conns)
+    /// The copies of the connections that go, to send. Their sockets are this process's
+    /// own descriptors, lent by the parked loops: the successor gets its own by being sent
+    /// them, and nothing is made twice here.
+    pub fn conns(&self) -> &[HandedConn] {
+        &self.conns
     }
 
     /// The successor serves the handed connections now: forgets them without a word to
@@ -146,18 +165,22 @@ impl Frozen {
 
     fn resume_now(&mut self) {
         self.done = true;
-        for h in &self.handed {
+        let conns = std::mem::take(&mut self.conns);
+        for (h, conn) in self.handed.iter().zip(conns) {
             h.set_handed(false);
             h.queue.thaw();
+            if let HandedSocket::Lent(socket) = conn.socket {
+                self.shared.handover.give_back(h.id, socket);
+            }
         }
         self.release();
     }
 
-    /// Ends the freeze: parked read loops look at their verdict (their handle's handed bit).
+    /// Ends the freeze: parked read loops look at their verdict (their handle's handed bit)
+    /// and take back what they lent, unless it went.
     fn release(&mut self) {
         let state = &self.shared.handover;
-        state.begun.store(false, Ordering::Release);
-        lock(&state.parked).clear();
+        state.end();
         for h in &self.parked {
             h.cancel.poke_quiet();
         }
@@ -252,10 +275,10 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
 
     let parked_at_ns = monotonic_ns();
     for KeyMembers { key, members } in keys {
-        let copies: Option<Vec<_>> = members
+        let queues: Option<Vec<_>> = members
             .iter()
-            .map(|(c, active)| {
-                let read = exports.remove(&c.id)?;
+            .map(|(c, _)| {
+                let read = exports.get(&c.id)?;
                 if c.cancel.is_cancelled() || !c.queue.is_still() {
                     return None;
                 }
@@ -264,12 +287,12 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
                 if read.tls_rx.is_some() != queue.writer.tls_tx.is_some() {
                     return None;
                 }
-                Some((c.clone(), *active, read, queue))
+                Some(queue)
             })
             .collect();
-        let Some(copies) = copies else {
+        let Some(queues) = queues else {
             // One connection of the key cannot go, so none does: a key's connections are
-            // served by one process.
+            // served by one process. What their loops lent goes back with the rest below.
             for (c, _) in &members {
                 if c.queue.is_frozen() {
                     c.queue.thaw();
@@ -279,23 +302,34 @@ pub(crate) async fn freeze(shared: &Arc<ServerState>, within: Duration) -> Froze
             debug!(key = %key.short(), "connection stays: cannot be handed over");
             continue;
         };
-        for (c, active, read, mut queue) in copies {
-            let ReadExport {
-                fd,
+        for ((c, active), mut queue) in members.into_iter().zip(queues) {
+            let Some(ReadExport {
+                socket,
                 read_buf,
                 resume,
                 tls_rx,
                 ws,
-            } = read;
+            }) = exports.remove(&c.id)
+            else {
+                continue;
+            };
             let watcher = watchers.contains(&c.id);
             let tls_tx = queue.writer.tls_tx.take();
             let mut record =
                 ConnRecord::of(&c, active, watcher, read_buf, resume, queue, parked_at_ns);
             record.tls = tls_rx.zip(tls_tx);
             record.ws = ws;
-            frozen.conns.push(HandedConn { record, fd });
+            frozen.conns.push(HandedConn {
+                record,
+                socket: HandedSocket::Lent(socket),
+            });
             frozen.handed.push(c);
         }
+    }
+    // Loops that parked with a copy but whose connection stays get their transport back
+    // when the freeze ends.
+    for (id, export) in exports {
+        state.give_back(id, export.socket);
     }
     let late = registered().len().saturating_sub(frozen.parked.len());
     if late > 0 {
@@ -451,7 +485,7 @@ pub(crate) fn adopt(
     let mut index: HashMap<PublicKey, usize> = HashMap::new();
     let mut watchers = Vec::new();
     let mut seen = HashSet::new();
-    for HandedConn { record, fd } in conns {
+    for HandedConn { record, socket } in conns {
         let key = record.key;
         // A key's members arrive together; the same key again later is a second group.
         let group = match index.get(&key) {
@@ -477,10 +511,17 @@ pub(crate) fn adopt(
         let (active, watcher) = (record.active, record.watcher);
         adopted.parked_at_ns.push(record.parked_at_ns);
         let resume = record.resume;
-        let conn = AdoptedConn::build(shared, record, fd).map_err(|error| AdoptError::Socket {
-            key: key.to_string(),
-            error,
-        })?;
+        let fd = match socket {
+            HandedSocket::Received(fd) => Ok(fd),
+            // Taken over within one process: the lender closes its own descriptor.
+            HandedSocket::Lent(socket) => socket.fd().try_clone_to_owned(),
+        };
+        let conn = fd
+            .and_then(|fd| AdoptedConn::build(shared, record, fd))
+            .map_err(|error| AdoptError::Socket {
+                key: key.to_string(),
+                error,
+            })?;
         let handle = conn.handle().clone();
         lock(&shared.handover.resume).insert(handle.id, resume);
         if watcher {

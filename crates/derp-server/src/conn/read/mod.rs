@@ -367,7 +367,12 @@ impl<'a> ReadLoop<'a> {
     async fn park(&mut self) -> bool {
         let shared = self.shared;
         let handle = self.handle;
-        shared.handover.deposit(handle.id, self.export());
+        let export = self.export();
+        if let Some(socket) = shared.handover.deposit(handle.id, export) {
+            // The freeze ended before this loop parked: nothing was lent.
+            self.reader.restore(socket);
+            return !handle.is_handed();
+        }
         std::future::poll_fn(|cx| {
             handle.cancel.register_quiet(cx.waker());
             if shared.handover.is_begun() {
@@ -378,18 +383,22 @@ impl<'a> ReadLoop<'a> {
         })
         .await;
         handle.cancel.clear_quiet();
+        if let Some(socket) = shared.handover.take_back(handle.id) {
+            self.reader.restore(socket);
+        }
         !handle.is_handed()
     }
 
-    /// What a successor process needs to continue this loop, if it can.
-    fn export(&self) -> Option<crate::handed::ReadExport> {
+    /// What a successor process needs to continue this loop, if it can; the transport is
+    /// lent with it (see [`FrameReader::export`]).
+    fn export(&mut self) -> Option<crate::handed::ReadExport> {
         if self.drained {
             return None;
         }
         let reader = self.reader.export()?;
         let now = Instant::now();
         Some(crate::handed::ReadExport {
-            fd: reader.fd,
+            socket: reader.socket,
             read_buf: reader.buf,
             tls_rx: reader.tls_rx,
             ws: reader.ws,

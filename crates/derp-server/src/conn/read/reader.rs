@@ -9,10 +9,8 @@ use derp_io::ReadHalf;
 use derp_proto::ws::{self, Role, WsDecoder, WsEvent};
 use tokio::io::AsyncReadExt;
 
-use std::os::fd::AsFd;
-
 use crate::conn::{ConnError, Framing};
-use crate::handed::WsState;
+use crate::handed::{LentSocket, WsState};
 use crate::handle::ConnHandle;
 use crate::queue::Control;
 use crate::quic::QuicLink;
@@ -171,20 +169,23 @@ impl FrameReader {
         self.quic.is_some()
     }
 
-    /// What a successor process needs of this reader: the socket (a new descriptor for it),
-    /// the DERP bytes read and not yet handled, and the state of the layers under them
-    /// (derpd's TLS 1.3 records, WebSocket); `None` for a stream whose state is not the
-    /// relay's to copy (QUIC, rustls's TLS, an embedder's) or a closing connection.
-    pub(super) fn export(&self) -> Option<ReaderExport> {
+    /// What a successor process needs of this reader: the DERP bytes read and not yet
+    /// handled, the state of the layers under them (derpd's TLS 1.3 records, WebSocket),
+    /// and the transport itself, lent until [`FrameReader::restore`] gives it back (or
+    /// dropped once the successor holds the socket). `None`, lending nothing, for a stream
+    /// whose state is not the relay's to copy (QUIC, rustls's TLS, an embedder's) or a
+    /// closing connection.
+    ///
+    /// Lending, rather than keeping a duplicate descriptor, keeps a handover at one
+    /// descriptor per connection in this process: the successor's own arrives with the
+    /// batch it is sent in.
+    pub(super) fn export(&mut self) -> Option<ReaderExport> {
         if self.quic.is_some() || self.ws_close.is_some() {
             return None;
         }
-        let (fd, tls_rx) = match &self.half {
-            ReadHalf::Tcp(_) => (self.half.dup_tcp_socket()?.ok()?, None),
-            ReadHalf::Tls(r) => {
-                let rx = r.snapshot().ok()?;
-                (r.tcp().as_fd().try_clone_to_owned().ok()?, Some(rx))
-            }
+        let tls_rx = match &self.half {
+            ReadHalf::Tcp(_) => None,
+            ReadHalf::Tls(r) => Some(r.snapshot().ok()?),
             ReadHalf::Boxed(_) | ReadHalf::Halves(_) => return None,
         };
         let ws = match &self.ws {
@@ -194,12 +195,24 @@ impl FrameReader {
             }),
             None => None,
         };
+        let socket = match LentSocket::lend(std::mem::replace(&mut self.half, ReadHalf::vacant())) {
+            Ok(socket) => socket,
+            Err(half) => {
+                self.half = half;
+                return None;
+            }
+        };
         Some(ReaderExport {
-            fd,
+            socket,
             buf: self.buf.to_vec(),
             tls_rx,
             ws,
         })
+    }
+
+    /// Takes back the transport [`FrameReader::export`] lent.
+    pub(super) fn restore(&mut self, socket: LentSocket) {
+        self.half = socket.into_half();
     }
 
     /// A reader continuing one a predecessor process exported: `buf` the DERP bytes it had
@@ -257,7 +270,7 @@ impl FrameReader {
 
 /// A reader's state copied out for a successor process (see [`FrameReader::export`]).
 pub(super) struct ReaderExport {
-    pub(super) fd: std::os::fd::OwnedFd,
+    pub(super) socket: LentSocket,
     pub(super) buf: Vec<u8>,
     pub(super) tls_rx: Option<derp_io::tls::RxSnapshot>,
     pub(super) ws: Option<WsState>,

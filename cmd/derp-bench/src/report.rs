@@ -425,7 +425,8 @@ pub(crate) struct UpgradePhase {
     pub(crate) delay: Spread,
     /// Per pair, the longest delay of its packets.
     pub(crate) connection_max_delay: Spread,
-    /// Per pair, the longest time between two arrivals overlapping the phase.
+    /// Per pair, the longest time between two consecutive arrivals, the later packet sent in
+    /// the phase.
     pub(crate) connection_longest_gap: Spread,
 }
 

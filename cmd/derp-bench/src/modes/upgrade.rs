@@ -80,7 +80,6 @@ pub(crate) async fn run(
         measured_from_ns: clock.ns(measured_from),
         signal_ns: clock.ns(signal_at),
         exit_ns: clock.ns(exit_at),
-        end_ns: clock.ns(end),
     };
     let account = Account::of(&records, &phases);
     let cpu = CpuUse::between(

@@ -39,7 +39,7 @@ pub struct PairRecord {
 
 /// The run's phases on its clock: warm-up until `measured_from`, then before the upgrade
 /// until `signal` (the signal sent), during it until `exit` (the old process gone), after it
-/// until `end` (the senders stopped).
+/// until the senders stop.
 #[derive(Clone, Copy, Debug)]
 pub struct Phases {
     /// End of the warm-up.
@@ -48,8 +48,6 @@ pub struct Phases {
     pub signal_ns: u64,
     /// The old process gone.
     pub exit_ns: u64,
-    /// The senders stopped.
-    pub end_ns: u64,
 }
 
 /// A phase of the run.
@@ -73,15 +71,6 @@ impl Phases {
             Phase::After
         }
     }
-
-    fn bounds(&self, phase: Phase) -> (u64, u64) {
-        match phase {
-            Phase::Warmup => (0, self.measured_from_ns),
-            Phase::Before => (self.measured_from_ns, self.signal_ns),
-            Phase::During => (self.signal_ns, self.exit_ns),
-            Phase::After => (self.exit_ns, self.end_ns),
-        }
-    }
 }
 
 /// The figures of one phase, by packets sent in it.
@@ -97,7 +86,7 @@ pub struct PhaseFigures {
     pub delay: RttHistogram,
     /// Per pair: the longest delay of its packets sent in the phase.
     pub conn_max_delay: RttHistogram,
-    /// Per pair: the longest time between two arrivals, of those intervals that overlap the
+    /// Per pair: the longest time between two consecutive arrivals, the later one sent in the
     /// phase.
     pub conn_longest_gap: RttHistogram,
 }
@@ -245,19 +234,19 @@ impl Account {
                 }
             }
         }
+        let gaps = longest_gaps(&r.arrivals, &r.sent_ns, phases);
         for (i, phase) in [Phase::Before, Phase::During, Phase::After]
             .into_iter()
             .enumerate()
         {
-            let gap = longest_gap(&r.arrivals, phases.bounds(phase));
             let Some((_, figures)) = self.phase_mut(phase) else {
                 continue;
             };
             if max_delay[i] > 0 {
                 figures.conn_max_delay.saturating_record(max_delay[i]);
             }
-            if let Some(gap) = gap {
-                figures.conn_longest_gap.saturating_record(gap.max(1));
+            if gaps[i] > 0 {
+                figures.conn_longest_gap.saturating_record(gaps[i]);
             }
         }
     }
@@ -272,13 +261,25 @@ impl Account {
     }
 }
 
-/// The longest time between two consecutive arrivals whose interval overlaps `[from, to)`.
-fn longest_gap(arrivals: &[Arrival], (from, to): (u64, u64)) -> Option<u64> {
-    arrivals
-        .windows(2)
-        .filter(|w| w[0].recv_ns < to && w[1].recv_ns > from)
-        .map(|w| w[1].recv_ns.saturating_sub(w[0].recv_ns))
-        .max()
+/// For each measured phase (before, during, after), the longest time between two
+/// consecutive arrivals where the later packet was sent in the phase: the gap a hold leaves
+/// ends with the first packet sent after the connection froze, so it belongs to the phase
+/// the hold began in, not to the one before.
+fn longest_gaps(arrivals: &[Arrival], sent_ns: &[u64], phases: &Phases) -> [u64; 3] {
+    let mut gaps = [0u64; 3];
+    for w in arrivals.windows(2) {
+        let Some(&sent) = sent_ns.get(w[1].seq as usize) else {
+            continue;
+        };
+        let i = match phases.of(sent) {
+            Phase::Warmup => continue,
+            Phase::Before => 0,
+            Phase::During => 1,
+            Phase::After => 2,
+        };
+        gaps[i] = gaps[i].max(w[1].recv_ns.saturating_sub(w[0].recv_ns).max(1));
+    }
+    gaps
 }
 
 /// Sequence numbers seen, below [`MAX_SEQ`].
@@ -314,13 +315,12 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
-    /// Phases: warm-up to 100 ms, before to 1 s, during to 1.5 s, after to 2 s.
+    /// Phases: warm-up to 100 ms, before to 1 s, during to 1.5 s, after that.
     fn phases() -> Phases {
         Phases {
             measured_from_ns: 100 * MS,
             signal_ns: 1000 * MS,
             exit_ns: 1500 * MS,
-            end_ns: 2000 * MS,
         }
     }
 
@@ -344,11 +344,11 @@ mod tests {
         }
     }
 
-    /// Held from 1.2 s to 1.32 s: what was sent then arrives at 1.32 s.
+    /// Held from the signal (1 s) to 1.12 s: what was sent then arrives at 1.12 s.
     fn held(s: u64) -> u64 {
         let base = 50_000;
-        if (1200 * MS..1320 * MS).contains(&s) {
-            1320 * MS - s + base
+        if (1000 * MS..1120 * MS).contains(&s) {
+            1120 * MS - s + base
         } else {
             base
         }
@@ -367,15 +367,16 @@ mod tests {
         // Every packet before took the base delay (one bucket of the histogram).
         let before = &a.before.delay;
         assert!(before.equivalent(before.min(), before.max()), "{before:?}");
-        // The packet sent at 1.2 s waited the whole hold.
+        // The packet sent at 1 s waited the whole hold.
         let hold = 120 * MS + 50_000;
         assert!(a.during.delay.max().abs_diff(hold) < hold / 500);
         assert!(a.during.conn_max_delay.max().abs_diff(hold) < hold / 500);
         // One pair held, one not: the per-connection figures say so.
         assert_eq!(a.during.conn_max_delay.len(), 2);
         assert!(a.during.conn_max_delay.min() < MS);
-        // The held pair's longest gap: from the packet sent at 1.19 s to the hold's end.
-        let gap = 1320 * MS + 50_000 - (1190 * MS + 50_000);
+        // The held pair's longest gap, from the last packet sent before the signal (at
+        // 0.99 s) to the hold's end, is the upgrade's, not the baseline's.
+        let gap = 1120 * MS - 990 * MS;
         assert!(a.during.conn_longest_gap.max().abs_diff(gap) < gap / 500);
         assert!(a.before.conn_longest_gap.max().abs_diff(10 * MS) < MS / 100);
         assert!(a.after.conn_longest_gap.max().abs_diff(10 * MS) < MS / 100);

@@ -401,4 +401,21 @@ mod tests {
         };
         assert_eq!(i.conns.concurrency, 7);
     }
+
+    #[test]
+    fn upgrade_needs_a_pid_and_spaces_its_packets_by_the_pair_count() {
+        assert!(Cli::try_parse_from(["derp-bench", "upgrade"]).is_err());
+        let interval = |more: &[&str]| {
+            let mut args = vec!["derp-bench", "upgrade", "--upgrade-pid", "7"];
+            args.extend_from_slice(more);
+            let Mode::Upgrade(u) = Cli::try_parse_from(args).unwrap().mode else {
+                panic!("wrong mode")
+            };
+            u.interval()
+        };
+        assert_eq!(interval(&[]), Duration::from_millis(20));
+        assert_eq!(interval(&["--pairs", "4500"]), Duration::from_millis(180));
+        assert_eq!(interval(&["--pairs", "3"]), Duration::from_millis(1));
+        assert_eq!(interval(&["--interval", "5ms"]), Duration::from_millis(5));
+    }
 }

@@ -36,6 +36,9 @@ pub(crate) async fn run(
              in-process relay of --spawn-server"
         );
     }
+    if ctx.target.peer_url.is_some() {
+        bail!("upgrade upgrades one server: every connection goes to --url (leave out --peer-url)");
+    }
     let interval = args.interval();
     derp_load::target::check_fd_budget(args.pairs as usize * 2, false)?;
     let upgradee = Upgradee::open(args.upgrade_pid)?;

@@ -190,7 +190,7 @@ impl Running {
             let done = p.sender.await.unwrap_or_else(|e| SendDone {
                 writer: None,
                 sent_ns: Vec::new(),
-                error: Some(format!("task: {e}")),
+                error: Some((u64::MAX, format!("task: {e}"))),
             });
             writers.push(done.writer);
             sent.push((done.sent_ns, done.error));
@@ -201,8 +201,8 @@ impl Running {
         let mut records = Vec::with_capacity(rest.len());
         for ((watcher, receiver, _writer, _), (sent_ns, send_error)) in rest.into_iter().zip(sent) {
             let mut sender_breaks = watcher.await.unwrap_or_else(|e| Breaks::task(&e));
-            if let Some(e) = send_error {
-                sender_breaks.note("write_error", None, e);
+            if let Some((at, e)) = send_error {
+                sender_breaks.note("write_error", at, e);
             }
             let (arrivals, receiver_breaks) = receiver
                 .await
@@ -257,18 +257,19 @@ struct Breaks {
 }
 
 impl Breaks {
-    fn note(&mut self, kind: &'static str, at_ns: Option<u64>, what: String) {
+    /// Notes a break at `at_ns` (`u64::MAX`: unknown); the earliest is kept in words.
+    fn note(&mut self, kind: &'static str, at_ns: u64, what: String) {
         if !self.kinds.contains(&kind) {
             self.kinds.push(kind);
         }
-        if self.first.is_none() {
-            self.first = Some((at_ns.unwrap_or(u64::MAX), what));
+        if self.first.as_ref().is_none_or(|(first, _)| at_ns < *first) {
+            self.first = Some((at_ns, what));
         }
     }
 
     fn task(e: &tokio::task::JoinError) -> Self {
         let mut b = Self::default();
-        b.note("task", None, e.to_string());
+        b.note("task", u64::MAX, e.to_string());
         b
     }
 }
@@ -318,7 +319,8 @@ struct SendDone {
     writer: Option<ClientWriter>,
     /// Each packet's send time, by sequence number.
     sent_ns: Vec<u64>,
-    error: Option<String>,
+    /// When a write failed, and how.
+    error: Option<(u64, String)>,
 }
 
 async fn send_loop(
@@ -352,7 +354,10 @@ async fn send_loop(
             return SendDone {
                 writer: Some(writer),
                 sent_ns,
-                error: Some(format!("{} ({e})", error_break(&e))),
+                error: Some((
+                    clock.ns(Instant::now()),
+                    format!("write: {} ({e})", error_break(&e)),
+                )),
             };
         }
         sent_ns.push(now_ns);
@@ -382,11 +387,11 @@ async fn watch_loop(
         match frame {
             Ok(f) => {
                 if let Some(kind) = frame_break(&f) {
-                    breaks.note(kind, Some(at), format!("{f:?}"));
+                    breaks.note(kind, at, format!("{f:?}"));
                 }
             }
             Err(e) => {
-                breaks.note(error_break(&e), Some(at), e.to_string());
+                breaks.note(error_break(&e), at, e.to_string());
                 return breaks;
             }
         }
@@ -429,11 +434,11 @@ async fn receive_loop(
             }
             Ok(f) => {
                 if let Some(kind) = frame_break(&f) {
-                    breaks.note(kind, Some(recv_ns), format!("{f:?}"));
+                    breaks.note(kind, recv_ns, format!("{f:?}"));
                 }
             }
             Err(e) => {
-                breaks.note(error_break(&e), Some(recv_ns), e.to_string());
+                breaks.note(error_break(&e), recv_ns, e.to_string());
                 break;
             }
         }
@@ -558,4 +563,41 @@ pub enum UpgradeError {
         /// Why.
         source: std::io::Error,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_an_upgrade_must_never_show_a_client_is_a_break() {
+        let restarting = ReceivedFrame::Restarting {
+            reconnect_in: Duration::from_secs(2),
+            try_for: Duration::from_secs(60),
+        };
+        assert_eq!(frame_break(&restarting), Some("restarting"));
+        let health = ReceivedFrame::Health {
+            problem: String::new(),
+        };
+        assert_eq!(frame_break(&health), Some("health"));
+        assert_eq!(frame_break(&ReceivedFrame::KeepAlive), None);
+        assert_eq!(error_break(&ClientError::Closed), "eof");
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(error_break(&reset.into()), "reset");
+        assert_eq!(
+            error_break(&ClientError::ReadTimeout(Duration::from_secs(1))),
+            "read_timeout"
+        );
+    }
+
+    #[test]
+    fn the_earliest_break_is_the_one_described() {
+        let mut b = Breaks::default();
+        b.note("eof", 20, "eof".to_owned());
+        b.note("write_error", 10, "write".to_owned());
+        b.note("restarting", 15, "restarting".to_owned());
+        b.note("eof", 5, "again".to_owned());
+        assert_eq!(b.kinds, ["eof", "write_error", "restarting"]);
+        assert_eq!(b.first, Some((5, "again".to_owned())));
+    }
 }

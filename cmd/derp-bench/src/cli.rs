@@ -305,7 +305,7 @@ pub(crate) struct UpgradeArgs {
 
     /// Traffic before anything is measured. Long, because a relay that has just taken
     /// thousands of connections is slow for its first seconds (at 10,000 connections on
-    /// two CPUs, packets of the first seconds waited up to 3 s).
+    /// two CPUs, packets of the first seconds waited up to 3.7 s).
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub(crate) warmup: Duration,
 

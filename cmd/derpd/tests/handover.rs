@@ -299,3 +299,74 @@ async fn a_thousand_tls_connections_raw_and_websocket_go_across_with_their_recor
     relays(&mut raw[0].0, &mut ws[0].1).await;
     successor.stop();
 }
+
+/// Cross-node pairs in the mesh test: one client on each node.
+const MESH_PAIRS: usize = 50;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meshed_node_upgrades_without_its_clients_or_its_siblings_clients_noticing() {
+    let dir = TempDir::new("handover-mesh");
+    let exe = install(&dir);
+    let program = exe.display().to_string();
+    let mut region = crate::support::Region::start_in(dir, 2, &[], |i| {
+        if i == 0 {
+            Launch::program(&program)
+        } else {
+            Launch::plain()
+        }
+    });
+    region.wait_meshed();
+    // Each pair: a client of the node that upgrades, and one of its sibling.
+    let mut pairs = Vec::with_capacity(MESH_PAIRS);
+    for _ in 0..MESH_PAIRS {
+        pairs.push((
+            RawClient::connect(region.nodes[0].addr).await,
+            RawClient::connect(region.nodes[1].addr).await,
+        ));
+    }
+    region.wait_known(2 * MESH_PAIRS);
+    let mut there = Fleet(pairs);
+    there.send(0, 10).await;
+    there.expect(0, 10).await;
+    let mut back = Fleet(there.0.into_iter().map(|(a, b)| (b, a)).collect());
+    back.send(0, 10).await;
+    back.expect(0, 10).await;
+
+    replace(&exe, None);
+    region.nodes[0].signal("USR2");
+    let successor = started_successor(&region.nodes[0]);
+    // Racing the freeze: the handed clients' packets reach the sibling's clients through
+    // the new process's own link, from the first one it reads.
+    back.send(10, 20).await;
+    let mut there = Fleet(back.0.into_iter().map(|(b, a)| (a, b)).collect());
+    there.send(10, 20).await;
+    let node = &mut region.nodes[0];
+    // The new process brought its link up, and the sibling's clients are in its table,
+    // before it said it serves.
+    node.wait_message("mesh links up, with the siblings' clients; taking over");
+    let (conns, _, _) = took_over(node);
+    assert_eq!(
+        conns,
+        MESH_PAIRS as u64 + 1,
+        "the clients and the sibling's link"
+    );
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    there.send(20, 30).await;
+    there.expect(10, 30).await;
+    let mut back = Fleet(there.0.into_iter().map(|(a, b)| (b, a)).collect());
+    back.send(20, 30).await;
+    back.expect(10, 30).await;
+    for node in &region.nodes {
+        assert_eq!(node.metric("derp_packets_dropped", &[]), Some(0.0));
+        assert_eq!(node.metric("derp_mesh_forward_drops", &[]), Some(0.0));
+    }
+    for (_, r) in &mut back.0 {
+        r.expect_quiet().await;
+    }
+    successor.stop();
+}

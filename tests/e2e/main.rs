@@ -10,6 +10,7 @@ mod hostile;
 mod layout;
 mod limits;
 mod load;
+mod mesh;
 mod metrics;
 mod quic;
 mod relay;

@@ -234,10 +234,12 @@ async fn serve_node(
             // dials one directly must open with a header too.
             mesh_config.proxy_header = cli.proxy_protocol;
             info!(siblings = %cli.mesh_with, "meshing");
-            Some(
+            let mesh = std::sync::Arc::new(
                 derp_mesh::Mesh::start(&server, mesh_config, siblings, &registry)
                     .context("starting the mesh")?,
-            )
+            );
+            readiness.settle_mesh_first(mesh.clone());
+            Some(mesh)
         }
         None => None,
     };

@@ -206,47 +206,167 @@ async fn relays(
     relays_one(b, a).await;
 }
 
+type TlsPair = (
+    (derp_client::Client, PublicKey),
+    (derp_client::Client, PublicKey),
+);
+
+/// Sends packets `from..to` from each pair's first client to its second.
+async fn send_tls(pairs: &mut [TlsPair], from: u32, to: u32) {
+    for (s, r) in pairs.iter_mut() {
+        for seq in from..to {
+            s.0.send_packet(r.1, packet(seq)).await.expect("send");
+        }
+    }
+}
+
+/// Packets `from..to` at each pair's second client, each once and in order, and nothing
+/// else but keepalives: a Restarting frame, a PeerGone, an EOF or a reset fails.
+async fn expect_tls(pairs: &mut [TlsPair], from: u32, to: u32) {
+    use derp_client::ReceivedFrame;
+    for (s, r) in pairs.iter_mut() {
+        for seq in from..to {
+            let frame = tokio::time::timeout(STEP, async {
+                loop {
+                    match r.0.recv().await {
+                        Ok(ReceivedFrame::KeepAlive) => {}
+                        Ok(ReceivedFrame::RecvPacket { src, packet: p }) => {
+                            return (src, p.to_vec());
+                        }
+                        Ok(other) => panic!("{other:?} instead of packet {seq}"),
+                        Err(e) => panic!("waiting for packet {seq}: {e}"),
+                    }
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("packet {seq} never came"));
+            assert_eq!(frame, (s.1, packet(seq)), "packet {seq} lost or reordered");
+        }
+    }
+}
+
+/// TLS pairs per framing (raw DERP and WebSocket): 1,000 connections in all.
+const TLS_PAIRS: usize = PAIRS / 2;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tls_and_websocket_connections_go_across_with_their_record_layer() {
+async fn a_thousand_tls_connections_raw_and_websocket_go_across_with_their_record_layer() {
     use derp_client::TransportKind::{Upgrade, WebSocket};
     let dir = TempDir::new("handover-tls");
     let exe = install(&dir);
     let certdir = dir.path("certs").display().to_string();
     let key = dir.path("derp.key").display().to_string();
     let mut args = crate::support::manual_ip_args(&certdir);
-    args.extend(["-c", &key]);
-    let mut node = Node::start_with(&Launch::program(&exe.display().to_string()), &args, &[]);
+    args.extend(["-c", &key, "--metrics-addr", "127.0.0.1:0"]);
+    let launch = Launch {
+        setup: format!("ulimit -n {}", 4 * TLS_PAIRS + SPARE_FDS),
+        ..Launch::program(&exe.display().to_string())
+    };
+    let mut node = Node::start_with(&launch, &args, &[]);
     let map_node: serde_json::Value =
         node.wait_stdout("DERP map node", |l| serde_json::from_str(l.trim()).ok());
     let pin = map_node["CertName"].as_str().expect("CertName").to_owned();
-    let mut raw = (
-        tls_client(&node, &pin, Upgrade).await,
-        tls_client(&node, &pin, Upgrade).await,
-    );
-    let mut ws = (
-        tls_client(&node, &pin, WebSocket).await,
-        tls_client(&node, &pin, WebSocket).await,
-    );
-    relays(&mut raw.0, &mut raw.1).await;
-    relays(&mut ws.0, &mut ws.1).await;
+    let mut pairs: Vec<TlsPair> = Vec::with_capacity(2 * TLS_PAIRS);
+    for kind in [Upgrade, WebSocket] {
+        for _ in 0..TLS_PAIRS {
+            pairs.push((
+                tls_client(&node, &pin, kind).await,
+                tls_client(&node, &pin, kind).await,
+            ));
+        }
+    }
+    send_tls(&mut pairs, 0, 10).await;
+    expect_tls(&mut pairs, 0, 5).await;
 
     replace(&exe, None);
     node.signal("USR2");
     let successor = started_successor(&node);
+    // Racing the freeze, as in the plain test.
+    send_tls(&mut pairs, 10, 20).await;
     let (conns, _, _) = took_over(&node);
-    assert_eq!(conns, 4, "{}", node.log_text());
+    assert_eq!(conns, 4 * TLS_PAIRS as u64, "{}", node.log_text());
     assert_eq!(
         node.wait_status(STEP).code(),
         Some(0),
         "{}",
         node.log_text()
     );
-    // The same TLS sessions, under the same keys, now served by the new process; and a
-    // WebSocket client reaches a raw one.
-    for _ in 0..3 {
-        relays(&mut raw.0, &mut raw.1).await;
-        relays(&mut ws.0, &mut ws.1).await;
-        relays(&mut raw.0, &mut ws.1).await;
+    // The same TLS sessions, under the same keys, now served by the new process.
+    send_tls(&mut pairs, 20, 30).await;
+    expect_tls(&mut pairs, 5, 30).await;
+    assert_eq!(node.metric("derp_packets_dropped", &[]), Some(0.0));
+    // A WebSocket client reaches a raw one, and back.
+    let (raw, ws) = pairs.split_at_mut(TLS_PAIRS);
+    relays(&mut raw[0].0, &mut ws[0].1).await;
+    successor.stop();
+}
+
+/// Cross-node pairs in the mesh test: one client on each node.
+const MESH_PAIRS: usize = 50;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meshed_node_upgrades_without_its_clients_or_its_siblings_clients_noticing() {
+    let dir = TempDir::new("handover-mesh");
+    let exe = install(&dir);
+    let program = exe.display().to_string();
+    let mut region = crate::support::Region::start_in(dir, 2, &[], |i| {
+        if i == 0 {
+            Launch::program(&program)
+        } else {
+            Launch::plain()
+        }
+    });
+    region.wait_meshed();
+    // Each pair: a client of the node that upgrades, and one of its sibling.
+    let mut pairs = Vec::with_capacity(MESH_PAIRS);
+    for _ in 0..MESH_PAIRS {
+        pairs.push((
+            RawClient::connect(region.nodes[0].addr).await,
+            RawClient::connect(region.nodes[1].addr).await,
+        ));
+    }
+    region.wait_known(2 * MESH_PAIRS);
+    let mut there = Fleet(pairs);
+    there.send(0, 10).await;
+    there.expect(0, 10).await;
+    let mut back = Fleet(there.0.into_iter().map(|(a, b)| (b, a)).collect());
+    back.send(0, 10).await;
+    back.expect(0, 10).await;
+
+    replace(&exe, None);
+    region.nodes[0].signal("USR2");
+    let successor = started_successor(&region.nodes[0]);
+    // Racing the freeze: the handed clients' packets reach the sibling's clients through
+    // the new process's own link, from the first one it reads.
+    back.send(10, 20).await;
+    let mut there = Fleet(back.0.into_iter().map(|(b, a)| (a, b)).collect());
+    there.send(10, 20).await;
+    let node = &mut region.nodes[0];
+    // The new process brought its link up, and the sibling's clients are in its table,
+    // before it said it serves.
+    node.wait_message("mesh links up, with the siblings' clients; taking over");
+    let (conns, _, _) = took_over(node);
+    assert_eq!(
+        conns,
+        MESH_PAIRS as u64 + 1,
+        "the clients and the sibling's link"
+    );
+    assert_eq!(
+        node.wait_status(STEP).code(),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    there.send(20, 30).await;
+    there.expect(10, 30).await;
+    let mut back = Fleet(there.0.into_iter().map(|(a, b)| (b, a)).collect());
+    back.send(20, 30).await;
+    back.expect(10, 30).await;
+    for node in &region.nodes {
+        assert_eq!(node.metric("derp_packets_dropped", &[]), Some(0.0));
+        assert_eq!(node.metric("derp_mesh_forward_drops", &[]), Some(0.0));
+    }
+    for (_, r) in &mut back.0 {
+        r.expect_quiet().await;
     }
     successor.stop();
 }

@@ -13,6 +13,8 @@
 //! - notices a sibling that died without closing its connections: the link pings after
 //!   [`MeshConfig::ping_interval`] without one and reconnects when the pong is as late, with
 //!   a read timeout behind that;
+//! - tells when every link is settled ([`Mesh::wait_settled`]): up, with the clients its
+//!   sibling announced before answering a ping sent after WatchConns in the table;
 //! - detects a link to the node itself by the answering server key and stops it;
 //! - parses `--mesh-with` entries ([`parse_mesh_with`]) and builds the trust store for
 //!   `https` links ([`mesh_tls_config`]: the system's roots honouring `SSL_CERT_FILE` and
@@ -46,7 +48,7 @@ pub use sibling::{DialHost, DialHostError, Sibling, SiblingError, parse_mesh_wit
 pub use trust::{TrustError, TrustSummary, mesh_tls_config};
 
 use link::{Link, LinkQueue};
-use metrics::{LinkStateCollector, MeshMetrics};
+use metrics::{LinkGauges, LinkStateCollector, MeshMetrics};
 
 /// How a node meshes.
 #[derive(Clone, Debug)]
@@ -123,6 +125,7 @@ pub struct Mesh {
     cancel: CancellationToken,
     tasks: TaskTracker,
     siblings: Vec<Sibling>,
+    queues: Vec<Arc<LinkQueue>>,
 }
 
 impl Mesh {
@@ -154,12 +157,13 @@ impl Mesh {
             .collect();
         let gauges = links
             .iter()
-            .map(|l| l.queue.clone() as Arc<dyn metrics::LinkGauges>)
+            .map(|l| l.queue.clone() as Arc<dyn LinkGauges>)
             .collect();
         let collector = LinkStateCollector::new(gauges)?;
         registry.register(Box::new(collector))?;
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
+        let queues = links.iter().map(|l| l.queue.clone()).collect();
         for link in links {
             tasks.spawn(link::run(
                 link,
@@ -173,7 +177,36 @@ impl Mesh {
             cancel,
             tasks,
             siblings,
+            queues,
         })
+    }
+
+    /// Waits up to `within` until every link is up with its sibling's clients in the
+    /// forwarder table (a link to the node itself counts as done). Returns the siblings
+    /// still not there, empty when all are.
+    ///
+    /// The sibling's clients are those it announced before answering a ping sent right
+    /// after WatchConns. derpd writes a watcher's presence flood before that pong; Tailscale's
+    /// derper may interleave the two, so against it the table can still be filling for a
+    /// moment after this returns.
+    pub async fn wait_settled(&self, within: Duration) -> Vec<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        for queue in &self.queues {
+            loop {
+                let changed = queue.sync_changed.notified();
+                tokio::pin!(changed);
+                // Registered before the check, so a change right after it is not missed.
+                changed.as_mut().enable();
+                if queue.is_settled() || tokio::time::timeout_at(deadline, changed).await.is_err() {
+                    break;
+                }
+            }
+        }
+        self.queues
+            .iter()
+            .filter(|q| !q.is_settled())
+            .map(|q| q.label().to_owned())
+            .collect()
     }
 
     /// The siblings this node meshes with.

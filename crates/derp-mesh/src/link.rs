@@ -42,6 +42,8 @@ pub(crate) struct LinkQueue {
     label: String,
     state: Mutex<QueueState>,
     notify: Notify,
+    /// The link became settled (see [`LinkQueue::is_settled`]).
+    pub(crate) sync_changed: Notify,
     max_packets: usize,
     max_bytes: usize,
     metrics: LinkMetrics,
@@ -51,6 +53,8 @@ pub(crate) struct LinkQueue {
 struct QueueState {
     /// A connection to the sibling is established and watching.
     up: bool,
+    /// Up, and the sibling's clients as of the subscription are in the forwarder table.
+    synced: bool,
     /// The entry turned out to name this node itself; the link stopped for good.
     is_self: bool,
     packets: VecDeque<Forward>,
@@ -108,6 +112,7 @@ impl LinkQueue {
             label,
             state: Mutex::new(QueueState::default()),
             notify: Notify::new(),
+            sync_changed: Notify::new(),
             max_packets: config.queue_packets.max(1),
             max_bytes: config.queue_bytes.max(derp_proto::frame::MAX_PACKET_SIZE),
             metrics,
@@ -116,16 +121,35 @@ impl LinkQueue {
 
     fn set_self(&self) {
         self.lock().is_self = true;
+        self.sync_changed.notify_waiters();
     }
 
     fn set_up(&self) {
         self.lock().up = true;
     }
 
+    fn set_synced(&self) {
+        let mut state = self.lock();
+        // A connection that ended meanwhile left the table without its keys.
+        if state.up {
+            state.synced = true;
+        }
+        drop(state);
+        self.sync_changed.notify_waiters();
+    }
+
+    /// Whether the link is up with its sibling's clients in the table, or names this node
+    /// itself (nothing to wait for).
+    pub(crate) fn is_settled(&self) -> bool {
+        let state = self.lock();
+        state.synced || state.is_self
+    }
+
     /// Marks the link down and drops what was queued for the connection that ended.
     fn set_down(&self) {
         let mut state = self.lock();
         state.up = false;
+        state.synced = false;
         let dropped = state.packets.len();
         state.packets.clear();
         state.bytes = 0;
@@ -271,10 +295,21 @@ async fn serve(
     let result = async {
         timed_write(config.write_timeout, writer.watch_conns()).await?;
         link.queue.set_up();
+        // The sibling answers WatchConns with a PeerPresent for each of its clients, then
+        // this ping's pong: once it arrives, the table holds what the sibling held.
+        let mut sync = timed_write_ping(config.write_timeout, &mut writer).await?;
+        let synced = async {
+            if let Err(e) = sync.wait_within(config.connect_timeout).await {
+                debug!(sibling = %link.sibling, error = %e, "no pong to the mesh link's first ping");
+            }
+            link.queue.set_synced();
+            std::future::pending().await
+        };
         tokio::select! {
             biased;
             _ = cancel.cancelled() => Ok(()),
             r = watch(&mut reader, &mut present, link, server) => r,
+            r = synced => r,
             r = write_out(&mut writer, link, config) => r,
         }
     }
@@ -414,6 +449,17 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+/// Sends a ping under the write deadline.
+async fn timed_write_ping(
+    limit: Duration,
+    writer: &mut ClientWriter,
+) -> Result<PendingPing, LinkError> {
+    match tokio::time::timeout(limit, writer.start_ping()).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(LinkError::WriteTimeout(limit)),
     }
 }
 

@@ -59,6 +59,10 @@ const EXIT_WAIT: Duration = Duration::from_secs(5);
 /// How long the new process waits for the old one's commit after confirming; the old one's
 /// `--upgrade-timeout` ends the wait sooner (it kills the new process).
 const COMMIT_WAIT: Duration = Duration::from_secs(3600);
+/// How long a new process that meshes waits for its links to come up with their siblings'
+/// clients before it confirms (the old process serves meanwhile); well inside the default
+/// `--upgrade-timeout`.
+const MESH_SETTLE_WAIT: Duration = Duration::from_secs(5);
 /// How long the old process waits for its connections to stop where they are before it
 /// hands over those that did (the rest stay and are told to reconnect).
 const FREEZE_WAIT: Duration = Duration::from_secs(2);

@@ -12,7 +12,7 @@ use tracing::{error, info, warn};
 
 use super::sockets::Sockets;
 use super::wire::{self, Handed, Message};
-use super::{COMMIT_WAIT, HELLO_WAIT, REFUSE_CONNS_ENV, TAKEOVER_ENV, conns};
+use super::{COMMIT_WAIT, HELLO_WAIT, MESH_SETTLE_WAIT, REFUSE_CONNS_ENV, TAKEOVER_ENV, conns};
 use crate::sd_notify::Notifier;
 
 /// The new process's side: the channel to the old process, until the takeover is over.
@@ -243,6 +243,8 @@ pub(crate) struct Readiness {
     serving: Arc<tokio::sync::watch::Sender<bool>>,
     /// The relay that takes the old process's client connections over.
     server: Arc<std::sync::OnceLock<derp_server::Server>>,
+    /// The mesh links a process that takes over brings up before it confirms.
+    mesh: Arc<std::sync::OnceLock<Arc<derp_mesh::Mesh>>>,
 }
 
 impl Readiness {
@@ -256,12 +258,21 @@ impl Readiness {
             taking_over,
             serving,
             server: Arc::default(),
+            mesh: Arc::default(),
         }
     }
 
     /// Takes the old process's client connections over into `server` (when it sends them).
     pub(crate) fn take_connections_into(&self, server: derp_server::Server) {
         let _ = self.server.set(server);
+    }
+
+    /// A process that takes over confirms only once `mesh`'s links are up with their
+    /// siblings' clients in the forwarder table (or [`MESH_SETTLE_WAIT`] has passed): the
+    /// connections it takes over then reach every client of the region from their first
+    /// packet, as they did through the old process's links.
+    pub(crate) fn settle_mesh_first(&self, mesh: Arc<derp_mesh::Mesh>) {
+        let _ = self.mesh.set(mesh);
     }
 
     /// Returns once this process may accept and read on its sockets (for one that takes
@@ -304,11 +315,25 @@ impl Readiness {
             self.serving.clone(),
         );
         let relay = self.server.get().cloned();
+        let mesh = self.mesh.get().cloned();
         tokio::spawn(async move {
             if let Err(e) = sockets.check_all_taken() {
                 takeover.refuse(&format!("{e:#}"));
                 error!(error = %format!("{e:#}"), "not taking over: the running derpd keeps serving");
                 std::process::exit(1);
+            }
+            if let Some(mesh) = mesh {
+                let unsettled = mesh.wait_settled(MESH_SETTLE_WAIT).await;
+                if unsettled.is_empty() {
+                    info!("mesh links up, with the siblings' clients; taking over");
+                } else {
+                    warn!(
+                        siblings = %unsettled.join(","),
+                        waited = ?MESH_SETTLE_WAIT,
+                        "taking over with mesh links not up: packets to those siblings' \
+                         clients are dropped until they are"
+                    );
+                }
             }
             let t = takeover.clone();
             let relay = relay.map(|s| (s, tokio::runtime::Handle::current()));

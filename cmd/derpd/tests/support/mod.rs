@@ -361,7 +361,16 @@ pub struct Region {
 
 impl Region {
     pub fn start(n: usize, extra: &[&str]) -> Self {
-        let dir = TempDir::new("region");
+        Self::start_in(TempDir::new("region"), n, extra, |_| Launch::plain())
+    }
+
+    /// [`Region::start`] in `dir`, node `i` started as `launch(i)` says.
+    pub fn start_in(
+        dir: TempDir,
+        n: usize,
+        extra: &[&str],
+        launch: impl Fn(usize) -> Launch,
+    ) -> Self {
         let mesh_key = dir.path("mesh.key");
         write_mesh_key(&mesh_key);
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
@@ -385,7 +394,7 @@ impl Region {
                     mesh_with.clone(),
                 ];
                 args.extend(extra.iter().map(|s| s.to_string()));
-                Node::start(&args)
+                Node::start_with(&launch(i), &args, &[])
             })
             .collect();
         Self { nodes, dir }

@@ -18,7 +18,8 @@
 //! 1. [`crate::Server::freeze_for_handover`]: every read loop but QUIC's stops where it is
 //!    (no frame half handled: a loop parks only between reads), leaving a copy of what it
 //!    holds; then the queues of the connections that can go are frozen and their writers
-//!    park, a batch half written and all. Nothing is taken from a connection: it is copied.
+//!    park, a batch half written and all. Nothing is taken from a connection: its state is
+//!    copied, and its transport lent until the verdict (no second descriptor is made).
 //! 2. [`Frozen::conns`] hands out the copies; [`encode_conns`] turns them into bytes.
 //! 3. On the other side [`decode_conns`] and [`crate::Server::adopt`] rebuild them, inert.
 //! 4. The old process [`Frozen::commit`]s (forgets every handed connection without a byte
@@ -117,7 +118,7 @@ pub struct Frozen {
     parked: Vec<Arc<ConnHandle>>,
     /// Those that go.
     handed: Vec<Arc<ConnHandle>>,
-    /// Their copies, until taken.
+    /// Their copies, with the lent transports.
     conns: Vec<HandedConn>,
     /// Connections that stay (closing, a transport that cannot go, or late to park).
     staying: usize,

@@ -60,6 +60,12 @@ pub(crate) enum Mode {
     Idle(IdleArgs),
     /// Step the offered load up until the relay stops delivering it.
     Sweep(SweepArgs),
+    /// Pairs carrying a steady trickle of timestamped packets through the server's upgrade
+    /// in place (SIGUSR2 to --upgrade-pid): how long packets were held, per packet and per
+    /// connection, beside the delay before it; and any packet lost, repeated or reordered and
+    /// any connection that broke (a Restarting or health frame, EOF, reset), which fail the
+    /// run.
+    Upgrade(UpgradeArgs),
     /// The soak test is its own program now: `derp-soak`, with the same flags.
     #[command(hide = true, disable_help_flag = true)]
     Soak {
@@ -268,6 +274,68 @@ pub(crate) struct SweepArgs {
     pub(crate) max_steps: u32,
 }
 
+/// Connections carrying traffic through an upgrade in place.
+#[derive(Debug, Args)]
+pub(crate) struct UpgradeArgs {
+    /// The server process to upgrade: SIGUSR2 goes to it after the warm-up and the
+    /// baseline, and the run goes on until it has exited (its successor serving), then for
+    /// --after. It must be the process serving --url, started from a path its successor can
+    /// be started from.
+    #[arg(long, value_name = "PID")]
+    pub(crate) upgrade_pid: u32,
+
+    /// Sender/receiver pairs (two connections each).
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=MAX_PAIRS))]
+    pub(crate) pairs: u32,
+
+    /// Each pair sends one packet this often, the pairs' sends spread evenly over it. A
+    /// connection's own hold is resolved to this; the largest delay of all packets to this
+    /// over the pair count. Default: 40 µs per pair (about 25,000 packets/s in all), at
+    /// least 1 ms.
+    #[arg(long, value_parser = parse_duration)]
+    pub(crate) interval: Option<Duration>,
+
+    /// Packet size in bytes (the DERP payload).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(32..=65536))]
+    pub(crate) size: u32,
+
+    /// Connections opening at once.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) concurrency: u32,
+
+    /// Traffic before anything is measured. Long, because a relay that has just taken
+    /// thousands of connections is slow for its first seconds (at 10,000 connections on
+    /// two CPUs, packets of the first seconds waited up to 3.7 s).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub(crate) warmup: Duration,
+
+    /// Traffic measured before the signal: the baseline delay.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub(crate) baseline: Duration,
+
+    /// Traffic measured after the old process has exited.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub(crate) after: Duration,
+
+    /// How long the old process may take to exit after the signal; past it the run fails.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub(crate) upgrade_timeout: Duration,
+
+    /// Report lost, repeated or reordered packets and broken connections without failing
+    /// the run (to measure an upgrade that is known to break connections).
+    #[arg(long)]
+    pub(crate) allow_broken: bool,
+}
+
+impl UpgradeArgs {
+    /// `--interval`, or the default for the pair count.
+    pub(crate) fn interval(&self) -> Duration {
+        self.interval.unwrap_or_else(|| {
+            (Duration::from_micros(40) * self.pairs).max(Duration::from_millis(1))
+        })
+    }
+}
+
 /// Upper bounds that keep every run finite.
 pub(crate) const MAX_PAIRS: i64 = 5000;
 pub(crate) const MAX_RUNS: i64 = 20;
@@ -334,5 +402,22 @@ mod tests {
             panic!("wrong mode")
         };
         assert_eq!(i.conns.concurrency, 7);
+    }
+
+    #[test]
+    fn upgrade_needs_a_pid_and_spaces_its_packets_by_the_pair_count() {
+        assert!(Cli::try_parse_from(["derp-bench", "upgrade"]).is_err());
+        let interval = |more: &[&str]| {
+            let mut args = vec!["derp-bench", "upgrade", "--upgrade-pid", "7"];
+            args.extend_from_slice(more);
+            let Mode::Upgrade(u) = Cli::try_parse_from(args).unwrap().mode else {
+                panic!("wrong mode")
+            };
+            u.interval()
+        };
+        assert_eq!(interval(&[]), Duration::from_millis(20));
+        assert_eq!(interval(&["--pairs", "4500"]), Duration::from_millis(180));
+        assert_eq!(interval(&["--pairs", "3"]), Duration::from_millis(1));
+        assert_eq!(interval(&["--interval", "5ms"]), Duration::from_millis(5));
     }
 }

@@ -1,7 +1,8 @@
 //! derp-bench: a load-test client for DERP relays (derpd, Tailscale's derper, or any other).
 //!
 //! What it does: measures a relay from the outside over its DERP URL (plain, WebSocket, TLS
-//! or QUIC), in six modes (throughput, latency, pingpong, connect, idle, sweep), with paced
+//! or QUIC), in seven modes (throughput, latency, pingpong, connect, idle, sweep, and upgrade: what
+//! clients feel of a server's upgrade in place), with paced
 //! senders, per-pair loss counting, timestamped packets, warm-up and repeated runs, in one
 //! process or spread over several (`--procs`). It reports its own CPU use next to the
 //! server's and warns when it, rather than the server, is the likely bottleneck. With
@@ -78,6 +79,7 @@ fn measure(cli: &Cli) -> anyhow::Result<()> {
             Mode::Connect(a) => modes::connect::run(ctx, &cli.target, a).await,
             Mode::Idle(a) => modes::idle::run(ctx, &cli.target, a).await,
             Mode::Sweep(a) => modes::sweep::run(ctx, &cli.target, a, &cli.output).await,
+            Mode::Upgrade(a) => modes::upgrade::run(ctx, &cli.target, a).await,
             Mode::Soak { .. } | Mode::FloorRelay(_) | Mode::Worker => bail!("not a measurement"),
         },
     )?;
@@ -130,6 +132,10 @@ fn time_bound(mode: &Mode) -> Duration {
         Mode::Connect(a) => (a.max_duration + PER_WINDOW) * a.conns.runs,
         Mode::Idle(a) => (a.hold + Duration::from_secs(120)) * a.conns.runs,
         Mode::Sweep(a) => windows(a.max_steps, a.load.warmup, a.step_duration),
+        // Opening the connections, the phases, and the drain.
+        Mode::Upgrade(a) => {
+            a.warmup + a.baseline + a.upgrade_timeout + a.after + Duration::from_secs(120)
+        }
         Mode::Soak { .. } | Mode::FloorRelay(_) | Mode::Worker => Duration::ZERO,
     };
     expected * 2 + SLACK

@@ -374,6 +374,84 @@ pub(crate) struct SweepResult {
     pub(crate) saturation: Saturation,
 }
 
+#[derive(Debug, Serialize)]
+pub(crate) struct UpgradeConfig {
+    pub(crate) upgrade_pid: u32,
+    pub(crate) pairs: u32,
+    pub(crate) connections: u32,
+    pub(crate) interval_ms: f64,
+    /// The interval over the pair count: how far apart the fleet's sends are.
+    pub(crate) send_spacing_us: f64,
+    pub(crate) size_bytes: u32,
+    pub(crate) warmup_s: f64,
+    pub(crate) baseline_s: f64,
+    pub(crate) after_s: f64,
+    pub(crate) upgrade_timeout_s: f64,
+    pub(crate) allow_broken: bool,
+}
+
+/// A distribution in milliseconds, and how many values it has.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct Spread {
+    pub(crate) count: u64,
+    pub(crate) p50_ms: f64,
+    pub(crate) p99_ms: f64,
+    pub(crate) max_ms: f64,
+}
+
+impl Spread {
+    /// From a histogram of nanoseconds.
+    pub(crate) fn of(h: &hdrhistogram::Histogram<u64>) -> Self {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        if h.is_empty() {
+            return Self::default();
+        }
+        Self {
+            count: h.len(),
+            p50_ms: ms(h.value_at_quantile(0.5)),
+            p99_ms: ms(h.value_at_quantile(0.99)),
+            max_ms: ms(h.max()),
+        }
+    }
+}
+
+/// One phase of an upgrade run, by packets sent in it.
+#[derive(Debug, Serialize)]
+pub(crate) struct UpgradePhase {
+    pub(crate) sent_packets: u64,
+    pub(crate) delivered_packets: u64,
+    pub(crate) lost_packets: u64,
+    /// Each packet's delay, send to arrival.
+    pub(crate) delay: Spread,
+    /// Per pair, the longest delay of its packets.
+    pub(crate) connection_max_delay: Spread,
+    /// Per pair, the longest time between two consecutive arrivals, the later packet sent in
+    /// the phase.
+    pub(crate) connection_longest_gap: Spread,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct UpgradeResult {
+    /// Whether the old process exited within the timeout.
+    pub(crate) old_process_exited: bool,
+    /// From the signal to the old process's exit.
+    pub(crate) upgrade_s: f64,
+    pub(crate) before: UpgradePhase,
+    pub(crate) during: UpgradePhase,
+    pub(crate) after: UpgradePhase,
+    pub(crate) sent_packets: u64,
+    pub(crate) delivered_packets: u64,
+    pub(crate) lost_packets: u64,
+    pub(crate) duplicated_packets: u64,
+    pub(crate) out_of_order_packets: u64,
+    pub(crate) unsent_packets: u64,
+    pub(crate) broken_connections: u64,
+    pub(crate) breaks: BTreeMap<String, u64>,
+    pub(crate) break_examples: Vec<String>,
+    /// From the end of the warm-up to the senders' stop.
+    pub(crate) cpu: CpuUse,
+}
+
 /// Median of the values (the mean of the middle two for an even count); 0 when empty.
 pub(crate) fn median(values: impl Iterator<Item = f64>) -> f64 {
     let mut v: Vec<f64> = values.filter(|x| x.is_finite()).collect();

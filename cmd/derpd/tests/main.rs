@@ -5,6 +5,7 @@
 mod support;
 mod tools;
 
+mod bench_upgrade;
 mod check;
 mod cli;
 mod deploy;

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use derp_client::Client;
-use derp_proto::SecretKey;
+use derp_proto::{PublicKey, SecretKey};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -186,6 +186,15 @@ impl Opening {
                 .collect(),
             concurrency: share.concurrency as usize,
         }
+    }
+
+    /// Each connection's public key, in the order [`Opening::open`] returns the clients
+    /// (those that opened keep their order).
+    pub fn public_keys(&self) -> Vec<PublicKey> {
+        self.configs
+            .iter()
+            .map(|c| c.secret_key.public_key())
+            .collect()
     }
 
     /// Opens them all, `concurrency` at a time; the clients and the failures by kind.

@@ -8,7 +8,8 @@
 //! - generates load with DERP clients: sender/receiver pairs with paced or unpaced senders
 //!   ([`fleet`], [`pacing`]), closed loops with one thread per side ([`closed_loop`]),
 //!   connection storms and held connections ([`connections`]), every packet carrying the
-//!   bench's header ([`packet`]);
+//!   bench's header ([`packet`]), and pairs carrying a trickle of packets through a
+//!   server's upgrade in place, with the signal that asks for it ([`upgrade`]);
 //! - measures: the run's clock, round-trip histograms, CPU samples, drops between two
 //!   scrapes ([`measure`]), and the JSON pieces every mode's report is built from
 //!   ([`report`]);
@@ -36,6 +37,7 @@ pub mod procs;
 pub mod prom;
 pub mod report;
 pub mod target;
+pub mod upgrade;
 pub mod worker;
 
 pub use ctx::{Ctx, Outcome, Tool};

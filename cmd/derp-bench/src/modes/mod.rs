@@ -1,4 +1,4 @@
-//! The six measurements.
+//! The seven measurements.
 
 pub(crate) mod connect;
 pub(crate) mod fleets;
@@ -7,3 +7,4 @@ pub(crate) mod latency;
 pub(crate) mod pingpong;
 pub(crate) mod sweep;
 pub(crate) mod throughput;
+pub(crate) mod upgrade;

@@ -58,3 +58,19 @@ pub fn venv(name: &str) -> PathBuf {
          scripts/test-tools.txt: {INSTALL}"
     )
 }
+
+/// derp-bench, built beside this derpd: Cargo hands a package's tests the path of its own
+/// binaries only, so a test that runs both programs finds derp-bench in the same target
+/// directory. `cargo test --workspace` (scripts/test) builds it; `cargo test -p derpd` alone
+/// does not, and a stale copy from an earlier build would test old code.
+pub fn derp_bench() -> PathBuf {
+    let path = Path::new(crate::support::DERPD).with_file_name("derp-bench");
+    if path.is_file() {
+        return path;
+    }
+    panic!(
+        "no derp-bench at {}: build it with the same profile (`cargo build -p derp-bench`), or \
+         run the workspace's tests",
+        path.display()
+    )
+}

@@ -16,6 +16,7 @@ mod conn;
 mod driver;
 mod gate;
 mod link;
+mod pace;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

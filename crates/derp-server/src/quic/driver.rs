@@ -6,8 +6,9 @@
 //! the socket and quinn-proto's endpoint and does every connection's socket and timer
 //! work: it reads a batch of UDP datagrams, hands each to its connection, wakes the tasks
 //! waiting on what arrived, and sends what every connection has to send, several datagrams
-//! per system call. The connections' own tasks (handshake, read loop, writer) call into
-//! their quinn-proto connection directly ([`super::conn`]) and mark it for the driver.
+//! per system call, as far as each connection's pacer lets it (`pace.rs`). The
+//! connections' own tasks (handshake, read loop, writer) call into their quinn-proto
+//! connection directly ([`super::conn`]) and mark it for the driver.
 //!
 //! Lock order: the endpoint's state, then a connection's. Tasks take only a connection's.
 

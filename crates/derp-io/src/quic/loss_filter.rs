@@ -29,10 +29,12 @@ use quinn_proto::RttEstimator;
 ///   less to send than its window allowed, and a loss in a round where it filled its window
 ///   counts when the round's losses lie beyond that rate by more than chance allows
 ///   ([`EXCESS_SIGMAS`] standard deviations). On a path without random loss any such loss
-///   counts, as for CUBIC.
+///   counts, as for CUBIC. Such a loss cuts the window in use to [`EXCESS_BETA`] of it,
+///   deeper than CUBIC's 0.7: without a queue, what the sender sends past the rate is lost
+///   together with the packets of whatever shares the bottleneck.
 ///
 /// Everything else (slow start, growth, no growth while the sender does not fill its window,
-/// how far a loss cuts) is CUBIC's, so against real congestion it yields as TCP CUBIC does.
+/// how far any other loss cuts) is CUBIC's, so against real congestion it yields as TCP CUBIC does.
 /// A round is the time from sending a packet until it is acknowledged, counted by packet
 /// numbers. Round trips are compared as measured, the peer's ACK delay included on both
 /// sides, and the path's minimum is the lowest of the last [`MIN_RTT_EXPIRY`] to twice that,
@@ -169,6 +171,14 @@ pub const EXCESS_SIGMAS: f64 = 4.0;
 pub const MIN_RTT_EXPIRY: Duration = Duration::from_secs(10);
 /// The window is at most this many times the most bytes a recent round delivered.
 pub const WINDOW_GAIN: u64 = 2;
+/// How far a loss the excess-loss rule takes for congestion cuts the window in use (CUBIC
+/// cuts to [`CUBIC_BETA`]). Such a bottleneck has no queue to absorb what the sender sends
+/// past its rate, so each loss there is also a loss of whatever shares it (a TCP flow
+/// beside it loses packets at the same moments); a sender that backs off only to 0.7 took
+/// more than the TCP flow beside it through a policer (`scripts/bench-quic fairness`).
+pub const EXCESS_BETA: f64 = 0.5;
+/// quinn's CUBIC's multiplicative decrease (RFC 9438's β_cubic).
+const CUBIC_BETA: f64 = 0.7;
 /// The peer acknowledges once it has one packet more than
 /// [`ACK_ELICITING_THRESHOLD`](super::ACK_ELICITING_THRESHOLD), or once its max_ack_delay
 /// has passed. In a sparse round fewer packets than that came in a max_ack_delay, so the
@@ -352,13 +362,26 @@ impl LossFilter {
 
     /// Cuts for congestion from the window in use: when the cap hides part of CUBIC's
     /// window, CUBIC starts over from the capped window, as if it had grown no further, so
-    /// that the cut takes the window below what the sender used.
-    fn cut(&mut self, now: Instant, sent: Instant, persistent: bool, lost_bytes: u64) {
+    /// that the cut takes the window below what the sender used. With `beta`, the cut takes
+    /// the window to that share of the one in use rather than to CUBIC's 0.7 of it.
+    fn cut(
+        &mut self,
+        now: Instant,
+        sent: Instant,
+        persistent: bool,
+        lost_bytes: u64,
+        beta: Option<f64>,
+    ) {
         let in_recovery = self.recovery_start.is_some_and(|start| sent <= start);
         let in_use = self.window();
-        if !persistent && !in_recovery && self.inner.window() > in_use {
+        let base = match beta {
+            // CUBIC cuts what it starts from to 0.7 of it.
+            Some(beta) => ((in_use as f64 * beta / CUBIC_BETA) as u64).max(2 * self.mtu),
+            None => in_use,
+        };
+        if !persistent && !in_recovery && self.inner.window() > base {
             let mut config = CubicConfig::default();
-            config.initial_window(in_use);
+            config.initial_window(base);
             self.inner = Cubic::new(Arc::new(config), now, self.mtu as u16);
         }
         if !in_recovery {
@@ -450,7 +473,8 @@ impl Controller for LossFilter {
             if cause == Cause::LossRate {
                 self.queueless = true;
             }
-            self.cut(now, sent, is_persistent_congestion, lost_bytes);
+            let beta = (cause == Cause::Excess).then_some(EXCESS_BETA);
+            self.cut(now, sent, is_persistent_congestion, lost_bytes, beta);
         } else {
             self.ignored += 1;
             let recent = self.last_round.add(self.round.counts);
@@ -845,6 +869,41 @@ mod tests {
         assert!(link.cc.window() < before);
         assert!(link.cc.queue_delay() == Some(Duration::ZERO));
         assert!(link.cc.loss_rate() < LOSS_THRESHOLD);
+    }
+
+    #[test]
+    fn an_excess_loss_halves_the_window_in_use() {
+        let mut link = Link::new();
+        link.window_limited = true;
+        overshoot(&mut link);
+        let mut rng = Rng(11);
+        for _ in 0..30 {
+            link.random_round(20, 0.0, BASE_RTT, &mut rng);
+        }
+        let in_use = link.cc.window();
+        let passed = link.cc.decisions().0;
+        // One loss in a full window, no queue, no random loss learned: the excess rule.
+        link.round(20, 20, BASE_RTT);
+        assert_eq!(link.cc.decisions().0, passed + 1);
+        let cut = link.cc.window();
+        let expected = in_use / 2;
+        assert!(
+            cut.abs_diff(expected) <= 2,
+            "{in_use} cut to {cut}, not {expected}"
+        );
+        // A cut for a queue is still CUBIC's.
+        let mut link = Link::new();
+        for _ in 0..10 {
+            link.round(20, 0, BASE_RTT);
+        }
+        let in_use = link.cc.window();
+        link.round(20, 20, BASE_RTT + Duration::from_millis(20));
+        let expected = (in_use as f64 * 0.7) as u64;
+        assert!(
+            link.cc.window().abs_diff(expected) <= 2,
+            "{}",
+            link.cc.window()
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use quinn::congestion::{BbrConfig, Controller, ControllerFactory, CubicConfig};
 use quinn::{AckFrequencyConfig, MtuDiscoveryConfig, TransportConfig, VarInt};
 
 pub use loss_filter::{
-    ACK_DELAY_ALLOWANCE, EXCESS_SIGMAS, LOSS_THRESHOLD, LossFilter, LossFilterConfig,
+    ACK_DELAY_ALLOWANCE, EXCESS_BETA, EXCESS_SIGMAS, LOSS_THRESHOLD, LossFilter, LossFilterConfig,
     MIN_RTT_EXPIRY, QUEUE_FLOOR, WINDOW_GAIN,
 };
 pub use send::SendStream;

@@ -21,6 +21,7 @@ use quinn_proto::{
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 
+use super::pace::Pacer;
 use crate::handle::ConnHandle;
 use crate::metrics::Metrics;
 
@@ -74,6 +75,8 @@ pub(crate) struct ConnState {
     pub(super) route_as: Option<Arc<ConnHandle>>,
     /// What the path's counts were when last added to the relay's metrics.
     reported: PathCounts,
+    /// What the driver may send now.
+    pub(super) pacer: Pacer,
 }
 
 /// A connection's path counts that the relay's metrics add up across connections.
@@ -124,6 +127,7 @@ impl ConnState {
             datagram_room: None,
             route_as: None,
             reported: PathCounts::default(),
+            pacer: Pacer::default(),
         }
     }
 

@@ -6,8 +6,9 @@
 //! the socket and quinn-proto's endpoint and does every connection's socket and timer
 //! work: it reads a batch of UDP datagrams, hands each to its connection, wakes the tasks
 //! waiting on what arrived, and sends what every connection has to send, several datagrams
-//! per system call. The connections' own tasks (handshake, read loop, writer) call into
-//! their quinn-proto connection directly ([`super::conn`]) and mark it for the driver.
+//! per system call, as far as each connection's pacer lets it (`pace.rs`). The
+//! connections' own tasks (handshake, read loop, writer) call into their quinn-proto
+//! connection directly ([`super::conn`]) and mark it for the driver.
 //!
 //! Lock order: the endpoint's state, then a connection's. Tasks take only a connection's.
 
@@ -28,6 +29,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, trace};
 
 use super::conn::{Conn, ConnShared, Marks};
+use super::pace::Rate;
 use crate::handle::ConnHandle;
 use crate::lookup::Router;
 use crate::route::{NotHereLimiter, Routing, route_datagrams};
@@ -645,9 +647,19 @@ impl Driver {
             return;
         }
         let max = io.state.max_gso_segments();
+        let rate = pacing_rate(&s.proto);
+        let mut held = false;
         loop {
+            let allowed = s.pacer.allowance(now, rate);
+            if allowed == 0 {
+                held = true;
+                break;
+            }
             self.tx_buf.clear();
-            let Some(t) = s.proto.poll_transmit(now, max, &mut self.tx_buf) else {
+            let Some(t) = s
+                .proto
+                .poll_transmit(now, max.min(allowed), &mut self.tx_buf)
+            else {
                 // Everything written before a close has gone: the close can follow it.
                 match s.close_pending.take() {
                     Some(code) => {
@@ -658,6 +670,8 @@ impl Driver {
                     None => break,
                 }
             };
+            // Counted whether it goes now or once the socket has room: it is built.
+            s.pacer.on_sent(t.size);
             if !io.try_send(&t, &self.tx_buf) {
                 trace!("quic socket full: waiting to send");
                 self.blocked = Some(Blocked {
@@ -673,8 +687,14 @@ impl Driver {
         s.dispatch();
         // A connection's deadline moves on almost every packet, mostly later. The heap
         // gets a new entry only when it moves earlier; an entry that comes due early looks
-        // again (see `take_in`), so the heap does not fill with stale entries.
-        match s.proto.poll_timeout() {
+        // again (see `take_in`), so the heap does not fill with stale entries. A connection
+        // the pacer held is looked at again when its next datagram may go.
+        let release = rate.filter(|_| held).map(|r| s.pacer.next_release(now, r));
+        let deadline = match (s.proto.poll_timeout(), release) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        match deadline {
             Some(t) if !drained => {
                 let earlier = self.scheduled.get(&c.handle).is_none_or(|old| t < *old);
                 if earlier {
@@ -708,6 +728,20 @@ impl<'a> FastPath<'a> {
             not_here: None,
         }
     }
+}
+
+/// What the driver paces a connection at (`pace.rs`): none during the handshake, whose
+/// round trip is not known yet (quinn-proto's initial estimate, 333 ms, would hold the
+/// server's first flight for tens of milliseconds).
+fn pacing_rate(proto: &quinn_proto::Connection) -> Option<Rate> {
+    if proto.is_handshaking() {
+        return None;
+    }
+    Rate::of(
+        proto.congestion_state().window(),
+        proto.rtt(),
+        proto.current_mtu(),
+    )
 }
 
 /// Whether `c` is still the endpoint's connection under its handle.

@@ -10,12 +10,14 @@
 //!
 //! The endpoint runs on quinn-proto and quinn-udp under a driver of derpd's own
 //! (`driver.rs`): one task for the socket and every connection, which also routes the
-//! datagrams of registered clients, instead of quinn's task per connection.
+//! datagrams of registered clients, instead of quinn's task per connection, and paces each
+//! connection in smaller bursts than quinn-proto's pacer does (`pace.rs`).
 
 mod conn;
 mod driver;
 mod gate;
 mod link;
+mod pace;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

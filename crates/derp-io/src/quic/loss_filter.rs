@@ -172,8 +172,8 @@ pub const MIN_RTT_EXPIRY: Duration = Duration::from_secs(10);
 /// The window is at most this many times the most bytes a recent round delivered.
 pub const WINDOW_GAIN: u64 = 2;
 /// How far a loss the excess-loss rule takes for congestion cuts the window in use (CUBIC
-/// cuts to [`CUBIC_BETA`]). Such a bottleneck has no queue to absorb what the sender sends
-/// past its rate, so each loss there is also a loss of whatever shares it (a TCP flow
+/// cuts to 0.7, RFC 9438's β_cubic). Such a bottleneck has no queue to absorb what the
+/// sender sends past its rate, so each loss there is also a loss of whatever shares it (a TCP flow
 /// beside it loses packets at the same moments); a sender that backs off only to 0.7 took
 /// more than the TCP flow beside it through a policer (`scripts/bench-quic fairness`).
 pub const EXCESS_BETA: f64 = 0.5;

@@ -83,6 +83,12 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli, workers: Workers) -> anyhow::Result<()> {
     ignore_sighup_by_default();
+    if let Some((from, to)) = limits::raise_descriptor_limit() {
+        info!(
+            from,
+            to, "raised the open-descriptor limit to the hard limit"
+        );
+    }
     // Before anything can take long: SIGUSR2's default action ends the process.
     let mut upgrades = upgrade::UpgradeSignal::new()?;
     // At start-up, while the file at that path is still the one running.

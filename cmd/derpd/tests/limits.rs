@@ -219,3 +219,34 @@ async fn sighup_reloads_the_rate_config_and_the_allow_list_keeping_the_old_on_er
     assert!(!connects(&a).await);
     assert!(r.is_running(), "derpd exited");
 }
+
+/// The soft and hard limits on open files of process `pid`, from `/proc`.
+fn open_files_limits(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("an open-files line");
+    let mut fields = line["Max open files".len()..].split_whitespace();
+    let soft = fields.next().expect("soft").to_owned();
+    let hard = fields.next().expect("hard").to_owned();
+    (soft, hard)
+}
+
+#[test]
+fn the_soft_descriptor_limit_is_raised_to_the_hard_one_as_go_programs_do() {
+    // A shell's usual soft limit, under a higher hard one: a derper started so serves more
+    // clients than 1,024, and so must derpd.
+    let mut args = vec!["--dev", "-a", "127.0.0.1:0", "--stun=false"];
+    args.push("--metrics-addr");
+    args.push("127.0.0.1:0");
+    let node = Node::start_with(&Launch::with_setup("ulimit -Sn 256"), &args, &[]);
+    let (soft, hard) = open_files_limits(node.pid());
+    assert_eq!(soft, hard, "soft limit {soft}, hard {hard}");
+    assert!(soft.parse::<u64>().is_ok_and(|n| n > 256), "{soft}");
+    node.find_log("the raise", |v| {
+        (message(v) == "raised the open-descriptor limit to the hard limit"
+            && v["fields"]["from"] == 256)
+            .then_some(())
+    });
+}

@@ -1,6 +1,6 @@
 //! What the `/debug/` pages show: the index, the node's own health verdict
 //! (`/debug/check`) and the live per-connection traffic (`/debug/traffic`). The HTTP front
-//! (`http.rs`) routes to these behind `/debug/varz`'s access rule.
+//! (`http/`) routes to these behind `/debug/varz`'s access rule.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

@@ -341,7 +341,7 @@ fn written_out(handle: &ConnHandle) -> Result<(), ConnError> {
 }
 
 /// A connection taken over from a predecessor process (see `crate::handover`), rebuilt and
-/// not yet running: its socket is not touched until [`AdoptedConn::start`].
+/// not yet running: its socket is not touched until [`AdoptedConn::start_writer`] and [`AdoptedReader::start`].
 pub(crate) struct AdoptedConn {
     handle: Arc<ConnHandle>,
     reader: FrameReader,

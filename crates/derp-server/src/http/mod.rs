@@ -12,9 +12,7 @@
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -24,11 +22,11 @@ use http_body_util::channel::Channel;
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::debug;
 
 use derp_io::Transport;
-use derp_proto::upgrade::{self, DerpUpgrade, NotUpgrade, UpgradeKind};
+use derp_proto::upgrade::{self, DerpUpgrade, UpgradeKind};
 use derp_proto::ws;
 
 use crate::config::HomePage;
@@ -36,6 +34,12 @@ use crate::conn::{self, Framing, Handover};
 use crate::listen::ConnGuard;
 use crate::proxy::{Opened, ProxiedListener, open_connection};
 use crate::state::ServerState;
+
+mod rewind;
+mod via_hyper;
+
+pub use rewind::Rewind;
+use via_hyper::derp_via_hyper;
 
 /// Serves one connection handover from a listed proxy on the main plain-HTTP listener: reads
 /// its PROXY protocol header (within the handshake deadline, while it may be evicted as any
@@ -268,7 +272,7 @@ const _: () = assert!(upgrade::MAX_HEAD_LEN >= 8192);
 type GuardCell = Arc<Mutex<Option<ConnGuard>>>;
 
 /// The stream hyper serves a main-listener connection on, named so that an upgrade can take
-/// it back out of hyper as exactly this type ([`unwrap_upgraded`]).
+/// it back out of hyper as exactly this type ([`via_hyper::unwrap_upgraded`]).
 type HyperIo = TokioIo<Rewind<Transport>>;
 
 async fn serve_hyper(
@@ -532,138 +536,6 @@ fn method_not_allowed(body: &'static str, allow: &'static str) -> Response<Body>
     resp
 }
 
-/// A `/derp` request that reached hyper: either not an upgrade, or a later request on a
-/// keep-alive connection. The latter is upgraded through hyper (no fast start there), by the
-/// same rules as the first request of a connection.
-fn derp_via_hyper(
-    shared: &Arc<ServerState>,
-    mut req: Request<Incoming>,
-    remote: SocketAddr,
-    forwarded: Option<std::net::IpAddr>,
-    guard: &GuardCell,
-) -> Response<Body> {
-    if !shared.config.derp_enabled {
-        return text(StatusCode::NOT_FOUND, "derp server disabled\n");
-    }
-    let headers = req.headers();
-    let up = upgrade::classify_headers(req.method().as_str(), |name| {
-        headers.get(name).and_then(|v| v.to_str().ok())
-    });
-    let up = match up {
-        Ok(up) => up,
-        Err(NotUpgrade::MissingWebSocketKey) => {
-            return text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key\n");
-        }
-        Err(NotUpgrade::MethodNotAllowed { allow }) => {
-            return method_not_allowed("method not allowed\n", allow);
-        }
-        Err(e) => {
-            if let NotUpgrade::Unsupported(u) = &e {
-                debug!(%remote, upgrade = u, "weird upgrade");
-            }
-            return text(
-                StatusCode::UPGRADE_REQUIRED,
-                "DERP requires connection upgrade\n",
-            );
-        }
-    };
-    let mut resp = Response::new(Body::default());
-    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    let h = resp.headers_mut();
-    let (framing, refuse) = match &up.kind {
-        UpgradeKind::WebSocket { accept, derp_token } => {
-            h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-            if let Ok(v) = HeaderValue::from_str(accept) {
-                h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
-            }
-            if *derp_token {
-                h.insert(
-                    header::SEC_WEBSOCKET_PROTOCOL,
-                    HeaderValue::from_static("derp"),
-                );
-            }
-            (Framing::WebSocket, !derp_token)
-        }
-        UpgradeKind::Derp { .. } => {
-            h.insert(header::UPGRADE, HeaderValue::from_static("DERP"));
-            h.insert(
-                "derp-version",
-                HeaderValue::from(u16::from(derp_proto::frame::PROTOCOL_VERSION)),
-            );
-            if let Ok(v) = HeaderValue::from_str(&shared.public_key.to_untyped_hex()) {
-                h.insert("derp-public-key", v);
-            }
-            (Framing::Raw, false)
-        }
-    };
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    let on_upgrade = hyper::upgrade::on(&mut req);
-    let tracker = shared.tasks.clone();
-    let shared = shared.clone();
-    let guard = guard
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-        .unwrap_or_default();
-    if let Some(client) = forwarded {
-        guard.relayed_for(client);
-    }
-    tracker.spawn(async move {
-        match on_upgrade.await {
-            Ok(upgraded) if refuse => {
-                let mut io = TokioIo::new(upgraded);
-                let close = refuse_subprotocol_frame();
-                let _ = tokio::time::timeout(shared.config.handshake_timeout, io.write_all(&close))
-                    .await;
-            }
-            Ok(upgraded) => {
-                let (transport, initial) = unwrap_upgraded(upgraded);
-                let handover = Handover {
-                    transport,
-                    initial,
-                    remote,
-                    preamble: Bytes::new(),
-                    framing,
-                    not_ideal: up.not_ideal,
-                    quic: None,
-                    guard,
-                    detach: true,
-                };
-                conn::serve(shared, handover).await;
-            }
-            Err(e) => debug!(%remote, error = %e, "upgrade failed"),
-        }
-    });
-    resp
-}
-
-/// The connection hyper upgraded, as the transport it was before hyper took it, and the bytes
-/// already read from it that hyper did not use: the first bytes of the new protocol (DERP
-/// frames, or WebSocket frames to decode), which go in front of the socket's.
-///
-/// Taken out of hyper, an upgraded connection is what one upgraded by its first request is:
-/// plain TCP or derpd's TLS records rather than a boxed stream behind hyper's own, with
-/// lock-free halves, a reader that can wait for the socket holding no buffer, a TCP socket
-/// to sample, and state that can be carried on by another process. Should hyper ever hand
-/// back another type, the connection is served boxed, as before.
-fn unwrap_upgraded(upgraded: hyper::upgrade::Upgraded) -> (Transport, BytesMut) {
-    match upgraded.downcast::<HyperIo>() {
-        Ok(parts) => {
-            let (unread, transport) = parts.io.into_inner().into_parts();
-            // hyper read through the replayed bytes before the socket's, so what it holds
-            // comes before what it left of them.
-            let mut initial = BytesMut::with_capacity(parts.read_buf.len() + unread.len());
-            initial.extend_from_slice(&parts.read_buf);
-            initial.extend_from_slice(&unread);
-            (transport, initial)
-        }
-        Err(upgraded) => (
-            Transport::Boxed(Box::new(TokioIo::new(upgraded))),
-            BytesMut::new(),
-        ),
-    }
-}
-
 /// `/generate_204`: captive-portal detection, with the challenge echo clients use to check
 /// that the answer came from this server. Public so the port-80 listener answers it the
 /// same way.
@@ -752,72 +624,6 @@ fn browser_headers(mut resp: Response<Body>) -> Response<Body> {
     resp
 }
 
-/// A stream that yields already-read bytes before reading from the socket again: for a
-/// listener that read past a PROXY protocol header (or an HTTP head) and hands the stream on.
-#[derive(Debug)]
-pub struct Rewind<S> {
-    prefix: Bytes,
-    inner: S,
-}
-
-impl<S> Rewind<S> {
-    /// `inner`, with `prefix` read first.
-    pub fn new(prefix: Bytes, inner: S) -> Self {
-        Self { prefix, inner }
-    }
-
-    /// The bytes of the prefix not read yet, and the stream behind them.
-    pub fn into_parts(self) -> (Bytes, S) {
-        (self.prefix, self.inner)
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if !self.prefix.is_empty() {
-            let n = self.prefix.len().min(buf.remaining());
-            buf.put_slice(&self.prefix[..n]);
-            self.prefix.advance(n);
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 const BAD_REQUEST: &[u8] =
     b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
@@ -838,6 +644,7 @@ clients that cannot reach each other directly. It cannot read the traffic it car
 mod tests {
     use derp_testkit::http::{answer_to, read_head};
 
+    use super::via_hyper::unwrap_upgraded;
     use super::*;
 
     const WITHIN: Duration = Duration::from_secs(5);

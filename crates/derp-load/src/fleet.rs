@@ -407,27 +407,40 @@ async fn drain(counters: &[Arc<PairCounters>], receivers_stopped: bool) {
     if receivers_stopped {
         return;
     }
+    drain_until(DRAIN_IDLE, DRAIN_MAX, || {
+        counters.iter().fold((false, 0), |(missing, total), c| {
+            let received = c.received.load(Ordering::Relaxed);
+            (
+                missing || received < c.sent.load(Ordering::Relaxed),
+                total + received,
+            )
+        })
+    })
+    .await;
+}
+
+/// Polls `counts` (whether any receiver still misses packets, and how many arrived in all)
+/// every 10 ms until none misses any, or none has arrived for `idle`, or `max` has passed.
+pub(crate) async fn drain_until(
+    idle: Duration,
+    max: Duration,
+    mut counts: impl FnMut() -> (bool, u64),
+) {
     let started = Instant::now();
     let mut last_total = u64::MAX;
     let mut last_progress = started;
     let mut tick = tokio::time::interval(Duration::from_millis(10));
     loop {
         tick.tick().await;
-        let mut missing = false;
-        let mut total = 0;
-        for c in counters {
-            let received = c.received.load(Ordering::Relaxed);
-            total += received;
-            missing |= received < c.sent.load(Ordering::Relaxed);
-        }
+        let (missing, total) = counts();
         let now = Instant::now();
-        if !missing || now - started >= DRAIN_MAX {
+        if !missing || now - started >= max {
             return;
         }
         if total != last_total {
             last_total = total;
             last_progress = now;
-        } else if now - last_progress >= DRAIN_IDLE {
+        } else if now - last_progress >= idle {
             return;
         }
     }

@@ -224,29 +224,16 @@ impl Running {
 /// Waits until every pair has received what it sent, or nothing has arrived for
 /// [`DRAIN_IDLE`], or [`DRAIN_MAX`] has passed.
 async fn drain<'a>(progress: impl Iterator<Item = &'a Arc<PairProgress>> + Clone) {
-    let started = Instant::now();
-    let mut last_total = u64::MAX;
-    let mut last_progress = started;
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
-    loop {
-        tick.tick().await;
-        let (mut missing, mut total) = (false, 0);
-        for p in progress.clone() {
+    crate::fleet::drain_until(DRAIN_IDLE, DRAIN_MAX, || {
+        progress.clone().fold((false, 0), |(missing, total), p| {
             let received = p.received.load(Ordering::Relaxed);
-            total += received;
-            missing |= received < p.sent.load(Ordering::Relaxed);
-        }
-        let now = Instant::now();
-        if !missing || now - started >= DRAIN_MAX {
-            return;
-        }
-        if total != last_total {
-            last_total = total;
-            last_progress = now;
-        } else if now - last_progress >= DRAIN_IDLE {
-            return;
-        }
-    }
+            (
+                missing || received < p.sent.load(Ordering::Relaxed),
+                total + received,
+            )
+        })
+    })
+    .await;
 }
 
 /// What broke a connection: each kind seen once, the first with its time and words.

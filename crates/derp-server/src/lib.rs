@@ -80,8 +80,8 @@ pub use config::{
 };
 pub use derp_io::{BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, tune_listener, tune_socket};
 pub use handover::{
-    AdoptError, Adopted, FORMAT as HANDOVER_FORMAT, Frozen, HandedConn, RecordError, decode_conns,
-    encode_conns,
+    AdoptError, Adopted, ExitWatch, FORMAT as HANDOVER_FORMAT, Frozen, HandedConn, RecordError,
+    decode_conns, encode_conns,
 };
 pub use http::{Rewind, generate_204, http1_builder, text};
 pub use listen::{

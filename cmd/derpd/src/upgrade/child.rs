@@ -4,6 +4,7 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
+use derp_server::ExitWatch;
 use tracing::warn;
 
 use super::EXIT_WAIT;
@@ -67,47 +68,11 @@ impl ChildGuard {
     }
 }
 
-/// Waits up to `within` for process `pid` (a child, not yet reaped) to exit, on a pidfd:
-/// woken by the exit itself. Where the kernel has no pidfds (before Linux 5.3), in short
-/// steps.
+/// Waits up to `within` for process `pid` (a child, not yet reaped) to exit: woken by the
+/// exit itself where the kernel has pidfds.
 fn wait_for_exit(pid: u32, within: Duration) {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let deadline = Instant::now() + within;
-    let pidfd = i32::try_from(pid)
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-        .and_then(|pid| {
-            rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
-        });
-    let Some(pidfd) = pidfd else {
-        // No pidfd: a step at a time, checking the process's state in /proc.
-        while Instant::now() < deadline && !exited(pid) {
-            std::thread::park_timeout(Duration::from_millis(10));
-        }
-        return;
-    };
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let Ok(timeout) = Timespec::try_from(left) else {
-            return;
-        };
-        let mut fds = [PollFd::new(&pidfd, PollFlags::IN)];
-        match rustix::event::poll(&mut fds, Some(&timeout)) {
-            // Readable once the process has exited.
-            Ok(_) => return,
-            Err(rustix::io::Errno::INTR) if !left.is_zero() => continue,
-            Err(_) => return,
-        }
-    }
-}
-
-/// Whether process `pid` has exited (a zombie, or gone).
-fn exited(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-        Err(_) => true,
+    if let Some(watch) = ExitWatch::open(pid) {
+        watch.wait(within);
     }
 }
 
@@ -131,24 +96,5 @@ fn reap_later(mut child: Child) {
         });
     if let Err(e) = reaper {
         warn!(error = %e, "no thread to reap the new process with");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::process::Command;
-
-    use super::*;
-
-    #[test]
-    fn an_exit_is_waited_for_and_a_running_process_is_left_running() {
-        let mut done = Command::new("true").spawn().expect("true");
-        wait_for_exit(done.id(), Duration::from_secs(30));
-        assert!(done.try_wait().expect("try_wait").is_some());
-        let mut running = Command::new("sleep").arg("60").spawn().expect("sleep");
-        wait_for_exit(running.id(), Duration::from_millis(50));
-        assert!(running.try_wait().expect("try_wait").is_none());
-        running.kill().expect("kill");
-        running.wait().expect("reap");
     }
 }

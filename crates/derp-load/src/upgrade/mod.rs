@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use derp_client::{Client, ClientError, ClientReader, ClientWriter, ReceivedFrame};
 use derp_proto::PublicKey;
+use derp_server::ExitWatch;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -438,88 +439,34 @@ async fn receive_loop(
 /// the number, and the exit itself wakes the wait; else by the number and `/proc`, in short
 /// steps.
 #[derive(Debug)]
-pub struct Upgradee {
-    pid: u32,
-    pidfd: Option<Arc<std::os::fd::OwnedFd>>,
-}
+pub struct Upgradee(Arc<ExitWatch>);
 
 impl Upgradee {
     /// The process `pid`, which must exist.
     pub fn open(pid: u32) -> Result<Self, UpgradeError> {
-        let raw = i32::try_from(pid)
-            .ok()
-            .and_then(rustix::process::Pid::from_raw)
-            .ok_or(UpgradeError::NoProcess { pid })?;
-        if exited(pid) {
-            return Err(UpgradeError::NoProcess { pid });
+        match ExitWatch::open(pid) {
+            Some(watch) if !watch.exited() => Ok(Self(Arc::new(watch))),
+            _ => Err(UpgradeError::NoProcess { pid }),
         }
-        let pidfd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty())
-            .ok()
-            .map(Arc::new);
-        Ok(Self { pid, pidfd })
     }
 
     /// Asks it to upgrade in place.
     pub fn signal(&self) -> Result<(), UpgradeError> {
-        let usr2 = rustix::process::Signal::USR2;
-        let sent = match &self.pidfd {
-            Some(fd) => rustix::process::pidfd_send_signal(fd, usr2),
-            None => rustix::process::Pid::from_raw(self.pid as i32)
-                .ok_or(rustix::io::Errno::SRCH)
-                .and_then(|p| rustix::process::kill_process(p, usr2)),
-        };
-        sent.map_err(|e| UpgradeError::Signal {
-            pid: self.pid,
-            source: e.into(),
-        })
+        self.0
+            .signal(rustix::process::Signal::USR2)
+            .map_err(|source| UpgradeError::Signal {
+                pid: self.0.pid(),
+                source,
+            })
     }
 
     /// Waits up to `within` for it to exit; whether it did.
     pub async fn exited(&self, within: Duration) -> bool {
-        let Some(fd) = self.pidfd.clone() else {
-            let deadline = Instant::now() + within;
-            let mut tick = tokio::time::interval(Duration::from_millis(2));
-            while !exited(self.pid) {
-                if Instant::now() >= deadline {
-                    return false;
-                }
-                tick.tick().await;
-            }
-            return true;
-        };
         // A blocking wait on its own thread: tokio registers no pidfd without `unsafe`.
-        tokio::task::spawn_blocking(move || wait_readable(&fd, within))
+        let watch = self.0.clone();
+        tokio::task::spawn_blocking(move || watch.wait(within))
             .await
             .unwrap_or(false)
-    }
-}
-
-/// Waits up to `within` for a pidfd to turn readable, which it does when its process exits.
-fn wait_readable(fd: &std::os::fd::OwnedFd, within: Duration) -> bool {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let Ok(timeout) = Timespec::try_from(left) else {
-            return false;
-        };
-        let mut fds = [PollFd::new(fd, PollFlags::IN)];
-        match rustix::event::poll(&mut fds, Some(&timeout)) {
-            Ok(0) => return false,
-            Ok(_) => return true,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(_) => return false,
-        }
-    }
-}
-
-/// Whether process `pid` has exited (a zombie, or gone).
-fn exited(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
-        Err(_) => true,
     }
 }
 

@@ -27,6 +27,8 @@
 //!    [`Frozen::resume`]s (or drops the [`Frozen`]) and goes on, and the new one drops its
 //!    [`Adopted`], letting go of the sockets just as silently.
 
+mod exit;
+
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -46,6 +48,7 @@ use crate::handle::ConnHandle;
 use crate::queue::{Control, QueueExport};
 use crate::registry::{KeyMembers, Lookup};
 use crate::state::ServerState;
+pub use exit::ExitWatch;
 
 /// One connection ready to go to a successor process, or arrived from a predecessor: its
 /// state and its socket.

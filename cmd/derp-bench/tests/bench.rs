@@ -997,6 +997,47 @@ fn idle_connections_show_in_the_server_metrics() {
     );
 }
 
+/// A shell's usual soft limit on open files is far below what a load test needs; like derpd
+/// (and every Go program), derp-bench raises it to the hard limit instead of refusing.
+#[test]
+fn idle_opens_more_connections_than_the_soft_descriptor_limit_allows() {
+    const SOFT: u32 = 256;
+    const CONNECTIONS: u32 = 300;
+    // Each connection is two descriptors with the relay in the process, and the hard limit
+    // must allow them: where it does not, there is nothing to raise to.
+    let hard = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| {
+                    l.split_whitespace()
+                        .nth(4)
+                        .and_then(|h| h.parse::<u32>().ok())
+                })
+        })
+        .unwrap_or(0);
+    if hard < CONNECTIONS * 2 + 200 {
+        eprintln!("skipped: the hard limit on open files ({hard}) is too low to test raising");
+        return;
+    }
+    let script = format!(
+        "ulimit -Sn {SOFT} && exec \"$0\" --json idle --spawn-server --connections {CONNECTIONS} --hold 100ms"
+    );
+    let out = Command::new("sh")
+        .args(["-c", &script, env!("CARGO_BIN_EXE_derp-bench")])
+        .output()
+        .expect("run derp-bench under sh");
+    assert!(
+        out.status.success(),
+        "derp-bench failed under a soft limit of {SOFT}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Report<IdleResult> = serde_json::from_slice(&out.stdout).expect("the JSON report");
+    let run = &r.result.runs[0];
+    assert_eq!((run.opened, run.failed), (CONNECTIONS as u64, 0));
+}
+
 // ---- Sweep ----
 
 #[test]

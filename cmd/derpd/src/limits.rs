@@ -319,30 +319,6 @@ fn parse_rate_config(text: &str) -> anyhow::Result<RateLimit> {
     Ok(RateLimit::new(c.bytes_per_sec, c.burst_bytes))
 }
 
-/// Raises the soft limit on open descriptors to the hard one, as Go's runtime does at start
-/// for every Go program (derper among them): each client connection is a descriptor, and a
-/// shell's usual soft limit of 1,024 would refuse clients far below the hard limit the
-/// system (or a unit's `LimitNOFILE`) allows. Returns the soft limit before and after when
-/// it changed; a limit that cannot be raised is left as it is.
-pub(crate) fn raise_descriptor_limit() -> Option<(u64, u64)> {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let limit = getrlimit(Resource::Nofile);
-    // `None` is "unlimited": a hard limit Linux does not give descriptors in practice, and
-    // no number to raise the soft one to.
-    let (Some(current), Some(maximum)) = (limit.current, limit.maximum) else {
-        return None;
-    };
-    if current >= maximum {
-        return None;
-    }
-    let raised = Rlimit {
-        current: Some(maximum),
-        maximum: Some(maximum),
-    };
-    setrlimit(Resource::Nofile, raised).ok()?;
-    Some((current, maximum))
-}
-
 /// Binds a TCP listener on `addr` with the given backlog (default: the system's cap). An
 /// IPv6 socket takes IPv4 too (`IPV6_V6ONLY` off, whatever the system's default), as Go's do.
 pub(crate) fn bind(addr: SocketAddr, backlog: Option<u32>) -> std::io::Result<TcpListener> {

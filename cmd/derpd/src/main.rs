@@ -83,7 +83,7 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli, workers: Workers) -> anyhow::Result<()> {
     ignore_sighup_by_default();
-    if let Some((from, to)) = limits::raise_descriptor_limit() {
+    if let Some((from, to)) = derp_server::raise_descriptor_limit() {
         info!(
             from,
             to, "raised the open-descriptor limit to the hard limit"

@@ -5,7 +5,8 @@
 //! layer, any boxed stream such as rustls's TLS 1.2 or a hyper upgrade, or a pair of
 //! separately owned halves such as a QUIC stream's), its lock-free split into [`ReadHalf`]
 //! and [`WriteHalf`], the socket options a relay connection wants ([`TcpOptions`], set by
-//! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts), the
+//! [`tune_socket`], or [`tune_listener`] once for every connection a listener accepts, and
+//! the descriptor limit a program with many connections raises, [`raise_descriptor_limit`]), the
 //! TLS 1.3 record layer that takes over from rustls after the handshake, whose state can be
 //! copied out to hand a live connection to another process ([`tls`]), a way to drop either
 //! half without a word to the peer or a `shutdown(2)` of the socket ([`ReadHalf::forget`],
@@ -117,6 +118,31 @@ impl TcpOptions {
 /// ignored: the connection still works without them.
 pub fn tune_socket(stream: &TcpStream, options: &TcpOptions) {
     let _ = options.set(&socket2::SockRef::from(stream));
+}
+
+/// Raises this process's soft limit on open descriptors to the hard one, as Go's runtime
+/// does at start for every Go program (derper among them): each connection is a
+/// descriptor, and a shell's usual soft limit of 1,024 would refuse connections far below
+/// the hard limit the system (or a unit's `LimitNOFILE`) allows. For a program's start, a
+/// relay's or a load generator's. Returns the soft limit before and after when it changed;
+/// a limit that cannot be raised is left as it is.
+pub fn raise_descriptor_limit() -> Option<(u64, u64)> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    // `None` is "unlimited": a hard limit Linux does not give descriptors in practice, and
+    // no number to raise the soft one to.
+    let (Some(current), Some(maximum)) = (limit.current, limit.maximum) else {
+        return None;
+    };
+    if current >= maximum {
+        return None;
+    }
+    let raised = Rlimit {
+        current: Some(maximum),
+        maximum: Some(maximum),
+    };
+    setrlimit(Resource::Nofile, raised).ok()?;
+    Some((current, maximum))
 }
 
 /// Sets [`tune_socket`]'s options on a listening socket, where Linux copies them into every

@@ -161,7 +161,9 @@ impl Outcome {
 /// Runs `mode` on a runtime of its own against the server the flags name: with
 /// `--spawn-server` it starts the in-process relay first and stops it afterwards; one
 /// handshake checks the server before anything else; the whole run is stopped after `bound`.
-/// `procs_asked` is `--procs` (1 for a program that has none).
+/// `procs_asked` is `--procs` (1 for a program that has none). The soft limit on open
+/// descriptors is raised to the hard one first (worker processes inherit it), so that a
+/// shell's 1,024 does not cap the connections a run may open.
 pub fn run<T, E: From<RunError>>(
     tool: Tool,
     args: &TargetArgs,
@@ -172,6 +174,8 @@ pub fn run<T, E: From<RunError>>(
     if args.url.is_none() && !args.spawn_server {
         return Err(RunError::Target(TargetError::NoServer).into());
     }
+    // Silently, as Go's runtime does: the limit a run meets is in the error that names it.
+    let _ = derp_server::raise_descriptor_limit();
     let spawned = if args.spawn_server {
         Some(SpawnedServer::start().map_err(RunError::Spawn)?)
     } else {

@@ -78,7 +78,10 @@ pub use config::{
     DEFAULT_SEND_QUEUE_DEPTH, DEFAULT_WRITE_TIMEOUT, ForwardedHeader, HANDSHAKE_TIMEOUT, HomePage,
     IpCidr, KEEPALIVE_INTERVAL, MESH_WRITE_TIMEOUT, ServerConfig, TCP_RTT_INTERVAL,
 };
-pub use derp_io::{BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, tune_listener, tune_socket};
+pub use derp_io::{
+    BoxedIo, MAX_KEEPALIVE_IDLE, TcpOptions, Transport, raise_descriptor_limit, tune_listener,
+    tune_socket,
+};
 pub use handover::{
     AdoptError, Adopted, ExitWatch, FORMAT as HANDOVER_FORMAT, Frozen, HandedConn, RecordError,
     decode_conns, encode_conns,

@@ -93,7 +93,7 @@ impl Server {
     /// Each connection passes the configured [`ConnLimits`](crate::ConnLimits) first (over the
     /// accept rate or the connection cap it is closed at once). Errors on individual
     /// connections, and failures of accept itself (such as running out of file descriptors,
-    /// handled by [`Listener`](crate::Listener)), are counted and the loop carries on: one bad
+    /// handled by [`Listener`]), are counted and the loop carries on: one bad
     /// connection must never stop the listener.
     ///
     /// The loop runs as a task of its own on the runtime (it stops when this future is

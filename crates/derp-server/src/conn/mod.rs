@@ -1,5 +1,5 @@
-//! One client connection: the handshake and registration here, the read loop in [`read`],
-//! the writer in [`write`].
+//! One client connection: the handshake and registration here, the read loop in [`read`](mod@read),
+//! the writer in [`write`](mod@write).
 //!
 //! The per-packet path reads top to bottom across the two halves: a frame is read in
 //! `read/` (read, decode), routed by `crate::route` (look up, enqueue on the destination's

@@ -654,15 +654,31 @@ mod tests {
         Arc::new(ServerState::new(config, &prometheus::Registry::new()).expect("state"))
     }
 
+    /// A listener on a loopback port of its own.
+    async fn listener() -> tokio::net::TcpListener {
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind")
+    }
+
+    /// A connection through `listener`: the client's end, then the accepted end and its
+    /// peer's address.
+    async fn connect(
+        listener: &tokio::net::TcpListener,
+    ) -> (tokio::net::TcpStream, tokio::net::TcpStream, SocketAddr) {
+        let addr = listener.local_addr().expect("address");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (stream, remote) = accepted.expect("accept");
+        (client.expect("connect"), stream, remote)
+    }
+
     /// A client connection to `listener` and the task serving its other end.
     async fn served_connection(
         shared: &Arc<ServerState>,
         listener: &tokio::net::TcpListener,
     ) -> (tokio::net::TcpStream, tokio::task::JoinHandle<()>) {
-        let addr = listener.local_addr().expect("address");
-        let (client, handover) =
-            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let (stream, remote) = handover.expect("accept");
+        let (client, stream, remote) = connect(listener).await;
         let serving = tokio::spawn(serve_conn(
             shared.clone(),
             Transport::Tcp(stream),
@@ -670,7 +686,23 @@ mod tests {
             ConnGuard::none(),
             BytesMut::new(),
         ));
-        (client.expect("connect"), serving)
+        (client, serving)
+    }
+
+    /// A served connection whose first request, a probe read by the HTTP front, has been
+    /// answered: every request after it goes through hyper.
+    async fn served_after_a_probe(
+        shared: &Arc<ServerState>,
+        listener: &tokio::net::TcpListener,
+    ) -> (tokio::net::TcpStream, tokio::task::JoinHandle<()>) {
+        let (mut client, serving) = served_connection(shared, listener).await;
+        client
+            .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .expect("probe");
+        let probe = read_head(&mut client, WITHIN).await;
+        assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
+        (client, serving)
     }
 
     /// The DERP upgrade request the Go client sends.
@@ -701,9 +733,7 @@ mod tests {
     #[tokio::test]
     async fn a_derp_upgrade_gets_derpers_101_then_the_server_key_and_a_fast_start_only_the_key() {
         let shared = test_state();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
+        let listener = listener().await;
         for fast_start in [false, true] {
             let (mut client, serving) = served_connection(&shared, &listener).await;
             client
@@ -742,17 +772,8 @@ mod tests {
     #[tokio::test]
     async fn an_upgrade_after_another_request_gets_the_same_101_through_hyper() {
         let shared = test_state();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let (mut client, serving) = served_connection(&shared, &listener).await;
-        // A probe first: everything after it on this connection goes through hyper.
-        client
-            .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            .await
-            .expect("probe");
-        let probe = read_head(&mut client, WITHIN).await;
-        assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
+        let listener = listener().await;
+        let (mut client, serving) = served_after_a_probe(&shared, &listener).await;
         client
             .write_all(&derp_request(false))
             .await
@@ -777,16 +798,8 @@ mod tests {
     #[tokio::test]
     async fn a_derp_upgrade_through_hyper_keeps_its_tcp_socket_and_the_frame_sent_with_it() {
         let shared = test_state();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let (mut client, serving) = served_connection(&shared, &listener).await;
-        client
-            .write_all(b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            .await
-            .expect("probe");
-        let probe = read_head(&mut client, WITHIN).await;
-        assert!(probe.starts_with(b"HTTP/1.1 200"), "{probe:?}");
+        let listener = listener().await;
+        let (mut client, serving) = served_after_a_probe(&shared, &listener).await;
         // ClientInfo in the same write as the upgrade: hyper reads it with the head.
         let mut hs = derp_proto::ClientHandshake::fast_start(
             derp_testkit::client_a_secret(),
@@ -895,14 +908,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_upgrade_through_hyper_comes_back_as_plain_tcp_with_every_byte_in_order() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("address");
-        let (client, accepted) =
-            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let mut client = client.expect("connect");
-        let (stream, _) = accepted.expect("accept");
+        let (mut client, stream, _) = connect(&listener().await).await;
         // Replayed bytes well past hyper's first read (8 KiB), so that at the upgrade hyper
         // holds some of them and the replay the rest; then more on the socket.
         let replayed = noise(20_000, 1);
@@ -947,9 +953,7 @@ mod tests {
             .expect("versions")
             .with_root_certificates(roots)
             .with_no_client_auth();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
+        let listener = listener().await;
         let addr = listener.local_addr().expect("address");
         let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
         let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
@@ -1039,16 +1043,9 @@ mod tests {
     #[tokio::test]
     async fn a_keep_alive_request_gets_the_first_requests_head_limit() {
         let shared = test_state();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let probe = b"HEAD /derp/probe HTTP/1.1\r\nHost: localhost\r\n\r\n";
+        let listener = listener().await;
         for (len, served) in [(upgrade::MAX_HEAD_LEN - 512, true), (OVER_THE_LIMIT, false)] {
-            let (mut client, serving) = served_connection(&shared, &listener).await;
-            // The first request is read by the HTTP front; everything after it by hyper.
-            client.write_all(probe).await.expect("probe");
-            let first = read_head(&mut client, WITHIN).await;
-            assert!(first.starts_with(b"HTTP/1.1 200"), "{first:?}");
+            let (mut client, serving) = served_after_a_probe(&shared, &listener).await;
             let answer = answer_to(
                 &mut client,
                 &padded_request("/derp/probe", len, true),
@@ -1067,16 +1064,10 @@ mod tests {
     #[tokio::test]
     async fn the_metrics_listener_refuses_a_head_over_the_limit() {
         let shared = test_state();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("address");
+        let listener = listener().await;
         for (len, served) in [(upgrade::MAX_HEAD_LEN - 512, true), (OVER_THE_LIMIT, false)] {
-            let (client, accepted) =
-                tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-            let (stream, remote) = accepted.expect("accept");
+            let (mut client, stream, remote) = connect(&listener).await;
             let serving = tokio::spawn(serve_metrics_conn(shared.clone(), stream, remote));
-            let mut client = client.expect("connect");
             let answer =
                 answer_to(&mut client, &padded_request("/healthz", len, true), WITHIN).await;
             if served {

@@ -183,11 +183,6 @@ impl FrameReader {
         if self.quic.is_some() || self.ws_close.is_some() {
             return None;
         }
-        let tls_rx = match &self.half {
-            ReadHalf::Tcp(_) => None,
-            ReadHalf::Tls(r) => Some(r.snapshot().ok()?),
-            ReadHalf::Boxed(_) | ReadHalf::Halves(_) => return None,
-        };
         let ws = match &self.ws {
             Some(ws) => Some(WsState {
                 decoder: ws.decoder.snapshot().ok()?,
@@ -197,10 +192,21 @@ impl FrameReader {
         };
         let socket = match LentSocket::lend(std::mem::replace(&mut self.half, ReadHalf::vacant())) {
             Ok(socket) => socket,
+            // A stream whose state is not the relay's (rustls's TLS, an embedder's).
             Err(half) => {
                 self.half = half;
                 return None;
             }
+        };
+        let tls_rx = match &socket {
+            LentSocket::Tcp(_) => None,
+            LentSocket::Tls(r) => match r.snapshot() {
+                Ok(rx) => Some(rx),
+                Err(_) => {
+                    self.restore(socket);
+                    return None;
+                }
+            },
         };
         Some(ReaderExport {
             socket,
